@@ -1,0 +1,211 @@
+"""The gradient engine: flat bucket buffers, readiness during backward, ordered launch, and the sync point.
+
+The engine knows nothing about how a bucket is reduced; it hands each ready bucket to the
+``on_bucket_ready`` hook and waits on the future it gets back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ddp_plugin.hookspecs import Bucket
+
+if TYPE_CHECKING:
+    from pluggy import HookRelay
+    from torch import Tensor
+    from torch.nn import Module, Parameter
+
+log = logging.getLogger(__name__)
+
+
+def build_buckets(named_params: Iterable[tuple[str, Parameter]], cap_bytes: int) -> list[Bucket]:
+    """Pack parameters into buckets of at most ``cap_bytes`` (a single larger parameter gets its own bucket),
+    in the order given, never mixing dtypes or devices. Each parameter's gradient becomes a view into its
+    bucket's buffer; an existing gradient is copied in."""
+    groups: list[list[tuple[str, Parameter]]] = []
+    current: list[tuple[str, Parameter]] = []
+    current_bytes = 0
+    for name, p in named_params:
+        nbytes = p.numel() * p.element_size()
+        if current and (
+            (p.dtype, p.device) != (current[0][1].dtype, current[0][1].device) or current_bytes + nbytes > cap_bytes
+        ):
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append((name, p))
+        current_bytes += nbytes
+    if current:
+        groups.append(current)
+
+    buckets = []
+    for index, group in enumerate(groups):
+        offsets, total = [], 0
+        for _, p in group:
+            offsets.append(total)
+            total += p.numel()
+        first = group[0][1]
+        buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+        bucket = Bucket(
+            index=index,
+            buffer=buffer,
+            params=tuple(p for _, p in group),
+            names=tuple(n for n, _ in group),
+            offsets=tuple(offsets),
+        )
+        for i, p in enumerate(bucket.params):
+            if p.grad is not None:
+                view = bucket.grad_view(i)
+                view.copy_(p.grad)
+                p.grad = view
+        buckets.append(bucket)
+    return buckets
+
+
+class GradientEngine:
+    """Synchronizes the gradients of ``module`` during backward.
+
+    - Every trainable parameter's gradient lives in a flat bucket buffer; buckets follow reverse registration
+      order, the order in which backward produces gradients, so the first bucket is ready first.
+    - A post-accumulate-grad hook per parameter counts readiness. A full bucket is launched at once, but only
+      after every bucket before it: all ranks launch buckets in the same order whatever order their autograd
+      produced gradients in.
+    - Launching means calling ``on_bucket_ready`` on a single communication thread, so collectives are issued
+      in one order on every rank, overlap the rest of backward, and a multi-stage codec may wait between its
+      collectives without stalling backward.
+    - At the end of backward (an autograd callback, with ``finish()`` as a fallback) the engine launches what
+      is left (parameters that got no gradient contribute zeros), agrees with the other ranks on which
+      parameters got a gradient anywhere, waits for every bucket, and leaves ``.grad = None`` on parameters no
+      rank used, exactly as single-process training would.
+
+    While ``require_sync`` is False (inner steps of gradient accumulation) gradients accumulate into the
+    buffers and nothing is communicated.
+    """
+
+    def __init__(
+        self,
+        module: Module,
+        hook: HookRelay,
+        bucket_cap_bytes: int,
+        world_group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.buckets: list[Bucket] = build_buckets(reversed(named), bucket_cap_bytes)
+        self.require_sync = True
+        self._hook = hook
+        self._world_group = world_group
+        self._views: list[list[Tensor]] = [[b.grad_view(i) for i in range(len(b.params))] for b in self.buckets]
+        self._params: list[Parameter] = [p for b in self.buckets for p in b.params]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_grad_hook(b.index, i))
+            for b in self.buckets
+            for i, p in enumerate(b.params)
+        ]
+        self._pending = [0] * len(self.buckets)
+        self._next_launch = 0
+        self._in_flight: list[concurrent.futures.Future] = []
+        self._armed = False
+
+        def _bind_device() -> None:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+
+        self._comm = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="ddp_plugin-comm", initializer=_bind_device
+        )
+
+    # ------------------------------------------------------------------ backward
+
+    def _make_grad_hook(self, b: int, i: int):
+        view = self._views[b][i]
+
+        def on_grad_accumulated(p: Parameter) -> None:
+            if p.grad.data_ptr() != view.data_ptr():
+                # The first backward after zero_grad(set_to_none=True) allocated a fresh gradient.
+                view.copy_(p.grad)
+                p.grad = view
+            if not self.require_sync:
+                return
+            if not self._armed:
+                self._arm()
+            self._pending[b] -= 1
+            if self._pending[b] == 0:
+                self._launch_ready()
+
+        return on_grad_accumulated
+
+    def _arm(self) -> None:
+        self._armed = True
+        self._pending = [len(b.params) for b in self.buckets]
+        self._next_launch = 0
+        self._in_flight = []
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
+            self._launch(self.buckets[self._next_launch])
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._in_flight.append(self._comm.submit(self._reduce, bucket))
+        self._next_launch = bucket.index + 1
+
+    def _reduce(self, bucket: Bucket) -> torch.futures.Future:
+        fut = self._hook.on_bucket_ready(bucket=bucket)
+        if fut is None:
+            raise RuntimeError(
+                f"No plugin answered `on_bucket_ready` for bucket {bucket.index}; a reducer plugin must be"
+                " registered (the strategy registers the flat reducer by default)."
+            )
+        return fut
+
+    def finish(self) -> None:
+        """The sync point: launch what is left, wait for every bucket, fix up unused parameters.
+
+        Runs at the end of a synchronizing backward; a no-op when nothing is armed."""
+        if not self._armed:
+            return
+        self._armed = False
+        for bucket in self.buckets[self._next_launch :]:
+            if self._pending[bucket.index] != 0:
+                for i, p in enumerate(bucket.params):
+                    view = self._views[bucket.index][i]
+                    if p.grad is None:
+                        view.zero_()
+                    elif p.grad.data_ptr() != view.data_ptr():
+                        view.copy_(p.grad)
+                        p.grad = view
+            self._launch(bucket)
+
+        # Which parameters got a gradient on any rank. The same collective runs on every rank every step, so
+        # ranks whose data skipped a branch cannot hang; it moves 4 bytes per parameter tensor.
+        used = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32, device=self._views[0][0].device)
+        used_work = self._comm.submit(dist.all_reduce, used, group=self._world_group, async_op=True)
+
+        for submitted in self._in_flight:
+            submitted.result().wait()
+        used_work.result().wait()
+        self._in_flight = []
+
+        for p, count in zip(self._params, used.tolist()):
+            if count == 0:
+                p.grad = None
+        self._hook.on_after_backward(buckets=self.buckets)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def remove(self) -> None:
+        """Remove the autograd hooks and stop the communication thread."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._comm.shutdown(wait=True)
+
+    @property
+    def params(self) -> Sequence[Parameter]:
+        return self._params

@@ -1,0 +1,49 @@
+"""Assembles the plugins one run uses: built-ins chosen by flags, installed ones, and the user's objects."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pluggy
+
+from ddp_plugin.hookspecs import PROJECT_NAME, hooks
+from ddp_plugin.plugins import FlatReducer, MeanAllReduce
+
+
+def new_plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hooks)
+    return pm
+
+
+def _is_codec(pm: pluggy.PluginManager, plugin: object) -> bool:
+    return any(caller.name == "on_cross_node_reduce" for caller in pm.get_hookcallers(plugin) or ())
+
+
+def installed_codecs() -> list[str]:
+    """Names of the codecs installed packages provide: plugins in the entry-point group ``ddp_plugin`` that
+    implement ``on_cross_node_reduce``. The entry point's name is the value to pass as ``compression=``."""
+    pm = new_plugin_manager()
+    pm.load_setuptools_entrypoints(PROJECT_NAME)
+    return sorted(name for name, plugin in pm.list_name_plugin() if _is_codec(pm, plugin))
+
+
+def build_plugin_manager(compression: str | None, extra_plugins: Iterable[object]) -> pluggy.PluginManager:
+    """Register, in order: the built-in defaults (``trylast``), installed plugins from entry points (a codec
+    only when ``compression`` names it), then the user's ``plugins=`` objects, which pluggy calls first."""
+    pm = new_plugin_manager()
+    pm.register(MeanAllReduce(), name="mean_allreduce")
+    pm.register(FlatReducer(), name="flat_reducer")
+    pm.load_setuptools_entrypoints(PROJECT_NAME)
+    for name, plugin in list(pm.list_name_plugin()):
+        if name not in ("mean_allreduce", "flat_reducer") and _is_codec(pm, plugin) and name != compression:
+            pm.unregister(plugin=plugin)
+    if compression is not None and pm.get_plugin(compression) is None:
+        raise ValueError(
+            f"`compression={compression!r}` is not an installed codec; available: {installed_codecs() or 'none'}."
+        )
+    for plugin in extra_plugins:
+        pm.register(plugin)
+    # A misspelled hook name in any plugin fails here instead of being silently ignored.
+    pm.check_pending()
+    return pm

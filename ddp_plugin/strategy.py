@@ -1,0 +1,474 @@
+"""``HierarchicalZeroStrategy``: the Lightning side. It follows the Trainer's lifecycle and turns Lightning's
+calls into hook calls; tensors and collectives are the plugins' business."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Iterable
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import pluggy
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import MPIEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from ddp_plugin.engine import GradientEngine
+from ddp_plugin.plugin_manager import build_plugin_manager, installed_codecs
+from ddp_plugin.topology import Layout, build_topology
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import Precision
+    from torch.nn import Module
+
+    from ddp_plugin.hookspecs import Topology
+
+log = logging.getLogger(__name__)
+
+ZERO_STAGES = (0, 1, 2, 3)
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+CHECKPOINT_KEY = "ddp_plugin"
+
+
+class HierarchicalZeroStrategy(ParallelStrategy):
+    """Data-parallel training for clusters whose inter-node links are the bottleneck.
+
+    Gradients are synchronized by plugins behind a pluggy hook contract (:mod:`ddp_plugin.hookspecs`): the
+    strategy owns the Lightning lifecycle, the process groups and the ``(node, local)`` device mesh; the
+    gradient engine buckets gradients and launches each bucket during backward; reducer and codec plugins
+    decide how a bucket is averaged.
+
+    Args:
+        zero_stage: 0 is plain data parallelism. Stages 1-3 (sharded optimizer state, gradients, parameters)
+            are not available yet and raise ``NotImplementedError``.
+        devices_per_node: ranks per node. ``None`` takes the launcher's (``devices=``); set it to simulate
+            several nodes on one machine. Must divide the world size.
+        compression: ``None`` or the name of an installed codec plugin (entry-point group ``ddp_plugin``).
+        compression_options: passed to plugins through ``on_setup(options=...)``.
+        bucket_size_mb: gradient bucket capacity in MiB (default 25, as DDP).
+        plugins: extra plugin objects; pluggy calls them before the built-ins.
+        broadcast_buffers: broadcast module buffers (e.g. BatchNorm statistics) from rank 0 before each
+            training step, as DDP does.
+        process_group_backend: ``"nccl"``, ``"gloo"`` or ``"mpi"``; default NCCL on CUDA, gloo on CPU, MPI
+            when launched by ``mpirun`` and torch has MPI support.
+        timeout: collective timeout, a ``timedelta`` or seconds.
+        start_method: ``"popen"`` (re-run the script per rank, the default), ``"spawn"``, ``"fork"`` or
+            ``"forkserver"``, as for Lightning's ``DDPStrategy``.
+    """
+
+    strategy_name = "hierarchical_zero"
+
+    def __init__(
+        self,
+        zero_stage: int = 0,
+        devices_per_node: int | None = None,
+        compression: str | None = None,
+        compression_options: dict[str, Any] | None = None,
+        bucket_size_mb: float = 25,
+        plugins: Iterable[object] = (),
+        broadcast_buffers: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.zero_stage = _check_zero_stage(zero_stage)
+        self.devices_per_node = _check_devices_per_node(devices_per_node)
+        self.compression = _check_compression(compression)
+        self.compression_options = _check_mapping("compression_options", compression_options)
+        self.bucket_size_mb = _check_positive_number("bucket_size_mb", bucket_size_mb)
+        self.extra_plugins = list(plugins)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self._process_group_backend = _check_backend(process_group_backend)
+        self._timeout = _check_timeout(timeout)
+        self._start_method = _check_choice("start_method", start_method, START_METHODS)
+        self._num_nodes = 1
+        self.topology: Topology | None = None
+        self._plugin_manager: pluggy.PluginManager | None = None
+        self._engine: GradientEngine | None = None
+        self._pending_plugin_state: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def plugin_manager(self) -> pluggy.PluginManager | None:
+        """The pluggy plugin manager of the current ``fit`` (``None`` outside of it)."""
+        return self._plugin_manager
+
+    @property
+    def engine(self) -> GradientEngine | None:
+        """The gradient engine of the current ``fit`` (``None`` outside of it)."""
+        return self._engine
+
+    # ------------------------------------------------------------------ environment
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_distributed()
+
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        layout = Layout(world_size=self.world_size, ranks_per_node=self.devices_per_node or self.num_processes)
+        self.topology = build_topology(layout, self.root_device)
+
+    def _get_process_group_backend(self) -> str:
+        if self._process_group_backend:
+            return self._process_group_backend
+        if isinstance(self.cluster_environment, MPIEnvironment) and dist.is_mpi_available():
+            return "mpi"
+        return _get_default_process_group_backend_for_device(self.root_device)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ setup / teardown
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        # Every rank starts from rank 0's parameters and buffers.
+        _sync_module_states(self.model)
+
+        if fitting:
+            self._setup_plugins()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_plugins(self) -> None:
+        assert self.topology is not None and self.model is not None
+        pm = build_plugin_manager(self.compression, self.extra_plugins)
+        self._plugin_manager = pm
+        self._engine = GradientEngine(
+            self.model,
+            hook=pm.hook,
+            bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
+            world_group=self.topology.world_group,
+            device=self.root_device,
+        )
+        pm.hook.on_setup(topology=self.topology, buckets=self._engine.buckets, hook=pm.hook, options=self._options())
+        if self._pending_plugin_state is not None:
+            pm.hook.on_load_state_dict(state=self._pending_plugin_state)
+            self._pending_plugin_state = None
+
+    def _options(self) -> dict[str, Any]:
+        return {
+            "zero_stage": self.zero_stage,
+            "devices_per_node": self.devices_per_node,
+            "compression": self.compression,
+            "compression_options": dict(self.compression_options),
+            "bucket_size_mb": self.bucket_size_mb,
+            "broadcast_buffers": self.broadcast_buffers,
+        }
+
+    @override
+    def teardown(self) -> None:
+        if self._plugin_manager is not None:
+            self._plugin_manager.hook.on_teardown()
+        if self._engine is not None:
+            self._engine.remove()
+        self._engine = None
+        self._plugin_manager = None
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+                self.model = self._layer_sync.revert(self.model)
+        super().teardown()
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ training
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self._engine is not None and dist.get_world_size() > 1:
+            assert self.model is not None
+            buffers = [b for b in self.model.buffers()]
+            if buffers:
+                dist._broadcast_coalesced(dist.group.WORLD, buffers, 250 * 2**20, 0)
+        return super().training_step(*args, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Inner steps of gradient accumulation: gradients accumulate in the buckets, nothing is sent."""
+        if self._engine is None:
+            yield None
+            return
+        self._engine.require_sync = False
+        try:
+            yield None
+        finally:
+            self._engine.require_sync = True
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        # The engine's autograd callback has normally synchronized already; this catches a backward that ended
+        # without reaching it.
+        if self._engine is not None:
+            self._engine.finish()
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        pm = self._plugin_manager
+        if pm is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_hook() -> Any:
+            result = closure()
+            pm.hook.on_pre_optimizer_step(optimizer=optimizer)
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_hook, model, **kwargs)
+        pm.hook.on_after_optimizer_step(optimizer=optimizer)
+        return output
+
+    # ------------------------------------------------------------------ collectives for Lightning
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._plugin_manager is not None:
+            checkpoint[CHECKPOINT_KEY] = self._plugin_state()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _plugin_state(self) -> dict[str, Any]:
+        assert self._plugin_manager is not None
+        merged: dict[str, Any] = {}
+        for part in self._plugin_manager.hook.on_save_state_dict():
+            if not part:
+                continue
+            clash = merged.keys() & part.keys()
+            if clash:
+                raise RuntimeError(f"Two plugins saved state under the same key(s) {sorted(clash)}; keys must be unique.")
+            merged.update(part)
+        return merged
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is not None:
+            if self._plugin_manager is not None:
+                self._plugin_manager.hook.on_load_state_dict(state=state)
+            else:
+                # Lightning restores before `setup`; hand the state to the plugins once they exist.
+                self._pending_plugin_state = state
+        return checkpoint
+
+    # ------------------------------------------------------------------ registry
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries = [
+            ("hierarchical_zero", {}, "hierarchical data parallel, stage 0"),
+            ("hierarchical_zero_spawn", {"start_method": "spawn"}, "hierarchical data parallel, spawn start method"),
+        ] + [
+            (f"hierarchical_zero_stage_{stage}", {"zero_stage": stage}, f"hierarchical data parallel, ZeRO stage {stage}")
+            for stage in (1, 2, 3)
+        ]
+        for name, init_params, description in entries:
+            strategy_registry.register(name, cls, description=description, **init_params)
+
+
+# ---------------------------------------------------------------------- validation at the door
+
+
+def _check_choice(flag: str, value: Any, allowed: Iterable[Any]) -> Any:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"`{flag}={value!r}` is not supported; allowed values: {', '.join(map(repr, allowed))}.")
+    return value
+
+
+def _check_zero_stage(stage: Any) -> int:
+    if isinstance(stage, bool) or not isinstance(stage, int):
+        raise ValueError(f"`zero_stage={stage!r}` must be an integer; allowed values: 0, 1, 2, 3.")
+    _check_choice("zero_stage", stage, ZERO_STAGES)
+    if stage != 0:
+        raise NotImplementedError(
+            f"`zero_stage={stage}` (ZeRO sharding) is not available yet in this version of ddp_plugin; use"
+            " `zero_stage=0` (plain data parallelism)."
+        )
+    return stage
+
+
+def _check_devices_per_node(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"`devices_per_node={value!r}` must be a positive integer that divides the world size, or None to"
+            " use the launcher's ranks per node."
+        )
+    return value
+
+
+def _check_compression(name: Any) -> str | None:
+    if name is None:
+        return None
+    available = installed_codecs()
+    if name not in available:
+        shown = ", ".join(map(repr, [None, *available]))
+        raise ValueError(
+            f"`compression={name!r}` is not an available codec; allowed values: {shown}. Codecs come from"
+            " installed packages that declare an entry point in the group `ddp_plugin`."
+        )
+    return name
+
+
+def _check_mapping(flag: str, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"`{flag}` must be a dict of option names to values, got {type(value).__name__}.")
+    return dict(value)
+
+
+def _check_positive_number(flag: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"`{flag}={value!r}` must be a positive number.")
+    return value
+
+
+def _check_backend(backend: Any) -> str | None:
+    if backend is None:
+        return None
+    allowed = ("gloo", "nccl", "mpi")
+    _check_choice("process_group_backend", backend, allowed)
+    if backend == "mpi" and not dist.is_mpi_available():
+        raise ValueError(
+            "`process_group_backend='mpi'` needs a torch build with MPI support, and this one has none; use"
+            " 'gloo' (CPU) or 'nccl' (CUDA). `mpirun` launches still work with those backends."
+        )
+    return backend
+
+
+def _check_timeout(timeout: Any) -> timedelta | None:
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"`timeout={timeout!r}` must be a datetime.timedelta or a positive number of seconds.")
+    return timedelta(seconds=timeout)

@@ -1,0 +1,22 @@
+"""The hook contract of ddp_plugin.
+
+Everything a plugin author needs lives in this package: the markers (:data:`hookimpl`, :data:`hookspec`),
+the hook specifications (:mod:`ddp_plugin.hookspecs.hooks`) and the small value types that hooks exchange
+(:class:`Bucket`, :class:`Topology`). Plugins import from here and never from the strategy's internals.
+
+It is installed as ``ddp_plugin.hookspecs`` (the repository keeps it in the top-level ``hookspecs/`` folder).
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT_NAME = "ddp_plugin"
+"""The pluggy project name; also the entry-point group third-party plugins declare."""
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+from ddp_plugin.hookspecs.types import Bucket, Topology, completed_future  # noqa: E402
+
+__all__ = ["PROJECT_NAME", "Bucket", "Topology", "completed_future", "hookimpl", "hookspec"]

@@ -1,0 +1,156 @@
+"""Hook specifications: the whole protocol between the strategy and its plugins.
+
+The strategy calls every hook with keyword arguments; an implementation may accept any subset of a hook's
+parameters (pluggy passes only the ones it names). Register an implementation by decorating a method or
+function with :data:`ddp_plugin.hookimpl` and handing the object to the strategy (``plugins=[...]``), or by
+declaring an entry point in the group ``ddp_plugin`` of an installed package.
+
+Ordering: pluggy calls the most recently registered implementation first; built-in defaults are registered
+first and marked ``trylast`` so any plugin of yours overrides them. For ``firstresult`` hooks the first
+implementation that returns something other than ``None`` answers and the rest are not called.
+
+Threads: ``on_bucket_ready`` and ``on_cross_node_reduce`` run on the engine's communication thread, one bucket
+at a time in bucket order, the same order on every rank. An implementation may therefore issue several
+collectives one after the other, and even wait between them (PowerSGD's two all-reduces with an
+orthogonalization between), without any risk of ranks issuing collectives in different orders. It must not
+issue collectives from future callbacks (``.then``), which run on arbitrary threads: that is how torch's own
+PowerSGD hook aborts on gloo with several buckets. Every other hook runs on the training thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ddp_plugin.hookspecs import hookspec
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    import torch
+    from pluggy import HookRelay
+    from torch import Tensor
+    from torch.distributed import ProcessGroup
+    from torch.optim import Optimizer
+
+    from ddp_plugin.hookspecs.types import Bucket, Topology
+
+
+# -------------------------------------------------------------------------
+# Setup and teardown
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def on_setup(topology: Topology, buckets: Sequence[Bucket], hook: HookRelay, options: Mapping[str, Any]) -> None:
+    """Called once per ``fit``, after the process groups exist and the engine has built its buckets, before the
+    first forward.
+
+    :param topology: where this rank sits, with the world, intra-node and inter-node process groups.
+    :param buckets: every gradient bucket, in launch order. Plugins may keep references; the buffers live
+        until teardown.
+    :param hook: the hook relay, for plugins that call other hooks (a reducer calls
+        ``hook.on_cross_node_reduce(...)``).
+    :param options: the strategy's flags as given by the user (``compression``, ``compression_options``,
+        ``bucket_size_mb``, ``zero_stage``, ...), read-only.
+    """
+
+
+@hookspec
+def on_teardown() -> None:
+    """Called once at the end of ``fit`` (also after an exception). Release threads, buffers and handles."""
+
+
+# -------------------------------------------------------------------------
+# Backward: gradient synchronization
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def on_bucket_ready(bucket: Bucket) -> torch.futures.Future | None:
+    """Start synchronizing one bucket; return a future that completes when ``bucket.buffer`` holds the mean of
+    the gradients over all ranks.
+
+    Fired by the engine during backward as soon as every gradient in the bucket has been accumulated (buckets
+    are launched strictly in ``bucket.index`` order, so a bucket that is ready early waits for its
+    predecessors), and at the end of backward for buckets whose parameters got no gradient. The engine waits
+    on every returned future before the optimizer step.
+
+    Stops at first non-None result. The reducer plugins (flat, hierarchical) implement it; a ``wrapper=True``
+    implementation may observe or time it.
+
+    :param bucket: the bucket; write the result into ``bucket.buffer`` in place.
+    """
+
+
+@hookspec(firstresult=True)
+def on_cross_node_reduce(tensor: Tensor, group: ProcessGroup, bucket: Bucket) -> torch.futures.Future | None:
+    """Average ``tensor`` in place over the ranks of ``group``, the stage of synchronization that crosses the
+    slow link; return a future that completes when ``tensor`` holds the mean.
+
+    The reducer calls it with the part of the bucket this rank is responsible for across nodes (the whole
+    bucket for the flat reducer). Codecs implement it and choose their own collectives: integers cannot be
+    summed by all-reduce, so an int8 codec all-gathers, PowerSGD runs two all-reduces. The built-in default
+    (registered ``trylast``) divides by the group size and all-reduces.
+
+    Stops at first non-None result.
+
+    :param tensor: 1-D, contiguous; the mean must be written into it in place.
+    :param group: the process group to average over (may have a single rank).
+    :param bucket: the bucket the tensor belongs to, for per-bucket codec state (``bucket.state``).
+    """
+
+
+@hookspec
+def on_after_backward(buckets: Sequence[Bucket]) -> None:
+    """Called on the training thread at the end of a backward that synchronizes gradients, after every
+    bucket's future has completed: the gradients in ``bucket.buffer`` are the global means.
+
+    Not called for the inner backward passes of gradient accumulation, which do not synchronize.
+
+    :param buckets: every bucket, in launch order.
+    """
+
+
+# -------------------------------------------------------------------------
+# Optimizer step
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def on_pre_optimizer_step(optimizer: Optimizer) -> None:
+    """Called after the closure (forward and backward, gradients synchronized) and before ``optimizer.step``
+    updates the parameters. Lightning's own gradient clipping runs after this hook.
+
+    :param optimizer: the user's optimizer (the same object ``configure_optimizers`` returned).
+    """
+
+
+@hookspec
+def on_after_optimizer_step(optimizer: Optimizer) -> None:
+    """Called right after ``optimizer.step``. A sharder gathers the updated parameters here.
+
+    :param optimizer: the user's optimizer.
+    """
+
+
+# -------------------------------------------------------------------------
+# Checkpoints
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def on_save_state_dict() -> dict[str, Any] | None:
+    """Return the state this plugin needs to continue after a resume, as ``{key: state}``, or ``None``.
+
+    Plugin state is declared, never scraped: whatever is not returned here is lost on resume. Keys must be
+    unique across plugins (use the plugin's name); the strategy stores the merged dict under
+    ``checkpoint["ddp_plugin"]`` and refuses duplicate keys.
+    """
+
+
+@hookspec
+def on_load_state_dict(state: Mapping[str, Any]) -> None:
+    """Restore plugin state from a checkpoint, after ``on_setup``.
+
+    :param state: the merged dict every plugin's ``on_save_state_dict`` returned at save time; take your key.
+    """

@@ -1,0 +1,89 @@
+"""Value types that hooks exchange. They carry data, not behaviour, and import nothing from the strategy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.nn import Parameter
+
+
+@dataclass(eq=False)
+class Bucket:
+    """A group of parameters whose gradients live side by side in one flat buffer.
+
+    The engine builds buckets once, in reverse registration order of the parameters (the order in which
+    backward produces their gradients), never mixing dtypes or devices. Every parameter's ``.grad`` is a view
+    into ``buffer``, so a reducer that writes the averaged result into ``buffer`` in place has updated the
+    gradients the optimizer will see.
+
+    Attributes:
+        index: position in the launch order; the same on every rank.
+        buffer: the flat gradient buffer (1-D, contiguous).
+        params: the parameters, in the order their gradients appear in ``buffer``.
+        names: their qualified names in the module, for logging and checkpoints.
+        offsets: start of each parameter's gradient in ``buffer``.
+    """
+
+    index: int
+    buffer: Tensor
+    params: tuple[Parameter, ...]
+    names: tuple[str, ...]
+    offsets: tuple[int, ...]
+    state: dict[str, Any] = field(default_factory=dict)
+    """Scratch space a plugin may use for per-bucket data that lives as long as the bucket."""
+
+    @property
+    def numel(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def grad_view(self, i: int) -> Tensor:
+        """The slice of ``buffer`` that holds the gradient of ``params[i]``, shaped like the parameter."""
+        p = self.params[i]
+        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this rank sits: ``num_nodes`` nodes of ``ranks_per_node`` ranks, global rank = node * k + local.
+
+    ``intra_node_group`` joins the ranks of this rank's node (fast links), ``inter_node_group`` joins the ranks
+    with the same local rank on every node (the slow link); ``world_group`` joins everyone. ``mesh`` is the
+    2-D device mesh (dims ``"node"`` and ``"local"``) the groups come from.
+    """
+
+    world_size: int
+    rank: int
+    num_nodes: int
+    ranks_per_node: int
+    backend: str
+    device: torch.device
+    world_group: ProcessGroup
+    intra_node_group: ProcessGroup
+    inter_node_group: ProcessGroup
+    mesh: DeviceMesh | None = None
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+
+def completed_future(value: Any = None) -> torch.futures.Future:
+    """A future that is already done; for hooks that have nothing to wait for (e.g. a group of one rank)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
