@@ -102,6 +102,7 @@ class GradientEngine:
         self._world_group = world_group
         self._views: list[list[Tensor]] = [[b.grad_view(i) for i in range(len(b.params))] for b in self.buckets]
         self._params: list[Parameter] = [p for b in self.buckets for p in b.params]
+        self._flat_views: list[Tensor] = [v for views in self._views for v in views]
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_grad_hook(b.index, i))
             for b in self.buckets
@@ -184,7 +185,9 @@ class GradientEngine:
 
         # Which parameters got a gradient on any rank. The same collective runs on every rank every step, so
         # ranks whose data skipped a branch cannot hang; it moves 4 bytes per parameter tensor.
-        used = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32, device=self._views[0][0].device)
+        used = torch.tensor(
+            [p.grad is not None for p in self._params], dtype=torch.int32, device=self.buckets[0].buffer.device
+        )
         used_work = self._comm.submit(dist.all_reduce, used, group=self._world_group, async_op=True)
 
         for submitted in self._in_flight:
@@ -192,9 +195,10 @@ class GradientEngine:
         used_work.result().wait()
         self._in_flight = []
 
-        for p, count in zip(self._params, used.tolist()):
-            if count == 0:
-                p.grad = None
+        # A parameter some rank used holds the mean (zeros from the ranks that did not use it were averaged
+        # in); one no rank used has no gradient at all, so optimizers skip it as they would in one process.
+        for p, view, count in zip(self._params, self._flat_views, used.tolist()):
+            p.grad = view if count else None
         self._hook.on_after_backward(buckets=self.buckets)
 
     # ------------------------------------------------------------------ lifecycle

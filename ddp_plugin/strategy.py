@@ -133,6 +133,11 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning's Trainer to shard dataloaders with a DistributedSampler, as for its own DDP."""
+        return True
+
+    @property
     def num_nodes(self) -> int:
         return self._num_nodes
 

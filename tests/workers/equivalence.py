@@ -1,0 +1,163 @@
+"""Worker for the C1/C2 tests: trains one small model under several configurations and saves what happened.
+
+    python tests/workers/equivalence.py --out DIR --devices 4 [--devices-per-node 2]   # distributed
+    python tests/workers/equivalence.py --out DIR --devices 0                          # single-process reference
+
+The distributed run uses `global_batch / devices` samples per rank; the reference uses one process and the
+whole global batch, so each optimizer step sees the same samples in both (a DistributedSampler without
+shuffling hands rank r the samples r, r+N, ..., whose union per step is one contiguous block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from ddp_plugin import HierarchicalZeroStrategy
+
+GLOBAL_BATCH = 16
+STEPS = 20
+BRANCH_THRESHOLD = 1.5
+
+CONFIGS = {
+    "plain": dict(optimizer="adamw"),
+    "accumulate": dict(optimizer="adamw", accumulate=2),
+    "clip_and_schedule": dict(optimizer="sgd", clip=0.05, scheduler=True),
+    "everything": dict(optimizer="adamw", accumulate=3, clip=0.05, scheduler=True),
+}
+
+
+class Net(L.LightningModule):
+    """A tiny model with a frozen layer and a branch that only samples with x[0] > threshold use."""
+
+    def __init__(self, optimizer: str, scheduler: bool = False, accumulate: int = 1) -> None:
+        super().__init__()
+        self.accumulate = accumulate
+        self.optimizer_name = optimizer
+        self.use_scheduler = scheduler
+        self.embed = nn.Linear(8, 32)
+        self.frozen = nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Sequential(nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+        self.branch = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 1)
+        self.branch_used: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(self.frozen(self.embed(x)))
+        mask = x[:, 0] > BRANCH_THRESHOLD
+        self.branch_used.append(bool(mask.any()))
+        if mask.any():
+            h = h + self.branch(h) * mask[:, None]
+        return self.head(h)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def train_dataloader(self) -> DataLoader:
+        data = dataset(self.accumulate)
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        # No shuffling, so rank r's batch j together with the other ranks' is the reference's batch j.
+        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=sampler)
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adamw":
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=5e-2, momentum=0.9, weight_decay=0.01)
+        if not self.use_scheduler:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)}
+
+
+class RecordParameters(L.Callback):
+    """After every optimizer step: the full parameter vector, and (C1) the largest difference between ranks."""
+
+    def __init__(self) -> None:
+        self.history: list[torch.Tensor] = []
+        self.max_rank_diff = 0.0
+        self._last_step = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self._last_step:
+            return
+        self._last_step = trainer.global_step
+        flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        self.history.append(flat.clone())
+        if trainer.world_size > 1:
+            every_rank = trainer.strategy.all_gather(flat)
+            self.max_rank_diff = max(self.max_rank_diff, (every_rank - every_rank[0]).abs().max().item())
+
+
+def dataset(accumulate: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    n = GLOBAL_BATCH * STEPS * accumulate
+    x = torch.randn(n, 8, generator=g)
+    y = torch.sin(x.sum(dim=1, keepdim=True)) + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def run(name: str, devices: int, devices_per_node: int | None, out: str) -> None:
+    cfg = CONFIGS[name]
+    accumulate = cfg.get("accumulate", 1)
+    L.seed_everything(1234, verbose=False)
+    model = Net(cfg["optimizer"], cfg.get("scheduler", False), accumulate)
+    if devices:
+        # A 1 KiB bucket cap puts every parameter in a bucket of its own: many buckets, launched in order.
+        strategy = HierarchicalZeroStrategy(bucket_size_mb=1 / 1024, devices_per_node=devices_per_node)
+        trainer_devices = devices
+    else:
+        strategy, trainer_devices = "auto", 1
+    recorder = RecordParameters()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=trainer_devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=cfg.get("clip"),
+        callbacks=[recorder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(model)
+
+    used = torch.tensor(model.branch_used, dtype=torch.int32)
+    if trainer.world_size > 1:
+        used = trainer.strategy.all_gather(used)  # (ranks, micro-batches)
+    if trainer.is_global_zero:
+        torch.save(
+            {
+                "history": torch.stack(recorder.history),
+                "max_rank_diff": recorder.max_rank_diff,
+                "branch_used": used,
+                "world_size": trainer.world_size,
+            },
+            os.path.join(out, f"{name}-{devices}.pt"),
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--devices-per-node", type=int, default=None)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for name in args.configs.split(","):
+        run(name, args.devices, args.devices_per_node, args.out)
+
+
+if __name__ == "__main__":
+    main()
