@@ -39,8 +39,10 @@ def build_plugin_manager(compression: str | None, extra_plugins: Iterable[object
         if name not in ("mean_allreduce", "flat_reducer") and _is_codec(pm, plugin) and name != compression:
             pm.unregister(plugin=plugin)
     if compression is not None and pm.get_plugin(compression) is None:
+        allowed = ", ".join(map(repr, [None, *installed_codecs()]))
         raise ValueError(
-            f"`compression={compression!r}` is not an installed codec; available: {installed_codecs() or 'none'}."
+            f"`compression={compression!r}` is not an available codec; allowed values: {allowed}. Codecs come from"
+            " installed packages that declare an entry point in the group `ddp_plugin`."
         )
     for plugin in extra_plugins:
         pm.register(plugin)

@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ddp_plugin.engine import GradientEngine
-from ddp_plugin.plugin_manager import build_plugin_manager, installed_codecs
+from ddp_plugin.plugin_manager import build_plugin_manager
 from ddp_plugin.topology import Layout, build_topology
 
 if TYPE_CHECKING:
@@ -110,10 +110,12 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         )
         self.zero_stage = _check_zero_stage(zero_stage)
         self.devices_per_node = _check_devices_per_node(devices_per_node)
-        self.compression = _check_compression(compression)
         self.compression_options = _check_mapping("compression_options", compression_options)
         self.bucket_size_mb = _check_positive_number("bucket_size_mb", bucket_size_mb)
+        self.compression = compression
         self.extra_plugins = list(plugins)
+        # Assemble the plugins once now, so an unknown codec or a misspelled hook fails here, not on the ranks.
+        build_plugin_manager(self.compression, self.extra_plugins)
         self.broadcast_buffers = bool(broadcast_buffers)
         self._process_group_backend = _check_backend(process_group_backend)
         self._timeout = _check_timeout(timeout)
@@ -160,7 +162,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
 
     @property
     def plugin_manager(self) -> pluggy.PluginManager | None:
-        """The pluggy plugin manager of the current ``fit`` (``None`` outside of it)."""
+        """The pluggy plugin manager of the current or last ``fit`` (``None`` before the first)."""
         return self._plugin_manager
 
     @property
@@ -173,10 +175,17 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        # Lightning calls this in the Trainer's constructor, when devices and num_nodes are known: a layout
+        # that cannot work fails there, before any process starts.
+        if self.num_processes:
+            self._layout()
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def _layout(self) -> Layout:
+        return Layout(world_size=self.num_nodes * self.num_processes, ranks_per_node=self.devices_per_node or self.num_processes)
 
     @override
     def setup_environment(self) -> None:
@@ -191,8 +200,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        layout = Layout(world_size=self.world_size, ranks_per_node=self.devices_per_node or self.num_processes)
-        self.topology = build_topology(layout, self.root_device)
+        self.topology = build_topology(self._layout(), self.root_device)
 
     def _get_process_group_backend(self) -> str:
         if self._process_group_backend:
@@ -257,12 +265,13 @@ class HierarchicalZeroStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._plugin_manager is not None:
-            self._plugin_manager.hook.on_teardown()
         if self._engine is not None:
+            assert self._plugin_manager is not None
+            self._plugin_manager.hook.on_teardown()
             self._engine.remove()
+        # The plugin manager stays until the next `fit`: `trainer.save_checkpoint` after `fit` still needs the
+        # plugins' state.
         self._engine = None
-        self._plugin_manager = None
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
                 self.model = self._layer_sync.revert(self.model)
@@ -313,7 +322,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         pm = self._plugin_manager
-        if pm is None:
+        if pm is None or self._engine is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_hook() -> Any:
@@ -375,10 +384,11 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None:
-            if self._plugin_manager is not None:
+            if self._engine is not None:
+                assert self._plugin_manager is not None
                 self._plugin_manager.hook.on_load_state_dict(state=state)
             else:
-                # Lightning restores before `setup`; hand the state to the plugins once they exist.
+                # Lightning restores before `setup`; hand the state to this fit's plugins once they exist.
                 self._pending_plugin_state = state
         return checkpoint
 
@@ -429,19 +439,6 @@ def _check_devices_per_node(value: Any) -> int | None:
             " use the launcher's ranks per node."
         )
     return value
-
-
-def _check_compression(name: Any) -> str | None:
-    if name is None:
-        return None
-    available = installed_codecs()
-    if name not in available:
-        shown = ", ".join(map(repr, [None, *available]))
-        raise ValueError(
-            f"`compression={name!r}` is not an available codec; allowed values: {shown}. Codecs come from"
-            " installed packages that declare an entry point in the group `ddp_plugin`."
-        )
-    return name
 
 
 def _check_mapping(flag: str, value: Any) -> dict[str, Any]:

@@ -57,7 +57,8 @@ def on_setup(topology: Topology, buckets: Sequence[Bucket], hook: HookRelay, opt
 
 @hookspec
 def on_teardown() -> None:
-    """Called once at the end of ``fit`` (also after an exception). Release threads, buffers and handles."""
+    """Called once at the end of ``fit`` (also after an exception). Release threads and handles, but keep what
+    ``on_save_state_dict`` returns: ``trainer.save_checkpoint`` after ``fit`` still asks for it."""
 
 
 # -------------------------------------------------------------------------
