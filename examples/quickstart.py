@@ -11,6 +11,7 @@ so every rank ends with the same parameters, which the script checks and reports
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import lightning as L
@@ -48,46 +49,60 @@ class Classifier(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+class Report(L.Callback):
+    """At the end of training, on every rank: checksum the parameters, compare across ranks, print on rank 0."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module):
+        elapsed = time.perf_counter() - self.start
+        flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        # C1: every rank holds the same parameters.
+        checksums = trainer.strategy.all_gather(flat.double().sum().reshape(1)).flatten().tolist()
+        topo = trainer.strategy.topology
+        if trainer.is_global_zero:
+            print(
+                f"ddp_plugin quickstart: {topo.world_size} ranks ({topo.num_nodes} node(s) x {topo.ranks_per_node}),"
+                f" backend {topo.backend}, launched by {type(trainer.strategy.cluster_environment).__name__}\n"
+                f"  {len(trainer.strategy.engine.buckets)} gradient bucket(s) for"
+                f" {sum(p.numel() for p in pl_module.parameters())} parameters\n"
+                f"  {trainer.global_step} optimizer steps in {elapsed:.1f} s\n"
+                f"  train loss {trainer.callback_metrics['train_loss']:.4f} (started near {math.log(4):.2f})\n"
+                f"  parameters identical on all ranks: {len(set(checksums)) == 1}"
+                f" (checksums {', '.join(f'{c:.6f}' for c in checksums)})",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--devices-per-node", type=int, default=None, help="simulate nodes of this many ranks")
+    parser.add_argument("--start-method", default="popen", choices=["popen", "spawn"])
     args = parser.parse_args()
 
     L.seed_everything(0, verbose=False)
     torch.set_num_threads(1)
-    strategy = HierarchicalZeroStrategy(devices_per_node=args.devices_per_node)
+    if args.devices_per_node is None and args.start_method == "popen":
+        strategy = "hierarchical_zero"  # the registered name; every flag at its default
+    else:
+        strategy = HierarchicalZeroStrategy(devices_per_node=args.devices_per_node, start_method=args.start_method)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
         max_steps=args.max_steps,
+        callbacks=[Report()],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = Classifier()
     loader = DataLoader(make_dataset(), batch_size=args.batch_size, shuffle=True)
-    start = time.perf_counter()
-    trainer.fit(model, loader)
-    elapsed = time.perf_counter() - start
-
-    # C1: every rank holds the same parameters. Gather a checksum from each rank and compare.
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    checksums = trainer.strategy.all_gather(flat.double().sum().reshape(1)).flatten().tolist()
-    topo = strategy.topology
-    if trainer.is_global_zero:
-        same = len(set(checksums)) == 1
-        print(
-            f"ddp_plugin quickstart: {topo.world_size} ranks ({topo.num_nodes} node(s) x {topo.ranks_per_node}),"
-            f" backend {topo.backend}, launched by {type(strategy.cluster_environment).__name__}\n"
-            f"  {trainer.global_step} optimizer steps in {elapsed:.1f} s, batch {args.batch_size} per rank\n"
-            f"  final train loss {trainer.callback_metrics['train_loss']:.4f} (started near {torch.log(torch.tensor(4.0)):.2f})\n"
-            f"  parameters identical on all ranks: {same} (checksums {', '.join(f'{c:.6f}' for c in checksums)})"
-        )
+    trainer.fit(Classifier(), loader)
 
 
 if __name__ == "__main__":
