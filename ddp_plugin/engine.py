@@ -24,17 +24,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def build_buckets(named_params: Iterable[tuple[str, Parameter]], cap_bytes: int) -> list[Bucket]:
+FIRST_BUCKET_BYTES = 2**20
+
+
+def build_buckets(
+    named_params: Iterable[tuple[str, Parameter]], cap_bytes: int, first_cap_bytes: int | None = None
+) -> list[Bucket]:
     """Pack parameters into buckets of at most ``cap_bytes`` (a single larger parameter gets its own bucket),
     in the order given, never mixing dtypes or devices. Each parameter's gradient becomes a view into its
-    bucket's buffer; an existing gradient is copied in."""
+    bucket's buffer; an existing gradient is copied in.
+
+    ``first_cap_bytes`` caps the first bucket only. DDP uses 1 MiB there: the first bucket is the first one
+    ready in backward, and a small one starts communication early instead of after a quarter of backward."""
     groups: list[list[tuple[str, Parameter]]] = []
     current: list[tuple[str, Parameter]] = []
     current_bytes = 0
     for name, p in named_params:
         nbytes = p.numel() * p.element_size()
+        cap = cap_bytes if groups or first_cap_bytes is None else min(first_cap_bytes, cap_bytes)
         if current and (
-            (p.dtype, p.device) != (current[0][1].dtype, current[0][1].device) or current_bytes + nbytes > cap_bytes
+            (p.dtype, p.device) != (current[0][1].dtype, current[0][1].device) or current_bytes + nbytes > cap
         ):
             groups.append(current)
             current, current_bytes = [], 0
@@ -96,10 +105,12 @@ class GradientEngine:
         device: torch.device,
     ) -> None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.buckets: list[Bucket] = build_buckets(reversed(named), bucket_cap_bytes)
+        self.buckets: list[Bucket] = build_buckets(reversed(named), bucket_cap_bytes, FIRST_BUCKET_BYTES)
         self.require_sync = True
         self._hook = hook
-        self._world_group = world_group
+        # Bookkeeping (which parameters got a gradient) runs on a group of its own, so gloo moves it alongside the
+        # last bucket instead of queueing it behind, and it never interleaves with the plugins' collectives.
+        self._flags_group = dist.new_group(backend=dist.get_backend(world_group))
         self._views: list[list[Tensor]] = [[b.grad_view(i) for i in range(len(b.params))] for b in self.buckets]
         self._params: list[Parameter] = [p for b in self.buckets for p in b.params]
         self._flat_views: list[Tensor] = [v for views in self._views for v in views]
@@ -172,6 +183,12 @@ class GradientEngine:
         if not self._armed:
             return
         self._armed = False
+        # Which parameters got a gradient on any rank. The same collective runs on every rank every step, so
+        # ranks whose data skipped a branch cannot hang; it moves 4 bytes per parameter tensor.
+        used = torch.tensor(
+            [p.grad is not None for p in self._params], dtype=torch.int32, device=self.buckets[0].buffer.device
+        )
+        used_work = dist.all_reduce(used, group=self._flags_group, async_op=True)
         for bucket in self.buckets[self._next_launch :]:
             if self._pending[bucket.index] != 0:
                 for i, p in enumerate(bucket.params):
@@ -183,16 +200,9 @@ class GradientEngine:
                         p.grad = view
             self._launch(bucket)
 
-        # Which parameters got a gradient on any rank. The same collective runs on every rank every step, so
-        # ranks whose data skipped a branch cannot hang; it moves 4 bytes per parameter tensor.
-        used = torch.tensor(
-            [p.grad is not None for p in self._params], dtype=torch.int32, device=self.buckets[0].buffer.device
-        )
-        used_work = self._comm.submit(dist.all_reduce, used, group=self._world_group, async_op=True)
-
         for submitted in self._in_flight:
             submitted.result().wait()
-        used_work.result().wait()
+        used_work.wait()
         self._in_flight = []
 
         # A parameter some rank used holds the mean (zeros from the ranks that did not use it were averaged
@@ -209,6 +219,7 @@ class GradientEngine:
             handle.remove()
         self._handles = []
         self._comm.shutdown(wait=True)
+        dist.destroy_process_group(self._flags_group)
 
     @property
     def params(self) -> Sequence[Parameter]:

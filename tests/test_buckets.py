@@ -40,3 +40,9 @@ def test_gradients_become_views_of_the_bucket_buffer():
     assert model.bias.grad is None  # no gradient yet: optimizers must still see None
     model.weight.grad.mul_(3)
     assert bucket.buffer[bucket.offsets[1] :].tolist() == [3.0] * 6
+
+
+def test_first_bucket_can_be_capped_smaller_to_start_communication_early():
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 10))
+    buckets = build_buckets(named(model), cap_bytes=2**20, first_cap_bytes=450)
+    assert [b.names for b in buckets] == [("2.bias", "2.weight"), ("1.bias", "1.weight", "0.bias", "0.weight")]
