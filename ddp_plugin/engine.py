@@ -101,7 +101,7 @@ class GradientEngine:
         module: Module,
         hook: HookRelay,
         bucket_cap_bytes: int,
-        world_group: dist.ProcessGroup,
+        flags_group: dist.ProcessGroup,
         device: torch.device,
     ) -> None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -110,7 +110,7 @@ class GradientEngine:
         self._hook = hook
         # Bookkeeping (which parameters got a gradient) runs on a group of its own, so gloo moves it alongside the
         # last bucket instead of queueing it behind, and it never interleaves with the plugins' collectives.
-        self._flags_group = dist.new_group(backend=dist.get_backend(world_group))
+        self._flags_group = flags_group
         self._views: list[list[Tensor]] = [[b.grad_view(i) for i in range(len(b.params))] for b in self.buckets]
         self._params: list[Parameter] = [p for b in self.buckets for p in b.params]
         self._flat_views: list[Tensor] = [v for views in self._views for v in views]
@@ -219,7 +219,6 @@ class GradientEngine:
             handle.remove()
         self._handles = []
         self._comm.shutdown(wait=True)
-        dist.destroy_process_group(self._flags_group)
 
     @property
     def params(self) -> Sequence[Parameter]:

@@ -3,6 +3,7 @@ calls into hook calls; tensors and collectives are the plugins' business."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
@@ -122,6 +123,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         self._start_method = _check_choice("start_method", start_method, START_METHODS)
         self._num_nodes = 1
         self.topology: Topology | None = None
+        self._flags_group: dist.ProcessGroup | None = None
         self._plugin_manager: pluggy.PluginManager | None = None
         self._engine: GradientEngine | None = None
         self._pending_plugin_state: dict[str, Any] | None = None
@@ -200,7 +202,9 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self.topology = build_topology(self._layout(), self.root_device)
+        self.topology, self._flags_group = _process_groups(
+            self._layout(), self.root_device, self._process_group_backend, id(dist.group.WORLD)
+        )
 
     def _get_process_group_backend(self) -> str:
         if self._process_group_backend:
@@ -245,7 +249,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             self.model,
             hook=pm.hook,
             bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
-            world_group=self.topology.world_group,
+            flags_group=self._flags_group,
             device=self.root_device,
         )
         pm.hook.on_setup(topology=self.topology, buckets=self._engine.buckets, hook=pm.hook, options=self._options())
@@ -406,6 +410,15 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         ]
         for name, init_params, description in entries:
             strategy_registry.register(name, cls, description=description, **init_params)
+
+
+@functools.lru_cache(maxsize=None)
+def _process_groups(
+    layout: Layout, device: torch.device, backend: str, world_id: int
+) -> tuple[Topology, dist.ProcessGroup]:
+    """The mesh's groups and a world-sized group for the engine's bookkeeping, created once per process and
+    default group: several `fit` calls in one script share them (gloo groups destroyed mid-run abort at exit)."""
+    return build_topology(layout, device), dist.new_group(backend=backend)
 
 
 # ---------------------------------------------------------------------- validation at the door
