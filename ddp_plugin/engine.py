@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from ddp_plugin import collectives
 from ddp_plugin.hookspecs import Bucket
 
 if TYPE_CHECKING:
@@ -188,7 +190,7 @@ class GradientEngine:
         used = torch.tensor(
             [p.grad is not None for p in self._params], dtype=torch.int32, device=self.buckets[0].buffer.device
         )
-        used_work = dist.all_reduce(used, group=self._flags_group, async_op=True)
+        used_work = collectives.all_reduce(used, group=self._flags_group, async_op=True)
         for bucket in self.buckets[self._next_launch :]:
             if self._pending[bucket.index] != 0:
                 for i, p in enumerate(bucket.params):
@@ -200,16 +202,18 @@ class GradientEngine:
                         p.grad = view
             self._launch(bucket)
 
+        waiting_since = time.perf_counter()
         for submitted in self._in_flight:
             submitted.result().wait()
         used_work.wait()
+        sync_wait_s = time.perf_counter() - waiting_since
         self._in_flight = []
 
         # A parameter some rank used holds the mean (zeros from the ranks that did not use it were averaged
         # in); one no rank used has no gradient at all, so optimizers skip it as they would in one process.
         for p, view, count in zip(self._params, self._flat_views, used.tolist()):
             p.grad = view if count else None
-        self._hook.on_after_backward(buckets=self.buckets)
+        self._hook.on_after_backward(buckets=self.buckets, sync_wait_s=sync_wait_s)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import pluggy
 
 from ddp_plugin.hookspecs import PROJECT_NAME, hooks
-from ddp_plugin.plugins import FlatReducer, MeanAllReduce
+from ddp_plugin.plugins import FlatReducer, HierarchicalReducer, MeanAllReduce, TrafficAccounting
 
 
 def new_plugin_manager() -> pluggy.PluginManager:
@@ -28,15 +28,23 @@ def installed_codecs() -> list[str]:
     return sorted(name for name, plugin in pm.list_name_plugin() if _is_codec(pm, plugin))
 
 
-def build_plugin_manager(compression: str | None, extra_plugins: Iterable[object]) -> pluggy.PluginManager:
-    """Register, in order: the built-in defaults (``trylast``), installed plugins from entry points (a codec
-    only when ``compression`` names it), then the user's ``plugins=`` objects, which pluggy calls first."""
+def build_plugin_manager(
+    compression: str | None, extra_plugins: Iterable[object], hierarchical: bool = False
+) -> pluggy.PluginManager:
+    """Register, in order: the built-in defaults (``trylast``; the hierarchical or the flat reducer), the
+    traffic accounting, installed plugins from entry points (a codec only when ``compression`` names it), then
+    the user's ``plugins=`` objects, which pluggy calls first."""
     pm = new_plugin_manager()
-    pm.register(MeanAllReduce(), name="mean_allreduce")
-    pm.register(FlatReducer(), name="flat_reducer")
+    builtins = {
+        "mean_allreduce": MeanAllReduce(),
+        "reducer": HierarchicalReducer() if hierarchical else FlatReducer(),
+        "traffic": TrafficAccounting(),
+    }
+    for name, plugin in builtins.items():
+        pm.register(plugin, name=name)
     pm.load_setuptools_entrypoints(PROJECT_NAME)
     for name, plugin in list(pm.list_name_plugin()):
-        if name not in ("mean_allreduce", "flat_reducer") and _is_codec(pm, plugin) and name != compression:
+        if name not in builtins and _is_codec(pm, plugin) and name != compression:
             pm.unregister(plugin=plugin)
     if compression is not None and pm.get_plugin(compression) is None:
         allowed = ", ".join(map(repr, [None, *installed_codecs()]))

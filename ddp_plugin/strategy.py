@@ -32,7 +32,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -69,6 +69,9 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             are not available yet and raise ``NotImplementedError``.
         devices_per_node: ranks per node. ``None`` takes the launcher's (``devices=``); set it to simulate
             several nodes on one machine. Must divide the world size.
+        hierarchical: reduce inside each node, then across nodes with 1/k of the data, then gather inside
+            the node (:class:`~ddp_plugin.plugins.HierarchicalReducer`). ``None`` (default): on when there are
+            several nodes of several ranks. ``False``: one flat all-reduce over every rank, like DDP.
         compression: ``None`` or the name of an installed codec plugin (entry-point group ``ddp_plugin``).
         compression_options: passed to plugins through ``on_setup(options=...)``.
         bucket_size_mb: gradient bucket capacity in MiB (default 25, as DDP).
@@ -88,6 +91,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         self,
         zero_stage: int = 0,
         devices_per_node: int | None = None,
+        hierarchical: bool | None = None,
         compression: str | None = None,
         compression_options: dict[str, Any] | None = None,
         bucket_size_mb: float = 25,
@@ -111,6 +115,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         )
         self.zero_stage = _check_zero_stage(zero_stage)
         self.devices_per_node = _check_devices_per_node(devices_per_node)
+        self.hierarchical = _check_choice("hierarchical", hierarchical, (None, True, False))
         self.compression_options = _check_mapping("compression_options", compression_options)
         self.bucket_size_mb = _check_positive_number("bucket_size_mb", bucket_size_mb)
         self.compression = compression
@@ -127,6 +132,8 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         self._plugin_manager: pluggy.PluginManager | None = None
         self._engine: GradientEngine | None = None
         self._pending_plugin_state: dict[str, Any] | None = None
+        self._metric_sums: dict[str, float] = {}
+        self._metric_steps = 0
 
     # ------------------------------------------------------------------ properties
 
@@ -243,7 +250,8 @@ class HierarchicalZeroStrategy(ParallelStrategy):
 
     def _setup_plugins(self) -> None:
         assert self.topology is not None and self.model is not None
-        pm = build_plugin_manager(self.compression, self.extra_plugins)
+        self._metric_sums, self._metric_steps = {}, 0
+        pm = build_plugin_manager(self.compression, self.extra_plugins, hierarchical=self.uses_hierarchical_reducer)
         self._plugin_manager = pm
         self._engine = GradientEngine(
             self.model,
@@ -257,10 +265,19 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             pm.hook.on_load_state_dict(state=self._pending_plugin_state)
             self._pending_plugin_state = None
 
+    @property
+    def uses_hierarchical_reducer(self) -> bool:
+        """Whether gradients are reduced in node, cross-node and gather stages (decided once the layout is known)."""
+        if self.hierarchical is not None:
+            return self.hierarchical
+        layout = self._layout()
+        return layout.num_nodes > 1 and layout.ranks_per_node > 1
+
     def _options(self) -> dict[str, Any]:
         return {
             "zero_stage": self.zero_stage,
             "devices_per_node": self.devices_per_node,
+            "hierarchical": self.uses_hierarchical_reducer,
             "compression": self.compression,
             "compression_options": dict(self.compression_options),
             "bucket_size_mb": self.bucket_size_mb,
@@ -273,6 +290,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             assert self._plugin_manager is not None
             self._plugin_manager.hook.on_teardown()
             self._engine.remove()
+            self._print_metric_summary()
         # The plugin manager stays until the next `fit`: `trainer.save_checkpoint` after `fit` still needs the
         # plugins' state.
         self._engine = None
@@ -336,7 +354,39 @@ class HierarchicalZeroStrategy(ParallelStrategy):
 
         output = super().optimizer_step(optimizer, closure_then_hook, model, **kwargs)
         pm.hook.on_after_optimizer_step(optimizer=optimizer)
+        self._log_metrics(pm)
         return output
+
+    # ------------------------------------------------------------------ metrics
+
+    def _log_metrics(self, pm: pluggy.PluginManager) -> None:
+        metrics: dict[str, float] = {}
+        for part in pm.hook.on_collect_metrics():
+            metrics.update(part or {})
+        if not metrics:
+            return
+        for name, value in metrics.items():
+            self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value
+        self._metric_steps += 1
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.loggers:
+            return
+        # global_step is incremented after this returns; log under the step this update completes.
+        step = trainer.global_step
+        if (step + 1) % trainer.log_every_n_steps == 0:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    @property
+    def metric_means(self) -> dict[str, float]:
+        """Per-step means of the plugins' metrics over the current or last ``fit`` (this rank's values)."""
+        return {name: total / max(self._metric_steps, 1) for name, total in self._metric_sums.items()}
+
+    def _print_metric_summary(self) -> None:
+        if not self._metric_steps:
+            return
+        rows = "\n".join(f"  {name:<24} {value:12.3f}" for name, value in sorted(self.metric_means.items()))
+        rank_zero_info(f"ddp_plugin: per-step means over {self._metric_steps} optimizer steps (rank 0):\n{rows}")
 
     # ------------------------------------------------------------------ collectives for Lightning
 

@@ -102,13 +102,15 @@ def on_cross_node_reduce(tensor: Tensor, group: ProcessGroup, bucket: Bucket) ->
 
 
 @hookspec
-def on_after_backward(buckets: Sequence[Bucket]) -> None:
+def on_after_backward(buckets: Sequence[Bucket], sync_wait_s: float) -> None:
     """Called on the training thread at the end of a backward that synchronizes gradients, after every
     bucket's future has completed: the gradients in ``bucket.buffer`` are the global means.
 
     Not called for the inner backward passes of gradient accumulation, which do not synchronize.
 
     :param buckets: every bucket, in launch order.
+    :param sync_wait_s: seconds the training thread waited at the end of backward for communication that
+        had not finished yet (communication hidden behind backward does not count).
     """
 
 
@@ -131,6 +133,21 @@ def on_after_optimizer_step(optimizer: Optimizer) -> None:
     """Called right after ``optimizer.step``. A sharder gathers the updated parameters here.
 
     :param optimizer: the user's optimizer.
+    """
+
+
+# -------------------------------------------------------------------------
+# Metrics
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def on_collect_metrics() -> dict[str, float] | None:
+    """Return metrics about the optimizer step that just ended, as ``{name: value}``, or ``None``.
+
+    Called on the training thread after every optimizer step. The strategy logs the merged dict through the
+    Trainer's loggers (every ``log_every_n_steps``) and prints the per-step means at the end of ``fit`` on
+    rank 0. Use a ``prefix/name`` (e.g. ``comm/cross_node_MB``) and report this rank's own values.
     """
 
 

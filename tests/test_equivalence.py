@@ -10,8 +10,14 @@ import torch
 from conftest import WORKERS, run_python
 
 CONFIGS = ["plain", "accumulate", "clip_and_schedule", "everything"]
-# (label, devices, devices_per_node)
-LAUNCHES = [("2 ranks", 2, None), ("4 ranks", 4, None), ("4 ranks as 2 nodes x 2", 4, 2)]
+# (label, devices, devices_per_node, hierarchical): 2x2 simulated nodes run hierarchical by default.
+LAUNCHES = [
+    ("2 ranks", 2, None, "auto"),
+    ("4 ranks", 4, None, "auto"),
+    ("2 nodes x 2, hierarchical", 4, 2, "auto"),
+    ("2 nodes x 2, flat", 4, 2, "off"),
+]
+LABELS = [label for label, *_ in LAUNCHES]
 
 # Float sums in another order (per-rank means, then the mean of means) differ in the last bits; over 20 AdamW
 # steps that stays below 1e-6 here. A real bug (a missed bucket, a gradient scaled twice, a skipped step)
@@ -25,16 +31,17 @@ def results(tmp_path_factory) -> dict:
     ref_dir = tmp_path_factory.mktemp("reference")
     run_python(WORKERS / "equivalence.py", "--out", ref_dir, "--devices", "0")
     out["reference"] = {c: torch.load(ref_dir / f"{c}-0.pt") for c in CONFIGS}
-    for label, devices, per_node in LAUNCHES:
-        d = tmp_path_factory.mktemp(f"ranks{devices}-{per_node}")
-        args = ["--out", d, "--devices", str(devices)] + (["--devices-per-node", str(per_node)] if per_node else [])
+    for label, devices, per_node, hierarchical in LAUNCHES:
+        d = tmp_path_factory.mktemp(f"ranks{devices}-{per_node}-{hierarchical}")
+        args = ["--out", d, "--devices", str(devices), "--hierarchical", hierarchical]
+        args += ["--devices-per-node", str(per_node)] if per_node else []
         run_python(WORKERS / "equivalence.py", *args)
         out[label] = {c: torch.load(d / f"{c}-{devices}.pt") for c in CONFIGS}
     return out
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("launch", [label for label, _, _ in LAUNCHES])
+@pytest.mark.parametrize("launch", LABELS)
 def test_parameters_identical_on_every_rank_after_every_step(results, launch, config):
     run = results[launch][config]
     assert run["history"].shape[0] == 20
@@ -42,7 +49,7 @@ def test_parameters_identical_on_every_rank_after_every_step(results, launch, co
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("launch", [label for label, _, _ in LAUNCHES])
+@pytest.mark.parametrize("launch", LABELS)
 def test_training_equals_single_process_on_concatenated_batch(results, launch, config):
     run, ref = results[launch][config], results["reference"][config]
     assert run["history"].shape == ref["history"].shape
@@ -51,7 +58,13 @@ def test_training_equals_single_process_on_concatenated_batch(results, launch, c
     assert (ref["history"][-1] - ref["history"][0]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("launch", [label for label, _, _ in LAUNCHES])
+def test_the_2x2_layouts_ran_the_reducer_they_name(results):
+    assert results["2 nodes x 2, hierarchical"]["plain"]["hierarchical"] is True
+    assert results["2 nodes x 2, flat"]["plain"]["hierarchical"] is False
+    assert results["4 ranks"]["plain"]["hierarchical"] is False
+
+
+@pytest.mark.parametrize("launch", LABELS)
 def test_data_exercises_a_branch_used_by_some_ranks_and_by_none(results, launch):
     # Guard against a vacuous C2: the unused-branch path must really be taken, both ways.
     used = results[launch]["plain"]["branch_used"]  # (ranks, micro-batches)

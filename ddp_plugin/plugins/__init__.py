@@ -1,6 +1,8 @@
 """Built-in plugins. Each depends only on :mod:`ddp_plugin.hookspecs` (and the collectives helpers)."""
 
 from ddp_plugin.plugins.flat_reducer import FlatReducer
+from ddp_plugin.plugins.hierarchical_reducer import HierarchicalReducer
 from ddp_plugin.plugins.mean_allreduce import MeanAllReduce
+from ddp_plugin.plugins.traffic import TrafficAccounting
 
-__all__ = ["FlatReducer", "MeanAllReduce"]
+__all__ = ["FlatReducer", "HierarchicalReducer", "MeanAllReduce", "TrafficAccounting"]

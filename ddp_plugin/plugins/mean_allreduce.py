@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from ddp_plugin import collectives
 from ddp_plugin.hookspecs import completed_future, hookimpl
 
 if TYPE_CHECKING:
@@ -24,4 +25,4 @@ class MeanAllReduce:
             return completed_future(tensor)
         # Divide before summing, as DDP does: keeps low-precision sums in range.
         tensor.div_(size)
-        return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+        return collectives.all_reduce(tensor, group=group, async_op=True).get_future()

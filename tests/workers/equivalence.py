@@ -104,14 +104,16 @@ def dataset(accumulate: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def run(name: str, devices: int, devices_per_node: int | None, out: str) -> None:
+def run(name: str, devices: int, devices_per_node: int | None, hierarchical: bool | None, out: str) -> None:
     cfg = CONFIGS[name]
     accumulate = cfg.get("accumulate", 1)
     L.seed_everything(1234, verbose=False)
     model = Net(cfg["optimizer"], cfg.get("scheduler", False), accumulate)
     if devices:
         # A 1 KiB bucket cap puts every parameter in a bucket of its own: many buckets, launched in order.
-        strategy = HierarchicalZeroStrategy(bucket_size_mb=1 / 1024, devices_per_node=devices_per_node)
+        strategy = HierarchicalZeroStrategy(
+            bucket_size_mb=1 / 1024, devices_per_node=devices_per_node, hierarchical=hierarchical
+        )
         trainer_devices = devices
     else:
         strategy, trainer_devices = "auto", 1
@@ -142,6 +144,7 @@ def run(name: str, devices: int, devices_per_node: int | None, out: str) -> None
                 "max_rank_diff": recorder.max_rank_diff,
                 "branch_used": used,
                 "world_size": trainer.world_size,
+                "hierarchical": trainer.strategy.uses_hierarchical_reducer if devices else False,
             },
             os.path.join(out, f"{name}-{devices}.pt"),
         )
@@ -152,11 +155,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--devices-per-node", type=int, default=None)
+    parser.add_argument("--hierarchical", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.configs.split(","):
-        run(name, args.devices, args.devices_per_node, args.out)
+        hierarchical = {"auto": None, "on": True, "off": False}[args.hierarchical]
+        run(name, args.devices, args.devices_per_node, hierarchical, args.out)
 
 
 if __name__ == "__main__":

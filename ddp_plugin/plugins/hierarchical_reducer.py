@@ -1,0 +1,117 @@
+"""The hierarchical reducer: reduce inside a node over fast links, cross nodes with 1/k of the data."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ddp_plugin import collectives
+from ddp_plugin.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from pluggy import HookRelay
+    from torch import Tensor
+
+    from ddp_plugin.hookspecs import Bucket, Topology
+
+
+class HierarchicalReducer:
+    """Average a bucket in three stages over M nodes of k ranks:
+
+    1. intra-node reduce-scatter: local rank l receives the node's sum of chunk l of the bucket (1/k of it);
+    2. ``on_cross_node_reduce`` on that chunk over the inter-node group (the ranks with local rank l on every
+       node): the only stage on the slow link, carrying S/k per rank, S per node, and the one a codec compresses;
+    3. intra-node all-gather of the averaged chunks back into the bucket.
+
+    Per node and step the slow link carries 2(M-1)/M * S (S = gradient bytes), against 2(N-1)/N * S for a flat
+    ring all-reduce over N = M*k ranks (1.5 S against 1.0 S on 2 nodes x 2 ranks).
+
+    A ZeRO sharder that keeps only this rank's chunk calls :meth:`reduce_to_shard` and skips stage 3.
+
+    With one node (or one rank per node) there is nothing to split: the whole bucket goes through
+    ``on_cross_node_reduce`` over the world, exactly as the flat reducer does.
+
+    On gloo a reduce-scatter costs as much as an all-reduce (gloo emulates it with one), so stage 1 is an
+    all-to-all plus a local sum, which sends (k-1)/k of the bucket per rank; NCCL's native reduce-scatter sends
+    the same and needs no extra buffer.
+    """
+
+    def __init__(self) -> None:
+        self._hook: HookRelay | None = None
+        self._topology: Topology | None = None
+
+    @hookimpl
+    def on_setup(self, topology: Topology, hook: HookRelay) -> None:
+        self._topology = topology
+        self._hook = hook
+
+    @property
+    def splits(self) -> bool:
+        t = self._topology
+        return t is not None and t.num_nodes > 1 and t.ranks_per_node > 1
+
+    @hookimpl(trylast=True)
+    def on_bucket_ready(self, bucket: Bucket) -> torch.futures.Future:
+        assert self._hook is not None and self._topology is not None, "on_setup must run before backward"
+        if not self.splits:
+            return self._hook.on_cross_node_reduce(
+                tensor=bucket.buffer, group=self._topology.world_group, bucket=bucket
+            )
+        shard = self.reduce_to_shard(bucket)
+        return self.gather_shard(bucket, shard)
+
+    def shard_numel(self, bucket: Bucket) -> int:
+        k = self._topology.ranks_per_node
+        return -(-bucket.numel // k)
+
+    def _padded(self, bucket: Bucket) -> Tensor:
+        """The bucket as k equal chunks: the buffer itself when k divides it, else a zero-padded copy kept in
+        the bucket's state (the padding stays zero, so it never changes a sum)."""
+        k = self._topology.ranks_per_node
+        total = self.shard_numel(bucket) * k
+        if total == bucket.numel:
+            return bucket.buffer
+        padded = bucket.state.get("hierarchical_padded")
+        if padded is None:
+            padded = bucket.state["hierarchical_padded"] = bucket.buffer.new_zeros(total)
+        padded[: bucket.numel].copy_(bucket.buffer)
+        return padded
+
+    def reduce_to_shard(self, bucket: Bucket) -> Tensor:
+        """Stages 1 and 2: return this rank's chunk (``local_rank``) of the bucket, averaged over every rank."""
+        topo = self._topology
+        k = topo.ranks_per_node
+        padded = self._padded(bucket)
+        c = self.shard_numel(bucket)
+        # Divide first (as DDP does): the node sum then the cross-node mean give the global mean directly.
+        padded.div_(k)
+        if topo.backend == "nccl":
+            shard = padded.new_empty(c)
+            collectives.reduce_scatter_single(shard, padded, group=topo.intra_node_group)
+        else:
+            received = padded.new_empty(k * c)
+            collectives.all_to_all_single(received, padded, group=topo.intra_node_group)
+            shard = received.view(k, c).sum(dim=0)
+        fut = self._hook.on_cross_node_reduce(tensor=shard, group=topo.inter_node_group, bucket=bucket)
+        fut.wait()
+        return shard
+
+    def gather_shard(self, bucket: Bucket, shard: Tensor) -> torch.futures.Future:
+        """Stage 3: all-gather every local rank's averaged chunk into the bucket."""
+        topo = self._topology
+        padded = self._padded_target(bucket)
+        work = collectives.all_gather_single(padded, shard, group=topo.intra_node_group, async_op=True)
+        if padded is bucket.buffer:
+            return work.get_future()
+
+        def unpad(_: torch.futures.Future) -> None:
+            bucket.buffer.copy_(padded[: bucket.numel])
+
+        return work.get_future().then(unpad)
+
+    def _padded_target(self, bucket: Bucket) -> Tensor:
+        k = self._topology.ranks_per_node
+        if self.shard_numel(bucket) * k == bucket.numel:
+            return bucket.buffer
+        return bucket.state["hierarchical_padded"]
