@@ -1,0 +1,64 @@
+"""Traffic accounting against the traffic model (design.md section 4), on 4 ranks as 2 nodes x 2, and its
+metrics in a CSV logger's output."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from conftest import WORKERS, run_python
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    out = {}
+    for name, flags in (("hierarchical", []), ("flat", ["--flat"])):
+        d = tmp_path_factory.mktemp(name)
+        run_python(WORKERS / "traffic_run.py", "--out", d, "--devices-per-node", "2", *flags)
+        out[name] = json.loads((d / "traffic.json").read_text()) | {"dir": d}
+    return out
+
+
+def per_node_cross_bytes(run: dict) -> list[float]:
+    col = run["names"].index("comm/cross_node_MB")
+    ranks = [row[col] * 1e6 for row in run["per_rank"]]
+    return [ranks[0] + ranks[1], ranks[2] + ranks[3]]
+
+
+def test_hierarchical_sends_one_gradient_size_per_node_across_nodes(runs):
+    run = runs["hierarchical"]
+    assert run["hierarchical"]
+    s = run["gradient_bytes"]
+    for node_bytes in per_node_cross_bytes(run):
+        # S/2 per rank from the cross-node all-reduce of its shard; the rest is the used-parameter flags.
+        assert s <= node_bytes <= 1.001 * s
+
+
+def test_flat_ring_sends_one_and_a_half_gradient_sizes_per_node_across_nodes(runs):
+    run = runs["flat"]
+    assert not run["hierarchical"]
+    s = run["gradient_bytes"]
+    # A ring over 4 ranks sends 2(N-1)/N * S = 1.5 S from each rank to the next; on each node one of those
+    # sends crosses to the other node.
+    for node_bytes in per_node_cross_bytes(run):
+        assert 1.5 * s <= node_bytes <= 1.001 * 1.5 * s
+
+
+def test_hierarchical_keeps_the_rest_inside_the_node(runs):
+    run = runs["hierarchical"]
+    col = run["names"].index("comm/intra_node_MB")
+    for row in run["per_rank"]:
+        # all-to-all of (k-1)/k of S, then all-gather of (k-1) shards of S/k: S in all for k = 2.
+        assert row[col] * 1e6 == pytest.approx(run["gradient_bytes"], rel=0.001)
+
+
+def test_traffic_metrics_appear_in_the_csv_logger_every_step(runs):
+    run = runs["hierarchical"]
+    with open(run["dir"] / "csv" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("comm/cross_node_MB")]
+    assert [int(r["step"]) for r in rows] == list(range(run["steps"]))
+    rank0 = run["per_rank"][0][run["names"].index("comm/cross_node_MB")]
+    assert all(float(r["comm/cross_node_MB"]) == pytest.approx(rank0, rel=1e-6) for r in rows)
+    assert all(float(r["comm/wait_ms"]) >= 0 for r in rows)

@@ -1,0 +1,72 @@
+"""Worker for the traffic accounting tests: 4 ranks as 2 nodes x 2, a model of known gradient size, a CSV
+logger; saves every rank's per-step traffic means and the gradient size.
+
+    python tests/workers/traffic_run.py --out DIR [--flat] [--num-nodes N --devices K] [--width W]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddp_plugin import HierarchicalZeroStrategy
+
+
+class Model(L.LightningModule):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--flat", action="store_true")
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--devices-per-node", type=int, default=None)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    strategy = HierarchicalZeroStrategy(devices_per_node=args.devices_per_node, hierarchical=False if args.flat else None)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy, max_steps=args.steps,
+        logger=CSVLogger(args.out, name="csv", version=0), log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    model = Model(args.width)
+    x = torch.randn(64 * args.steps, args.width)
+    trainer.fit(model, DataLoader(TensorDataset(x, x[:, :1]), batch_size=8))
+    means = strategy.metric_means
+    names = sorted(means)
+    every_rank = trainer.strategy.all_gather(torch.tensor([means[n] for n in names], dtype=torch.float64))
+    if trainer.is_global_zero:
+        with open(os.path.join(args.out, "traffic.json"), "w") as f:
+            json.dump({
+                "names": names,
+                "per_rank": every_rank.tolist(),
+                "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                "num_params": len(list(model.parameters())),
+                "hierarchical": strategy.uses_hierarchical_reducer,
+                "steps": trainer.global_step,
+            }, f)
+
+
+if __name__ == "__main__":
+    main()
