@@ -78,6 +78,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         plugins: extra plugin objects; pluggy calls them before the built-ins.
         broadcast_buffers: broadcast module buffers (e.g. BatchNorm statistics) from rank 0 before each
             training step, as DDP does.
+        progress_bar_metrics: also show the synchronization metrics (``comm/...``) in the progress bar.
         process_group_backend: ``"nccl"``, ``"gloo"`` or ``"mpi"``; default NCCL on CUDA, gloo on CPU, MPI
             when launched by ``mpirun`` and torch has MPI support.
         timeout: collective timeout, a ``timedelta`` or seconds.
@@ -97,6 +98,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         bucket_size_mb: float = 25,
         plugins: Iterable[object] = (),
         broadcast_buffers: bool = True,
+        progress_bar_metrics: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -123,6 +125,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         # Assemble the plugins once now, so an unknown codec or a misspelled hook fails here, not on the ranks.
         build_plugin_manager(self.compression, self.extra_plugins)
         self.broadcast_buffers = bool(broadcast_buffers)
+        self.progress_bar_metrics = bool(progress_bar_metrics)
         self._process_group_backend = _check_backend(process_group_backend)
         self._timeout = _check_timeout(timeout)
         self._start_method = _check_choice("start_method", start_method, START_METHODS)
@@ -368,14 +371,10 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         for name, value in metrics.items():
             self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value
         self._metric_steps += 1
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not trainer.loggers:
-            return
-        # global_step is incremented after this returns; log under the step this update completes.
-        step = trainer.global_step
-        if (step + 1) % trainer.log_every_n_steps == 0:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
+        module = self.lightning_module
+        if module is not None and module._current_fx_name is not None:
+            # Through LightningModule.log, so every logger and `log_every_n_steps` apply as to the user's metrics.
+            module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=self.progress_bar_metrics)
 
     @property
     def metric_means(self) -> dict[str, float]:

@@ -1,0 +1,424 @@
+"""A simulated multi-node cluster on one Linux machine, for tests and benchmarks (design.md, section 5).
+
+Each node is a network namespace. Two nodes are joined by one veth pair; more nodes hang off a bridge that
+lives in its own namespace, so nothing of the simulation touches the machine's root namespace. A ``tbf``
+qdisc on every link end caps the egress rate, so each direction of every node's link runs at ``rate``, as a
+full-duplex NIC on a switch port would. The ranks of a node run inside its namespace: traffic between them
+stays on the namespace's loopback, traffic between nodes crosses the capped link, and the veth counters
+(:meth:`SimulatedCluster.tx_bytes`) are the ground truth for cross-node bytes.
+
+Namespace and interface names are the only global state: addresses live inside the namespaces, so two
+clusters (two pytest runs, say) never see each other's traffic even though both use the same subnet.
+Namespace names carry the owning process id, so stale namespaces left by a killed run are removed at the
+next start without touching those of a run that is still alive.
+
+Needs root and iproute2 (``ip netns``, ``tc``); :func:`available` says whether this machine can do it::
+
+    with SimulatedCluster(nodes=2, rate="1gbit") as cluster:
+        results = cluster.launch(["train.py", "--max-steps", "10"], nproc_per_node=2)
+        print(cluster.tx_bytes(0), results[0].stdout)
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO, Any
+
+__all__ = ["NodeResult", "SimulatedCluster", "available", "parse_rate"]
+
+SUBNET = "10.77.0"  # private /24; it only ever exists inside the cluster's own namespaces
+BRIDGE = "simbr"
+MIN_MASTER_PORT = 29400
+
+# Environment a launched torchrun must not inherit: it would override the rendezvous we set up.
+_LAUNCH_ENV_DROP = (
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+    "NODE_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+)
+
+_RATE_UNITS = {  # tc's units: SI multipliers, "bit" for bits and "bps" for bytes per second
+    "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
+    "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9,
+}
+
+_sequence = itertools.count()
+_live: set[SimulatedCluster] = set()
+_live_lock = threading.Lock()
+
+
+def parse_rate(rate: str) -> int:
+    """Bits per second of a tc-style rate such as ``"1gbit"``, ``"200mbit"`` or ``"125mbps"`` (bytes)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*", rate)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _RATE_UNITS:
+        raise ValueError(
+            f"rate={rate!r} is not a link rate. Write a number and one of {', '.join(_RATE_UNITS)} (tc's units:"
+            " 'bit' is bits per second, 'bps' bytes per second), e.g. rate='1gbit', or rate=None for no cap."
+        )
+    bits = int(float(match.group(1)) * _RATE_UNITS[unit])
+    if bits < 8000:
+        raise ValueError(f"rate={rate!r} is {bits} bit/s; use at least 8kbit so a single packet fits in a second.")
+    return bits
+
+
+def _tbf_args(bits_per_s: int) -> list[str]:
+    # The bucket must hold a whole GSO super-packet (veth passes up to 64 KiB skbs): a smaller burst makes tbf
+    # segment every packet in software, which on 2 cores cost 10-30 % of the rate. 1 ms worth of bytes keeps
+    # the burst negligible against any transfer we time (at 1gbit 125 kB; measured 0.96 Gbit/s of TCP payload,
+    # the rest is Ethernet/IP/TCP headers, which tbf counts). The latency bounds the queue tbf keeps.
+    burst = max(128 * 1024, bits_per_s // 8 // 1000)
+    return ["tbf", "rate", f"{bits_per_s}bit", "burst", str(burst), "latency", "50ms"]
+
+
+def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError(
+            f"`{' '.join(argv)}` failed with exit code {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
+        )
+    return proc
+
+
+def _namespaces() -> list[str]:
+    proc = _run(["ip", "-j", "netns", "list"], check=False)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return []
+    return [entry["name"] for entry in json.loads(proc.stdout)]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_namespace_processes(namespace: str) -> None:
+    proc = _run(["ip", "netns", "pids", namespace], check=False)
+    for pid in proc.stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def _delete_namespace(namespace: str) -> None:
+    # A namespace whose processes are still running outlives `ip netns delete` (only its name goes) and so do
+    # its veth ends; kill them first so the links really disappear.
+    _kill_namespace_processes(namespace)
+    _run(["ip", "netns", "delete", namespace], check=False)
+
+
+def _remove_stale(prefix: str) -> None:
+    """Delete ``<prefix>-<pid>...`` namespaces whose owning process is gone (a run killed before its teardown)."""
+    pattern = re.compile(rf"{re.escape(prefix)}-(\d+)x\d+-")
+    for namespace in _namespaces():
+        match = pattern.match(namespace)
+        if match and not _pid_alive(int(match.group(1))):
+            _delete_namespace(namespace)
+
+
+@functools.cache
+def available() -> tuple[bool, str]:
+    """Whether this machine can run a :class:`SimulatedCluster`, and if not, why (a skip reason for tests).
+
+    Tries the real thing once: a namespace with a veth pair and a tbf qdisc, so a missing kernel module
+    (veth, sch_tbf) is found here and not in the middle of a test.
+    """
+    if sys.platform != "linux":
+        return False, f"the simulated cluster needs Linux network namespaces; this is {sys.platform}"
+    if os.geteuid() != 0:
+        return False, "the simulated cluster needs root (it creates network namespaces); run the tests as root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return False, f"the simulated cluster needs iproute2; {' and '.join(missing)} not found on PATH"
+    namespace = f"ddpsimprobe-{os.getpid()}"
+    try:
+        _run(["ip", "netns", "add", namespace])
+        _run(["ip", "-n", namespace, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"])
+        _run(["tc", "-n", namespace, "qdisc", "add", "dev", "probe0", "root", *_tbf_args(10**9)])
+    except (RuntimeError, OSError) as err:
+        return False, f"cannot build a simulated node here: {err}"
+    finally:
+        _run(["ip", "netns", "delete", namespace], check=False)
+    return True, ""
+
+
+@dataclass
+class NodeResult:
+    """What one node's launcher (torchrun) did: exit code and output of all its ranks together."""
+
+    node: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    killed: bool = False  # stopped by us because another node failed or the launch timed out
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+class SimulatedCluster:
+    """N nodes on one machine: a network namespace per node, links capped at ``rate`` per direction.
+
+    Args:
+        nodes: number of nodes. Two are joined by a single veth pair; more by a bridge in an extra namespace.
+        rate: egress cap of each node's link in tc's notation (``"1gbit"``, ``"200mbit"``), or None for an
+            uncapped link (veth then runs at memory speed, tens of Gbit/s).
+        prefix: start of the namespace names (``<prefix>-<pid>x<n>-node0`` ...). Stale namespaces with this
+            prefix whose owning process has died are removed when a cluster starts.
+
+    Use it as a context manager; teardown kills every process left in the namespaces and deletes them, also
+    on exceptions and Ctrl-C, and at interpreter exit for a cluster that was never closed.
+    """
+
+    def __init__(self, nodes: int = 2, rate: str | None = "1gbit", prefix: str = "ddpsim") -> None:
+        if nodes < 2 or nodes > 200:
+            raise ValueError(f"nodes={nodes}: a simulated cluster has between 2 and 200 nodes.")
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,15}", prefix):
+            raise ValueError(
+                f"prefix={prefix!r}: use 1-16 lowercase letters and digits, starting with a letter (it names"
+                " network namespaces, and stale ones with the same prefix are deleted)."
+            )
+        self.nodes = nodes
+        self.rate = rate
+        self.rate_bits = parse_rate(rate) if rate is not None else None
+        self.prefix = prefix
+        self._tag = f"{prefix}-{os.getpid()}x{next(_sequence)}"
+        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(nodes)]
+        self.interfaces = [f"sim{i}" for i in range(nodes)]
+        self._bridge_namespace = f"{self._tag}-bridge" if nodes > 2 else None
+        self._processes: list[subprocess.Popen] = []
+        self._next_port = MIN_MASTER_PORT
+        self._started = False
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> SimulatedCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Create the namespaces, links and rate caps. Called by ``with``; a failure tears down what was built."""
+        if self._started:
+            return
+        ok, reason = available()
+        if not ok:
+            raise RuntimeError(f"SimulatedCluster cannot start: {reason}")
+        _remove_stale(self.prefix)
+        self._started = True
+        with _live_lock:
+            _live.add(self)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        for node in range(self.nodes):
+            _run(["ip", "netns", "add", self.node_namespace(node)])
+            _run(["ip", "-n", self.node_namespace(node), "link", "set", "lo", "up"])
+        if self._bridge_namespace is None:
+            ns0, ns1 = self.node_namespace(0), self.node_namespace(1)
+            _run(["ip", "link", "add", self.interfaces[0], "netns", ns0, "type", "veth",
+                  "peer", "name", self.interfaces[1], "netns", ns1])
+        else:
+            bridge_ns = self._bridge_namespace
+            _run(["ip", "netns", "add", bridge_ns])
+            _run(["ip", "-n", bridge_ns, "link", "add", BRIDGE, "type", "bridge"])
+            _run(["ip", "-n", bridge_ns, "link", "set", BRIDGE, "up"])
+            for node in range(self.nodes):
+                port = f"port{node}"
+                _run(["ip", "link", "add", self.interfaces[node], "netns", self.node_namespace(node), "type", "veth",
+                      "peer", "name", port, "netns", bridge_ns])
+                _run(["ip", "-n", bridge_ns, "link", "set", port, "master", BRIDGE])
+                _run(["ip", "-n", bridge_ns, "link", "set", port, "up"])
+                if self.rate_bits is not None:
+                    # The switch port's egress is the node's ingress: capping it keeps a node that receives from
+                    # several others at line rate, as a real switch would.
+                    _run(["tc", "-n", bridge_ns, "qdisc", "add", "dev", port, "root", *_tbf_args(self.rate_bits)])
+        for node in range(self.nodes):
+            ns, dev = self.node_namespace(node), self.interfaces[node]
+            _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[node]}/24", "dev", dev])
+            _run(["ip", "-n", ns, "link", "set", dev, "up"])
+            if self.rate_bits is not None:
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *_tbf_args(self.rate_bits)])
+
+    def close(self) -> None:
+        """Kill everything still running in the cluster and delete its namespaces (and so its links). Idempotent."""
+        if not self._started:
+            return
+        for proc in self._processes:
+            _kill_group(proc)
+        for proc in self._processes:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        self._processes.clear()
+        for namespace in [*map(self.node_namespace, range(self.nodes)), self._bridge_namespace]:
+            if namespace is not None:
+                _delete_namespace(namespace)
+        self._started = False
+        with _live_lock:
+            _live.discard(self)
+
+    # -- inspection ------------------------------------------------------------------------------------------
+
+    def node_namespace(self, node: int) -> str:
+        """Name of node ``node``'s network namespace (for ``ip netns exec``)."""
+        self._check_node(node)
+        return f"{self._tag}-node{node}"
+
+    def tx_bytes(self, node: int) -> int:
+        """Bytes node ``node`` has sent over its link (veth counter: payload and headers, Ethernet included)."""
+        return self._link_stats(node)["tx"]["bytes"]
+
+    def rx_bytes(self, node: int) -> int:
+        """Bytes node ``node`` has received over its link."""
+        return self._link_stats(node)["rx"]["bytes"]
+
+    def _link_stats(self, node: int) -> dict[str, Any]:
+        # `ip -n` reads the counters over netlink in the node's namespace; /sys/class/net only shows them from a
+        # process whose /sys was mounted in that namespace (which `ip netns exec` does for the processes it runs).
+        proc = _run(["ip", "-n", self.node_namespace(node), "-s", "-j", "link", "show", "dev", self.interfaces[node]])
+        return json.loads(proc.stdout)[0]["stats64"]
+
+    def _check_node(self, node: int) -> None:
+        if not 0 <= node < self.nodes:
+            raise IndexError(f"node {node} does not exist: this cluster has nodes 0..{self.nodes - 1}.")
+
+    # -- running things --------------------------------------------------------------------------------------
+
+    def popen(self, node: int, argv: list[str], env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
+        """Start ``argv`` inside node ``node``'s namespace, in its own process group; killed at teardown.
+
+        ``env`` replaces the environment as in :class:`subprocess.Popen`; other keyword arguments pass through.
+        """
+        if not self._started:
+            raise RuntimeError("the cluster is not running; use `with SimulatedCluster(...) as cluster:` first.")
+        # `ip netns exec` execs argv, so the Popen's pid is argv's own; the new session lets teardown kill the
+        # whole tree (torchrun and its ranks) with one signal.
+        proc = subprocess.Popen(["ip", "netns", "exec", self.node_namespace(node), *argv], env=env,
+                                start_new_session=True, **kwargs)
+        self._processes.append(proc)
+        return proc
+
+    def launch_env(self, node: int, env: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment :meth:`launch` gives node ``node``: ours minus any rendezvous variables, plus ``env``."""
+        full = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV_DROP}
+        full.update({"PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": self.interfaces[node]})
+        full.update(env or {})
+        return full
+
+    def launch(self, argv: list[str], nproc_per_node: int, env: dict[str, str] | None = None,
+               timeout: float = 300.0) -> list[NodeResult]:
+        """Run ``torchrun --nnodes N --node_rank i --nproc_per_node k ... argv`` on every node at once and wait.
+
+        ``argv`` is what follows torchrun's options: a script and its arguments (``["-m", "pkg"]`` works too).
+        Node 0's address is the rendezvous; gloo binds to each node's link (``GLOO_SOCKET_IFNAME``). When a node
+        fails, the others are killed instead of waiting for their collectives to time out; after ``timeout``
+        seconds everyone is killed. Returns one :class:`NodeResult` per node, in node order; never raises for
+        a failing job, so check ``result.ok``.
+        """
+        if nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node={nproc_per_node}: each node runs at least one rank.")
+        # Each launch gets a fresh port: the previous store's socket may still be in TIME_WAIT.
+        port, self._next_port = self._next_port, self._next_port + 1
+        logs: list[tuple[IO[bytes], IO[bytes]]] = []
+        procs: list[subprocess.Popen] = []
+        try:
+            for node in range(self.nodes):
+                out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # files: no pipe can fill and block
+                logs.append((out, err))
+                command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}",
+                           f"--node_rank={node}", f"--nproc_per_node={nproc_per_node}",
+                           f"--master_addr={self.addresses[0]}", f"--master_port={port}", "--max_restarts=0", *argv]
+                procs.append(self.popen(node, command, env=self.launch_env(node, env), stdout=out, stderr=err))
+            timed_out, killed = _wait_all(procs, timeout)
+            results = []
+            for node, (proc, (out, err)) in enumerate(zip(procs, logs)):
+                out.seek(0)
+                err.seek(0)
+                results.append(NodeResult(node=node, returncode=proc.returncode,
+                                          stdout=out.read().decode(errors="replace"),
+                                          stderr=err.read().decode(errors="replace"),
+                                          timed_out=timed_out, killed=node in killed))
+            return results
+        finally:
+            for proc in procs:
+                _kill_group(proc)
+                proc.wait()
+                self._processes.remove(proc)
+            for out, err in logs:
+                out.close()
+                err.close()
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[bool, set[int]]:
+    """Wait for all of ``procs``; stop the rest at the first failure or at the deadline. Returns what happened."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [proc.poll() for proc in procs]
+        if all(code is not None for code in codes):
+            return False, set()
+        failed = any(code not in (None, 0) for code in codes)
+        expired = time.monotonic() >= deadline
+        if failed or expired:
+            running = {i for i, code in enumerate(codes) if code is None}
+            for i in running:
+                _kill_group(procs[i], grace=2.0)
+            return expired, running
+        time.sleep(0.05)
+
+
+def _kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:
+    """SIGTERM the process group of ``proc`` (torchrun forwards it to its ranks), then SIGKILL after ``grace``."""
+    if proc.poll() is not None:
+        # The leader is gone but its ranks may not be; the group id is still the leader's pid.
+        _signal_group(proc.pid, signal.SIGKILL)
+        return
+    _signal_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(proc.pid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@atexit.register
+def _close_leftovers() -> None:
+    with _live_lock:
+        clusters = list(_live)
+    for cluster in clusters:
+        cluster.close()
