@@ -123,7 +123,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         self.compression = compression
         self.extra_plugins = list(plugins)
         # Assemble the plugins once now, so an unknown codec or a misspelled hook fails here, not on the ranks.
-        build_plugin_manager(self.compression, self.extra_plugins)
+        build_plugin_manager(self.compression, self.extra_plugins, compression_options=self.compression_options)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.progress_bar_metrics = bool(progress_bar_metrics)
         self._process_group_backend = _check_backend(process_group_backend)
@@ -254,7 +254,12 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     def _setup_plugins(self) -> None:
         assert self.topology is not None and self.model is not None
         self._metric_sums, self._metric_steps = {}, 0
-        pm = build_plugin_manager(self.compression, self.extra_plugins, hierarchical=self.uses_hierarchical_reducer)
+        pm = build_plugin_manager(
+            self.compression,
+            self.extra_plugins,
+            hierarchical=self.uses_hierarchical_reducer,
+            compression_options=self.compression_options,
+        )
         self._plugin_manager = pm
         self._engine = GradientEngine(
             self.model,

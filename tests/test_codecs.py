@@ -1,0 +1,330 @@
+"""Gradient codecs, one behaviour per test, on 4 real gloo ranks: how close each codec's mean is to the exact
+one, that error feedback carries what compression left out, that codec state survives a checkpoint, and that
+bad options fail when the strategy is constructed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_plugin import Bucket, HierarchicalZeroStrategy
+from ddp_plugin.plugin_manager import available_codecs, build_plugin_manager
+from ddp_plugin.plugins.codecs import BUILTIN_CODECS, dequantize_int8, matrix_segments, quantize_int8
+from workers.codec_ranks import RankPool
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with RankPool(WORLD) as pool:
+        yield pool
+
+
+def make_bucket(shapes, index=0) -> Bucket:
+    params = tuple(nn.Parameter(torch.zeros(s)) for s in shapes)
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    return Bucket(index=index, buffer=torch.zeros(total), params=params, names=tuple(f"p{i}" for i in range(len(params))),
+                  offsets=tuple(offsets))
+
+
+def inputs(steps, numel, seed=0, scale=1.0):
+    """(rank, step, value) inputs, the same on every rank's copy."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(WORLD, steps, numel, generator=g) * scale
+
+
+# ---------------------------------------------------------------------- functions that run on every rank
+
+
+def reduce_steps(rank, world, name, options, shapes, data, save=False):
+    """Feed this rank's inputs to a fresh codec, step by step; return the outputs and the codec's state."""
+    codec = BUILTIN_CODECS[name](**options)
+    bucket = make_bucket(shapes)
+    outs = []
+    for step in range(data.shape[1]):
+        tensor = data[rank, step].clone()
+        codec.on_cross_node_reduce(tensor=tensor, group=dist.group.WORLD, bucket=bucket).wait()
+        outs.append(tensor)
+    saved = codec.on_save_state_dict() if save else None
+    return torch.stack(outs), {k: v for k, v in codec._state.get(0, {}).items()}, saved
+
+
+def resume_step(rank, world, name, options, shapes, data):
+    """Run all but the last step, save, load into a new codec, and run the last step on both codecs."""
+    codec = BUILTIN_CODECS[name](**options)
+    bucket = make_bucket(shapes)
+    for step in range(data.shape[1] - 1):
+        codec.on_cross_node_reduce(tensor=data[rank, step].clone(), group=dist.group.WORLD, bucket=bucket).wait()
+    saved = codec.on_save_state_dict()
+    resumed = BUILTIN_CODECS[name](**options)
+    resumed.on_load_state_dict(state=saved)
+    outs = []
+    for c in (codec, resumed):
+        tensor = data[rank, -1].clone()
+        c.on_cross_node_reduce(tensor=tensor, group=dist.group.WORLD, bucket=bucket).wait()
+        outs.append(tensor)
+    return outs, saved
+
+
+# ---------------------------------------------------------------------- every codec
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_CODECS))
+def test_every_rank_gets_identical_bits(ranks, name):
+    options = {"start_iter": 0} if name == "powersgd" else {}
+    results = ranks.run(reduce_steps, name, options, [(32, 40), (40,)], inputs(3, 32 * 40 + 40))
+    for out, _, _ in results[1:]:
+        assert torch.equal(out, results[0][0])
+
+
+def test_available_codecs_lists_the_built_ins():
+    assert available_codecs()[:5] == ["fp16", "bf16", "int8", "topk", "powersgd"]
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_CODECS))
+def test_builtin_codec_is_registered_under_its_name(name):
+    pm = build_plugin_manager(name, [])
+    assert type(pm.get_plugin(name)) is BUILTIN_CODECS[name]
+
+
+# ---------------------------------------------------------------------- fp16 / bf16
+
+
+@pytest.mark.parametrize(("name", "eps"), [("fp16", 2**-10), ("bf16", 2**-7)])
+def test_cast_codec_mean_is_within_its_precision(ranks, name, eps):
+    data = inputs(1, 1000)
+    out = ranks.run(reduce_steps, name, {}, [(1000,)], data)[0][0][0]
+    mean = data[:, 0].mean(0)
+    # One rounding of each input (after dividing) and one per addition, each at most eps/2 of the largest value.
+    bound = (WORLD + WORLD) * eps / 2 * data.abs().max() / WORLD
+    assert (out - mean).abs().max() <= bound
+
+
+def test_fp16_divides_before_summing_so_large_gradients_do_not_overflow(ranks):
+    data = torch.full((WORLD, 1, 8), 40000.0)  # the sum, 160000, is beyond fp16's 65504
+    out = ranks.run(reduce_steps, "fp16", {}, [(8,)], data)[0][0][0]
+    assert torch.equal(out, torch.full((8,), 40000.0))
+
+
+# ---------------------------------------------------------------------- int8
+
+
+def test_int8_quantization_error_is_at_most_half_a_step_per_block():
+    x = torch.randn(6, 256) * torch.logspace(-3, 2, 6)[:, None]
+    q, scales = quantize_int8(x)
+    assert q.dtype == torch.int8
+    assert ((x - dequantize_int8(q, scales)).abs() <= scales[:, None] / 2 + 1e-7 * x.abs()).all()
+
+
+def test_int8_zero_block_stays_zero():
+    q, scales = quantize_int8(torch.zeros(2, 16))
+    assert torch.equal(dequantize_int8(q, scales), torch.zeros(2, 16))
+
+
+def test_int8_mean_error_is_bounded_by_its_two_quantizations(ranks):
+    data = inputs(1, 3000, seed=1)
+    out = ranks.run(reduce_steps, "int8", {"block_size": 256, "error_feedback": False}, [(3000,)], data)[0][0][0]
+    mean = data[:, 0].mean(0)
+    # Each rank's values are off by at most half a step (max|x_r| / 254), then the mean's chunk again.
+    bound = (data[:, 0].abs().max(dim=1).values.mean() + mean.abs().max()) / 254
+    err = (out - mean).abs().max()
+    assert err <= bound * 1.001
+    assert err > 0  # it is a lossy codec: the test would not notice a codec that sent nothing compressed
+
+
+def test_int8_sends_a_quarter_of_the_float32_bytes(ranks):
+    results = ranks.run(traffic_of, "int8", {"block_size": 1024}, 1 << 16)
+    fp32 = 2 * (WORLD - 1) / WORLD * 4 * (1 << 16)
+    assert results[0] == pytest.approx(fp32 / 4 * (1 + 4 / 1024), rel=0.01)
+
+
+def traffic_of(rank, world, name, options, numel):
+    from ddp_plugin import collectives
+
+    collectives.ledger.ranks_per_node = 1  # every other rank is on another "node": all traffic counts as cross
+    collectives.ledger.take()
+    codec = BUILTIN_CODECS[name](**options)
+    codec.on_cross_node_reduce(tensor=torch.randn(numel), group=dist.group.WORLD, bucket=make_bucket([(numel,)])).wait()
+    return collectives.ledger.take().cross_node_bytes
+
+
+def test_int8_non_finite_gradient_reaches_the_output_and_does_not_poison_the_residual(ranks):
+    data = inputs(2, 512, seed=2)
+    data[1, 0, 7] = float("inf")
+    results = ranks.run(reduce_steps, "int8", {"block_size": 64}, [(512,)], data)
+    outs, state, _ = results[1]
+    assert not torch.isfinite(outs[0]).all()
+    assert torch.isfinite(outs[1]).all()
+    assert torch.isfinite(state["residual"]).all()
+
+
+# ---------------------------------------------------------------------- top-k
+
+
+def test_topk_sends_the_largest_magnitudes_of_each_rank(ranks):
+    data = inputs(1, 1000, seed=3)
+    out = ranks.run(reduce_steps, "topk", {"ratio": 0.05, "error_feedback": False}, [(1000,)], data)[0][0][0]
+    expected = torch.zeros(1000)
+    for r in range(WORLD):
+        idx = data[r, 0].abs().topk(50).indices
+        expected[idx] += data[r, 0, idx]
+    torch.testing.assert_close(out, expected / WORLD)
+
+
+def test_topk_with_ratio_one_is_the_exact_mean(ranks):
+    data = inputs(1, 300, seed=4)
+    out = ranks.run(reduce_steps, "topk", {"ratio": 1.0}, [(300,)], data)[0][0][0]
+    torch.testing.assert_close(out, data[:, 0].mean(0))
+
+
+# ---------------------------------------------------------------------- PowerSGD
+
+
+def test_powersgd_averages_exactly_before_start_iter(ranks):
+    data = inputs(3, 64 * 64, seed=5)
+    outs = ranks.run(reduce_steps, "powersgd", {"start_iter": 2, "error_feedback": False}, [(64, 64)], data)[0][0]
+    means = data.mean(0)
+    torch.testing.assert_close(outs[:2], means[:2])
+    assert (outs[2] - means[2]).abs().max() > 0.1  # a full-rank random matrix is not rank 4
+
+
+def test_powersgd_recovers_a_low_rank_mean_and_sends_vectors_uncompressed(ranks):
+    g = torch.Generator().manual_seed(6)
+    shared = torch.randn(2, 48, generator=g)
+    matrices = torch.stack([torch.randn(32, 2, generator=g) @ shared for _ in range(WORLD)])  # mean has rank 2
+    biases = torch.randn(WORLD, 48, generator=g)
+    data = torch.cat([matrices.flatten(1), biases], dim=1)[:, None]
+    out = ranks.run(reduce_steps, "powersgd", {"rank": 4, "start_iter": 0, "error_feedback": False},
+                    [(32, 48), (48,)], data)[0][0][0]
+    torch.testing.assert_close(out, data[:, 0].mean(0), atol=1e-4, rtol=1e-4)
+
+
+def test_powersgd_min_compression_rate_sends_small_matrices_uncompressed(ranks):
+    data = inputs(1, 16 * 16, seed=7)
+    # 16 x 16 at rank 4: compression rate 256 / (4 * 32) = 2, below 3.
+    out = ranks.run(reduce_steps, "powersgd", {"start_iter": 0, "min_compression_rate": 3.0}, [(16, 16)], data)[0][0][0]
+    torch.testing.assert_close(out, data[:, 0].mean(0))
+
+
+def test_powersgd_maps_a_shard_of_a_bucket_to_whole_rows_of_its_parameters():
+    # Parameters (4 x 10) at 0, (10,) at 40, (6 x 5) at 50; the shard is bucket[25:55].
+    shapes = [torch.Size((4, 10)), torch.Size((10,)), torch.Size((6, 5))]
+    segments = matrix_segments(shapes, [0, 40, 50], start=25, length=30, rank=4, min_compression_rate=0.1)
+    # Row 3 of the first matrix (bucket[30:40]) and row 0 of the last (bucket[50:55]); row 2 is cut by the shard.
+    assert segments == [(5, 1, 10), (25, 1, 5)]
+
+
+def test_powersgd_runs_many_buckets_one_after_another(ranks):
+    results = ranks.run(many_buckets, 12)
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+def many_buckets(rank, world, count):
+    codec = BUILTIN_CODECS["powersgd"](start_iter=0, rank=2)
+    outs = []
+    for step in range(3):
+        for index in range(count):
+            bucket = make_bucket([(8 + index, 12)], index=index)
+            tensor = torch.randn(bucket.numel, generator=torch.Generator().manual_seed(rank * 1000 + step * 100 + index))
+            codec.on_cross_node_reduce(tensor=tensor, group=dist.group.WORLD, bucket=bucket).wait()
+            outs.append(tensor)
+    return torch.cat(outs)
+
+
+# ---------------------------------------------------------------------- error feedback and state
+
+
+def pending(name, states, numel, options):
+    """What error feedback still owes the mean: the mean of the ranks' residuals (plus int8's residuals of each
+    rank's chunk of the mean)."""
+    owed = torch.stack([s["residual"] for s in states]).mean(0)
+    if name == "int8":
+        owed = owed + torch.cat([s["chunk_residual"].flatten() for s in states])[:numel]
+    return owed
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("int8", {"block_size": 128}), ("topk", {"ratio": 0.05}), ("powersgd", {"rank": 2, "start_iter": 0})],
+)
+def test_error_feedback_carries_what_compression_left_out(ranks, name, options):
+    # Summed over steps, outputs plus what the residuals still hold equal the exact means: nothing is lost.
+    steps, shape = 6, (24, 40)
+    data = inputs(steps, 24 * 40, seed=8)
+    results = ranks.run(reduce_steps, name, options, [shape], data)
+    outs, states = results[0][0], [r[1] for r in results]
+    exact = data.mean(0).sum(0)
+    sent = outs.sum(0)
+    owed = pending(name, states, 24 * 40, options)
+    assert (sent - exact).abs().max() > 1e-2  # compression did lose something this run...
+    torch.testing.assert_close(sent + owed, exact, atol=1e-4, rtol=1e-4)  # ...and error feedback kept it
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("int8", {"block_size": 128}), ("topk", {"ratio": 0.05}), ("powersgd", {"rank": 2, "start_iter": 2})],
+)
+def test_codec_state_round_trips_through_a_checkpoint(ranks, name, options):
+    results = ranks.run(resume_step, name, options, [(24, 40)], inputs(5, 24 * 40, seed=9))
+    for (uninterrupted, resumed), saved in results:
+        assert torch.equal(uninterrupted, resumed)
+        assert saved[f"codec/{name}"]["world_size"] == WORLD
+        assert len(saved[f"codec/{name}"]["ranks"]) == WORLD
+
+
+def test_stateless_codecs_save_nothing():
+    assert BUILTIN_CODECS["fp16"]().on_save_state_dict() is None
+
+
+def test_resume_on_another_world_size_keeps_only_shared_state():
+    codec = BUILTIN_CODECS["powersgd"]()
+    saved = {"codec/powersgd": {"world_size": 8, "ranks": [
+        {0: {"numel": 10, "iteration": 7, "q": torch.ones(3), "residual": torch.ones(10)}}] * 8}}
+    codec.on_load_state_dict(state=saved)  # this process is not distributed: world size 1
+    assert set(codec._state[0]) == {"numel", "iteration", "q"}
+
+
+# ---------------------------------------------------------------------- bad options fail at construction
+
+
+@pytest.mark.parametrize(
+    ("compression", "options", "pattern"),
+    [
+        ("powersgd", {"rank": 0}, r"`compression_options\['rank'\]=0`.*'powersgd'.*allowed values: a positive integer"),
+        ("powersgd", {"rank": -2}, r"compression_options\['rank'\]=-2"),
+        ("powersgd", {"rank": 2.5}, r"compression_options\['rank'\]=2.5"),
+        ("powersgd", {"start_iter": -1}, r"compression_options\['start_iter'\]=-1.*integer >= 0"),
+        ("powersgd", {"min_compression_rate": 0}, r"compression_options\['min_compression_rate'\]=0.*> 0"),
+        ("powersgd", {"epsilon": -1e-8}, r"compression_options\['epsilon'\].*>= 0"),
+        ("powersgd", {"warm_start": "yes"}, r"compression_options\['warm_start'\]='yes'.*True, False"),
+        ("topk", {"ratio": 0}, r"compression_options\['ratio'\]=0`.*'topk'.*allowed values: a number in \(0, 1\]"),
+        ("topk", {"ratio": 1.5}, r"compression_options\['ratio'\]=1.5"),
+        ("topk", {"ratio": float("nan")}, r"compression_options\['ratio'\]=nan"),
+        ("int8", {"block_size": 0}, r"compression_options\['block_size'\]=0`.*'int8'.*allowed values: a positive integer"),
+        ("int8", {"block_size": -256}, r"compression_options\['block_size'\]=-256"),
+        ("int8", {"blocksize": 256}, r"`compression_options\['blocksize'\]` is not an option of `compression='int8'`;"
+                                     r" accepted options: 'block_size', 'error_feedback'"),
+        ("fp16", {"rank": 4}, r"compression_options\['rank'\]` is not an option of `compression='fp16'`;"
+                              r" accepted options: none"),
+    ],
+)
+def test_bad_codec_option_fails_at_construction(compression, options, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        HierarchicalZeroStrategy(compression=compression, compression_options=options)
+
+
+def test_unknown_codec_message_lists_the_built_in_codecs():
+    with pytest.raises(ValueError, match=r"`compression='fp8'`.*allowed values: None, .*'fp16', 'bf16', 'int8', 'topk',"
+                                         r" 'powersgd'"):
+        HierarchicalZeroStrategy(compression="fp8")
+
+
+def test_good_options_are_kept():
+    strategy = HierarchicalZeroStrategy(compression="powersgd", compression_options={"rank": 2, "start_iter": 5})
+    assert strategy.compression_options == {"rank": 2, "start_iter": 5}
