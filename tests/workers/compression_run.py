@@ -1,0 +1,157 @@
+"""Worker for the C3 tests: trains one character-level model on real text under every codec, one after the
+other in the same processes, and writes what each run reached.
+
+    python tests/workers/compression_run.py --out result.json [--configs none,fp16,...] [--steps 150]
+
+The text is the source of the standard library's ``argparse`` module (about 100k characters; no download).
+4 CPU ranks as 2 simulated nodes x 2 (``devices_per_node=2``), so the hierarchical reducer runs and each codec
+compresses the cross-node shard, over several buckets (a 0.1 MB bucket cap). Every configuration sees the same
+initial parameters and the same batches; the result for each is the loss on held-out text (the last 10% of the
+file) after the same number of steps, plus the mean training loss of the last 20 steps and the cross-node
+traffic per step as the strategy's accounting measured it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from ddp_plugin import HierarchicalZeroStrategy
+
+CONTEXT = 16
+GLOBAL_BATCH = 64
+HELD_OUT = 4096
+
+CONFIGS: dict[str, tuple[str | None, dict]] = {
+    "none": (None, {}),
+    "fp16": ("fp16", {}),
+    "bf16": ("bf16", {}),
+    "int8": ("int8", {}),
+    "topk": ("topk", {}),
+    "powersgd": ("powersgd", {}),
+    "onebit": ("onebit", {}),  # the example package's codec, installed through its entry point
+}
+
+
+def corpus() -> tuple[torch.Tensor, int]:
+    text = Path(argparse.__file__).read_text(encoding="utf-8")
+    vocab = sorted(set(text))
+    index = {c: i for i, c in enumerate(vocab)}
+    return torch.tensor([index[c] for c in text], dtype=torch.long), len(vocab)
+
+
+def windows(ids: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    offsets = starts[:, None] + torch.arange(CONTEXT + 1)
+    chunk = ids[offsets]
+    return chunk[:, :CONTEXT], chunk[:, CONTEXT]
+
+
+class CharModel(L.LightningModule):
+    """Predict the next character from the previous 16: embeddings, one hidden layer, logits."""
+
+    def __init__(self, vocab: int, dataset: TensorDataset) -> None:
+        super().__init__()
+        self.dataset = dataset
+        self.embed = nn.Embedding(vocab, 24)
+        self.hidden = nn.Linear(CONTEXT * 24, 192)
+        self.out = nn.Linear(192, vocab)
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.gelu(self.hidden(self.embed(x).flatten(1))))
+
+    def on_train_start(self) -> None:
+        self.num_buckets = len(self.trainer.strategy.engine.buckets)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def train_dataloader(self) -> DataLoader:
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = DistributedSampler(self.dataset, num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(self.dataset, batch_size=GLOBAL_BATCH // world, sampler=sampler)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+
+
+def run(name: str, steps: int, ids: torch.Tensor, vocab: int) -> dict:
+    compression, options = CONFIGS[name]
+    split = int(len(ids) * 0.9)
+    g = torch.Generator().manual_seed(0)
+    train = TensorDataset(*windows(ids, torch.randint(0, split - CONTEXT - 1, (steps * GLOBAL_BATCH,), generator=g)))
+    held_x, held_y = windows(ids, torch.randint(split, len(ids) - CONTEXT - 1, (HELD_OUT,), generator=g))
+
+    L.seed_everything(1234, verbose=False)
+    model = CharModel(vocab, train)
+    strategy = HierarchicalZeroStrategy(
+        devices_per_node=2, compression=compression, compression_options=options, bucket_size_mb=0.1
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    start = time.perf_counter()
+    trainer.fit(model)
+    seconds = time.perf_counter() - start
+
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    every = trainer.strategy.all_gather(flat)
+    with torch.no_grad():
+        held_out = nn.functional.cross_entropy(model(held_x), held_y).item()
+    return {
+        "codec": compression,
+        "options": options,
+        "held_out_loss": held_out,
+        "train_loss_last20": sum(model.losses[-20:]) / len(model.losses[-20:]),
+        "first_loss": model.losses[0],
+        "steps": trainer.global_step,
+        "cross_node_MB_per_step": strategy.metric_means.get("comm/cross_node_MB"),
+        "buckets": model.num_buckets,
+        "identical_on_all_ranks": bool((every == every[0]).all()),
+        "seconds": seconds,
+        "hierarchical": strategy.uses_hierarchical_reducer,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--steps", type=int, default=150)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ids, vocab = corpus()
+    results = {}
+    for name in args.configs.split(","):
+        results[name] = run(name, args.steps, ids, vocab)
+        if name == "onebit":
+            import onebit_codec
+
+            results[name]["module"] = onebit_codec.__file__
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
