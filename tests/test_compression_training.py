@@ -72,6 +72,23 @@ def test_every_codec_run_keeps_parameters_identical_on_all_ranks_over_several_bu
     assert all(run["hierarchical"] and run["buckets"] > 1 for run in c3.values())
 
 
+@pytest.mark.parametrize(
+    ("name", "keys"),
+    [("int8", ["chunk_residual", "numel", "residual"]), ("topk", ["numel", "residual"]),
+     ("powersgd", ["iteration", "numel", "q", "residual"]), ("onebit", [])],
+)
+def test_codec_state_of_every_rank_is_in_the_checkpoint(c3, name, keys):
+    saved = c3[name]["saved_state"]
+    assert saved["world_size"] == 4
+    assert saved["buckets_per_rank"] == [c3[name]["buckets"]] * 4
+    assert saved["keys"] == keys
+
+
+def test_stateless_codecs_and_no_codec_save_no_codec_state(c3):
+    assert c3["none"]["saved_state"] is None
+    assert c3["fp16"]["saved_state"] is None and c3["bf16"]["saved_state"] is None
+
+
 def test_onebit_trained_from_the_installed_package(c3, onebit_install):
     assert c3["onebit"]["module"].startswith(str(onebit_install))
 

@@ -87,7 +87,7 @@ class CharModel(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
 
 
-def run(name: str, steps: int, ids: torch.Tensor, vocab: int) -> dict:
+def run(name: str, steps: int, ids: torch.Tensor, vocab: int, out_dir: str) -> dict:
     compression, options = CONFIGS[name]
     split = int(len(ids) * 0.9)
     g = torch.Generator().manual_seed(0)
@@ -114,6 +114,13 @@ def run(name: str, steps: int, ids: torch.Tensor, vocab: int) -> dict:
     trainer.fit(model)
     seconds = time.perf_counter() - start
 
+    # Codec state through a real checkpoint: every rank takes part in saving, rank 0 writes everyone's state.
+    path = os.path.join(out_dir, f"{name}.ckpt")
+    trainer.save_checkpoint(path)
+    saved = None
+    if trainer.is_global_zero:
+        saved = torch.load(path, weights_only=False).get("ddp_plugin", {}).get(f"codec/{compression}")
+
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     every = trainer.strategy.all_gather(flat)
     with torch.no_grad():
@@ -130,6 +137,12 @@ def run(name: str, steps: int, ids: torch.Tensor, vocab: int) -> dict:
         "identical_on_all_ranks": bool((every == every[0]).all()),
         "seconds": seconds,
         "hierarchical": strategy.uses_hierarchical_reducer,
+        "saved_state": None if saved is None else {
+            "world_size": saved["world_size"],
+            "buckets_per_rank": [len(rank_state) for rank_state in saved["ranks"]],
+            "keys": sorted({k for rank_state in saved["ranks"] for s in rank_state.values() if isinstance(s, dict)
+                            for k in s}),
+        },
     }
 
 
@@ -143,7 +156,7 @@ def main() -> None:
     ids, vocab = corpus()
     results = {}
     for name in args.configs.split(","):
-        results[name] = run(name, args.steps, ids, vocab)
+        results[name] = run(name, args.steps, ids, vocab, os.path.dirname(os.path.abspath(args.out)))
         if name == "onebit":
             import onebit_codec
 
