@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ddp_plugin import collectives
+from ddp_plugin import collectives, health
 from ddp_plugin.hookspecs import Bucket
 
 if TYPE_CHECKING:
@@ -109,6 +109,10 @@ class GradientEngine:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.buckets: list[Bucket] = build_buckets(reversed(named), bucket_cap_bytes, FIRST_BUCKET_BYTES)
         self.require_sync = True
+        self.check_finite = False
+        self.nonfinite = False
+        """After a synchronizing backward with ``check_finite``: whether any rank had a NaN/Inf gradient."""
+        self._local_nonfinite = False
         self._hook = hook
         # Bookkeeping (which parameters got a gradient) runs on a group of its own, so gloo moves it alongside the
         # last bucket instead of queueing it behind, and it never interleaves with the plugins' collectives.
@@ -159,6 +163,7 @@ class GradientEngine:
         self._pending = [len(b.params) for b in self.buckets]
         self._next_launch = 0
         self._in_flight = []
+        self._local_nonfinite = False
         torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
     def _launch_ready(self) -> None:
@@ -166,6 +171,9 @@ class GradientEngine:
             self._launch(self.buckets[self._next_launch])
 
     def _launch(self, bucket: Bucket) -> None:
+        if self.check_finite and not self._local_nonfinite:
+            # Checked before the reduction: a codec could turn a NaN into a finite value on the wire.
+            self._local_nonfinite = not bool(torch.isfinite(bucket.buffer).all())
         self._in_flight.append(self._comm.submit(self._reduce, bucket))
         self._next_launch = bucket.index + 1
 
@@ -185,12 +193,8 @@ class GradientEngine:
         if not self._armed:
             return
         self._armed = False
-        # Which parameters got a gradient on any rank. The same collective runs on every rank every step, so
-        # ranks whose data skipped a branch cannot hang; it moves 4 bytes per parameter tensor.
-        used = torch.tensor(
-            [p.grad is not None for p in self._params], dtype=torch.int32, device=self.buckets[0].buffer.device
-        )
-        used_work = collectives.all_reduce(used, group=self._flags_group, async_op=True)
+        # Which parameters got a gradient on this rank; taken before the fill-up below, which keeps None as None.
+        flags = [p.grad is not None for p in self._params]
         for bucket in self.buckets[self._next_launch :]:
             if self._pending[bucket.index] != 0:
                 for i, p in enumerate(bucket.params):
@@ -202,16 +206,31 @@ class GradientEngine:
                         p.grad = view
             self._launch(bucket)
 
+        # Agree with the other ranks on which parameters got a gradient anywhere (and, with check_finite, whether
+        # any rank saw a NaN/Inf): one small all-reduce on the bookkeeping group, which gloo runs beside the
+        # bucket reductions. The same collective runs on every rank every step, so ranks whose data skipped a
+        # branch cannot hang.
+        flags.append(self._local_nonfinite)
+        counts = torch.tensor(flags, dtype=torch.int32, device=self.buckets[0].buffer.device)
+        flags_work = collectives.all_reduce(counts, group=self._flags_group, async_op=True)
+
         waiting_since = time.perf_counter()
-        for submitted in self._in_flight:
-            submitted.result().wait()
-        used_work.wait()
+        try:
+            for submitted in self._in_flight:
+                submitted.result().wait()
+            flags_work.wait()
+        except Exception as err:
+            # A peer died or hung: say which one, rather than gloo's "Connection closed by peer [ip]:port".
+            raise RuntimeError(health.diagnose(err)) from err
+        finally:
+            self._in_flight = []
         sync_wait_s = time.perf_counter() - waiting_since
-        self._in_flight = []
 
         # A parameter some rank used holds the mean (zeros from the ranks that did not use it were averaged
         # in); one no rank used has no gradient at all, so optimizers skip it as they would in one process.
-        for p, view, count in zip(self._params, self._flat_views, used.tolist()):
+        *used, nonfinite = counts.tolist()
+        self.nonfinite = nonfinite > 0
+        for p, view, count in zip(self._params, self._flat_views, used):
             p.grad = view if count else None
         self._hook.on_after_backward(buckets=self.buckets, sync_wait_s=sync_wait_s)
 

@@ -32,12 +32,14 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from ddp_plugin import collectives, health
 from ddp_plugin.engine import GradientEngine
 from ddp_plugin.plugin_manager import build_plugin_manager
 from ddp_plugin.topology import Layout, build_topology
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 
 ZERO_STAGES = (0, 1, 2, 3)
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+WEIGHTINGS = ("rank", "sample")
 CHECKPOINT_KEY = "ddp_plugin"
 
 
@@ -78,6 +81,11 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         plugins: extra plugin objects; pluggy calls them before the built-ins.
         broadcast_buffers: broadcast module buffers (e.g. BatchNorm statistics) from rank 0 before each
             training step, as DDP does.
+        skip_nonfinite: when any rank's gradients hold a NaN or Inf, every rank skips that optimizer step (one
+            flag travels with the engine's bookkeeping all-reduce); counted in ``skipped_steps`` and logged as
+            ``train/skipped_steps``.
+        weighting: ``"rank"`` averages the ranks' gradients (DDP's mean); ``"sample"`` weights each rank by the
+            samples in its batch, so uneven batches give exactly the gradient of the mean loss over their union.
         progress_bar_metrics: also show the synchronization metrics (``comm/...``) in the progress bar.
         process_group_backend: ``"nccl"``, ``"gloo"`` or ``"mpi"``; default NCCL on CUDA, gloo on CPU, MPI
             when launched by ``mpirun`` and torch has MPI support.
@@ -99,6 +107,8 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         plugins: Iterable[object] = (),
         broadcast_buffers: bool = True,
         progress_bar_metrics: bool = False,
+        skip_nonfinite: bool = False,
+        weighting: Literal["rank", "sample"] = "rank",
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -126,6 +136,11 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         build_plugin_manager(self.compression, self.extra_plugins, compression_options=self.compression_options)
         self.broadcast_buffers = bool(broadcast_buffers)
         self.progress_bar_metrics = bool(progress_bar_metrics)
+        self.skip_nonfinite = _check_choice("skip_nonfinite", skip_nonfinite, (False, True))
+        self.weighting = _check_choice("weighting", weighting, WEIGHTINGS)
+        self.skipped_steps = 0
+        self._heartbeat: health.Heartbeat | None = None
+        self._sample_weight: tuple[Any, Tensor, int] | None = None
         self._process_group_backend = _check_backend(process_group_backend)
         self._timeout = _check_timeout(timeout)
         self._start_method = _check_choice("start_method", start_method, START_METHODS)
@@ -268,6 +283,10 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             flags_group=self._flags_group,
             device=self.root_device,
         )
+        self._engine.check_finite = self.skip_nonfinite
+        if self._heartbeat is None:
+            self._heartbeat = health.Heartbeat()
+        self.skipped_steps = 0
         pm.hook.on_setup(topology=self.topology, buckets=self._engine.buckets, hook=pm.hook, options=self._options())
         if self._pending_plugin_state is not None:
             pm.hook.on_load_state_dict(state=self._pending_plugin_state)
@@ -299,6 +318,9 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             self._plugin_manager.hook.on_teardown()
             self._engine.remove()
             self._print_metric_summary()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         # The plugin manager stays until the next `fit`: `trainer.save_checkpoint` after `fit` still needs the
         # plugins' state.
         self._engine = None
@@ -321,7 +343,27 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             buffers = [b for b in self.model.buffers()]
             if buffers:
                 dist._broadcast_coalesced(dist.group.WORLD, buffers, 250 * 2**20, 0)
+        if self.weighting == "sample" and self._engine is not None and args:
+            # Overlaps the forward pass; backward waits for it to weight the loss.
+            count = torch.tensor([float(extract_batch_size(args[0]))], dtype=torch.float64, device=self.root_device)
+            total = count.clone()
+            work = collectives.all_reduce(total, group=self._flags_group, async_op=True)
+            self._sample_weight = (work, total, int(count.item()))
         return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._sample_weight is not None:
+            work, total, count = self._sample_weight
+            self._sample_weight = None
+            try:
+                work.wait()
+            except Exception as err:
+                raise RuntimeError(health.diagnose(err)) from err
+            # Each rank's loss is a mean over its own samples; scaled by N * n_r / sum(n), the average over ranks
+            # the reducers compute becomes the mean over every sample of the step.
+            closure_loss = closure_loss * (self.world_size * count / total.item())
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @contextmanager
     @override
@@ -360,9 +402,21 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             pm.hook.on_pre_optimizer_step(optimizer=optimizer)
             return result
 
-        output = super().optimizer_step(optimizer, closure_then_hook, model, **kwargs)
+        if self.skip_nonfinite:
+            # Run forward and backward first: whether to step is known only after the gradients are synchronized.
+            result = closure_then_hook()
+            if self._engine.nonfinite:
+                self.skipped_steps += 1
+                optimizer.zero_grad(set_to_none=True)
+                self._log_metrics(pm)
+                return result
+            output = super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+        else:
+            output = super().optimizer_step(optimizer, closure_then_hook, model, **kwargs)
         pm.hook.on_after_optimizer_step(optimizer=optimizer)
         self._log_metrics(pm)
+        if self._heartbeat is not None:
+            self._heartbeat.step += 1
         return output
 
     # ------------------------------------------------------------------ metrics
@@ -371,6 +425,8 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         metrics: dict[str, float] = {}
         for part in pm.hook.on_collect_metrics():
             metrics.update(part or {})
+        if self.skip_nonfinite:
+            metrics["train/skipped_steps"] = float(self.skipped_steps)
         if not metrics:
             return
         for name, value in metrics.items():
@@ -391,6 +447,12 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             return
         rows = "\n".join(f"  {name:<24} {value:12.3f}" for name, value in sorted(self.metric_means.items()))
         rank_zero_info(f"ddp_plugin: per-step means over {self._metric_steps} optimizer steps (rank 0):\n{rows}")
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # The other ranks' failing collectives will name this rank and this error.
+        if not isinstance(exception, (dist.DistBackendError, KeyboardInterrupt)) and "synchronization failed" not in str(exception):
+            health.report_exception(exception)
 
     # ------------------------------------------------------------------ collectives for Lightning
 

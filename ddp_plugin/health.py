@@ -1,0 +1,95 @@
+"""Telling the user which rank broke when a collective fails, instead of a socket error from deep in gloo.
+
+When a rank dies (killed, crashed, out of memory) its peers' next collective fails at once on gloo ("Connection
+closed by peer") or, for ranks not talking to it directly, after the process group's timeout. Neither error says
+which rank. So every rank keeps a heartbeat on the rendezvous store (a counter a background thread bumps twice a
+second, with the rank's step), and a rank that raises an exception of its own leaves it there. On a failure,
+:func:`diagnose` watches the counters for a moment: ranks whose counter stopped are gone; if every rank is alive,
+the ranks furthest behind in steps are the stuck ones. Counters, not clocks, so hosts need not agree on the time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.distributed as dist
+
+_PREFIX = "ddp_plugin/health"
+BEAT_INTERVAL_S = 0.5
+WATCH_S = 2.0
+
+
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+class Heartbeat:
+    """A daemon thread that bumps this rank's counter on the store every ``BEAT_INTERVAL_S`` seconds."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self._rank = dist.get_rank()
+        self._store = _store()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ddp_plugin-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(BEAT_INTERVAL_S):
+            try:
+                self._store.add(f"{_PREFIX}/beat/{self._rank}", 1)
+                self._store.set(f"{_PREFIX}/step/{self._rank}", str(self.step))
+            except Exception:  # noqa: BLE001 - the store's host is gone; diagnose() will say so
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def report_exception(exc: BaseException) -> None:
+    """Leave this rank's error on the store for the other ranks' diagnosis; never raises."""
+    try:
+        if dist.is_initialized():
+            _store().set(f"{_PREFIX}/failed/{dist.get_rank()}", f"{type(exc).__name__}: {exc}"[:500])
+    except Exception:  # noqa: BLE001 - the store may be gone too; the original error is what matters
+        pass
+
+
+def _read(store: dist.Store, kind: str, rank: int) -> str | None:
+    key = f"{_PREFIX}/{kind}/{rank}"
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def diagnose(error: BaseException, watch_s: float = WATCH_S) -> str:
+    """A sentence naming the ranks that failed, died or are stuck, for the error this rank raises."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    try:
+        store = _store()
+        before = [store.add(f"{_PREFIX}/beat/{r}", 0) for r in range(world)]
+        deadline = time.monotonic() + watch_s
+        while time.monotonic() < deadline:
+            try:
+                time.sleep(0.1)
+            except Exception:  # noqa: BLE001 - e.g. Lightning's SIGTERM handler failing its own collective
+                pass
+        after = [store.add(f"{_PREFIX}/beat/{r}", 0) for r in range(world)]
+        failed = {r: msg for r in range(world) if (msg := _read(store, "failed", r)) is not None}
+        steps = {r: int(s) for r in range(world) if (s := _read(store, "step", r)) is not None}
+    except Exception:  # noqa: BLE001
+        return (
+            f"rank {me}: gradient synchronization failed and the rendezvous store is unreachable, so the process"
+            f" hosting it (rank 0 under Lightning's launcher) is gone. Original error: {error}"
+        )
+    parts = [f"rank {r} failed with {msg}" for r, msg in sorted(failed.items())]
+    gone = [r for r in range(world) if after[r] == before[r] and r not in failed]
+    if gone:
+        parts.append(f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} stopped (killed or crashed)")
+    if not parts and steps:
+        slowest = min(steps.values())
+        behind = [r for r, s in sorted(steps.items()) if s == slowest]
+        if slowest < max(steps.values()):
+            parts.append(f"every rank is alive, and rank(s) {', '.join(map(str, behind))} are stuck at step {slowest}")
+    if not parts:
+        parts.append("every rank is alive, so a link between them failed or a collective timed out")
+    return f"rank {me}: gradient synchronization failed because {'; '.join(parts)}. Original error: {error}"

@@ -1,0 +1,112 @@
+"""Worker for the reliability tests.
+
+    torchrun --nproc_per_node 4 tests/workers/reliability_run.py --mode die --die-rank 2       # C5
+    python tests/workers/reliability_run.py --mode nonfinite --out DIR                         # NaN on one rank
+    python tests/workers/reliability_run.py --mode weighting --out DIR [--weighting rank]      # uneven batches
+    python tests/workers/reliability_run.py --mode weighting --out DIR --devices 0             # reference
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddp_plugin import HierarchicalZeroStrategy
+
+SIZES = (2, 3, 5, 6)  # uneven per-rank batch sizes; their union is one reference batch of 16
+STEPS = 12
+NAN_STEP = 5
+
+
+class Model(L.LightningModule):
+    def __init__(self, mode: str, die_rank: int = -1) -> None:
+        super().__init__()
+        self.mode, self.die_rank = mode, die_rank
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        self.history: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.mode == "die" and self.global_rank == self.die_rank and self.global_step == 20:
+            print(f"rank {self.global_rank} kills itself (SIGKILL) at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.mode == "nonfinite" and self.global_rank == 1 and self.global_step == NAN_STEP:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.history.append(torch.cat([p.detach().flatten() for p in self.parameters()]).clone())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def data(n: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, x.sum(1, keepdim=True).sin())
+
+
+def uneven_batches(rank: int, world: int) -> list[list[int]]:
+    """Step j: the union over ranks is samples [16j, 16j+16); rank r takes SIZES[r] of them (world 4), or all."""
+    if world == 1:
+        return [list(range(16 * j, 16 * j + 16)) for j in range(STEPS)]
+    start = sum(SIZES[:rank])
+    return [list(range(16 * j + start, 16 * j + start + SIZES[rank])) for j in range(STEPS)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", required=True, choices=["die", "nonfinite", "weighting"])
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--die-rank", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=None, help="seconds; default: the strategy's")
+    parser.add_argument("--weighting", default="rank")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    model = Model(args.mode, args.die_rank)
+    if args.devices:
+        timeout = {"timeout": args.timeout} if args.timeout else {}
+        strategy = HierarchicalZeroStrategy(
+            **timeout, skip_nonfinite=args.mode == "nonfinite", weighting=args.weighting
+        )
+    else:
+        strategy = "auto"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=max(args.devices, 1), strategy=strategy,
+        max_steps=500 if args.mode == "die" else STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=args.mode != "weighting",
+    )
+    if args.mode == "weighting":
+        # The batches depend on the rank, known once the Trainer has set up its environment.
+        rank, world = int(os.environ.get("LOCAL_RANK", 0)), max(args.devices, 1)
+        loader = DataLoader(data(16 * STEPS), batch_sampler=uneven_batches(rank, world))
+    else:
+        loader = DataLoader(data(4096), batch_size=8)
+    start = time.time()
+    try:
+        trainer.fit(model, loader)
+    except BaseException as err:
+        print(f"rank {trainer.global_rank} exits after {time.time() - start:.1f} s: {type(err).__name__}: {err}",
+              flush=True)
+        raise
+    history = torch.stack(model.history)
+    every_rank = trainer.strategy.all_gather(history) if trainer.world_size > 1 else history[None]
+    if trainer.is_global_zero:
+        torch.save({"history": history, "every_rank": every_rank,
+                    "skipped": getattr(trainer.strategy, "skipped_steps", 0)},
+                   os.path.join(args.out, f"{args.mode}-{args.devices}-{args.weighting}.pt"))
+
+
+if __name__ == "__main__":
+    main()
