@@ -90,7 +90,7 @@ def test_launch_runs_gloo_across_nodes_with_ring_traffic_on_the_link(cluster):
                              nproc_per_node=ranks_per_node, timeout=120)
     sent = [cluster.tx_bytes(node) - before[node] for node in range(2)]
     for result in results:
-        assert result.ok, f"node {result.node} exited with {result.returncode}:\n{result.stdout}\n{result.stderr[-4000:]}"
+        assert result.ok, f"node {result.node} exited {result.returncode}:\n{result.stdout}\n{result.stderr[-4000:]}"
     reports = [json.loads(line) for r in results for line in r.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3]
     assert all(r["world"] == 4 and r["ok"] for r in reports)
