@@ -438,6 +438,11 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=self.progress_bar_metrics)
 
     @property
+    def metric_totals(self) -> dict[str, float]:
+        """Sums of the plugins' per-step metrics over the current or last ``fit`` (this rank's values)."""
+        return dict(self._metric_sums)
+
+    @property
     def metric_means(self) -> dict[str, float]:
         """Per-step means of the plugins' metrics over the current or last ``fit`` (this rank's values)."""
         return {name: total / max(self._metric_steps, 1) for name, total in self._metric_sums.items()}

@@ -104,7 +104,8 @@ def dataset(accumulate: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def run(name: str, devices: int, devices_per_node: int | None, hierarchical: bool | None, out: str) -> None:
+def run(name: str, devices: int, devices_per_node: int | None, hierarchical: bool | None, out: str,
+        num_nodes: int = 1) -> None:
     cfg = CONFIGS[name]
     accumulate = cfg.get("accumulate", 1)
     L.seed_everything(1234, verbose=False)
@@ -121,6 +122,7 @@ def run(name: str, devices: int, devices_per_node: int | None, hierarchical: boo
     trainer = L.Trainer(
         accelerator="cpu",
         devices=trainer_devices,
+        num_nodes=num_nodes if devices else 1,
         strategy=strategy,
         max_steps=STEPS,
         accumulate_grad_batches=accumulate,
@@ -155,13 +157,14 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--devices-per-node", type=int, default=None)
+    parser.add_argument("--num-nodes", type=int, default=1, help="real nodes (e.g. torchrun on a simulated cluster)")
     parser.add_argument("--hierarchical", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.configs.split(","):
         hierarchical = {"auto": None, "on": True, "off": False}[args.hierarchical]
-        run(name, args.devices, args.devices_per_node, hierarchical, args.out)
+        run(name, args.devices, args.devices_per_node, hierarchical, args.out, args.num_nodes)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,34 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
+class KernelCounters(L.Callback):
+    """On a simulated cluster node (GLOO_SOCKET_IFNAME names its link): the link's kernel tx_bytes and our own
+    cross-node accounting, both over the same window of steps (after warmup, between barriers)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.kernel_tx = 0.0
+        self.ours = 0.0
+
+    @staticmethod
+    def _tx() -> int:
+        with open(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes") as f:
+            return int(f.read())
+
+    def _mark(self, trainer) -> tuple[int, float]:
+        trainer.strategy.barrier()
+        return self._tx(), trainer.strategy.metric_totals.get("comm/cross_node_MB", 0.0) * 1e6
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.warmup:
+            self._start = self._mark(trainer)
+
+    def on_train_end(self, trainer, pl_module):
+        tx, ours = self._mark(trainer)
+        self.kernel_tx = float(tx - self._start[0])
+        self.ours = ours - self._start[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -41,13 +69,17 @@ def main() -> None:
     parser.add_argument("--devices-per-node", type=int, default=None)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     strategy = HierarchicalZeroStrategy(devices_per_node=args.devices_per_node, hierarchical=False if args.flat else None)
+    on_cluster = "GLOO_SOCKET_IFNAME" in os.environ
+    counters = KernelCounters(args.warmup)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy, max_steps=args.steps,
         logger=CSVLogger(args.out, name="csv", version=0), log_every_n_steps=1,
+        callbacks=[counters] if on_cluster else [],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     model = Model(args.width)
@@ -56,6 +88,7 @@ def main() -> None:
     means = strategy.metric_means
     names = sorted(means)
     every_rank = trainer.strategy.all_gather(torch.tensor([means[n] for n in names], dtype=torch.float64))
+    node_traffic = trainer.strategy.all_gather(torch.tensor([counters.kernel_tx, counters.ours], dtype=torch.float64))
     if trainer.is_global_zero:
         with open(os.path.join(args.out, "traffic.json"), "w") as f:
             json.dump({
@@ -65,6 +98,9 @@ def main() -> None:
                 "num_params": len(list(model.parameters())),
                 "hierarchical": strategy.uses_hierarchical_reducer,
                 "steps": trainer.global_step,
+                "window_steps": args.steps - args.warmup,
+                # per rank: [kernel tx bytes of its node's link (local rank 0 only, else 0), our cross-node bytes]
+                "window_traffic": node_traffic.tolist(),
             }, f)
 
 
