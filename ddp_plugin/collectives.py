@@ -39,6 +39,7 @@ class TrafficLedger:
         self.ranks_per_node = 1
         self._traffic = Traffic()
         self._lock = threading.Lock()  # the communication thread and the training thread both record
+        self._local = threading.local()
 
     def record(self, group: dist.ProcessGroup | None, sends: list[tuple[int, float]]) -> None:
         """``sends``: (destination rank within ``group``, bytes) pairs for this rank."""
@@ -52,6 +53,11 @@ class TrafficLedger:
         with self._lock:
             self._traffic.intra_node_bytes += int(intra)
             self._traffic.cross_node_bytes += int(cross)
+        self._local.sent = self.sent_by_this_thread() + int(intra + cross)
+
+    def sent_by_this_thread(self) -> int:
+        """Bytes recorded so far by the calling thread: the difference around a call is what that call sent."""
+        return getattr(self._local, "sent", 0)
 
     def take(self) -> Traffic:
         with self._lock:

@@ -14,7 +14,7 @@ from conftest import WORKERS, run_python
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     out = {}
-    for name, flags in (("hierarchical", []), ("flat", ["--flat"])):
+    for name, flags in (("hierarchical", []), ("flat", ["--flat"]), ("int8", ["--compression", "int8"])):
         d = tmp_path_factory.mktemp(name)
         run_python(WORKERS / "traffic_run.py", "--out", d, "--devices-per-node", "2", *flags)
         out[name] = json.loads((d / "traffic.json").read_text()) | {"dir": d}
@@ -62,3 +62,20 @@ def test_traffic_metrics_appear_in_the_csv_logger_every_step(runs):
     rank0 = run["per_rank"][0][run["names"].index("comm/cross_node_MB")]
     assert all(float(r["comm/cross_node_MB"]) == pytest.approx(rank0, rel=1e-6) for r in rows)
     assert all(float(r["comm/wait_ms"]) >= 0 for r in rows)
+
+
+def test_int8_codec_reports_its_compression_ratio_and_sends_a_quarter(runs):
+    run, plain = runs["int8"], runs["hierarchical"]
+    ratio = run["per_rank"][0][run["names"].index("comm/compression_ratio")]
+    assert 3.5 < ratio <= 4.0  # int8 payload plus one fp32 scale per block, against fp32
+    assert plain["per_rank"][0][plain["names"].index("comm/compression_ratio")] == 1.0
+    cross = [sum(per_node_cross_bytes(r)) for r in (run, plain)]
+    assert cross[0] == pytest.approx(cross[1] / ratio, rel=0.02)
+
+
+def test_communication_time_and_the_share_hidden_behind_backward_are_reported(runs):
+    run = runs["hierarchical"]
+    col = {name: i for i, name in enumerate(run["names"])}
+    for row in run["per_rank"]:
+        assert row[col["comm/time_ms"]] >= row[col["comm/wait_ms"]] > 0
+        assert 0.0 <= row[col["comm/hidden_share"]] <= 1.0

@@ -70,10 +70,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compression", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
-    strategy = HierarchicalZeroStrategy(devices_per_node=args.devices_per_node, hierarchical=False if args.flat else None)
+    strategy = HierarchicalZeroStrategy(devices_per_node=args.devices_per_node, hierarchical=False if args.flat else None,
+                                        compression=args.compression)
     on_cluster = "GLOO_SOCKET_IFNAME" in os.environ
     counters = KernelCounters(args.warmup)
     trainer = L.Trainer(
