@@ -154,10 +154,13 @@ def traffic_of(rank, world, name, options, numel):
     return collectives.ledger.take().cross_node_bytes
 
 
-def test_int8_non_finite_gradient_reaches_the_output_and_does_not_poison_the_residual(ranks):
+@pytest.mark.parametrize(
+    ("name", "options"), [("int8", {"block_size": 64}), ("topk", {"ratio": 0.1}), ("powersgd", {"start_iter": 0})]
+)
+def test_non_finite_gradient_reaches_the_output_and_does_not_poison_later_steps(ranks, name, options):
     data = inputs(2, 512, seed=2)
     data[1, 0, 7] = float("inf")
-    results = ranks.run(reduce_steps, "int8", {"block_size": 64}, [(512,)], data)
+    results = ranks.run(reduce_steps, name, options, [(16, 32)], data)
     outs, state, _ = results[1]
     assert not torch.isfinite(outs[0]).all()
     assert torch.isfinite(outs[1]).all()

@@ -512,6 +512,7 @@ class PowerSGDCodec(Codec):
             raise _option_error(self.name, "seed", seed, "an integer")
         self.seed = seed
         self._segments: dict[int, list[tuple[int, int, int]]] = {}
+        self._rest: dict[int, Tensor] = {}  # per bucket: True where values travel uncompressed
 
     def _stateful(self) -> bool:
         return True
@@ -556,9 +557,12 @@ class PowerSGDCodec(Codec):
             x = tensor + state["residual"] if "residual" in state else tensor.clone()
 
         # The uncompressed rest first, averaged exactly; it travels while the matrix products run.
-        rest = torch.ones(tensor.numel(), dtype=torch.bool, device=tensor.device)
-        for offset, rows, cols in segments:
-            rest[offset : offset + rows * cols] = False
+        rest = self._rest.get(bucket.index)
+        if rest is None or rest.device != tensor.device:
+            rest = torch.ones(tensor.numel(), dtype=torch.bool, device=tensor.device)
+            for offset, rows, cols in segments:
+                rest[offset : offset + rows * cols] = False
+            self._rest[bucket.index] = rest
         rest_values = x[rest].div_(n)
         rest_work = collectives.all_reduce(rest_values, group=group, async_op=True)
 
@@ -584,7 +588,11 @@ class PowerSGDCodec(Codec):
                 torch.matmul(m.t(), p, out=q)
             collectives.all_reduce(q_flat, group=group, async_op=True).wait()
             q_flat.div_(n)
-            state["q"] = q_flat
+            # Warm start reuses Q; a non-finite gradient would otherwise leave NaN in every later step.
+            if torch.isfinite(q_flat).all():
+                state["q"] = q_flat
+            else:
+                state.pop("q", None)
             # Decompress in place (M is no longer needed): the tensor's matrices become P Q^T.
             for (o, rows, cols), p, q in zip(segments, ps, qs):
                 torch.matmul(p, q.t(), out=tensor[o : o + rows * cols].view(rows, cols))
