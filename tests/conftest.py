@@ -7,6 +7,19 @@ from pathlib import Path
 
 import pytest
 
+from ddp_plugin.simcluster import SimulatedCluster, available
+
+_cluster_ok, _cluster_reason = available()
+needs_cluster = pytest.mark.skipif(not _cluster_ok, reason=_cluster_reason)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two simulated nodes (network namespaces) joined by a 1 Gbit/s link, torn down after the module."""
+    with SimulatedCluster(nodes=2, rate="1gbit") as c:
+        yield c
+
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "workers"
 

@@ -5,22 +5,14 @@ nodes, and C1/C2 hold with torchrun on real separate "nodes"."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from conftest import WORKERS, run_python
-from ddp_plugin.simcluster import SimulatedCluster, available
+from conftest import WORKERS, needs_cluster, run_python
+from ddp_plugin.simcluster import SimulatedCluster
 
-ok, reason = available()
-pytestmark = pytest.mark.skipif(not ok, reason=reason)
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[SimulatedCluster]:
-    with SimulatedCluster(nodes=2, rate="1gbit") as c:
-        yield c
+pytestmark = needs_cluster  # the `cluster` fixture (conftest.py): 2 nodes, 1 Gbit/s
 
 
 def launch(cluster: SimulatedCluster, *argv) -> None:

@@ -6,23 +6,15 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
-from conftest import WORKERS
-from ddp_plugin.simcluster import SimulatedCluster, available, parse_rate
+from conftest import WORKERS, needs_cluster
+from ddp_plugin.simcluster import SimulatedCluster, parse_rate
 
 PROBE = str(WORKERS / "simcluster_probe.py")
 
-ok, reason = available()
-pytestmark = pytest.mark.skipif(not ok, reason=reason)
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[SimulatedCluster]:
-    with SimulatedCluster(nodes=2, rate="1gbit") as c:
-        yield c
+pytestmark = needs_cluster  # the `cluster` fixture (conftest.py): 2 nodes, 1 Gbit/s
 
 
 def namespaces() -> list[str]:

@@ -8,15 +8,15 @@ import torch
 
 from ddp_plugin import collectives
 from ddp_plugin.hookspecs import hookimpl
+from ddp_plugin.plugins.flat_reducer import FlatReducer
 
 if TYPE_CHECKING:
-    from pluggy import HookRelay
     from torch import Tensor
 
-    from ddp_plugin.hookspecs import Bucket, Topology
+    from ddp_plugin.hookspecs import Bucket
 
 
-class HierarchicalReducer:
+class HierarchicalReducer(FlatReducer):
     """Average a bucket in three stages over M nodes of k ranks:
 
     1. intra-node reduce-scatter: local rank l receives the node's sum of chunk l of the bucket (1/k of it);
@@ -37,15 +37,6 @@ class HierarchicalReducer:
     the same and needs no extra buffer.
     """
 
-    def __init__(self) -> None:
-        self._hook: HookRelay | None = None
-        self._topology: Topology | None = None
-
-    @hookimpl
-    def on_setup(self, topology: Topology, hook: HookRelay) -> None:
-        self._topology = topology
-        self._hook = hook
-
     @property
     def splits(self) -> bool:
         t = self._topology
@@ -53,11 +44,8 @@ class HierarchicalReducer:
 
     @hookimpl(trylast=True)
     def on_bucket_ready(self, bucket: Bucket) -> torch.futures.Future:
-        assert self._hook is not None and self._topology is not None, "on_setup must run before backward"
         if not self.splits:
-            return self._hook.on_cross_node_reduce(
-                tensor=bucket.buffer, group=self._topology.world_group, bucket=bucket
-            )
+            return super().on_bucket_ready(bucket)
         shard = self.reduce_to_shard(bucket)
         return self.gather_shard(bucket, shard)
 
