@@ -130,7 +130,8 @@ def on_pre_optimizer_step(optimizer: Optimizer) -> None:
 
 @hookspec
 def on_after_optimizer_step(optimizer: Optimizer) -> None:
-    """Called right after ``optimizer.step``. A sharder gathers the updated parameters here.
+    """Called right after ``optimizer.step``. A sharder gathers the updated parameters here. Not called for a
+    step that ``skip_nonfinite`` skipped (the parameters did not change).
 
     :param optimizer: the user's optimizer.
     """
