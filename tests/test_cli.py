@@ -1,0 +1,63 @@
+"""LightningCLI: the strategy and its flags from YAML (`trainer.strategy.class_path` + `init_args`)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.cli import LightningCLI
+
+import ddp_plugin  # noqa: F401
+from ddp_plugin import HierarchicalZeroStrategy
+
+
+class Model(L.LightningModule):
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, hidden)
+
+
+def cli_from_yaml(tmp_path, text: str) -> LightningCLI:
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    return LightningCLI(Model, run=False, save_config_callback=None, args=["--config", str(config)])
+
+
+def test_flags_from_yaml_init_args(tmp_path):
+    cli = cli_from_yaml(tmp_path, """
+trainer:
+  accelerator: cpu
+  devices: 4
+  logger: false
+  strategy:
+    class_path: ddp_plugin.HierarchicalZeroStrategy
+    init_args:
+      devices_per_node: 2
+      hierarchical: false
+      compression: int8
+      compression_options: {block_size: 256}
+      skip_nonfinite: true
+      timeout: 120
+""")
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, HierarchicalZeroStrategy)
+    assert (strategy.devices_per_node, strategy.hierarchical, strategy.compression) == (2, False, "int8")
+    assert strategy.compression_options == {"block_size": 256}
+    assert strategy.skip_nonfinite and strategy._timeout.total_seconds() == 120
+
+
+def test_registered_name_from_yaml(tmp_path):
+    cli = cli_from_yaml(tmp_path, "trainer: {accelerator: cpu, devices: 2, logger: false, strategy: hierarchical_zero}\n")
+    assert isinstance(cli.trainer.strategy, HierarchicalZeroStrategy)
+
+
+def test_bad_flag_in_yaml_names_it(tmp_path):
+    with pytest.raises(ValueError, match=r"`compression='zip'`.*allowed values"):
+        cli_from_yaml(tmp_path, """
+trainer:
+  accelerator: cpu
+  devices: 2
+  strategy:
+    class_path: ddp_plugin.HierarchicalZeroStrategy
+    init_args: {compression: zip}
+""")
