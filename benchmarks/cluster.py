@@ -165,6 +165,27 @@ def summarize(name: str, runs: list[dict[str, Any]], nodes: int) -> dict[str, An
 # ---------------------------------------------------------------------------------------------- reporting
 
 
+def _library_revision() -> str:
+    """The commit the library was measured at, and whether its files had uncommitted changes."""
+    import subprocess
+
+    def git(*argv: str) -> str:
+        proc = subprocess.run(["git", *argv], cwd=HERE.parent, capture_output=True, text=True)
+        return proc.stdout.rstrip() if proc.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return "not a git checkout"
+    dirty = git("status", "--porcelain", "--", "ddp_plugin", "hookspecs")
+    changed = [line[3:] for line in dirty.splitlines()]
+    if not changed:
+        return f"commit {commit}"
+    # A hash of the changed files' content, so a run can tell whether the library changed under it.
+    files = [str(HERE.parent / c) for c in changed if (HERE.parent / c).is_file()]
+    content = "".join(git("hash-object", *files).split())[:12] if files else "deleted"
+    return f"commit {commit} with uncommitted changes in {', '.join(changed)} (content {content})"
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -185,6 +206,8 @@ def write_markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[st
         f"- command: `{cmd}`",
         f"- torch {torch.__version__}, lightning {lightning.__version__}, Python {platform.python_version()},"
         f" {platform.machine()}, {os.cpu_count()} CPU cores shared by all {args.nodes * args.nproc_per_node} ranks",
+        f"- ddp_plugin: {args.revision_start}" + (
+            "" if args.revision_end == args.revision_start else f"; CHANGED during the run, at its end: {args.revision_end}"),
         f"- cluster: `ddp_plugin.simcluster.SimulatedCluster(nodes={args.nodes}, rate={args.rate!r})`, one network"
         " namespace per node, veth link capped with tbf per direction; gloo over the veth (`GLOO_SOCKET_IFNAME`),"
         " intra-node traffic over the namespace's loopback; one torchrun per node",
@@ -327,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmarks/cluster.py: skipped, the simulated cluster cannot run here: {reason}")
         return 0
 
+    args.revision_start = _library_revision()
     order = [c for _ in range(args.repeats) for c in args.contenders]
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in args.contenders}
     t_all = time.perf_counter()
@@ -346,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{i + 1}/{len(order)}] {name:<20} median {statistics.median(r0['step_s']):.3f} s/step,"
                   f" cross-node {tx:.2f} MB/node/step ({res['wall_s']:.0f} s wall)", flush=True)
 
+    args.revision_end = _library_revision()
     rows = [summarize(name, runs[name], args.nodes) for name in args.contenders]
     png = args.out.with_suffix(".png")
     args.out.parent.mkdir(parents=True, exist_ok=True)
