@@ -78,7 +78,10 @@ class HierarchicalReducer(FlatReducer):
             shard = padded.new_empty(c)
             collectives.reduce_scatter_single(shard, padded, group=topo.intra_node_group)
         else:
-            received = padded.new_empty(k * c)
+            # Kept per bucket: allocating a bucket-sized buffer every step only churns the allocator.
+            received = bucket.state.get("hierarchical_received")
+            if received is None:
+                received = bucket.state["hierarchical_received"] = padded.new_empty(k * c)
             collectives.all_to_all_single(received, padded, group=topo.intra_node_group)
             shard = received.view(k, c).sum(dim=0)
         fut = self._hook.on_cross_node_reduce(tensor=shard, group=topo.inter_node_group, bucket=bucket)
