@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -159,6 +160,15 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
+        if self.local_rank >= len(self.parallel_devices):
+            if all(d.type == "cpu" for d in self.parallel_devices):
+                # More ranks on this node than `devices`: let it reach the collective layout check, which fails
+                # on every rank with one message instead of this rank alone with an IndexError.
+                return torch.device("cpu")
+            raise ValueError(
+                f"This node runs local rank {self.local_rank}, but `devices={len(self.parallel_devices)}`: start"
+                " as many processes per node as `devices` says (e.g. torchrun's `--nproc_per_node`)."
+            )
         return self.parallel_devices[self.local_rank]
 
     @property
@@ -227,9 +237,33 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._check_ranks_per_node()
         self.topology, self._flags_group = _process_groups(
             self._layout(), self.root_device, self._process_group_backend, id(dist.group.WORLD)
         )
+
+    def _check_ranks_per_node(self) -> None:
+        """Every node must run the same number of ranks, numbered node by node, or the (node, local) mesh would
+        put ranks of one machine on different "nodes". Launchers that know their node's size (torchrun sets
+        LOCAL_WORLD_SIZE) are checked against the layout; all ranks agree on the verdict, so all fail together."""
+        if self.devices_per_node is not None:
+            return  # simulated nodes: the user chose the layout on purpose
+        assert self.cluster_environment is not None
+        mine = (self.cluster_environment.node_rank(), int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes)))
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        per_node: dict[int, int] = {}
+        for node, size in every:
+            per_node[node] = size
+        k = self.num_processes
+        misplaced = [r for r, (node, _) in enumerate(every) if r // k != node]
+        if set(per_node.values()) != {k} or misplaced:
+            sizes = ", ".join(f"node {n}: {size}" for n, size in sorted(per_node.items()))
+            raise ValueError(
+                f"Every node must run the same number of ranks, `devices={k}` each, numbered node by node; the"
+                f" launcher reports {sizes}. Start the same number of processes on every node (e.g. the same"
+                " `--nproc_per_node` for torchrun) and set `devices` to it."
+            )
 
     def _get_process_group_backend(self) -> str:
         if self._process_group_backend:

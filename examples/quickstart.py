@@ -77,7 +77,8 @@ class Report(L.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=4, help="ranks per node")
+    parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--devices-per-node", type=int, default=None, help="simulate nodes of this many ranks")
@@ -93,6 +94,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=strategy,
         max_steps=args.max_steps,
         callbacks=[Report()],

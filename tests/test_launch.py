@@ -89,3 +89,23 @@ def test_mpirun_launch(mpi_python):
     out = report(proc)
     assert "4 ranks (1 node(s) x 4), backend gloo, launched by MPIEnvironment" in out
     assert "parameters identical on all ranks: True" in out
+
+
+def test_uneven_ranks_per_node_fail_on_every_rank_with_a_clear_message():
+    # Two torchrun "nodes" on loopback with 3 and 1 processes: Lightning's own check (devices * num_nodes ==
+    # world size) passes with devices=2, num_nodes=2, but the (node, local) layout would be wrong.
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+             "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(port),
+             str(QUICKSTART), "--devices", "2", "--num-nodes", "2", "--max-steps", "5"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        )
+        for node, nproc in ((0, 3), (1, 1))
+    ]
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert all(p.returncode != 0 for p in procs)
+    for out in outputs:
+        assert "Every node must run the same number of ranks, `devices=2` each" in out
+    assert "node 0: 3, node 1: 1" in outputs[0]

@@ -98,7 +98,7 @@ def test_launch_runs_gloo_across_nodes_with_ring_traffic_on_the_link(cluster):
 def test_a_failing_node_stops_the_others_promptly(cluster):
     # Node 1's ranks crash before joining; node 0 would otherwise wait for them until the rendezvous times out.
     start = time.monotonic()
-    results = cluster.launch([PROBE, "crash-on-node", "--node", "1"], nproc_per_node=1, timeout=60)
+    results = cluster.launch([PROBE, "crash-on-node", "--crash-node", "1"], nproc_per_node=1, timeout=60)
     assert not results[1].ok and not results[1].killed
     assert results[0].killed and not results[0].timed_out
     assert time.monotonic() - start < 30

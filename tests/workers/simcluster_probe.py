@@ -127,7 +127,7 @@ def allreduce(args: argparse.Namespace) -> dict:
 def crash_on_node(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
-    if int(os.environ["GROUP_RANK"]) == args.node:
+    if int(os.environ["GROUP_RANK"]) == args.crash_node:
         sys.exit(3)
     dist.init_process_group("gloo")  # waits for the dead node's ranks: only the launcher can end this
     return {"ok": False}
@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--bytes", type=int, default=65536)
     parser.add_argument("--mb", type=int, default=10, help="all-reduce tensor size in MB (10^6 bytes)")
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--node", type=int, default=1, help="the node whose ranks crash (crash-on-node)")
+    parser.add_argument("--crash-node", type=int, default=1, help="the node whose ranks crash (crash-on-node)")
     args = parser.parse_args()
     result = globals()[args.mode.replace("-", "_")](args)
     print(json.dumps(result), flush=True)
