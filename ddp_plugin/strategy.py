@@ -3,6 +3,7 @@ calls into hook calls; tensors and collectives are the plugins' business."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -567,12 +568,23 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             strategy_registry.register(name, cls, description=description, **init_params)
 
 
+def _destroy_process_groups_at_exit() -> None:
+    # torch asks for destroy_process_group() before exit. Left to interpreter teardown, gloo groups are freed
+    # in no particular order while their threads may still run, and the process can abort after a successful
+    # run ("terminate called without an active exception").
+    # Drop our own references first, so the groups are freed here, while the interpreter is whole.
+    _process_groups.cache_clear()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @functools.lru_cache(maxsize=None)
 def _process_groups(
     layout: Layout, device: torch.device, backend: str, world_id: int
 ) -> tuple[Topology, dist.ProcessGroup]:
     """The mesh's groups and a world-sized group for the engine's bookkeeping, created once per process and
     default group: several `fit` calls in one script share them (gloo groups destroyed mid-run abort at exit)."""
+    atexit.register(_destroy_process_groups_at_exit)
     return build_topology(layout, device), dist.new_group(backend=backend)
 
 

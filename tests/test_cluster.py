@@ -17,7 +17,8 @@ pytestmark = needs_cluster  # the `cluster` fixture (conftest.py): 2 nodes, 1 Gb
 
 def launch(cluster: SimulatedCluster, *argv) -> None:
     results = cluster.launch([str(a) for a in argv], nproc_per_node=2, timeout=300)
-    for r in results:
+    # The node that failed first tells why; the launcher then killed the others.
+    for r in sorted(results, key=lambda r: r.killed):
         assert r.ok, f"node {r.node} exited with {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
 
 
