@@ -79,3 +79,7 @@ def test_communication_time_and_the_share_hidden_behind_backward_are_reported(ru
     for row in run["per_rank"]:
         assert row[col["comm/time_ms"]] >= row[col["comm/wait_ms"]] > 0
         assert 0.0 <= row[col["comm/hidden_share"]] <= 1.0
+
+
+def test_progress_bar_shows_the_statistics_when_asked(runs):
+    assert {"comm/cross_node_MB", "comm/intra_node_MB", "comm/wait_ms"} <= set(runs["hierarchical"]["progress_bar"])

@@ -75,7 +75,7 @@ def main() -> None:
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     strategy = HierarchicalZeroStrategy(devices_per_node=args.devices_per_node, hierarchical=False if args.flat else None,
-                                        compression=args.compression)
+                                        compression=args.compression, progress_bar_metrics=True)
     on_cluster = "GLOO_SOCKET_IFNAME" in os.environ
     counters = KernelCounters(args.warmup)
     trainer = L.Trainer(
@@ -100,6 +100,7 @@ def main() -> None:
                 "num_params": len(list(model.parameters())),
                 "hierarchical": strategy.uses_hierarchical_reducer,
                 "steps": trainer.global_step,
+                "progress_bar": sorted(trainer.progress_bar_metrics),
                 "window_steps": args.steps - args.warmup,
                 # per rank: [kernel tx bytes of its node's link (local rank 0 only, else 0), our cross-node bytes]
                 "window_traffic": node_traffic.tolist(),
