@@ -9,7 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -242,7 +242,3 @@ class GradientEngine:
             handle.remove()
         self._handles = []
         self._comm.shutdown(wait=True)
-
-    @property
-    def params(self) -> Sequence[Parameter]:
-        return self._params
