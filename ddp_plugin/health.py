@@ -63,8 +63,32 @@ class Heartbeat:
         self._thread.join(timeout=5)
 
 
+_diagnosed = False
+
+# What gloo and NCCL say when a peer is gone or a collective timed out; such an error is a consequence.
+_COMM_ERROR_MARKS = ("gloo", "NCCL", "pair closure", "Connection closed", "Connection reset", "Timed out waiting",
+                     "synchronization failed")
+
+
+def is_communication_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised while handling) is a failed collective rather than a cause:
+    torchrun SIGTERMs the survivors of a dead rank, and Lightning's SIGTERM handler then fails its own broadcast
+    with a bare "Application timeout caused pair closure"."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (dist.DistBackendError, KeyboardInterrupt)) or any(m in str(exc) for m in _COMM_ERROR_MARKS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def report_exception(exc: BaseException) -> None:
-    """Leave this rank's error on the store for the other ranks' diagnosis; never raises."""
+    """Leave this rank's error on the store for the other ranks' diagnosis; never raises. A rank that already
+    diagnosed a peer's failure reports nothing: what it raises next (say, from Lightning's SIGTERM handler's own
+    broadcast) is a consequence, not a cause."""
+    if _diagnosed or is_communication_error(exc):
+        return
     try:
         if dist.is_initialized():
             _store().set(f"{_PREFIX}/failed/{dist.get_rank()}", f"{type(exc).__name__}: {exc}"[:500])
@@ -79,9 +103,14 @@ def _read(store: dist.Store, kind: str, rank: int) -> str | None:
 
 def diagnose(error: BaseException, watch_s: float = WATCH_S) -> str:
     """A sentence naming the ranks that failed, died or are stuck, for the error this rank raises."""
+    global _diagnosed
+    _diagnosed = True
     me, world = dist.get_rank(), dist.get_world_size()
     try:
         store = _store()
+        # Said before watching: a rank that sees this one's heartbeat stop (it exits after its own watch) reads
+        # this key after that, and does not name a rank that only gave up after a peer failed.
+        store.set(f"{_PREFIX}/victim/{me}", "1")
         before = [store.add(f"{_PREFIX}/beat/{r}", 0) for r in range(world)]
         deadline = time.monotonic() + watch_s
         while time.monotonic() < deadline:
@@ -92,13 +121,14 @@ def diagnose(error: BaseException, watch_s: float = WATCH_S) -> str:
         after = [store.add(f"{_PREFIX}/beat/{r}", 0) for r in range(world)]
         failed = {r: msg for r in range(world) if (msg := _read(store, "failed", r)) is not None}
         steps = {r: int(s) for r in range(world) if (s := _read(store, "step", r)) is not None}
+        victims = {r for r in range(world) if _read(store, "victim", r) is not None}
     except Exception:  # noqa: BLE001
         return (
             f"rank {me}: gradient synchronization failed and the rendezvous store is unreachable, so the process"
             f" hosting it (rank 0 under Lightning's launcher) is gone. Original error: {error}"
         )
     parts = [f"rank {r} failed with {msg}" for r, msg in sorted(failed.items())]
-    gone = [r for r in range(world) if after[r] == before[r] and r not in failed]
+    gone = [r for r in range(world) if after[r] == before[r] and r not in failed and r not in victims]
     if gone:
         parts.append(f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} stopped (killed or crashed)")
     if not parts and steps:

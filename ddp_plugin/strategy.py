@@ -491,8 +491,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # The other ranks' failing collectives will name this rank and this error.
-        if not isinstance(exception, (dist.DistBackendError, KeyboardInterrupt)) and "synchronization failed" not in str(exception):
-            health.report_exception(exception)
+        health.report_exception(exception)
 
     # ------------------------------------------------------------------ collectives for Lightning
 

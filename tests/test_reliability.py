@@ -29,9 +29,24 @@ def test_killed_rank_makes_every_other_rank_exit_naming_it_within_the_timeout():
     assert set(exits) == {0, 1, 3}, out[-4000:]
     # Every survivor raised, and the ones whose synchronization failed say which rank is gone.
     assert re.search(r"rank [13]: gradient synchronization failed because .*rank 2 stopped \(killed or crashed\)", out)
+    # ...and only rank 2: a survivor that gave up first (or whose exit came from Lightning's SIGTERM handler
+    # failing its own broadcast) is never named as a cause.
+    for because in re.findall(r"gradient synchronization failed because (.*?)\. Original error", out):
+        assert because == "rank 2 stopped (killed or crashed)", because
     # Within the timeout plus a small margin (the diagnosis watches heartbeats for 2 s).
     assert time.time() - killed_at < TIMEOUT_S + 10
     assert time.monotonic() - start < 180
+
+
+def test_rank_raising_its_own_error_makes_the_others_exit_quoting_it():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
+           str(WORKERS / "reliability_run.py"), "--mode", "raise", "--die-rank", "2", "--timeout", str(TIMEOUT_S)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert re.search(r"rank 2 exits after [\d.]+ s: ValueError: the user's training_step broke on purpose", out)
+    assert re.search(r"rank [013]: gradient synchronization failed because rank 2 failed with ValueError: the user's"
+                     r" training_step broke on purpose", out), out[-4000:]
 
 
 def test_nan_on_one_rank_skips_the_step_on_every_rank_and_training_goes_on(tmp_path):

@@ -1,6 +1,7 @@
 """Worker for the reliability tests.
 
     torchrun --nproc_per_node 4 tests/workers/reliability_run.py --mode die --die-rank 2       # C5
+    torchrun --nproc_per_node 4 tests/workers/reliability_run.py --mode raise --die-rank 2     # an error of its own
     python tests/workers/reliability_run.py --mode nonfinite --out DIR                         # NaN on one rank
     python tests/workers/reliability_run.py --mode weighting --out DIR [--weighting rank]      # uneven batches
     python tests/workers/reliability_run.py --mode weighting --out DIR --devices 0             # reference
@@ -37,6 +38,8 @@ class Model(L.LightningModule):
         if self.mode == "die" and self.global_rank == self.die_rank and self.global_step == 20:
             print(f"rank {self.global_rank} kills itself (SIGKILL) at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.mode == "raise" and self.global_rank == self.die_rank and self.global_step == 20:
+            raise ValueError("the user's training_step broke on purpose")
         if self.mode == "nonfinite" and self.global_rank == 1 and self.global_step == NAN_STEP:
             x = x.clone()
             x[0, 0] = float("nan")
@@ -65,7 +68,7 @@ def uneven_batches(rank: int, world: int) -> list[list[int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", required=True, choices=["die", "nonfinite", "weighting"])
+    parser.add_argument("--mode", required=True, choices=["die", "raise", "nonfinite", "weighting"])
     parser.add_argument("--out", default=".")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--die-rank", type=int, default=2)
@@ -84,7 +87,7 @@ def main() -> None:
         strategy = "auto"
     trainer = L.Trainer(
         accelerator="cpu", devices=max(args.devices, 1), strategy=strategy,
-        max_steps=500 if args.mode == "die" else STEPS, logger=False, enable_checkpointing=False,
+        max_steps=500 if args.mode in ("die", "raise") else STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=args.mode != "weighting",
     )
     if args.mode == "weighting":
