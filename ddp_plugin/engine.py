@@ -29,12 +29,11 @@ log = logging.getLogger(__name__)
 FIRST_BUCKET_BYTES = 2**20
 
 
-def build_buckets(
+def pack(
     named_params: Iterable[tuple[str, Parameter]], cap_bytes: int, first_cap_bytes: int | None = None
-) -> list[Bucket]:
-    """Pack parameters into buckets of at most ``cap_bytes`` (a single larger parameter gets its own bucket),
-    in the order given, never mixing dtypes or devices. Each parameter's gradient becomes a view into its
-    bucket's buffer; an existing gradient is copied in.
+) -> list[list[tuple[str, Parameter]]]:
+    """Group parameters into buckets of at most ``cap_bytes`` (a single larger parameter gets its own bucket),
+    in the order given, never mixing dtypes or devices.
 
     ``first_cap_bytes`` caps the first bucket only. DDP uses 1 MiB there: the first bucket is the first one
     ready in backward, and a small one starts communication early instead of after a quarter of backward."""
@@ -53,6 +52,24 @@ def build_buckets(
         current_bytes += nbytes
     if current:
         groups.append(current)
+    return groups
+
+
+def build_buckets(
+    named_params: Iterable[tuple[str, Parameter]],
+    cap_bytes: int,
+    first_cap_bytes: int | None = None,
+    groups: Iterable[Iterable[tuple[str, Parameter]]] | None = None,
+    pad_multiple: int = 1,
+) -> list[Bucket]:
+    """Buckets for ``named_params`` packed by :func:`pack`, or for the given ``groups`` (one bucket each, in
+    order). Each parameter's gradient becomes a view into its bucket's buffer; an existing gradient is copied
+    in. Buffers are zero-padded to a multiple of ``pad_multiple`` elements, so a sharder can split every
+    bucket into equal shards without copying (the padding stays zero and belongs to no parameter)."""
+    groups = [list(g) for g in groups] if groups is not None else pack(named_params, cap_bytes, first_cap_bytes)
+    for group in groups:
+        if len({(p.dtype, p.device) for _, p in group}) > 1:
+            raise ValueError(f"A bucket mixes dtypes or devices: {[n for n, _ in group]}")
 
     buckets = []
     for index, group in enumerate(groups):
@@ -61,7 +78,7 @@ def build_buckets(
             offsets.append(total)
             total += p.numel()
         first = group[0][1]
-        buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+        buffer = torch.zeros(-(-total // pad_multiple) * pad_multiple, dtype=first.dtype, device=first.device)
         bucket = Bucket(
             index=index,
             buffer=buffer,
@@ -76,6 +93,13 @@ def build_buckets(
                 p.grad = view
         buckets.append(bucket)
     return buckets
+
+
+def _check_plan(named: list[tuple[str, Parameter]], planned: Iterable[Iterable[tuple[str, Parameter]]]) -> None:
+    expected = {id(p) for _, p in named}
+    seen = [id(p) for group in planned for _, p in group]
+    if len(seen) != len(set(seen)) or set(seen) != expected:
+        raise ValueError("`on_plan_buckets` must return every trainable parameter exactly once.")
 
 
 class GradientEngine:
@@ -105,9 +129,15 @@ class GradientEngine:
         bucket_cap_bytes: int,
         flags_group: dist.ProcessGroup,
         device: torch.device,
+        pad_multiple: int = 1,
     ) -> None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.buckets: list[Bucket] = build_buckets(reversed(named), bucket_cap_bytes, FIRST_BUCKET_BYTES)
+        planned = hook.on_plan_buckets(module=module, named_params=named, cap_bytes=bucket_cap_bytes)
+        if planned is not None:
+            _check_plan(named, planned)
+        self.buckets: list[Bucket] = build_buckets(
+            reversed(named), bucket_cap_bytes, FIRST_BUCKET_BYTES, groups=planned, pad_multiple=pad_multiple
+        )
         self.require_sync = True
         self.check_finite = False
         self.nonfinite = False
@@ -142,8 +172,10 @@ class GradientEngine:
 
     def _make_grad_hook(self, b: int, i: int):
         view = self._views[b][i]
+        bucket = self.buckets[b]
 
         def on_grad_accumulated(p: Parameter) -> None:
+            bucket.materialize()  # a sharder may have released the buffer after the last step
             if p.grad.data_ptr() != view.data_ptr():
                 # The first backward after zero_grad(set_to_none=True) allocated a fresh gradient.
                 view.copy_(p.grad)
@@ -197,6 +229,7 @@ class GradientEngine:
         flags = [p.grad is not None for p in self._params]
         for bucket in self.buckets[self._next_launch :]:
             if self._pending[bucket.index] != 0:
+                bucket.materialize()
                 for i, p in enumerate(bucket.params):
                     view = self._views[bucket.index][i]
                     if p.grad is None:
@@ -230,8 +263,13 @@ class GradientEngine:
         # in); one no rank used has no gradient at all, so optimizers skip it as they would in one process.
         *used, nonfinite = counts.tolist()
         self.nonfinite = nonfinite > 0
+        start = 0
+        for bucket in self.buckets:
+            bucket.grad_used = [bool(c) for c in used[start : start + len(bucket.params)]]
+            start += len(bucket.params)
         for p, view, count in zip(self._params, self._flat_views, used):
-            p.grad = view if count else None
+            # A plugin that released a bucket (a ZeRO sharder keeps only its shard) owns those gradients now.
+            p.grad = view if count and view.untyped_storage().nbytes() else None
         self._hook.on_after_backward(buckets=self.buckets, sync_wait_s=sync_wait_s)
 
     # ------------------------------------------------------------------ lifecycle

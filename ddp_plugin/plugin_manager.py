@@ -10,6 +10,7 @@ import pluggy
 from ddp_plugin.hookspecs import PROJECT_NAME, hooks
 from ddp_plugin.plugins import FlatReducer, HierarchicalReducer, MeanAllReduce, TrafficAccounting
 from ddp_plugin.plugins.codecs import BUILTIN_CODECS
+from ddp_plugin.plugins.zero_sharder import ZeroSharder
 
 
 def new_plugin_manager() -> pluggy.PluginManager:
@@ -41,9 +42,12 @@ def build_plugin_manager(
     extra_plugins: Iterable[object],
     hierarchical: bool = False,
     compression_options: Mapping[str, Any] | None = None,
+    zero_stage: int = 0,
+    shard_scope: str = "global",
+    auto_wrap_policy: Any = None,
 ) -> pluggy.PluginManager:
     """Register, in order: the built-in defaults (``trylast``; the hierarchical or the flat reducer), the
-    traffic accounting, the built-in codec ``compression`` names (constructed with ``compression_options`` as
+    traffic accounting, the ZeRO sharder (``zero_stage`` 1-3), the built-in codec ``compression`` names (constructed with ``compression_options`` as
     keyword arguments, so a bad option fails here), installed plugins from entry points (a codec only when
     ``compression`` names it), then the user's ``plugins=`` objects, which pluggy calls first.
 
@@ -54,6 +58,9 @@ def build_plugin_manager(
         "reducer": HierarchicalReducer() if hierarchical else FlatReducer(),
         "traffic": TrafficAccounting(),
     }
+    if zero_stage:
+        # Answers `on_bucket_ready` before the reducer: gradients are reduced to this rank's shard only.
+        builtins["zero_sharder"] = ZeroSharder(zero_stage, shard_scope, auto_wrap_policy)
     if compression in BUILTIN_CODECS:
         builtins[compression] = BUILTIN_CODECS[compression](**dict(compression_options or {}))
     for name, plugin in builtins.items():

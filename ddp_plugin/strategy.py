@@ -35,7 +35,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -44,6 +44,7 @@ from typing_extensions import override
 from ddp_plugin import collectives, health
 from ddp_plugin.engine import GradientEngine
 from ddp_plugin.plugin_manager import build_plugin_manager
+from ddp_plugin.plugins.zero_sharder import SHARD_SCOPES, check_auto_wrap_policy
 from ddp_plugin.topology import Layout, build_topology
 
 if TYPE_CHECKING:
@@ -58,6 +59,11 @@ log = logging.getLogger(__name__)
 ZERO_STAGES = (0, 1, 2, 3)
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 WEIGHTINGS = ("rank", "sample")
+# Flags a DeepSpeed config can set, with their defaults (an explicitly passed other value wins over the config).
+_CONFIG_FLAGS: dict[str, Any] = {
+    "zero_stage": 0, "shard_scope": "global", "bucket_size_mb": 25, "compression": None,
+    "gradient_clip_norm": None, "timeout": default_pg_timeout,
+}
 CHECKPOINT_KEY = "ddp_plugin"
 
 
@@ -70,8 +76,18 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     decide how a bucket is averaged.
 
     Args:
-        zero_stage: 0 is plain data parallelism. Stages 1-3 (sharded optimizer state, gradients, parameters)
-            are not available yet and raise ``NotImplementedError``.
+        zero_stage: 0 is plain data parallelism; 1 shards the optimizer state, 2 also the gradients, 3 also the
+            parameters (:class:`~ddp_plugin.plugins.ZeroSharder`).
+        shard_scope: ``"global"`` shards over every rank (least memory); ``"node"`` shards over the ranks of a
+            node and replicates across nodes, so parameter all-gathers never cross the slow link (HSDP,
+            DeepSpeed ZeRO++ hpZ).
+        auto_wrap_policy: stage 3 units, whose parameters are gathered together before their forward and
+            backward: module classes (or class names) whose instances become units, or a parameter count
+            (modules are grouped bottom-up into units of at least that many parameters; default 1,000,000).
+        gradient_clip_norm: clip gradients to this global 2-norm before every step (across shards at stages
+            1-3). ``Trainer(gradient_clip_val=...)`` works too.
+        config: a DeepSpeed config (path to a JSON file, or a dict) whose ZeRO settings become these flags;
+            flags passed explicitly win, and every key that has no counterpart is named in a warning.
         devices_per_node: ranks per node. ``None`` takes the launcher's (``devices=``); set it to simulate
             several nodes on one machine. Must divide the world size.
         hierarchical: reduce inside each node, then across nodes with 1/k of the data, then gather inside
@@ -101,6 +117,10 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     def __init__(
         self,
         zero_stage: int = 0,
+        shard_scope: Literal["global", "node"] = "global",
+        auto_wrap_policy: Any = None,
+        gradient_clip_norm: float | None = None,
+        config: str | os.PathLike | dict[str, Any] | None = None,
         devices_per_node: int | None = None,
         hierarchical: bool | None = None,
         compression: str | None = None,
@@ -127,7 +147,24 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        explicit = {k: v for k, v in locals().items() if k in _CONFIG_FLAGS and v != _CONFIG_FLAGS[k]}
+        self._hpz_partition_size: int | None = None
+        if config is not None:
+            mapped = _from_deepspeed_config(config)
+            self._hpz_partition_size = mapped.hpz_partition_size
+            merged = {**mapped.flags, **explicit}
+            zero_stage = merged.get("zero_stage", zero_stage)
+            shard_scope = merged.get("shard_scope", shard_scope)
+            bucket_size_mb = merged.get("bucket_size_mb", bucket_size_mb)
+            compression = merged.get("compression", compression)
+            gradient_clip_norm = merged.get("gradient_clip_norm", gradient_clip_norm)
+            timeout = merged.get("timeout", timeout)
         self.zero_stage = _check_zero_stage(zero_stage)
+        self.shard_scope = _check_choice("shard_scope", shard_scope, SHARD_SCOPES)
+        self.auto_wrap_policy = check_auto_wrap_policy(auto_wrap_policy)
+        self.gradient_clip_norm = (
+            None if gradient_clip_norm is None else _check_positive_number("gradient_clip_norm", gradient_clip_norm)
+        )
         self.devices_per_node = _check_devices_per_node(devices_per_node)
         self.hierarchical = _check_choice("hierarchical", hierarchical, (None, True, False))
         self.compression_options = _check_mapping("compression_options", compression_options)
@@ -135,7 +172,9 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         self.compression = compression
         self.extra_plugins = list(plugins)
         # Assemble the plugins once now, so an unknown codec or a misspelled hook fails here, not on the ranks.
-        build_plugin_manager(self.compression, self.extra_plugins, compression_options=self.compression_options)
+        build_plugin_manager(
+            self.compression, self.extra_plugins, compression_options=self.compression_options, **self._zero_kwargs()
+        )
         self.broadcast_buffers = bool(broadcast_buffers)
         self.progress_bar_metrics = bool(progress_bar_metrics)
         self.skip_nonfinite = _check_choice("skip_nonfinite", skip_nonfinite, (False, True))
@@ -297,18 +336,32 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         if fitting:
             self._setup_plugins()
             self.setup_optimizers(trainer)
+            assert self._plugin_manager is not None
+            for optimizer in self.optimizers:
+                self._plugin_manager.hook.on_setup_optimizer(optimizer=optimizer)
         self.setup_precision_plugin()
+        self._route_gradient_clipping()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _zero_kwargs(self) -> dict[str, Any]:
+        return {"zero_stage": self.zero_stage, "shard_scope": self.shard_scope, "auto_wrap_policy": self.auto_wrap_policy}
 
     def _setup_plugins(self) -> None:
         assert self.topology is not None and self.model is not None
         self._metric_sums, self._metric_steps = {}, 0
+        if self._hpz_partition_size is not None and self._hpz_partition_size != self.topology.ranks_per_node:
+            raise ValueError(
+                f"The DeepSpeed config's `zero_optimization.zero_hpz_partition_size={self._hpz_partition_size}`"
+                f" maps to `shard_scope='node'`, which shards over the {self.topology.ranks_per_node} ranks of a"
+                " node; set it to the ranks per node (or drop it and pass `shard_scope`/`devices_per_node`)."
+            )
         pm = build_plugin_manager(
             self.compression,
             self.extra_plugins,
             hierarchical=self.uses_hierarchical_reducer,
             compression_options=self.compression_options,
+            **self._zero_kwargs(),
         )
         self._plugin_manager = pm
         self._engine = GradientEngine(
@@ -317,12 +370,16 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             bucket_cap_bytes=int(self.bucket_size_mb * 2**20),
             flags_group=self._flags_group,
             device=self.root_device,
+            # Sharded buckets split into equal shards without copies.
+            pad_multiple=self.topology.world_size if self.zero_stage else 1,
         )
         self._engine.check_finite = self.skip_nonfinite
         if self._heartbeat is None:
             self._heartbeat = health.Heartbeat()
         self.skipped_steps = 0
-        pm.hook.on_setup(topology=self.topology, buckets=self._engine.buckets, hook=pm.hook, options=self._options())
+        pm.hook.on_setup(
+            topology=self.topology, buckets=self._engine.buckets, hook=pm.hook, options=self._options(), module=self.model
+        )
         if self._pending_plugin_state is not None:
             pm.hook.on_load_state_dict(state=self._pending_plugin_state)
             self._pending_plugin_state = None
@@ -338,6 +395,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     def _options(self) -> dict[str, Any]:
         return {
             "zero_stage": self.zero_stage,
+            "shard_scope": self.shard_scope,
             "devices_per_node": self.devices_per_node,
             "hierarchical": self.uses_hierarchical_reducer,
             "compression": self.compression,
@@ -435,6 +493,8 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         def closure_then_hook() -> Any:
             result = closure()
             pm.hook.on_pre_optimizer_step(optimizer=optimizer)
+            if self.gradient_clip_norm is not None:
+                self._clip_grad_norm(optimizer, self.gradient_clip_norm)
             return result
 
         if self.skip_nonfinite:
@@ -454,6 +514,76 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             self._heartbeat.step += 1
         return output
 
+    # ------------------------------------------------------------------ gradient clipping
+
+    def _clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        """Clip by the global 2-norm: a sharder answers (each rank holds a shard), else torch's clip."""
+        pm = self._plugin_manager
+        norm = pm.hook.on_clip_grad_norm(optimizer=optimizer, max_norm=max_norm) if pm is not None else None
+        if norm is None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm
+
+    def _route_gradient_clipping(self) -> None:
+        """``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm")`` reaches the precision plugin's
+        ``clip_grad_by_norm``, which would clip each shard by its own norm; send it through the plugins."""
+        plugin = self.precision_plugin
+        if getattr(plugin, "_ddp_plugin_routed", False):
+            return
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+            if self._engine is None:
+                return type(plugin).clip_grad_by_norm(plugin, optimizer, clip_val)
+            self._clip_grad_norm(optimizer, float(clip_val))
+            return None
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        plugin._ddp_plugin_routed = True  # type: ignore[attr-defined]
+
+    @contextmanager
+    def full_parameters(self) -> Generator[None, None, None]:
+        """Inside, every module parameter holds its full value on every rank (at ZeRO stage 3 they are
+        all-gathered, and freed again on exit; call it on every rank). Read-only: changes are not kept."""
+        pm = self._plugin_manager if self._engine is not None else None
+        if pm is not None:
+            pm.hook.on_gather_full_parameters(gather=True)
+        try:
+            yield
+        finally:
+            if pm is not None:
+                pm.hook.on_gather_full_parameters(gather=False)
+
+    # ------------------------------------------------------------------ memory
+
+    def memory_bytes(self) -> dict[str, int]:
+        """This rank's bytes of parameters, gradients and optimizer state, measured on the live tensors (each
+        storage counted once, released ones as zero): module parameters and the optimizers' (sharded) ones,
+        gradient buckets and every ``.grad``, and every tensor in the optimizers' state."""
+        seen: set[int] = set()
+
+        def size(tensors: Iterable[Tensor | None]) -> int:
+            total = 0
+            for t in tensors:
+                if t is None:
+                    continue
+                storage = t.untyped_storage()
+                if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                    continue
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+            return total
+
+        module_params = list(self.model.parameters()) if self.model is not None else []
+        opt_params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+        params = size([*module_params, *opt_params])
+        buckets = [b.buffer for b in self._engine.buckets] if self._engine is not None else []
+        grads = size([*buckets, *(p.grad for p in module_params), *(p.grad for p in opt_params)])
+        state = size(
+            v for opt in self.optimizers for st in opt.state.values() for v in st.values() if isinstance(v, Tensor)
+        )
+        return {"params": params, "grads": grads, "optimizer_state": state, "total": params + grads + state}
+
     # ------------------------------------------------------------------ metrics
 
     def _log_metrics(self, pm: pluggy.PluginManager) -> None:
@@ -462,6 +592,8 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             metrics.update(part or {})
         if self.skip_nonfinite:
             metrics["train/skipped_steps"] = float(self.skipped_steps)
+        memory = self.memory_bytes()
+        metrics.update({f"memory/{name}_MB": value / 1e6 for name, value in memory.items()})
         if not metrics:
             return
         for name, value in metrics.items():
@@ -600,13 +732,17 @@ def _check_choice(flag: str, value: Any, allowed: Iterable[Any]) -> Any:
 def _check_zero_stage(stage: Any) -> int:
     if isinstance(stage, bool) or not isinstance(stage, int):
         raise ValueError(f"`zero_stage={stage!r}` must be an integer; allowed values: 0, 1, 2, 3.")
-    _check_choice("zero_stage", stage, ZERO_STAGES)
-    if stage != 0:
-        raise NotImplementedError(
-            f"`zero_stage={stage}` (ZeRO sharding) is not available yet in this version of ddp_plugin; use"
-            " `zero_stage=0` (plain data parallelism)."
-        )
-    return stage
+    return _check_choice("zero_stage", stage, ZERO_STAGES)
+
+
+def _from_deepspeed_config(config: Any) -> Any:
+    from ddp_plugin.deepspeed_config import describe_ignored, from_deepspeed_config
+
+    mapped = from_deepspeed_config(config)
+    message = describe_ignored(mapped)
+    if message:
+        rank_zero_warn(message)
+    return mapped
 
 
 def _check_devices_per_node(value: Any) -> int | None:

@@ -46,6 +46,9 @@ def build_topology(layout: Layout, device: torch.device) -> Topology:
     mesh = init_device_mesh(
         device.type, (layout.num_nodes, layout.ranks_per_node), mesh_dim_names=("node", "local")
     )
+    k, m = layout.ranks_per_node, layout.num_nodes
+    side_intra, _ = dist.new_subgroups_by_enumeration([[n * k + l for l in range(k)] for n in range(m)])
+    side_inter, _ = dist.new_subgroups_by_enumeration([[n * k + l for n in range(m)] for l in range(k)])
     return Topology(
         world_size=layout.world_size,
         rank=rank,
@@ -57,4 +60,7 @@ def build_topology(layout: Layout, device: torch.device) -> Topology:
         intra_node_group=mesh.get_group("local"),
         inter_node_group=mesh.get_group("node"),
         mesh=mesh,
+        side_world_group=dist.new_group(),
+        side_intra_node_group=side_intra,
+        side_inter_node_group=side_inter,
     )

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from pluggy import HookRelay
     from torch import Tensor
     from torch.distributed import ProcessGroup
+    from torch.nn import Module, Parameter
     from torch.optim import Optimizer
 
     from ddp_plugin.hookspecs.types import Bucket, Topology
@@ -40,10 +41,32 @@ if TYPE_CHECKING:
 # -------------------------------------------------------------------------
 
 
+@hookspec(firstresult=True)
+def on_plan_buckets(
+    module: Module, named_params: Sequence[tuple[str, Parameter]], cap_bytes: int
+) -> Sequence[Sequence[tuple[str, Parameter]]] | None:
+    """Decide which parameters share a gradient bucket, or return ``None`` to let the engine pack them (reverse
+    registration order, ``cap_bytes`` per bucket, a small first bucket, as DDP does).
+
+    A ZeRO stage 3 sharder answers with one bucket per wrapped unit, so a unit's gradients are reduced and its
+    gathered parameters freed as soon as backward is done with it. Return the groups in launch order (the
+    order backward finishes them); parameters must be ``named_params``' own and each appear exactly once.
+
+    Stops at first non-None result.
+
+    :param module: the user's LightningModule.
+    :param named_params: the trainable parameters, in registration order, without duplicates (tied
+        parameters appear once).
+    :param cap_bytes: the ``bucket_size_mb`` flag in bytes.
+    """
+
+
 @hookspec
-def on_setup(topology: Topology, buckets: Sequence[Bucket], hook: HookRelay, options: Mapping[str, Any]) -> None:
+def on_setup(
+    topology: Topology, buckets: Sequence[Bucket], hook: HookRelay, options: Mapping[str, Any], module: Module
+) -> None:
     """Called once per ``fit``, after the process groups exist and the engine has built its buckets, before the
-    first forward.
+    optimizers are created and before the first forward.
 
     :param topology: where this rank sits, with the world, intra-node and inter-node process groups.
     :param buckets: every gradient bucket, in launch order. Plugins may keep references; the buffers live
@@ -52,6 +75,16 @@ def on_setup(topology: Topology, buckets: Sequence[Bucket], hook: HookRelay, opt
         ``hook.on_cross_node_reduce(...)``).
     :param options: the strategy's flags as given by the user (``compression``, ``compression_options``,
         ``bucket_size_mb``, ``zero_stage``, ...), read-only.
+    :param module: the user's LightningModule, on its device, with every rank holding rank 0's parameters.
+    """
+
+
+@hookspec
+def on_setup_optimizer(optimizer: Optimizer) -> None:
+    """Called once per optimizer that ``configure_optimizers`` returned, right after the strategy set it up and
+    before training. A sharder re-points the optimizer's parameter groups at this rank's shard here; it must
+    keep the optimizer object and its ``param_groups`` dicts, so learning-rate schedulers keep working.
+    Raise here (before any step) for an optimizer the plugin cannot handle, saying which and why.
     """
 
 
@@ -125,6 +158,27 @@ def on_pre_optimizer_step(optimizer: Optimizer) -> None:
     updates the parameters. Lightning's own gradient clipping runs after this hook.
 
     :param optimizer: the user's optimizer (the same object ``configure_optimizers`` returned).
+    """
+
+
+@hookspec(firstresult=True)
+def on_clip_grad_norm(optimizer: Optimizer, max_norm: float) -> Tensor | None:
+    """Clip the gradients ``optimizer`` is about to apply so that their global 2-norm is at most ``max_norm``,
+    and return the norm before clipping; or ``None`` to leave it to Lightning (``torch.nn.utils.clip_grad_norm_``
+    over the optimizer's parameters).
+
+    Called for ``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm")`` and the strategy's own
+    ``gradient_clip_norm``. A sharder answers: each rank holds only its shard of the gradients, so the norm
+    needs one all-reduce of the squared norms. Stops at first non-None result.
+    """
+
+
+@hookspec
+def on_gather_full_parameters(gather: bool) -> None:
+    """With ``gather=True``: make every module parameter hold its full value on this rank (a stage 3 sharder
+    all-gathers the units it freed); with ``False``: free them again. Called on every rank, by
+    ``HierarchicalZeroStrategy.full_parameters()`` (to read the parameters, e.g. for a checkpoint); changes
+    made to parameters meanwhile are not kept.
     """
 
 

@@ -36,6 +36,9 @@ class Bucket:
     params: tuple[Parameter, ...]
     names: tuple[str, ...]
     offsets: tuple[int, ...]
+    grad_used: list[bool] = field(default_factory=list)
+    """After a synchronizing backward: whether any rank produced a gradient for ``params[i]`` (a parameter no
+    rank used gets ``.grad = None``, as in one process)."""
     state: dict[str, Any] = field(default_factory=dict)
     """Scratch space a plugin may use for per-bucket data that lives as long as the bucket."""
 
@@ -46,6 +49,24 @@ class Bucket:
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def released(self) -> bool:
+        """Whether the buffer's memory was handed back (:meth:`release`); the engine re-allocates it, zeroed,
+        when the next backward produces a gradient for the bucket."""
+        return self.buffer.untyped_storage().nbytes() == 0
+
+    def release(self) -> None:
+        """Free the buffer's memory, keeping its shape and every view of it; for plugins that keep gradients
+        elsewhere between steps (a ZeRO stage 2/3 sharder keeps only its shard). Parameters' ``.grad`` must not
+        point into a released bucket."""
+        self.buffer.untyped_storage().resize_(0)
+
+    def materialize(self) -> None:
+        """Allocate a released buffer again, filled with zeros (a no-op when it holds memory)."""
+        if self.released:
+            self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
+            self.buffer.zero_()
 
     def grad_view(self, i: int) -> Tensor:
         """The slice of ``buffer`` that holds the gradient of ``params[i]``, shaped like the parameter."""
@@ -60,6 +81,11 @@ class Topology:
     ``intra_node_group`` joins the ranks of this rank's node (fast links), ``inter_node_group`` joins the ranks
     with the same local rank on every node (the slow link); ``world_group`` joins everyone. ``mesh`` is the
     2-D device mesh (dims ``"node"`` and ``"local"``) the groups come from.
+
+    The ``side_*`` groups join the same ranks as their namesakes but are separate process groups, for
+    collectives issued on the training thread (a sharder's parameter all-gathers, a global gradient norm) while
+    the communication thread may be using the main ones: collectives on one group must be issued in the same
+    order on every rank, and two threads sharing a group cannot promise that.
     """
 
     world_size: int
@@ -72,6 +98,9 @@ class Topology:
     intra_node_group: ProcessGroup
     inter_node_group: ProcessGroup
     mesh: DeviceMesh | None = None
+    side_world_group: ProcessGroup | None = None
+    side_intra_node_group: ProcessGroup | None = None
+    side_inter_node_group: ProcessGroup | None = None
 
     @property
     def node_rank(self) -> int:

@@ -5,6 +5,7 @@ from ddp_plugin.plugins.flat_reducer import FlatReducer
 from ddp_plugin.plugins.hierarchical_reducer import HierarchicalReducer
 from ddp_plugin.plugins.mean_allreduce import MeanAllReduce
 from ddp_plugin.plugins.traffic import TrafficAccounting
+from ddp_plugin.plugins.zero_sharder import ZeroSharder
 
 __all__ = [
     "Bf16Codec",
@@ -16,4 +17,5 @@ __all__ = [
     "PowerSGDCodec",
     "TopKCodec",
     "TrafficAccounting",
+    "ZeroSharder",
 ]

@@ -11,6 +11,7 @@ shuffling hands rank r the samples r, r+N, ..., whose union per step is one cont
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import lightning as L
@@ -32,8 +33,14 @@ CONFIGS = {
 }
 
 
+class Branch(nn.Linear):
+    """Its own class, so a stage 3 policy of ``["Linear"]`` leaves it out of the units: only some ranks call it,
+    and every rank must gather the same units in the same order (as with FSDP and DeepSpeed stage 3)."""
+
+
 class Net(L.LightningModule):
-    """A tiny model with a frozen layer and a branch that only samples with x[0] > threshold use."""
+    """A tiny model with a frozen layer, a tied weight, and a branch that only samples with x[0] > threshold use
+    (its bias gets no gradient on steps where no rank's samples take the branch)."""
 
     def __init__(self, optimizer: str, scheduler: bool = False, accumulate: int = 1) -> None:
         super().__init__()
@@ -44,8 +51,10 @@ class Net(L.LightningModule):
         self.frozen = nn.Linear(32, 32)
         self.frozen.requires_grad_(False)
         self.body = nn.Sequential(nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
-        self.branch = nn.Linear(32, 32)
+        self.branch = Branch(32, 32)
         self.head = nn.Linear(32, 1)
+        # Tied: the branch shares its weight with the body's layer (one parameter, two modules).
+        self.branch.weight = self.body[1].weight
         self.branch_used: list[bool] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +98,9 @@ class RecordParameters(L.Callback):
         if trainer.global_step == self._last_step:
             return
         self._last_step = trainer.global_step
-        flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        full = getattr(trainer.strategy, "full_parameters", contextlib.nullcontext)
+        with full():
+            flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
         self.history.append(flat.clone())
         if trainer.world_size > 1:
             every_rank = trainer.strategy.all_gather(flat)
@@ -105,7 +116,7 @@ def dataset(accumulate: int) -> TensorDataset:
 
 
 def run(name: str, devices: int, devices_per_node: int | None, hierarchical: bool | None, out: str,
-        num_nodes: int = 1) -> None:
+        num_nodes: int = 1, zero: dict | None = None, precision: str = "32-true") -> None:
     cfg = CONFIGS[name]
     accumulate = cfg.get("accumulate", 1)
     L.seed_everything(1234, verbose=False)
@@ -113,7 +124,7 @@ def run(name: str, devices: int, devices_per_node: int | None, hierarchical: boo
     if devices:
         # A 1 KiB bucket cap puts every parameter in a bucket of its own: many buckets, launched in order.
         strategy = HierarchicalZeroStrategy(
-            bucket_size_mb=1 / 1024, devices_per_node=devices_per_node, hierarchical=hierarchical
+            bucket_size_mb=1 / 1024, devices_per_node=devices_per_node, hierarchical=hierarchical, **(zero or {})
         )
         trainer_devices = devices
     else:
@@ -125,6 +136,7 @@ def run(name: str, devices: int, devices_per_node: int | None, hierarchical: boo
         num_nodes=num_nodes if devices else 1,
         strategy=strategy,
         max_steps=STEPS,
+        precision=precision,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=cfg.get("clip"),
         callbacks=[recorder],
@@ -160,11 +172,20 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1, help="real nodes (e.g. torchrun on a simulated cluster)")
     parser.add_argument("--hierarchical", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--zero-stage", type=int, default=0)
+    parser.add_argument("--shard-scope", default="global")
+    parser.add_argument("--wrap", default=None, help="stage 3 auto_wrap_policy: module class names, comma-separated")
+    parser.add_argument("--precision", default="32-true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    zero = None
+    if args.zero_stage:
+        zero = {"zero_stage": args.zero_stage, "shard_scope": args.shard_scope}
+        if args.wrap:
+            zero["auto_wrap_policy"] = args.wrap.split(",")
     for name in args.configs.split(","):
         hierarchical = {"auto": None, "on": True, "off": False}[args.hierarchical]
-        run(name, args.devices, args.devices_per_node, hierarchical, args.out, args.num_nodes)
+        run(name, args.devices, args.devices_per_node, hierarchical, args.out, args.num_nodes, zero, args.precision)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,574 @@
+"""The ZeRO sharder: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) split across ranks.
+
+Every gradient bucket is split into P equal shards (the engine pads buckets to a multiple of the world size).
+With ``shard_scope="global"`` P is the world size; with ``"node"`` P is the ranks per node, and each node holds
+a full replica (HSDP, DeepSpeed ZeRO++ hpZ): parameter all-gathers never cross the slow link, at the price of
+P times more memory for the sharded parts.
+
+One step, for every stage:
+
+1. backward: as each bucket fills, it is reduced to this rank's shard only: an intra-node reduce-scatter, then
+   ``on_cross_node_reduce`` on the node's share (so codecs compress it), then, with global scope, the slice of
+   it this rank owns. Without a hierarchy (one node, or ``hierarchical=False``) the cross-node hook runs on the
+   whole bucket over the world and the shard is sliced out.
+2. the optimizer steps only this rank's shard: the user's optimizer object is kept, but its parameter groups
+   now hold 1-D pieces of the shards (a parameter cut by a shard boundary becomes two pieces on two ranks), so
+   its state exists for 1/P of the elements. Elementwise optimizers (SGD, Adam, AdamW, ...) compute exactly
+   what they would on whole tensors.
+3. after the step the updated shards are all-gathered into the flat parameter buffers every module parameter
+   views (stages 1 and 2), or left sharded until the next forward needs them (stage 3).
+
+Stage 1 keeps every bucket's gradient buffer (the shard's mean is written into its slice); stages 2 and 3
+release the buffers as soon as their shard is reduced, keeping only the shard's gradient.
+
+Stage 3 groups parameters into units (modules chosen by ``auto_wrap_policy``); a unit's parameters are
+gathered before its forward, freed after it, gathered again before its backward (a hook on its outputs'
+gradients) and freed once backward has produced all of its gradients. The next unit in forward order (previous
+in backward order) is prefetched. Parameters shared by several units (tied weights) and those of no unit live
+in the root unit, which stays gathered. Frozen parameters are not sharded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from ddp_plugin import collectives
+from ddp_plugin.hookspecs import completed_future, hookimpl
+
+if TYPE_CHECKING:
+    from pluggy import HookRelay
+    from torch.optim import Optimizer
+
+    from ddp_plugin.hookspecs import Bucket, Topology
+
+log = logging.getLogger(__name__)
+
+SHARD_SCOPES = ("global", "node")
+DEFAULT_UNIT_PARAMS = 1_000_000
+
+# Optimizers whose update of an element depends only on that element's gradient and state: stepping 1-D
+# pieces of the parameters computes exactly what stepping whole tensors would.
+ELEMENTWISE_OPTIMIZERS: list[type] = [
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
+    torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.ASGD,
+]
+_WHY_NOT = {
+    "LBFGS": "it re-evaluates the closure and keeps a history over all parameters as one vector",
+    "SparseAdam": "it needs sparse gradients, and shards are dense",
+    "Adafactor": "it factors the second moment over the rows and columns of each matrix, which a flat shard"
+    " does not have",
+    "Muon": "it orthogonalizes each whole matrix update, which a flat shard does not have",
+}
+
+
+def allow_optimizer(cls: type) -> type:
+    """Declare an optimizer class elementwise (each element's update depends only on its own gradient and
+    state), so ZeRO stages accept it. Usable as a class decorator."""
+    if cls not in ELEMENTWISE_OPTIMIZERS:
+        ELEMENTWISE_OPTIMIZERS.append(cls)
+    return cls
+
+
+def check_optimizer(optimizer: Optimizer) -> None:
+    if isinstance(optimizer, tuple(ELEMENTWISE_OPTIMIZERS)):
+        return
+    name = type(optimizer).__name__
+    why = _WHY_NOT.get(name, "ddp_plugin does not know whether its update is elementwise")
+    raise ValueError(
+        f"ZeRO stages 1-3 cannot shard the optimizer {name}: {why}. Sharded optimizers must update each element"
+        f" from its own gradient and state ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}). Use one of"
+        " those, `zero_stage=0`, or, if your optimizer is elementwise, declare it with"
+        " `ddp_plugin.plugins.zero_sharder.allow_optimizer(YourOptimizer)`."
+    )
+
+
+def check_auto_wrap_policy(policy: Any) -> int | tuple[type | str, ...]:
+    """None -> the default parameter count; an int -> that count; module classes or class names -> those."""
+    if policy is None:
+        return DEFAULT_UNIT_PARAMS
+    if isinstance(policy, int) and not isinstance(policy, bool):
+        if policy < 1:
+            raise ValueError(f"`auto_wrap_policy={policy}` must be a positive parameter count.")
+        return policy
+    if isinstance(policy, (type, str)):
+        policy = [policy]
+    if isinstance(policy, Iterable):
+        items = tuple(policy)
+        if items and all(isinstance(c, str) or (isinstance(c, type) and issubclass(c, nn.Module)) for c in items):
+            return items
+    raise ValueError(
+        f"`auto_wrap_policy={policy!r}` is not supported; allowed values: None (units of at least"
+        f" {DEFAULT_UNIT_PARAMS:,} parameters), a positive parameter count, or module classes (or their names,"
+        " e.g. ['TransformerBlock']) whose instances become units."
+    )
+
+
+@dataclass(eq=False)
+class _Unit:
+    """Stage 3: the modules whose forward needs one bucket's parameters gathered."""
+
+    name: str
+    modules: list[nn.Module]
+    bucket: int = -1
+    persistent: bool = False  # the root unit stays gathered
+    gathered: bool = True
+    pending: Any = None  # a prefetch in flight: (work, block or None)
+    remaining: int = 0  # gradients still to come in this backward
+
+
+@dataclass(eq=False)
+class _Shard:
+    """One bucket's share on this rank."""
+
+    full: Tensor  # the flat parameters every module parameter views (memory released at stage 3)
+    shard: Tensor  # this rank's part of ``full`` (a view of it, or, at stage 3, a tensor of its own)
+    grad: Tensor | None = None  # the reduced gradient of ``shard`` (stages 2 and 3)
+    pieces: list[tuple[nn.Parameter, int, int, int]] = field(default_factory=list)
+    """(piece, index of the parameter in the bucket, start in the parameter, start in the shard)"""
+
+
+class ZeroSharder:
+    """ZeRO stage 1, 2 or 3 over ``shard_scope`` ("global": every rank; "node": the ranks of a node)."""
+
+    def __init__(self, stage: int, shard_scope: str = "global", auto_wrap_policy: Any = None) -> None:
+        if stage not in (1, 2, 3):
+            raise ValueError(f"`zero_stage={stage!r}`: the sharder handles stages 1, 2, 3.")
+        if shard_scope not in SHARD_SCOPES:
+            raise ValueError(f"`shard_scope={shard_scope!r}` is not supported; allowed values: 'global', 'node'.")
+        self.stage = stage
+        self.shard_scope = shard_scope
+        self.policy = check_auto_wrap_policy(auto_wrap_policy)
+        self._hook: HookRelay | None = None
+        self._topo: Topology | None = None
+        self._buckets: list[Bucket] = []
+        self._shards: list[_Shard] = []
+        self._units: list[_Unit] = []
+        self._unit_of_bucket: dict[int, _Unit] = {}
+        self._planned: list[tuple[str, list[tuple[str, nn.Parameter]]]] | None = None
+        self._handles: list[Any] = []
+        self._forward_order: list[_Unit] = []
+        self._order_known = False
+        self._pieces_of: dict[int, list[nn.Parameter]] = {}
+        self.gathered_bytes = 0
+        self.peak_gathered_bytes = 0
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def _hierarchical(self) -> bool:
+        t = self._topo
+        return bool(self._options_hierarchical) and t.num_nodes > 1 and t.ranks_per_node > 1
+
+    def _layout(self) -> str:
+        t = self._topo
+        if self.shard_scope == "node" or t.num_nodes == 1:
+            return "node"
+        return "two_level" if self._hierarchical else "world"
+
+    @property
+    def num_shards(self) -> int:
+        t = self._topo
+        return t.ranks_per_node if self._layout() == "node" else t.world_size
+
+    @property
+    def shard_index(self) -> int:
+        t = self._topo
+        layout = self._layout()
+        if layout == "node":
+            return t.local_rank
+        if layout == "two_level":
+            return t.local_rank * t.num_nodes + t.node_rank
+        return t.rank
+
+    # ------------------------------------------------------------------ stage 3 units
+
+    @hookimpl
+    def on_plan_buckets(
+        self, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]]
+    ) -> list[list[tuple[str, nn.Parameter]]] | None:
+        if self.stage != 3:
+            return None
+        roots = self._unit_roots(module)
+        owners: dict[int, set[str]] = {}
+        for mname, m in module.named_modules(remove_duplicate=False):
+            for p in m._parameters.values():
+                if p is not None:
+                    owners.setdefault(id(p), set()).add(mname)
+
+        def unit_of(mname: str) -> str:
+            best = ""
+            for r in roots:
+                if (mname == r or mname.startswith(r + ".")) and len(r) > len(best):
+                    best = r
+            return best
+
+        members: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        first_seen: dict[str, int] = {}
+        for pos, (name, p) in enumerate(named_params):
+            units = {unit_of(m) for m in owners.get(id(p), {""})}
+            unit = units.pop() if len(units) == 1 else ""  # shared by several units: the root keeps it
+            members.setdefault(unit, []).append((name, p))
+            first_seen.setdefault(unit, pos)
+        # Launch order: backward finishes the units registered last first; the root unit last of all.
+        order = sorted((u for u in members if u), key=lambda u: -first_seen[u])
+        if "" in members:
+            order.append("")
+        self._planned = [(u, members[u]) for u in order]
+        self._module_names = dict(module.named_modules())
+        return [list(reversed(members[u])) for u in order]
+
+    def _unit_roots(self, module: nn.Module) -> list[str]:
+        if isinstance(self.policy, int):
+            roots: list[str] = []
+            assigned: set[int] = set()
+
+            def visit(name: str, m: nn.Module) -> int:
+                count = 0
+                for child_name, child in m.named_children():
+                    count += visit(f"{name}.{child_name}" if name else child_name, child)
+                count += sum(p.numel() for p in m._parameters.values()
+                             if p is not None and p.requires_grad and id(p) not in assigned)
+                if name and count >= self.policy:
+                    roots.append(name)
+                    assigned.update(id(p) for p in m.parameters())
+                    return 0
+                return count
+
+            visit("", module)
+            return roots
+        classes = tuple(c for c in self.policy if isinstance(c, type))
+        names = {c for c in self.policy if isinstance(c, str)}
+        return [
+            name for name, m in module.named_modules()
+            if name and (isinstance(m, classes) or type(m).__name__ in names)
+        ]
+
+    # ------------------------------------------------------------------ setup
+
+    @hookimpl
+    def on_setup(self, topology: Topology, buckets: Sequence[Bucket], hook: HookRelay,
+                 options: Mapping[str, Any], module: nn.Module) -> None:
+        self._topo, self._hook, self._buckets = topology, hook, list(buckets)
+        self._options_hierarchical = options.get("hierarchical", True)
+        p_count, idx = self.num_shards, self.shard_index
+        self._shards = []
+        for bucket in self._buckets:
+            if bucket.numel % p_count:
+                raise RuntimeError(f"bucket {bucket.index} holds {bucket.numel} elements, not a multiple of {p_count}")
+            c = bucket.numel // p_count
+            full = torch.zeros_like(bucket.buffer)
+            for i, p in enumerate(bucket.params):
+                view = full[bucket.offsets[i] : bucket.offsets[i] + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+            lo = idx * c
+            shard = full[lo : lo + c]
+            entry = _Shard(full=full, shard=shard)
+            for i, p in enumerate(bucket.params):
+                start, stop = max(bucket.offsets[i], lo), min(bucket.offsets[i] + p.numel(), lo + c)
+                if start < stop:
+                    entry.pieces.append((None, i, start - bucket.offsets[i], start - lo))  # type: ignore[arg-type]
+            self._shards.append(entry)
+
+        self._units = []
+        self._unit_of_bucket = {}
+        if self.stage == 3:
+            assert self._planned is not None, "on_plan_buckets did not run"
+            for b, (uname, _) in enumerate(self._planned):
+                unit = _Unit(name=uname or "<root>", modules=[], bucket=b, persistent=not uname)
+                self._units.append(unit)
+                self._unit_of_bucket[b] = unit
+                entry = self._shards[b]
+                if unit.persistent:
+                    continue
+                entry.shard = entry.shard.clone()
+                self._free(unit)
+                self._register_unit_hooks(unit, self._module_names[uname])
+            for bucket in self._buckets:
+                unit = self._unit_of_bucket[bucket.index]
+                for p in bucket.params:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_done(unit)))
+        self._order_known = False
+        self._forward_order = []
+        # The pieces the optimizer will step: 1-D views of this rank's shards.
+        self._pieces_of = {}
+        for bucket, entry in zip(self._buckets, self._shards):
+            pieces = []
+            for _, i, p_start, s_start in entry.pieces:
+                n = min(bucket.params[i].numel() - p_start, entry.shard.numel() - s_start)
+                piece = nn.Parameter(entry.shard[s_start : s_start + n], requires_grad=True)
+                pieces.append((piece, i, p_start, s_start))
+                self._pieces_of.setdefault(id(bucket.params[i]), []).append(piece)
+            entry.pieces = pieces
+        self.peak_gathered_bytes = self.gathered_bytes = self._gathered_now()
+
+    @hookimpl
+    def on_setup_optimizer(self, optimizer: Optimizer) -> None:
+        check_optimizer(optimizer)
+        for group in optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                pieces = self._pieces_of.get(id(p))
+                if pieces is None:
+                    params.append(p)  # frozen or not ours: left as it is
+                    continue
+                state = optimizer.state.pop(p, None)
+                if state:
+                    self._shard_state(optimizer, p, pieces, state)
+                params.extend(pieces)
+            group["params"] = params
+
+    def _shard_state(self, optimizer: Optimizer, p: nn.Parameter, pieces: list[nn.Parameter], state: dict) -> None:
+        """Slice a whole parameter's optimizer state (e.g. Adagrad's initial sums) for its pieces."""
+        where = {id(piece): (i, p_start) for entry in self._shards for piece, i, p_start, _ in entry.pieces}
+        for piece in pieces:
+            _, p_start = where[id(piece)]
+            optimizer.state[piece] = {
+                k: (v.detach().reshape(-1)[p_start : p_start + piece.numel()].clone()
+                    if isinstance(v, Tensor) and v.numel() == p.numel() and v.dim() > 0 else
+                    (v.clone() if isinstance(v, Tensor) else v))
+                for k, v in state.items()
+            }
+
+    @hookimpl
+    def on_teardown(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self.stage == 3:
+            # Leave the module whole after fit (validation, export, `trainer.save_checkpoint`).
+            try:
+                for unit in self._units:
+                    self._gather_unit(unit)
+            except Exception as err:  # noqa: BLE001 - after a failed run; the original error is what matters
+                log.warning("ZeRO stage 3: could not gather the parameters at teardown: %s", err)
+
+    # ------------------------------------------------------------------ collectives
+
+    def _reduce_scatter(self, tensor: Tensor, group: dist.ProcessGroup, parts: int) -> Tensor:
+        """Sum of ``tensor`` over ``group``, chunk ``rank in group`` only (a new tensor)."""
+        if parts == 1:
+            return tensor.clone()
+        c = tensor.numel() // parts
+        if self._topo.backend == "nccl":
+            out = tensor.new_empty(c)
+            collectives.reduce_scatter_single(out, tensor, group=group)
+            return out
+        # gloo emulates reduce-scatter with a full all-reduce; an all-to-all sends half as much.
+        received = torch.empty_like(tensor)
+        collectives.all_to_all_single(received, tensor, group=group)
+        return received.view(parts, c).sum(dim=0)
+
+    def _reduce_to_shard(self, bucket: Bucket) -> Tensor:
+        t = self._topo
+        layout, k, m = self._layout(), t.ranks_per_node, t.num_nodes
+        buf = bucket.buffer
+        if layout == "two_level" or (layout == "node" and (m == 1 or self._hierarchical)):
+            buf.div_(k)
+            block = self._reduce_scatter(buf, t.intra_node_group, k)
+            self._hook.on_cross_node_reduce(tensor=block, group=t.inter_node_group, bucket=bucket).wait()
+            if layout == "node":
+                return block
+            c = block.numel() // m
+            return block[t.node_rank * c : (t.node_rank + 1) * c]
+        self._hook.on_cross_node_reduce(tensor=buf, group=t.world_group, bucket=bucket).wait()
+        c = buf.numel() // self.num_shards
+        return buf[self.shard_index * c : (self.shard_index + 1) * c]
+
+    @hookimpl
+    def on_bucket_ready(self, bucket: Bucket) -> torch.futures.Future:
+        shard = self._reduce_to_shard(bucket)
+        entry = self._shards[bucket.index]
+        if self.stage == 1:
+            c = shard.numel()
+            mine = bucket.buffer[self.shard_index * c : (self.shard_index + 1) * c]
+            if mine.data_ptr() != shard.data_ptr():
+                mine.copy_(shard)
+            entry.grad = mine
+        else:
+            if shard.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr():
+                shard = shard.clone()
+            entry.grad = shard
+            bucket.release()
+        return completed_future(None)
+
+    def _all_gather(self, full: Tensor, shard: Tensor, async_op: bool = False) -> Any:
+        """Gather every rank's ``shard`` into ``full`` (``shard`` must not alias ``full``)."""
+        t = self._topo
+        layout = self._layout()
+        if layout == "node":
+            if t.ranks_per_node == 1:
+                full.copy_(shard)
+                return None
+            return (collectives.all_gather_single(full, shard, group=t.side_intra_node_group, async_op=async_op), None)
+        if layout == "world":
+            return (collectives.all_gather_single(full, shard, group=t.side_world_group, async_op=async_op), None)
+        block = full.new_empty(full.numel() // t.ranks_per_node)
+        work = collectives.all_gather_single(block, shard, group=t.side_inter_node_group, async_op=async_op)
+        if not async_op:
+            collectives.all_gather_single(full, block, group=t.side_intra_node_group)
+            return None
+        return (work, block)
+
+    def _finish_gather(self, full: Tensor, pending: Any) -> None:
+        if pending is None:
+            return
+        work, block = pending
+        if work is not None:
+            work.wait()
+        if block is not None:
+            collectives.all_gather_single(full, block, group=self._topo.side_intra_node_group)
+
+    # ------------------------------------------------------------------ backward
+
+    @hookimpl
+    def on_after_backward(self, buckets: Sequence[Bucket]) -> None:
+        for bucket, entry in zip(self._buckets, self._shards):
+            grad, entry.grad = entry.grad, None
+            for piece, i, _, s_start in entry.pieces:
+                # A parameter no rank used has no gradient, as in one process: its pieces are skipped too.
+                piece.grad = grad[s_start : s_start + piece.numel()] if bucket.grad_used[i] else None
+            for p in bucket.params:
+                p.grad = None  # the optimizer steps the pieces; the module's gradients would be partial
+        if self.stage == 3:
+            for unit in self._units:
+                if not unit.persistent and unit.gathered:
+                    self._free(unit)
+            self._order_known = True
+
+    # ------------------------------------------------------------------ optimizer step
+
+    @hookimpl
+    def on_clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        sharded = {id(piece.grad) for entry in self._shards for piece, *_ in entry.pieces if piece.grad is not None}
+        device = self._topo.device
+        local = torch.zeros((), dtype=torch.float64, device=device)
+        replicated = torch.zeros((), dtype=torch.float64, device=device)
+        for g in grads:
+            sq = g.detach().double().pow(2).sum()
+            if id(g) in sharded:
+                local += sq
+            else:
+                replicated += sq  # gradients of parameters that are not sharded are the same on every rank
+        group = self._topo.side_intra_node_group if self._layout() == "node" else self._topo.side_world_group
+        collectives.all_reduce(local, group=group)
+        total = (local + replicated).sqrt().to(torch.float32)
+        clip_coef = max_norm / (total + 1e-6)
+        clamped = torch.clamp(clip_coef, max=1.0)
+        for g in grads:
+            g.mul_(clamped.to(g.dtype))
+        return total
+
+    @hookimpl
+    def on_after_optimizer_step(self, optimizer: Optimizer) -> None:
+        for entry, bucket in zip(self._shards, self._buckets):
+            unit = self._unit_of_bucket.get(bucket.index)
+            if unit is not None and not unit.persistent:
+                if unit.gathered:
+                    self._free(unit)  # stale now; gathered again when the next forward needs it
+                continue
+            self._all_gather(entry.full, entry.shard.clone())
+
+    # ------------------------------------------------------------------ stage 3: gather and free
+
+    def _gathered_now(self) -> int:
+        return sum(e.full.untyped_storage().nbytes() for e in self._shards)
+
+    def _free(self, unit: _Unit) -> None:
+        entry = self._shards[unit.bucket]
+        if unit.pending is not None:
+            self._finish_gather(entry.full, unit.pending)
+            unit.pending = None
+        entry.full.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    def _start_gather(self, unit: _Unit, async_op: bool) -> None:
+        entry = self._shards[unit.bucket]
+        entry.full.untyped_storage().resize_(entry.full.numel() * entry.full.element_size())
+        unit.gathered = True
+        unit.pending = self._all_gather(entry.full, entry.shard, async_op=async_op)
+        if not async_op:
+            unit.pending = None
+        now = self._gathered_now()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
+
+    def _gather_unit(self, unit: _Unit) -> None:
+        if not unit.gathered:
+            self._start_gather(unit, async_op=False)
+        elif unit.pending is not None:
+            self._finish_gather(self._shards[unit.bucket].full, unit.pending)
+            unit.pending = None
+
+    def _prefetch(self, unit: _Unit, step: int) -> None:
+        if not self._order_known or unit not in self._forward_order:
+            return
+        i = self._forward_order.index(unit) + step
+        if 0 <= i < len(self._forward_order):
+            nxt = self._forward_order[i]
+            if not nxt.gathered:
+                self._start_gather(nxt, async_op=True)
+
+    def _register_unit_hooks(self, unit: _Unit, module: nn.Module) -> None:
+        unit.modules.append(module)
+
+        def pre_forward(_module: nn.Module, _args: Any) -> None:
+            self._gather_unit(unit)
+            if not self._order_known and unit not in self._forward_order:
+                self._forward_order.append(unit)
+            if torch.is_grad_enabled():
+                self._prefetch(unit, +1)
+
+        def post_forward(_module: nn.Module, _args: Any, output: Any) -> Any:
+            self._free(unit)
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+            if tensors and torch.is_grad_enabled():
+                unit.remaining = len(self._buckets[unit.bucket].params)
+
+                def pre_backward(_grads: Any) -> None:
+                    self._gather_unit(unit)
+                    self._prefetch(unit, -1)
+
+                torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
+            return output
+
+        self._handles.append(module.register_forward_pre_hook(pre_forward))
+        self._handles.append(module.register_forward_hook(post_forward))
+
+    def _make_grad_done(self, unit: _Unit):
+        def grad_done(_p: nn.Parameter) -> None:
+            if unit.persistent:
+                return
+            unit.remaining -= 1
+            if unit.remaining == 0 and unit.gathered:
+                self._free(unit)
+
+        return grad_done
+
+    @hookimpl
+    def on_gather_full_parameters(self, gather: bool) -> None:
+        for unit in self._units:
+            if unit.persistent:
+                continue
+            if gather:
+                self._gather_unit(unit)
+            elif unit.gathered:
+                self._free(unit)
+
+    # ------------------------------------------------------------------ metrics
+
+    @hookimpl
+    def on_collect_metrics(self) -> dict[str, float]:
+        if self.stage != 3:
+            return {}
+        peak, self.peak_gathered_bytes = self.peak_gathered_bytes, self._gathered_now()
+        return {"zero/gathered_peak_MB": peak / 1e6}
