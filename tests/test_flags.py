@@ -27,6 +27,10 @@ from ddp_plugin import HierarchicalZeroStrategy
         ({"process_group_backend": "tcp"}, r"`process_group_backend='tcp'`.*'gloo', 'nccl', 'mpi'"),
         ({"timeout": -1}, r"`timeout=-1`.*positive number of seconds"),
         ({"start_method": "thread"}, r"`start_method='thread'`.*'popen', 'spawn', 'fork', 'forkserver'"),
+        ({"shard_scope": "rack"}, r"`shard_scope='rack'`.*allowed values: 'global', 'node'"),
+        ({"zero_stage": 3, "auto_wrap_policy": 0}, r"`auto_wrap_policy=0` must be a positive parameter count"),
+        ({"zero_stage": 3, "auto_wrap_policy": [3.5]}, r"`auto_wrap_policy=\[3.5\]`.*allowed values: None"),
+        ({"gradient_clip_norm": -1.0}, r"`gradient_clip_norm=-1.0` must be a positive number"),
     ],
 )
 def test_bad_flag_fails_at_construction_naming_flag_and_allowed_values(kwargs, pattern):
@@ -35,15 +39,10 @@ def test_bad_flag_fails_at_construction_naming_flag_and_allowed_values(kwargs, p
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_sharding_stages_refuse_to_run_until_implemented(stage):
-    with pytest.raises(NotImplementedError, match=rf"`zero_stage={stage}`.*not available yet.*zero_stage=0"):
-        HierarchicalZeroStrategy(zero_stage=stage)
-
-
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_stage_names_refuse_to_run_until_implemented(stage):
-    with pytest.raises(NotImplementedError, match=rf"`zero_stage={stage}`"):
-        L.Trainer(accelerator="cpu", devices=2, strategy=f"hierarchical_zero_stage_{stage}")
+def test_stage_names_select_the_sharder(stage):
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=f"hierarchical_zero_stage_{stage}", logger=False)
+    assert trainer.strategy.zero_stage == stage
+    assert trainer.strategy.shard_scope == "global"
 
 
 def test_mpi_backend_without_torch_mpi_support_is_refused(monkeypatch):

@@ -158,8 +158,10 @@ class ZeroSharder:
         self._forward_order: list[_Unit] = []
         self._order_known = False
         self._pieces_of: dict[int, list[nn.Parameter]] = {}
-        self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
+        """Stage 3: the most parameter bytes gathered at once since the last metrics collection (one step)."""
+        self.fit_peak_gathered_bytes = 0
+        """Stage 3: the same over the whole ``fit``."""
 
     # ------------------------------------------------------------------ layout
 
@@ -309,7 +311,7 @@ class ZeroSharder:
                 pieces.append((piece, i, p_start, s_start))
                 self._pieces_of.setdefault(id(bucket.params[i]), []).append(piece)
             entry.pieces = pieces
-        self.peak_gathered_bytes = self.gathered_bytes = self._gathered_now()
+        self.peak_gathered_bytes = self.fit_peak_gathered_bytes = self._gathered_now()
 
     @hookimpl
     def on_setup_optimizer(self, optimizer: Optimizer) -> None:
@@ -501,6 +503,7 @@ class ZeroSharder:
             unit.pending = None
         now = self._gathered_now()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
+        self.fit_peak_gathered_bytes = max(self.fit_peak_gathered_bytes, now)
 
     def _gather_unit(self, unit: _Unit) -> None:
         if not unit.gathered:
@@ -553,6 +556,13 @@ class ZeroSharder:
                 self._free(unit)
 
         return grad_done
+
+    @property
+    def largest_unit_bytes(self) -> int:
+        """Stage 3: bytes of the largest unit's gathered parameters (what forward and backward add to the shards;
+        twice that while the next unit is prefetched). The root unit, always gathered, counts too."""
+        return max((self._shards[u.bucket].full.numel() * self._shards[u.bucket].full.element_size()
+                    for u in self._units), default=0)
 
     @hookimpl
     def on_gather_full_parameters(self, gather: bool) -> None:

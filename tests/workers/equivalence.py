@@ -116,7 +116,7 @@ def dataset(accumulate: int) -> TensorDataset:
 
 
 def run(name: str, devices: int, devices_per_node: int | None, hierarchical: bool | None, out: str,
-        num_nodes: int = 1, zero: dict | None = None, precision: str = "32-true") -> None:
+        num_nodes: int = 1, zero: dict | None = None, precision: str = "32-true", tag: str = "") -> None:
     cfg = CONFIGS[name]
     accumulate = cfg.get("accumulate", 1)
     L.seed_everything(1234, verbose=False)
@@ -160,7 +160,7 @@ def run(name: str, devices: int, devices_per_node: int | None, hierarchical: boo
                 "world_size": trainer.world_size,
                 "hierarchical": trainer.strategy.uses_hierarchical_reducer if devices else False,
             },
-            os.path.join(out, f"{name}-{devices}.pt"),
+            os.path.join(out, f"{name}-{devices}{tag}.pt"),
         )
 
 
@@ -172,20 +172,25 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1, help="real nodes (e.g. torchrun on a simulated cluster)")
     parser.add_argument("--hierarchical", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--zero-stage", type=int, default=0)
-    parser.add_argument("--shard-scope", default="global")
-    parser.add_argument("--wrap", default=None, help="stage 3 auto_wrap_policy: module class names, comma-separated")
+    parser.add_argument("--variants", default="0:global:auto",
+                        help="comma-separated zero_stage:shard_scope:hierarchical runs, one after the other in the"
+                        " same processes (hierarchical: auto, on or off)")
+    parser.add_argument("--wrap", default="Linear", help="stage 3 auto_wrap_policy: module class names, comma-separated")
     parser.add_argument("--precision", default="32-true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    zero = None
-    if args.zero_stage:
-        zero = {"zero_stage": args.zero_stage, "shard_scope": args.shard_scope}
-        if args.wrap:
+    for variant in args.variants.split(","):
+        stage, scope, hier = variant.split(":")
+        zero = {"zero_stage": int(stage), "shard_scope": scope}
+        if int(stage) == 3:
             zero["auto_wrap_policy"] = args.wrap.split(",")
-    for name in args.configs.split(","):
-        hierarchical = {"auto": None, "on": True, "off": False}[args.hierarchical]
-        run(name, args.devices, args.devices_per_node, hierarchical, args.out, args.num_nodes, zero, args.precision)
+        # A variant's own hierarchical setting wins over --hierarchical; the default variant keeps the plain
+        # file names of the stage 0 tests.
+        hierarchical = {"auto": None, "on": True, "off": False}[hier if hier != "auto" else args.hierarchical]
+        tag = "" if variant == "0:global:auto" else "-" + variant.replace(":", "-")
+        for name in args.configs.split(","):
+            run(name, args.devices, args.devices_per_node, hierarchical, args.out, args.num_nodes,
+                zero if args.devices else None, args.precision, tag)
 
 
 if __name__ == "__main__":
