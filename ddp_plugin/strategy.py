@@ -4,9 +4,12 @@ calls into hook calls; tensors and collectives are the plugins' business."""
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
+import gc
 import logging
 import os
+import weakref
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -193,6 +196,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         self._pending_plugin_state: dict[str, Any] | None = None
         self._metric_sums: dict[str, float] = {}
         self._metric_steps = 0
+        _live_strategies.add(self)
 
     # ------------------------------------------------------------------ properties
 
@@ -383,6 +387,20 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         if self._pending_plugin_state is not None:
             pm.hook.on_load_state_dict(state=self._pending_plugin_state)
             self._pending_plugin_state = None
+
+    def _release_process_groups(self) -> None:
+        """Drop every reference this strategy and its plugins hold to process groups (at interpreter exit)."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self.topology is not None:
+            for field in dataclasses.fields(self.topology):
+                if field.name == "mesh" or field.name.endswith("group"):
+                    object.__setattr__(self.topology, field.name, None)
+        self.topology = None
+        self._flags_group = None
+        self._engine = None
+        self._plugin_manager = None
 
     @property
     def uses_hierarchical_reducer(self) -> bool:
@@ -699,14 +717,22 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             strategy_registry.register(name, cls, description=description, **init_params)
 
 
+_live_strategies: "weakref.WeakSet[HierarchicalZeroStrategy]" = weakref.WeakSet()
+
+
 def _destroy_process_groups_at_exit() -> None:
-    # torch asks for destroy_process_group() before exit. Left to interpreter teardown, gloo groups are freed
-    # in no particular order while their threads may still run, and the process can abort after a successful
-    # run ("terminate called without an active exception").
-    # Drop our own references first, so the groups are freed here, while the interpreter is whole.
+    # torch asks for destroy_process_group() before exit, but for gloo that only unregisters the groups: their
+    # worker threads live on until the last Python reference goes, which for a trainer kept in a global is during
+    # interpreter finalization, where a gloo thread releasing a tensor cannot take the GIL any more and the
+    # process aborts after a successful run ("terminate called without an active exception", about 1 run in
+    # 100 here). So the references are dropped here, while the interpreter is whole: our cache, every strategy's
+    # groups and plugins (their state is of no use once the process exits), then the cycles that hold the rest.
     _process_groups.cache_clear()
+    for strategy in list(_live_strategies):
+        strategy._release_process_groups()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 @functools.lru_cache(maxsize=None)
