@@ -1,7 +1,14 @@
 """Cluster benchmark: every contender on a simulated 2-node x 2-rank cluster with a capped inter-node link.
 
-    python benchmarks/cluster.py                                   # everything, 1 Gbit/s, ~6-7 minutes on 2 cores
+    python benchmarks/cluster.py                                   # the default set, 1 Gbit/s, ~6-7 minutes on 2 cores
     python benchmarks/cluster.py --contenders lightning_ddp,ours_hier --steps 8 --rate 500mbit
+
+ZeRO stages, ours beside DeepSpeed (needs ``pip install deepspeed``; ~8 minutes on 2 cores)::
+
+    python benchmarks/cluster.py --contenders lightning_ddp,deepspeed_zero1,deepspeed_zero2,deepspeed_zero3,ours_zero1,ours_zero2,ours_zero3,ours_zero3_node --out benchmarks/results/zero.md
+
+The ZeRO contenders are not in the default set (it writes ``benchmarks/results/cluster.md``); selecting any of
+them switches every contender of the run to AdamW (``--optimizer auto``), so that optimizer state exists to shard.
 
 The nodes are network namespaces joined by a veth pair whose egress is capped with tbf
 (:class:`ddp_plugin.simcluster.SimulatedCluster`, design.md section 5). Each contender is one torchrun job per
@@ -10,14 +17,17 @@ measured and how. This driver runs the contenders one after the other, in one ru
 
 - a markdown table (``--out``, default ``benchmarks/results/cluster.md``): median step time, its ratio to
   Lightning ``ddp``, cross-node MB per node per step from the kernel's veth counters and as a multiple of the
-  gradient size S, our own traffic accounting next to it, final loss, peak RSS;
+  gradient size S, our own traffic accounting next to it, final loss, live tensor MB per rank after backward and
+  after an optimizer step (the same ``gc`` walk for every contender), peak RSS; for ours also the strategy's
+  ``memory_bytes()``;
 - a PNG plot next to it (same name, ``.png``; needs ``pip install matplotlib``).
 
 The headline is the acceptance check for ``hierarchical_zero`` without a codec: cross-node bytes per node per
 step <= 1.02 S, and a median step time below both Lightning ``ddp`` and torch FSDP2 hybrid sharding.
 
-Needs root and iproute2; on a machine that cannot build the cluster it prints why and exits 0. This is a
-benchmark, not a test: it asserts nothing, and its numbers depend on the machine.
+Needs root and iproute2; on a machine that cannot build the cluster it prints why and exits 0. A contender that
+fails (DeepSpeed not installed, a ZeRO stage of ours not implemented yet) gets a "failed: <error>" row and the
+run goes on. This is a benchmark, not a test: it asserts nothing, and its numbers depend on the machine.
 """
 
 from __future__ import annotations
@@ -51,14 +61,26 @@ CONTENDERS: dict[str, tuple[str, str, str | None]] = {
     "ours_hier_powersgd": ("ours, hierarchical + powersgd (rank 4)", "ours_hier_powersgd", "capped"),
     "torch_ddp_powersgd": ("torch DDP + PowerSGD hook (rank 4, 1 bucket)", "torch_ddp_powersgd", "capped"),
     "uncapped_floor": ("uncapped floor: Lightning `ddp`, link not capped", "lightning_ddp", None),
+    # ZeRO group: not in the default selection (see the module docstring).
+    "deepspeed_zero1": ("DeepSpeed ZeRO-1", "deepspeed_zero1", "capped"),
+    "deepspeed_zero2": ("DeepSpeed ZeRO-2", "deepspeed_zero2", "capped"),
+    "deepspeed_zero3": ("DeepSpeed ZeRO-3", "deepspeed_zero3", "capped"),
+    "ours_zero1": ("ours, ZeRO-1 (hierarchical, global shards)", "ours_zero1", "capped"),
+    "ours_zero2": ("ours, ZeRO-2 (hierarchical, global shards)", "ours_zero2", "capped"),
+    "ours_zero3": ("ours, ZeRO-3 (hierarchical, global shards)", "ours_zero3", "capped"),
+    "ours_zero3_node": ("ours, ZeRO-3 (hierarchical, shards inside a node)", "ours_zero3_node", "capped"),
 }
+ZERO_CONTENDERS = tuple(c for c in CONTENDERS if c.startswith(("deepspeed_zero", "ours_zero")))
+DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ZERO_CONTENDERS)
+OPTIMIZERS = {"sgd": "SGD(lr=0.01, momentum=0.9)", "adamw": "AdamW(lr=1e-3), torch's other defaults"}
 ACCEPTANCE_BYTES = 1.02  # x S, per node and step, hierarchical without a codec
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contenders", default=",".join(CONTENDERS),
-                   help=f"comma-separated subset of: {', '.join(CONTENDERS)} (default: all, in this order)")
+    p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
+                   help=f"comma-separated subset of: {', '.join(CONTENDERS)} (default: all but the ZeRO ones, in"
+                        " this order)")
     p.add_argument("--rate", default="1gbit", help="inter-node link rate per direction, tc notation (default 1gbit)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per contender (default 8)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default 3)")
@@ -72,7 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--features", type=int, default=32)
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=8, help="per rank; tiny, so the step is communication-bound")
-    p.add_argument("--bucket-size-mb", type=float, default=25.0, help="Lightning ddp's and ours")
+    p.add_argument("--bucket-size-mb", type=float, default=25.0,
+                   help="Lightning ddp's and ours; DeepSpeed's reduce_bucket_size is the same in fp32 elements")
+    p.add_argument("--optimizer", choices=("auto", *OPTIMIZERS), default="auto",
+                   help="every contender's optimizer; auto (default): adamw when a ZeRO contender is selected, else sgd")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per contender before it is killed")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown file; the plot goes next to it as .png")
     p.add_argument("--seed", type=int, default=0)
@@ -81,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [c for c in args.contenders if c not in CONTENDERS]
     if unknown:
         p.error(f"unknown contender(s) {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
+    if args.optimizer == "auto":
+        args.optimizer = "adamw" if any(c in ZERO_CONTENDERS for c in args.contenders) else "sgd"
     return args
 
 
@@ -93,6 +120,7 @@ def _worker_argv(args: argparse.Namespace, contender: str, out_dir: Path) -> lis
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
         "--layers", str(args.layers), "--features", str(args.features), "--classes", str(args.classes),
         "--batch-size", str(args.batch_size), "--bucket-size-mb", str(args.bucket_size_mb), "--seed", str(args.seed),
+        "--optimizer", args.optimizer,
     ]  # fmt: skip
 
 
@@ -106,10 +134,14 @@ def run_one(cluster: Any, args: argparse.Namespace, name: str, out_dir: Path) ->
     wall = time.perf_counter() - t0
     ranks = [json.loads(f.read_text()) for f in sorted(out_dir.glob("rank*.json"))]
     world = args.nodes * args.nproc_per_node
-    if not all(n.ok for n in nodes) or len(ranks) != world:
+    errors = sorted({r["error"] for r in ranks if "error" in r})
+    if not all(n.ok for n in nodes) or len(ranks) != world or errors:
         tail = "\n".join(f"--- node {n.node} (exit {n.returncode}{', timed out' if n.timed_out else ''}):\n"
                          f"{n.stdout[-1500:]}\n{n.stderr[-3000:]}" for n in nodes)
-        return {"name": name, "error": f"exit codes {[n.returncode for n in nodes]}", "log": tail, "wall_s": wall}
+        # The workers' own reason where they left one (an exception), else how the processes ended.
+        error = "; ".join(errors) if errors else f"exit codes {[n.returncode for n in nodes]}" + (
+            ", timed out" if any(n.timed_out for n in nodes) else "")
+        return {"name": name, "error": error, "log": tail, "wall_s": wall}
     ranks.sort(key=lambda r: r["rank"])
     return {"name": name, "ranks": ranks, "wall_s": wall}
 
@@ -134,6 +166,22 @@ def summarize(name: str, runs: list[dict[str, Any]], nodes: int) -> dict[str, An
     row["buckets"] = first.get("buckets")
     row["final_loss"] = statistics.mean(r["ranks"][0]["losses"][-1] for r in ok)
     row["peak_rss_mb"] = max(rank["maxrss_mb"] for r in ok for rank in r["ranks"])
+    row["optimizer"] = first.get("optimizer", "sgd")
+    # Memory per rank: per run the largest rank, then the mean over runs. Worker key -> row key; "_backward" is the
+    # probe step's count after backward, the others are after the last timed optimizer step.
+    for key, field in (("live_tensor_bytes", "live_tensor"), ("optimizer_state_bytes", "optimizer_state"),
+                       ("live_tensor_bytes_backward", "live_tensor_backward")):
+        if all(key in rank for r in ok for rank in r["ranks"]):
+            row[f"{field}_mb"] = statistics.mean(max(rank[key] for rank in r["ranks"]) for r in ok) / MB
+            row[f"{field}_mb_ranks"] = [statistics.mean(r["ranks"][i][key] for r in ok) / MB
+                                        for i in range(len(ok[0]["ranks"]))]
+    for key, field in (("memory_bytes", "memory_mb"), ("memory_bytes_backward", "memory_backward_mb")):
+        if all(key in rank for r in ok for rank in r["ranks"]):
+            row[field] = {k: statistics.mean(max(rank[key][k] for rank in r["ranks"]) for r in ok) / MB for k in first[key]}
+    mem_errors = {rank[k] for r in ok for rank in r["ranks"] for k in ("memory_bytes_error", "memory_bytes_error_backward")
+                  if k in rank}
+    if mem_errors:
+        row["memory_bytes_error"] = "; ".join(sorted(mem_errors))
     # Cross-node bytes per node and timed step: each node's local rank 0 read its veth's counters.
     tx = {n: [] for n in range(nodes)}
     rx = {n: [] for n in range(nodes)}
@@ -190,6 +238,21 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _cell(text: str, limit: int = 300) -> str:
+    """``text`` made safe for one markdown table cell."""
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _ds_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("deepspeed")
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def write_markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any]], wall_s: float,
                    png: Path | None) -> str:
     import lightning
@@ -213,7 +276,7 @@ def write_markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[st
         " intra-node traffic over the namespace's loopback; one torchrun per node",
         f"- model: MLP {args.features} -> {args.layers + 1} x Linear({args.hidden}) -> {args.classes}, {params:,}"
         f" parameters, **S = {s_mb:.2f} MB** ({s_mb * MB / 2**20:.1f} MiB) of fp32 gradients; batch {args.batch_size}"
-        f" per rank, SGD(lr=0.01, momentum=0.9), same data, order and seed for every contender",
+        f" per rank, {OPTIMIZERS[args.optimizer]}, same data, order and seed for every contender",
         f"- {args.warmup} warmup + {args.steps} timed steps per run, {args.repeats} run(s) per contender;"
         f" bucket cap {args.bucket_size_mb:g} MiB for Lightning `ddp` and ours",
         "- step time: rank 0's wall time per timed step (whole iteration), median over the steps (over runs: median"
@@ -230,29 +293,93 @@ def write_markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[st
         " uncompressed); torch DDP + `powerSGD_hook` with rank 4, `start_powerSGD_iter=2` (the least torch accepts"
         " with error feedback), error feedback and warm start, one bucket (plain torch loop: Lightning ignores comm"
         " hooks on CPU, and the hook aborts on gloo with more than one bucket)",
+    ]
+    names = {r["name"] for r in rows}
+    if names & set(ZERO_CONTENDERS):
+        bucket_el = int(args.bucket_size_mb * 2**20) // 4
+        lines.append(
+            "- ZeRO contenders: DeepSpeed" + (f" {_ds_version()}" if _ds_version() else "") + " = `deepspeed.initialize("
+            "model=net, optimizer=torch.optim.AdamW(...), config=...)` in a plain torch loop (`engine(x)`,"
+            " `engine.backward(loss)`, `engine.step()`; Lightning's DeepSpeed strategy refuses CPU) on DeepSpeed's CPU"
+            " accelerator (`DS_ACCELERATOR=cpu`) over gloo (`deepspeed.init_distributed(dist_backend='gloo')`); config"
+            f" `zero_optimization: {{stage: N, reduce_bucket_size: {bucket_el:,} (= {args.bucket_size_mb:g} MiB of"
+            " fp32), overlap_comm: true}`, fp16 and bf16 off (fp32 throughout), `train_micro_batch_size_per_gpu:"
+            f" {args.batch_size}`, `gradient_accumulation_steps: 1`, `zero_allow_untested_optimizer: true`, every other"
+            " ZeRO setting at DeepSpeed's default (e.g. `allgather_bucket_size`, `contiguous_gradients`, stage 3's"
+            " `stage3_param_persistence_threshold`, prefetch and live-parameter limits). A torch optimizer means none of"
+            " DeepSpeed's compiled optimizers (FusedAdam, CPUAdam) is built; `DS_BUILD_OPS` unset. Ours ="
+            " `HierarchicalZeroStrategy(zero_stage=N, shard_scope=...)` under Lightning, hierarchical reduction (the"
+            " default), same bucket cap; shard_scope 'global' shards over all ranks, 'node' over the ranks of a node"
+        )
+    lines += [
+        "- live tensor MB / rank: every rank walks `gc.get_objects()` for tensors (parameters included) plus every"
+        " parameter's `.grad`, dedupes storages by `untyped_storage().data_ptr()` and sums"
+        " `untyped_storage().nbytes()`, outside the timed steps, at two points: *after step* = after the last timed"
+        " optimizer step (Lightning zeroes gradients only before the next backward, the plain torch loops at the"
+        " start of the next step, DeepSpeed's `engine.step()` right away), and *after backward* = in one extra,"
+        " untimed probe step after the window, once backward and the gradient synchronization are done, right"
+        " before the optimizer step (Lightning's `on_before_optimizer_step`; after `engine.backward` for DeepSpeed);"
+        " the table shows the largest rank (mean over runs). The walk sees only storages Python can reach: DDP's"
+        " C++ reducer buckets (S per rank for Lightning `ddp` and torch DDP), autograd's saved tensors and"
+        " communication buffers are not in it (peak RSS includes them)",
         "- peak RSS: max over ranks of `ru_maxrss`; final loss: rank 0's loss on its last timed batch",
         "",
         "| contender | median s/step | ratio vs Lightning `ddp` | cross-node MB / node / step (kernel) | x S"
-        " | our accounting MB | final loss | peak RSS MB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        " | our accounting MB | final loss | live tensor MB / rank, after backward / after step | peak RSS MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "median_s" not in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['label']} | failed: {_cell(r['error'])} | | | | | | | |")
             continue
         ratio = r["median_s"] / ref["median_s"] if ref else None
         lines.append(
             f"| {r['label']} | {r['median_s']:.3f} | {_fmt(ratio, '.3f')} | {r['tx_mb']:.2f} | {r['x_s']:.3f}"
-            f" | {_fmt(r.get('ours_mb'), '.2f')} | {r['final_loss']:.5f} | {r['peak_rss_mb']:.0f} |"
+            f" | {_fmt(r.get('ours_mb'), '.2f')} | {r['final_loss']:.5f}"
+            f" | {_fmt(r.get('live_tensor_backward_mb'), '.1f')} / {_fmt(r.get('live_tensor_mb'), '.1f')}"
+            f" | {r['peak_rss_mb']:.0f} |"
         )
 
-    lines += [
-        "",
-        "Final loss only shows that no contender went astray: from this deep MLP's default initialisation the"
-        " activations reaching the last layers are tiny, so in 11 steps of lr 0.01 the loss moves almost only"
-        " through the output bias, which every codec sends exactly or nearly so (PowerSGD sends 1-D tensors"
-        " uncompressed; int8 differs in the 6th digit). Codec accuracy is checked by the test suite's training runs.",
-    ]
+    if args.optimizer == "sgd":
+        lines += [
+            "",
+            "Final loss only shows that no contender went astray: from this deep MLP's default initialisation the"
+            " activations reaching the last layers are tiny, so in 11 steps of lr 0.01 the loss moves almost only"
+            " through the output bias, which every codec sends exactly or nearly so (PowerSGD sends 1-D tensors"
+            " uncompressed; int8 differs in the 6th digit). Codec accuracy is checked by the test suite's training"
+            " runs.",
+        ]
+    else:
+        lines += [
+            "",
+            "Final loss only shows that no contender went astray (same data, seed and optimizer everywhere, so"
+            " exact ZeRO implementations agree to float rounding); training equivalence is checked by the test suite.",
+        ]
+    lines += ["", "## Memory per rank", "",
+              "S = fp32 parameters = fp32 gradients; AdamW keeps 2 S of state (SGD with momentum S). Unsharded,"
+              " a rank holds params + grads + state = 4 S with AdamW; ZeRO-1 over N ranks shards the state"
+              " (2 + 2/N) S, ZeRO-2 also the gradients (1 + 3/N) S, ZeRO-3 everything 4/N S, plus whatever"
+              " buffers and gathered units an implementation keeps.",
+              "",
+              "| contender | live tensor MB after backward, rank 0..3 | live tensor MB after step, rank 0..3"
+              " | optimizer state MB (torch optimizer's `state`, largest rank) | ours `memory_bytes()` MB after"
+              " backward, largest rank: params / grads / optimizer state / total | same, after step | peak RSS MB |",
+              "|---|---|---|---:|---|---|---:|"]  # fmt: skip
+
+    def ours_mem(mem: dict[str, float] | None) -> str:
+        return "-" if mem is None else (
+            f"{mem['params']:.1f} / {mem['grads']:.1f} / {mem['optimizer_state']:.1f} / {mem['total']:.1f}")
+
+    for r in rows:
+        if "median_s" not in r:
+            continue
+        live_bw = ", ".join(f"{v:.1f}" for v in r.get("live_tensor_backward_mb_ranks", [])) or "-"
+        live = ", ".join(f"{v:.1f}" for v in r.get("live_tensor_mb_ranks", [])) or "-"
+        mem_bw, mem = ours_mem(r.get("memory_backward_mb")), ours_mem(r.get("memory_mb"))
+        if "memory_bytes_error" in r:
+            mem = f"failed: {_cell(r['memory_bytes_error'], 120)}"
+        lines.append(f"| {r['label']} | {live_bw} | {live} | {_fmt(r.get('optimizer_state_mb'), '.1f')} | {mem_bw}"
+                     f" | {mem} | {r['peak_rss_mb']:.0f} |")
     lines += ["", "## Details", "",
               "| contender | per-run median s/step | p90 s/step | kernel tx MB/step node 0, node 1 | kernel rx MB/step"
               " node 0, node 1 | ours MB/step node 0, node 1 | ours vs kernel | backward wait ms | buckets | wall s |",
@@ -270,26 +397,56 @@ def write_markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[st
             f" | {_fmt(r.get('buckets'), 'd')} | {r['wall_s']:.0f} |"
         )
 
-    lines += ["", "## Acceptance (hierarchical, no codec)", ""]
-    hier = next((r for r in ok if r["name"] == "ours_hier"), None)
-    fsdp = next((r for r in ok if r["name"] == "fsdp2_hybrid"), None)
-    if hier is None:
-        lines.append("- not checked: `ours_hier` was not run (or failed)")
-    else:
-        verdict = "holds" if hier["x_s"] <= ACCEPTANCE_BYTES else "FAILS"
-        lines.append(f"- cross-node bytes per node per step: {hier['tx_mb']:.2f} MB = {hier['x_s']:.3f} S"
-                     f" (limit {ACCEPTANCE_BYTES} S): **{verdict}**")
-        for other, label in ((ref, "Lightning `ddp`"), (fsdp, "torch FSDP2 hybrid")):
-            if other is None:
-                lines.append(f"- step time vs {label}: not checked ({label} not run or failed)")
-            else:
-                faster = hier["median_s"] < other["median_s"]
-                lines.append(f"- step time vs {label}: {hier['median_s']:.3f} s against {other['median_s']:.3f} s"
-                             f" (ratio {hier['median_s'] / other['median_s']:.3f}): **{'faster' if faster else 'NOT faster'}**")
+    zero_lines = _zero_section(ok)
+    if zero_lines:
+        lines += ["", "## ZeRO: ours beside DeepSpeed, per stage", "", *zero_lines]
+    if "ours_hier" in names:
+        lines += ["", "## Acceptance (hierarchical, no codec)", "", *_acceptance_section(ok, ref)]
     if png is not None:
         lines += ["", f"![step time and cross-node bytes]({png.name})"]
     lines += ["", f"_Total benchmark wall time {wall_s:.0f} s._", ""]
     return "\n".join(lines)
+
+
+def _acceptance_section(ok: list[dict[str, Any]], ref: dict[str, Any] | None) -> list[str]:
+    hier = next((r for r in ok if r["name"] == "ours_hier"), None)
+    fsdp = next((r for r in ok if r["name"] == "fsdp2_hybrid"), None)
+    if hier is None:
+        return ["- not checked: `ours_hier` failed"]
+    verdict = "holds" if hier["x_s"] <= ACCEPTANCE_BYTES else "FAILS"
+    lines = [f"- cross-node bytes per node per step: {hier['tx_mb']:.2f} MB = {hier['x_s']:.3f} S"
+             f" (limit {ACCEPTANCE_BYTES} S): **{verdict}**"]
+    for other, label in ((ref, "Lightning `ddp`"), (fsdp, "torch FSDP2 hybrid")):
+        if other is None:
+            lines.append(f"- step time vs {label}: not checked ({label} not run or failed)")
+        else:
+            faster = hier["median_s"] < other["median_s"]
+            lines.append(f"- step time vs {label}: {hier['median_s']:.3f} s against {other['median_s']:.3f} s"
+                         f" (ratio {hier['median_s'] / other['median_s']:.3f}): **{'faster' if faster else 'NOT faster'}**")
+    return lines
+
+
+def _zero_section(ok: list[dict[str, Any]]) -> list[str]:
+    """One line per ZeRO stage run by both DeepSpeed and us: step time, cross-node bytes and memory side by side."""
+    by_name = {r["name"]: r for r in ok}
+    out = []
+    for stage, ours_names in ((1, ("ours_zero1",)), (2, ("ours_zero2",)), (3, ("ours_zero3", "ours_zero3_node"))):
+        ds = by_name.get(f"deepspeed_zero{stage}")
+        for name in ours_names:
+            ours = by_name.get(name)
+            if ds is None or ours is None:
+                continue
+            mem = ""
+            for key, when in (("live_tensor_backward_mb", "after backward"), ("live_tensor_mb", "after step")):
+                if ds.get(key) and ours.get(key):
+                    mem += (f"; live tensors {when} {ours[key]:.1f} MB against {ds[key]:.1f} MB per rank"
+                            f" ({ours[key] / ds[key]:.2f}x)")
+            out.append(
+                f"- stage {stage}, {ours['label']}: {ours['median_s']:.3f} s/step against DeepSpeed's {ds['median_s']:.3f}"
+                f" (ratio {ours['median_s'] / ds['median_s']:.3f}); cross-node {ours['tx_mb']:.1f} MB = {ours['x_s']:.2f} S"
+                f" against {ds['tx_mb']:.1f} MB = {ds['x_s']:.2f} S per node and step{mem}"
+            )
+    return out
 
 
 def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path) -> bool:
@@ -307,7 +464,9 @@ def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path)
     labels = [r["label"].replace("`", "") for r in ok]
     s_mb = ok[0]["grad_bytes"] / MB
     colors = ["tab:blue" if r["name"].startswith("ours") else "tab:gray" for r in ok]
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(13, 0.45 * len(ok) + 2.2), sharey=True)
+    has_mem = all("live_tensor_mb" in r for r in ok)
+    fig, axes = plt.subplots(1, 3 if has_mem else 2, figsize=(18 if has_mem else 13, 0.45 * len(ok) + 2.2), sharey=True)
+    ax_t, ax_b = axes[:2]
     y = range(len(ok))
     ax_t.barh(y, [r["median_s"] for r in ok], color=colors)
     ax_t.set_yticks(list(y), labels)
@@ -328,8 +487,22 @@ def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path)
     ax_b.set_xlim(0, 1.15 * max(max(r["tx_mb"] for r in ok), 1.5 * s_mb))
     for i, r in enumerate(ok):
         ax_b.text(r["tx_mb"], i, f" {r['tx_mb']:.1f}", va="center", fontsize=8)
+    if has_mem:
+        ax_m = axes[2]
+        bw = [r.get("live_tensor_backward_mb", r["live_tensor_mb"]) for r in ok]
+        ax_m.barh(y, bw, color=colors, label="after backward")
+        ax_m.scatter([r["live_tensor_mb"] for r in ok], list(y), color="k", marker="|", s=120, zorder=3,
+                     label="after step")
+        ax_m.set_xlabel("live tensor MB per rank (largest rank)")
+        unsharded = 4 if args.optimizer == "adamw" else 3
+        ax_m.axvline(unsharded * s_mb, color="k", ls="--", lw=1, label=f"{unsharded} S (unsharded)")
+        ax_m.legend(loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=3, fontsize=8, frameon=False)
+        ax_m.set_xlim(0, 1.25 * max(max(bw), max(r["live_tensor_mb"] for r in ok), 4 * s_mb))
+        for i, v in enumerate(bw):
+            ax_m.text(v, i, f" {v:.0f}", va="center", fontsize=8)
     fig.suptitle(f"{args.nodes} nodes x {args.nproc_per_node} ranks, link {args.rate}, "
-                 f"{ok[0]['params'] / 1e6:.1f}M-parameter MLP (S = {s_mb:.1f} MB), {args.steps} timed steps", fontsize=10)
+                 f"{ok[0]['params'] / 1e6:.1f}M-parameter MLP (S = {s_mb:.1f} MB), {args.optimizer}, {args.steps} timed steps",
+                 fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -2,10 +2,15 @@
 
     torchrun ... benchmarks/cluster_worker.py --contender ours_hier --out-dir DIR --steps 8 --warmup 3
 
-Every contender trains the same MLP on the same data from the same seed; what differs is how gradients are
-synchronized. Lightning contenders run ``L.Trainer(devices=k, num_nodes=M)`` (under torchrun Lightning picks
-``TorchElasticEnvironment``); FSDP2 and torch DDP + PowerSGD run a plain torch loop, because Lightning's FSDP
-strategy refuses CPU and its DDP strategy ignores comm hooks on CPU.
+Every contender trains the same MLP on the same data from the same seed with the same optimizer (``--optimizer``);
+what differs is how gradients (and, for ZeRO, optimizer state and parameters) are synchronized and sharded.
+Lightning contenders run ``L.Trainer(devices=k, num_nodes=M)`` (under torchrun Lightning picks
+``TorchElasticEnvironment``); FSDP2, torch DDP + PowerSGD and DeepSpeed ZeRO run a plain torch loop, because
+Lightning's FSDP and DeepSpeed strategies refuse CPU and its DDP strategy ignores comm hooks on CPU.
+
+DeepSpeed runs on its CPU accelerator (``DS_ACCELERATOR=cpu``) over gloo, fp32, with the same torch optimizer as
+everyone else handed to ``deepspeed.initialize`` (``zero_allow_untested_optimizer``), so none of DeepSpeed's
+compiled optimizers (FusedAdam, CPUAdam) is needed; see :func:`deepspeed_config`.
 
 Measured on the timed window (the steps after ``--warmup``):
 
@@ -14,14 +19,23 @@ Measured on the timed window (the steps after ``--warmup``):
   and at the end of the window (``/sys/class/net/$GLOO_SOCKET_IFNAME/statistics``, which inside the node's
   namespace is that namespace's view);
 - for our strategy, its own accounting (``comm/cross_node_MB`` per rank) over the same window;
-- loss of every step on rank 0, and peak RSS of every rank.
+- loss of every step on rank 0, and peak RSS of every rank;
+- after the window (so after the last optimizer step, before any further ``zero_grad``), outside the timed steps:
+  every rank's live tensor bytes, counted the same way for every contender (:func:`live_tensor_bytes`), the
+  bytes of the (innermost) torch optimizer's state, and for our strategy its own ``memory_bytes()``;
+- then one more, untimed "probe" step, which takes the same live-tensor count (and ``memory_bytes()``) after its
+  backward and gradient synchronization, right before its optimizer step: where gradients are held, whereas after
+  the step some implementations (DeepSpeed) have already released them and others (Lightning) not yet.
 
-Each rank writes ``rank<global rank>.json`` into ``--out-dir``; the driver aggregates.
+Each rank writes ``rank<global rank>.json`` into ``--out-dir``; the driver aggregates. A rank that fails writes
+``rank<global rank>.json`` with the error (type and message) before exiting non-zero, so the driver can put the
+reason in the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -46,9 +60,16 @@ LIGHTNING_CONTENDERS = {
     # smallest start_powerSGD_iter torch's hook accepts with error feedback, so both PowerSGDs compress from step 2.
     "ours_hier_powersgd": {"hierarchical": True, "compression": "powersgd",
                            "compression_options": {"rank": 4, "start_iter": 2}},
+    # ZeRO stages, hierarchical reduction (the default); shard_scope "global" shards over all ranks, "node" inside a node.
+    "ours_zero1": {"zero_stage": 1, "shard_scope": "global"},
+    "ours_zero2": {"zero_stage": 2, "shard_scope": "global"},
+    "ours_zero3": {"zero_stage": 3, "shard_scope": "global"},
+    "ours_zero3_node": {"zero_stage": 3, "shard_scope": "node"},
 }
 TORCH_CONTENDERS = ("fsdp2_hybrid", "torch_ddp_powersgd")
-CONTENDERS = (*LIGHTNING_CONTENDERS, *TORCH_CONTENDERS)
+DEEPSPEED_CONTENDERS = {"deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3}  # name -> ZeRO stage
+CONTENDERS = (*LIGHTNING_CONTENDERS, *TORCH_CONTENDERS, *DEEPSPEED_CONTENDERS)
+LR = {"sgd": 1e-2, "adamw": 1e-3}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,8 +84,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--bucket-size-mb", type=float, default=25.0)
+    p.add_argument("--optimizer", choices=tuple(LR), default="sgd",
+                   help="sgd: SGD(lr=0.01, momentum=0.9); adamw: AdamW(lr=1e-3), torch's other defaults")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
+
+
+def make_optimizer(args: argparse.Namespace, params) -> torch.optim.Optimizer:
+    """The one optimizer every contender uses, so every contender holds the same optimizer state."""
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=LR["adamw"])
+    return torch.optim.SGD(params, lr=LR["sgd"], momentum=0.9)
+
+
+def deepspeed_config(args: argparse.Namespace, stage: int) -> dict[str, Any]:
+    """fp32 ZeRO at ``stage`` with the benchmark's batch and bucket size; DeepSpeed's other settings at defaults."""
+    bucket_elements = int(args.bucket_size_mb * 2**20) // 4  # fp32: our 25 MiB buckets, in elements
+    return {
+        "train_micro_batch_size_per_gpu": args.batch_size,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket_elements, "overlap_comm": True},
+        "zero_allow_untested_optimizer": True,  # a torch optimizer: no FusedAdam/CPUAdam extension to build
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
 
 
 def build_net(args: argparse.Namespace) -> nn.Sequential:
@@ -83,6 +128,10 @@ def build_loader(args: argparse.Namespace) -> torch.utils.data.DataLoader:
     g = torch.Generator().manual_seed(args.seed)
     x = torch.randn(n, args.features, generator=g)
     y = torch.randint(0, args.classes, (n,), generator=g)
+    # The probe step's batches, appended: the sampler deals samples out round-robin, so every earlier batch stays
+    # what it was without them.
+    x = torch.cat([x, torch.randn(args.batch_size * world, args.features, generator=g)])
+    y = torch.cat([y, torch.randint(0, args.classes, (args.batch_size * world,), generator=g)])
     dataset = torch.utils.data.TensorDataset(x, y)
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
     return torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
@@ -152,6 +201,74 @@ class Window:
         return res
 
 
+def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
+    """(data pointer, bytes) of ``t``'s storage (a DTensor's: its local shard's), or None where there is none to
+    count: a meta tensor, an empty or invalidated storage (FSDP2 leaves some behind)."""
+    try:
+        t = getattr(t, "_local_tensor", t)  # DTensor (FSDP2): a wrapper without storage around the local shard
+        if t.device.type == "meta":
+            return None
+        st = t.untyped_storage()
+        nbytes = st.nbytes()
+        return (st.data_ptr(), nbytes) if nbytes else None
+    except Exception:  # noqa: BLE001  (wrapper subclasses and invalid storages raise various errors)
+        return None
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage reachable from Python in this process, each storage counted once.
+
+    Walks ``gc.get_objects()`` for tensors (parameters included) and adds every parameter's ``.grad`` (a gradient
+    may exist only on the C++ side until read), dedupes by ``untyped_storage().data_ptr()`` and sums
+    ``untyped_storage().nbytes()``. Storages only C++ holds (DDP's reducer buckets, autograd's saved tensors,
+    communication buffers) are not seen; peak RSS covers those."""
+    gc.collect()
+    seen: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        key = _storage_key(t)
+        if key is not None:
+            seen.setdefault(*key)
+
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor):
+                continue
+        except Exception:  # noqa: BLE001  (objects whose __class__ lookup fails)
+            continue
+        add(obj)
+        if isinstance(obj, nn.Parameter) and obj.grad is not None:
+            add(obj.grad)
+    return sum(seen.values())
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of the tensors in the innermost torch optimizer's state (unwrapping DeepSpeed's ZeRO optimizer and
+    Lightning's wrapper through ``.optimizer``), each storage counted once."""
+    while not isinstance(optimizer, torch.optim.Optimizer) and getattr(optimizer, "optimizer", None) is not None:
+        optimizer = optimizer.optimizer
+    seen: dict[int, int] = {}
+    for state in getattr(optimizer, "state", {}).values():
+        for v in state.values():
+            key = _storage_key(v) if isinstance(v, torch.Tensor) else None
+            if key is not None:
+                seen.setdefault(*key)
+    return sum(seen.values())
+
+
+def memory_result(optimizers: list[Any], strategy: Any = None) -> dict[str, Any]:
+    res: dict[str, Any] = {
+        "live_tensor_bytes": live_tensor_bytes(),
+        "optimizer_state_bytes": sum(optimizer_state_bytes(o) for o in optimizers),
+    }
+    if strategy is not None and hasattr(strategy, "memory_bytes"):
+        try:
+            res["memory_bytes"] = {k: int(v) for k, v in strategy.memory_bytes().items()}
+        except Exception as err:  # noqa: BLE001  (the method is new; a failure must not lose the run's numbers)
+            res["memory_bytes_error"] = f"{type(err).__name__}: {err}"
+    return res
+
+
 # ---------------------------------------------------------------------------------------------- contenders
 
 
@@ -177,7 +294,7 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
             return nn.functional.cross_entropy(self.net(x), y)
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9)
+            return make_optimizer(args, self.parameters())
 
     class WindowCallback(L.Callback):
         """Opens the window after the warmup steps, times each following step, reads our accounting."""
@@ -187,6 +304,8 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
             self.ours_start: tuple[int, dict[str, float]] | None = None
             self.ours_window: dict[str, float] = {}
             self.all_losses: list[float] = []
+            self.buckets: int | None = None
+            self.memory: dict[str, Any] = {}
 
         def _ours_snapshot(self, trainer) -> tuple[int, dict[str, float]]:
             means = getattr(trainer.strategy, "metric_means", None) or {}
@@ -200,8 +319,9 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
                 self.window.start()
                 if ours:
                     self.ours_start = self._ours_snapshot(trainer)
-                    self.buckets = len(trainer.strategy.engine.buckets)
-            elif done > args.warmup:
+                    engine = getattr(trainer.strategy, "engine", None)
+                    self.buckets = len(engine.buckets) if engine is not None else None
+            elif args.warmup < done <= args.warmup + args.steps:
                 self.window.step_done(float(outputs["loss"]))
                 if done == args.warmup + args.steps:
                     self.window.end()
@@ -210,6 +330,13 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
                         n1, m1 = self._ours_snapshot(trainer)
                         n0, m0 = self.ours_start
                         self.ours_window = {k: (m1[k] * n1 - m0.get(k, 0.0) * n0) / (n1 - n0) for k in m1}
+                    # After the last optimizer step; Lightning zeroes gradients only before the next backward.
+                    self.memory = memory_result(trainer.optimizers, trainer.strategy if ours else None)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == args.warmup + args.steps:  # the probe step, after its backward
+                probe = memory_result(trainer.optimizers, trainer.strategy if ours else None)
+                self.memory.update({f"{k}_backward": v for k, v in probe.items()})
 
     L.seed_everything(args.seed, verbose=False)
     torch.set_num_threads(1)
@@ -222,7 +349,7 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
     cb = WindowCallback()
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, num_nodes=nodes, strategy=strategy,
-        max_steps=args.warmup + args.steps, max_epochs=-1, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+        max_steps=args.warmup + args.steps + 1, max_epochs=-1, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[cb],
     )  # fmt: skip
     trainer.fit(model, loader)
@@ -231,11 +358,72 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
     res["losses"] = cb.window.losses
     res["all_losses"] = cb.all_losses
     res["environment"] = type(trainer.strategy.cluster_environment).__name__
+    res.update(cb.memory)
     if ours:
         res["ours_window"] = cb.ours_window
         res["ours_fit_means"] = trainer.strategy.metric_means
         res["hierarchical"] = trainer.strategy.uses_hierarchical_reducer
         res["buckets"] = cb.buckets
+    return res
+
+
+def plain_loop(args: argparse.Namespace, step, optimizers: list[Any]) -> dict[str, Any]:
+    """Warmup steps, the timed window, then the probe step. ``step(x, y, probe)`` runs one whole iteration and
+    returns the loss; ``probe``, where not None, is called between backward and the optimizer step."""
+    loader = build_loader(args)
+    window: Window | None = None
+    all_losses: list[float] = []
+    probe: dict[str, Any] = {}
+    res: dict[str, Any] = {}
+    for i, (x, y) in enumerate(loader):
+        if i == args.warmup:
+            window = Window(args.steps)
+            window.start()
+        if i == args.warmup + args.steps:  # the probe step, untimed
+            all_losses.append(float(step(x, y, lambda: probe.update(memory_result(optimizers)))))
+            break
+        loss = float(step(x, y, None))
+        all_losses.append(loss)
+        if window is not None:
+            window.step_done(loss)
+        if i + 1 == args.warmup + args.steps:
+            window.end()
+            res = window.result()
+            res.update(memory_result(optimizers))  # after the last optimizer step, as for the Lightning contenders
+    res["losses"] = window.losses
+    res["all_losses"] = all_losses
+    res.update({f"{k}_backward": v for k, v in probe.items()})
+    return res
+
+
+def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
+    """DeepSpeed ZeRO through ``deepspeed.initialize`` in a plain loop (Lightning's DeepSpeed strategy refuses CPU)."""
+    import logging
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+    net = build_net(args)
+    config = deepspeed_config(args, DEEPSPEED_CONTENDERS[args.contender])
+    engine, optimizer, _, _ = deepspeed.initialize(model=net, optimizer=make_optimizer(args, net.parameters()),
+                                                   config=config)
+
+    def step(x: torch.Tensor, y: torch.Tensor, probe) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(engine(x), y)
+        engine.backward(loss)  # its epilogue also finishes the gradient reduction (overlap_comm included)
+        if probe is not None:
+            probe()
+        engine.step()  # optimizer step, then DeepSpeed releases the gradients
+        return loss.detach()
+
+    res = plain_loop(args, step, [optimizer])
+    res["environment"] = f"torchrun (plain torch loop), deepspeed {deepspeed.__version__}"
+    res["deepspeed_optimizer"] = type(optimizer).__name__
+    res["deepspeed_config"] = config
     return res
 
 
@@ -274,28 +462,18 @@ def run_torch(args: argparse.Namespace) -> dict[str, Any]:
         )  # fmt: skip
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-    loader = build_loader(args)
+    optimizer = make_optimizer(args, model.parameters())
 
-    window: Window | None = None
-    all_losses: list[float] = []
-    for step, (x, y) in enumerate(loader):
-        if step == args.warmup:
-            window = Window(args.steps)
-            window.start()
+    def step(x: torch.Tensor, y: torch.Tensor, probe) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
+        if probe is not None:
+            probe()
         optimizer.step()
-        all_losses.append(float(loss))
-        if window is not None:
-            window.step_done(float(loss))
-        if step + 1 == args.warmup + args.steps:
-            break
-    window.end()
-    res = window.result()
-    res["losses"] = window.losses
-    res["all_losses"] = all_losses
+        return loss.detach()
+
+    res = plain_loop(args, step, [optimizer])
     res["environment"] = "torchrun (plain torch loop)"
     if args.contender == "torch_ddp_powersgd":
         res["buckets"] = len(model._get_ddp_logging_data().get("bucket_sizes", "").split(", ")) or None
@@ -305,13 +483,24 @@ def run_torch(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args()
-    if args.contender in LIGHTNING_CONTENDERS:
-        res = run_lightning(args)
-    else:
-        res = run_torch(args)
+    try:
+        if args.contender in LIGHTNING_CONTENDERS:
+            res = run_lightning(args)
+        elif args.contender in DEEPSPEED_CONTENDERS:
+            res = run_deepspeed(args)
+        else:
+            res = run_torch(args)
+    except BaseException as err:
+        # Leave the reason where the driver looks for results, then fail as before.
+        rank = int(os.environ.get("RANK", "0"))
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / f"rank{rank}.json").write_text(
+            json.dumps({"rank": rank, "contender": args.contender, "error": f"{type(err).__name__}: {err}"}))
+        raise
     res["contender"] = args.contender
     res["params"] = sum(p.numel() for p in build_net(args).parameters())
     res["grad_bytes"] = res["params"] * 4
+    res["optimizer"] = args.optimizer
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"rank{res['rank']}.json").write_text(json.dumps(res))
 
