@@ -20,6 +20,7 @@ import torch.distributed as dist
 _PREFIX = "ddp_plugin/health"
 BEAT_INTERVAL_S = 0.5
 WATCH_S = 2.0
+STORE_TIMEOUT_S = 3.0
 
 
 def _store() -> dist.Store:
@@ -29,7 +30,10 @@ def _store() -> dist.Store:
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         return dist.distributed_c10d._get_default_store()
-    return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+    # A short timeout: a client to a dead host retries its connection until the timeout, and every survivor
+    # of a dead rank 0 (which hosts the store under Lightning's launcher) would wait that long to say so.
+    return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S),
+                         wait_for_workers=False)
 
 
 class Heartbeat:
@@ -101,8 +105,9 @@ def _read(store: dist.Store, kind: str, rank: int) -> str | None:
     return store.get(key).decode() if store.check([key]) else None
 
 
-def diagnose(error: BaseException, watch_s: float = WATCH_S) -> str:
-    """A sentence naming the ranks that failed, died or are stuck, for the error this rank raises."""
+def diagnose(error: BaseException, watch_s: float = WATCH_S, what: str = "gradient synchronization") -> str:
+    """A sentence naming the ranks that failed, died or are stuck, for the error this rank raises when ``what``
+    (a collective) failed."""
     global _diagnosed
     _diagnosed = True
     me, world = dist.get_rank(), dist.get_world_size()
@@ -124,7 +129,7 @@ def diagnose(error: BaseException, watch_s: float = WATCH_S) -> str:
         victims = {r for r in range(world) if _read(store, "victim", r) is not None}
     except Exception:  # noqa: BLE001
         return (
-            f"rank {me}: gradient synchronization failed and the rendezvous store is unreachable, so the process"
+            f"rank {me}: {what} failed and the rendezvous store is unreachable, so the process"
             f" hosting it (rank 0 under Lightning's launcher) is gone. Original error: {error}"
         )
     parts = [f"rank {r} failed with {msg}" for r, msg in sorted(failed.items())]
@@ -138,4 +143,4 @@ def diagnose(error: BaseException, watch_s: float = WATCH_S) -> str:
             parts.append(f"every rank is alive, and rank(s) {', '.join(map(str, behind))} are stuck at step {slowest}")
     if not parts:
         parts.append("every rank is alive, so a link between them failed or a collective timed out")
-    return f"rank {me}: gradient synchronization failed because {'; '.join(parts)}. Original error: {error}"
+    return f"rank {me}: {what} failed because {'; '.join(parts)}. Original error: {error}"
