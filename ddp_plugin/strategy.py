@@ -9,8 +9,9 @@ import functools
 import gc
 import logging
 import os
+import shutil
 import weakref
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -44,7 +45,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ddp_plugin import collectives, health
+from ddp_plugin import collectives, cpu_memory, health, sharded_checkpoint
+from ddp_plugin.checkpoint_io import AtomicCheckpointIO
 from ddp_plugin.engine import GradientEngine
 from ddp_plugin.plugin_manager import build_plugin_manager
 from ddp_plugin.plugins.zero_sharder import SHARD_SCOPES, check_auto_wrap_policy
@@ -62,6 +64,7 @@ log = logging.getLogger(__name__)
 ZERO_STAGES = (0, 1, 2, 3)
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 WEIGHTINGS = ("rank", "sample")
+CHECKPOINT_MODES = ("master", "sharded")
 # Flags a DeepSpeed config can set, with their defaults (an explicitly passed other value wins over the config).
 _CONFIG_FLAGS: dict[str, Any] = {
     "zero_stage": 0, "shard_scope": "global", "bucket_size_mb": 25, "compression": None,
@@ -89,6 +92,17 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             (modules are grouped bottom-up into units of at least that many parameters; default 1,000,000).
         gradient_clip_norm: clip gradients to this global 2-norm before every step (across shards at stages
             1-3). ``Trainer(gradient_clip_val=...)`` works too.
+        checkpoint: ``"master"``: global rank 0 writes one consolidated file (full model, optimizer state in the
+            layout an unsharded optimizer has), atomically, which any world size, stage, or plain Lightning in
+            one process can load. ``"sharded"``: every rank writes its own part through
+            ``torch.distributed.checkpoint`` into a directory (no gathering, nothing large on rank 0); loading
+            reshards to the current world size and stage (:mod:`ddp_plugin.sharded_checkpoint`). Both kinds
+            load in either mode.
+        release_cpu_memory: on CPU, make glibc give buffers of 1 MiB or more back to the operating system as
+            soon as they are freed (``mallopt(M_MMAP_THRESHOLD)``, process-wide), so that the buffers stages 2
+            and 3 free every step do not fragment the heap and grow the resident memory. ``None`` (default):
+            on at stages 2 and 3 on CPU; costs page faults (measured: +6% to +17% step time on the 2x2
+            benchmark). No effect on CUDA or without glibc.
         config: a DeepSpeed config (path to a JSON file, or a dict) whose ZeRO settings become these flags;
             flags passed explicitly win, and every key that has no counterpart is named in a warning.
         devices_per_node: ranks per node. ``None`` takes the launcher's (``devices=``); set it to simulate
@@ -124,6 +138,8 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         auto_wrap_policy: Any = None,
         gradient_clip_norm: float | None = None,
         config: str | os.PathLike | dict[str, Any] | None = None,
+        checkpoint: Literal["master", "sharded"] = "master",
+        release_cpu_memory: bool | None = None,
         devices_per_node: int | None = None,
         hierarchical: bool | None = None,
         compression: str | None = None,
@@ -163,6 +179,12 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             gradient_clip_norm = merged.get("gradient_clip_norm", gradient_clip_norm)
             timeout = merged.get("timeout", timeout)
         self.zero_stage = _check_zero_stage(zero_stage)
+        self.checkpoint = _check_choice("checkpoint", checkpoint, CHECKPOINT_MODES)
+        if release_cpu_memory is not None and not isinstance(release_cpu_memory, bool):
+            raise ValueError(
+                f"`release_cpu_memory={release_cpu_memory!r}` is not supported; allowed values: None, True, False."
+            )
+        self.release_cpu_memory = release_cpu_memory
         self.shard_scope = _check_choice("shard_scope", shard_scope, SHARD_SCOPES)
         self.auto_wrap_policy = check_auto_wrap_policy(auto_wrap_policy)
         self.gradient_clip_norm = (
@@ -214,6 +236,17 @@ class HierarchicalZeroStrategy(ParallelStrategy):
                 " as many processes per node as `devices` says (e.g. torchrun's `--nproc_per_node`)."
             )
         return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
 
     @property
     def is_distributed(self) -> bool:
@@ -338,6 +371,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         _sync_module_states(self.model)
 
         if fitting:
+            self._release_cpu_memory()
             self._setup_plugins()
             self.setup_optimizers(trainer)
             assert self._plugin_manager is not None
@@ -347,6 +381,11 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         self._route_gradient_clipping()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _release_cpu_memory(self) -> None:
+        wanted = self.zero_stage >= 2 if self.release_cpu_memory is None else self.release_cpu_memory
+        if wanted and self.root_device.type == "cpu" and cpu_memory.release_freed_buffers():
+            log.info("ddp_plugin: glibc's mmap threshold fixed at 1 MiB (release_cpu_memory)")
 
     def _zero_kwargs(self) -> dict[str, Any]:
         return {"zero_stage": self.zero_stage, "shard_scope": self.shard_scope, "auto_wrap_policy": self.auto_wrap_policy}
@@ -646,13 +685,17 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives for Lightning
 
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        try:
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
+        except Exception as err:
+            # E.g. rank 0 died while writing a checkpoint: say which rank, not only gloo's "connection reset".
+            raise RuntimeError(health.diagnose(err, what=f"the barrier {name or ''}".rstrip())) from err
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
@@ -671,10 +714,98 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
 
     @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        state = checkpoint["state_dict"]
+        missing, unexpected, mismatched = _compare_state_dicts(self.lightning_module.state_dict(), state)
+        if strict and (missing or unexpected or mismatched):
+            details = []
+            if missing:
+                details.append(f"missing from the checkpoint: {_some(missing)}")
+            if unexpected:
+                details.append(f"not in this model: {_some(unexpected)}")
+            if mismatched:
+                details.append(f"different shapes: {_some(mismatched)}")
+            raise ValueError(
+                f"The checkpoint does not fit {type(self.lightning_module).__name__}: {'; '.join(details)}. Was it"
+                " saved from another model (or other hyperparameters)?"
+            )
+        self.lightning_module.load_state_dict(state, strict=strict)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        pm = self._plugin_manager
+        if self.checkpoint == "sharded":
+            state = None
+            if pm is not None and self._engine is not None:
+                state = pm.hook.on_local_module_state_dict(module=self.lightning_module)
+            assert self.lightning_module is not None
+            return state if state is not None else self.lightning_module.state_dict()
+        if pm is not None and self._engine is not None:
+            state = pm.hook.on_module_state_dict(module=self.lightning_module)
+            if state is not None:
+                return state
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        pm = self._plugin_manager
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
+        if self.checkpoint == "sharded":
+            local = None
+            if pm is not None and self._engine is not None:
+                local = pm.hook.on_local_optimizer_state_dict(optimizer=optimizer)
+            if local is None:
+                sd = optimizer.state_dict()
+                flat = {f"{i}/{k}": v for i, st in sd["state"].items() for k, v in st.items()}
+                local = {"state": flat, "param_groups": sd["param_groups"], "shapes": {}}
+            return local
+        if pm is not None and self._engine is not None:
+            state = pm.hook.on_optimizer_state_dict(optimizer=optimizer)
+            if state is not None:
+                return state
+        return super().optimizer_state(optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pm = self._plugin_manager
+        if pm is None or self._engine is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if not pm.hook.on_load_optimizer_state_dict(optimizer=optimizer, state_dict=state):
+                optimizer.load_state_dict(state)
+            _optimizers_to_device([optimizer], self.root_device)
+        return None
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self._plugin_manager is not None:
             checkpoint[CHECKPOINT_KEY] = self._plugin_state()
+        if self.checkpoint == "sharded":
+            self._save_sharded(checkpoint, filepath)
+            return
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        assert self.lightning_module is not None
+        if not _is_local_path(filepath):
+            raise ValueError(f'`checkpoint="sharded"` writes to a local (or shared) filesystem; got `{filepath}`.')
+        shapes: dict[str, tuple[int, ...]] = {
+            f"model/{name}": tuple(value.shape)
+            for name, value in self.lightning_module.state_dict(keep_vars=True).items()
+            if isinstance(value, Tensor)
+        }
+        optimizers = checkpoint.get("optimizer_states", [])
+        for j, opt in enumerate(optimizers):
+            shapes.update({f"optim/{j}/{k}": v for k, v in opt.get("shapes", {}).items()})
+        sharded_checkpoint.save(checkpoint, checkpoint["state_dict"], optimizers, shapes, filepath)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero and sharded_checkpoint.is_sharded_checkpoint(filepath):
+            shutil.rmtree(str(filepath))
+            return
+        super().remove_checkpoint(filepath)
 
     def _plugin_state(self) -> dict[str, Any]:
         assert self._plugin_manager is not None
@@ -690,7 +821,16 @@ class HierarchicalZeroStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if _is_local_path(checkpoint_path) and not os.path.exists(str(checkpoint_path)):
+            raise FileNotFoundError(
+                f"Checkpoint not found: `{checkpoint_path}` does not exist (resolved from the current directory"
+                f" {os.getcwd()}). Pass the path of a `.ckpt` file written by `trainer.save_checkpoint` or"
+                " `ModelCheckpoint`."
+            )
+        if sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
+            checkpoint = sharded_checkpoint.load(checkpoint_path)
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None:
             if self._engine is not None:
@@ -753,6 +893,27 @@ def _check_choice(flag: str, value: Any, allowed: Iterable[Any]) -> Any:
     if value not in allowed:
         raise ValueError(f"`{flag}={value!r}` is not supported; allowed values: {', '.join(map(repr, allowed))}.")
     return value
+
+
+def _is_local_path(path: Any) -> bool:
+    text = str(path)
+    return "://" not in text
+
+
+def _compare_state_dicts(mine: Mapping[str, Tensor], theirs: Mapping[str, Any]) -> tuple[list[str], list[str], list[str]]:
+    missing = [k for k in mine if k not in theirs]
+    unexpected = [k for k in theirs if k not in mine]
+    mismatched = [
+        f"{k} {tuple(theirs[k].shape)} vs {tuple(v.shape)}"
+        for k, v in mine.items()
+        if k in theirs and isinstance(theirs[k], Tensor) and tuple(theirs[k].shape) != tuple(v.shape)
+    ]
+    return missing, unexpected, mismatched
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _check_zero_stage(stage: Any) -> int:

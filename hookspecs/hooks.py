@@ -221,6 +221,43 @@ def on_save_state_dict() -> dict[str, Any] | None:
     """
 
 
+@hookspec(firstresult=True)
+def on_module_state_dict(module: Module) -> dict[str, Any] | None:
+    """Return the module's full state dict for a checkpoint, or ``None`` for ``module.state_dict()``. Called on
+    every rank (a sharder gathers); only global rank 0's answer is written. Stops at first non-None result."""
+
+
+@hookspec(firstresult=True)
+def on_optimizer_state_dict(optimizer: Optimizer) -> dict[str, Any] | None:
+    """Return ``optimizer``'s state for a checkpoint in the layout the unsharded optimizer would have (so any
+    world size, stage or plain Lightning can resume from it), or ``None`` for ``optimizer.state_dict()``. Called
+    on every rank; only global rank 0's answer is written. Stops at first non-None result."""
+
+
+@hookspec(firstresult=True)
+def on_load_optimizer_state_dict(optimizer: Optimizer, state_dict: Mapping[str, Any]) -> bool | None:
+    """Load an unsharded-layout optimizer state dict into ``optimizer``; return True when done, or ``None`` to
+    let ``optimizer.load_state_dict`` do it. Raise a clear error for a state that does not fit. Stops at first
+    non-None result."""
+
+
+@hookspec(firstresult=True)
+def on_local_module_state_dict(module: Module) -> dict[str, Any] | None:
+    """For ``checkpoint="sharded"``: return this rank's part of the module state as flat keys, a tensor every
+    rank holds whole under its name and a piece of a sharded one as ``<name>#<start>`` (the 1-D slice of the
+    flattened tensor that starts at element ``start``); or ``None`` for ``module.state_dict()``. Called on every
+    rank; no communication is needed. Stops at first non-None result."""
+
+
+@hookspec(firstresult=True)
+def on_local_optimizer_state_dict(optimizer: Optimizer) -> dict[str, Any] | None:
+    """For ``checkpoint="sharded"``: return this rank's part of ``optimizer``'s state as ``{"state": {flat key:
+    value}, "param_groups": [...], "shapes": {...}}``, parameters numbered as in the unsharded
+    ``optimizer.state_dict()``, keys ``<index>/<state key>`` or ``<index>/<state key>#<start>`` for a piece, and
+    ``shapes`` giving the full shape of every key cut into pieces; or ``None`` for the unsharded state. Stops at
+    first non-None result."""
+
+
 @hookspec
 def on_load_state_dict(state: Mapping[str, Any]) -> None:
     """Restore plugin state from a checkpoint, after ``on_setup``.

@@ -31,6 +31,8 @@ from ddp_plugin import HierarchicalZeroStrategy
         ({"zero_stage": 3, "auto_wrap_policy": 0}, r"`auto_wrap_policy=0` must be a positive parameter count"),
         ({"zero_stage": 3, "auto_wrap_policy": [3.5]}, r"`auto_wrap_policy=\[3.5\]`.*allowed values: None"),
         ({"gradient_clip_norm": -1.0}, r"`gradient_clip_norm=-1.0` must be a positive number"),
+        ({"checkpoint": "dcp"}, r"`checkpoint='dcp'`.*allowed values: 'master', 'sharded'"),
+        ({"release_cpu_memory": 1}, r"`release_cpu_memory=1`.*allowed values: None, True, False"),
     ],
 )
 def test_bad_flag_fails_at_construction_naming_flag_and_allowed_values(kwargs, pattern):

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from ddp_plugin import collectives
 from ddp_plugin.hookspecs import completed_future, hookimpl
+from ddp_plugin.plugins.mean_allreduce import MeanAllReduce
 
 if TYPE_CHECKING:
     from pluggy import HookRelay
@@ -76,6 +77,10 @@ def allow_optimizer(cls: type) -> type:
     if cls not in ELEMENTWISE_OPTIMIZERS:
         ELEMENTWISE_OPTIMIZERS.append(cls)
     return cls
+
+
+_GATHER_CHUNK = 1 << 18
+"""Elements per ``dist.gather`` when checkpoint state is gathered to rank 0 (1 MiB of fp32 per rank)."""
 
 
 def check_optimizer(optimizer: Optimizer) -> None:
@@ -158,6 +163,9 @@ class ZeroSharder:
         self._forward_order: list[_Unit] = []
         self._order_known = False
         self._pieces_of: dict[int, list[nn.Parameter]] = {}
+        self._original_groups: dict[int, list[list[nn.Parameter]]] = {}
+        self._plain: bool | None = None  # see _plain_cross_node_mean
+        self._ws: dict[str, Tensor] = {}  # see _workspace
         self.peak_gathered_bytes = 0
         """Stage 3: the most parameter bytes gathered at once since the last metrics collection (one step)."""
         self.fit_peak_gathered_bytes = 0
@@ -261,6 +269,7 @@ class ZeroSharder:
                  options: Mapping[str, Any], module: nn.Module) -> None:
         self._topo, self._hook, self._buckets = topology, hook, list(buckets)
         self._options_hierarchical = options.get("hierarchical", True)
+        self._plain = None
         p_count, idx = self.num_shards, self.shard_index
         self._shards = []
         for bucket in self._buckets:
@@ -280,21 +289,25 @@ class ZeroSharder:
                 if start < stop:
                     entry.pieces.append((None, i, start - bucket.offsets[i], start - lo))  # type: ignore[arg-type]
             self._shards.append(entry)
+            # Memory is given back bucket by bucket, so setup never holds much more than the model once: the
+            # gradient buffer until backward needs it (stages 2, 3), the full parameters until forward (stage 3).
+            if self.stage >= 2:
+                bucket.release()
+            if self.stage == 3 and self._planned is not None and self._planned[bucket.index][0]:
+                entry.shard = shard.clone()
+                full.untyped_storage().resize_(0)
 
         self._units = []
         self._unit_of_bucket = {}
         if self.stage == 3:
             assert self._planned is not None, "on_plan_buckets did not run"
             for b, (uname, _) in enumerate(self._planned):
-                unit = _Unit(name=uname or "<root>", modules=[], bucket=b, persistent=not uname)
+                unit = _Unit(name=uname or "<root>", modules=[], bucket=b, persistent=not uname,
+                             gathered=not uname)
                 self._units.append(unit)
                 self._unit_of_bucket[b] = unit
-                entry = self._shards[b]
-                if unit.persistent:
-                    continue
-                entry.shard = entry.shard.clone()
-                self._free(unit)
-                self._register_unit_hooks(unit, self._module_names[uname])
+                if not unit.persistent:
+                    self._register_unit_hooks(unit, self._module_names[uname])
             for bucket in self._buckets:
                 unit = self._unit_of_bucket[bucket.index]
                 for p in bucket.params:
@@ -316,6 +329,8 @@ class ZeroSharder:
     @hookimpl
     def on_setup_optimizer(self, optimizer: Optimizer) -> None:
         check_optimizer(optimizer)
+        # The parameters as the user gave them: checkpoints keep the layout of an unsharded optimizer.
+        self._original_groups[id(optimizer)] = [list(group["params"]) for group in optimizer.param_groups]
         for group in optimizer.param_groups:
             params = []
             for p in group["params"]:
@@ -356,19 +371,29 @@ class ZeroSharder:
 
     # ------------------------------------------------------------------ collectives
 
-    def _reduce_scatter(self, tensor: Tensor, group: dist.ProcessGroup, parts: int) -> Tensor:
-        """Sum of ``tensor`` over ``group``, chunk ``rank in group`` only (a new tensor)."""
-        if parts == 1:
-            return tensor.clone()
+    def _workspace(self, name: str, numel: int, like: Tensor) -> Tensor:
+        """A scratch tensor of ``numel`` elements, reused from bucket to bucket and step to step: the communication
+        thread reduces one bucket at a time, so one buffer per purpose suffices, and large buffers allocated and
+        freed every step fragment the CPU heap (measured: RSS grew by 2x the gradient size over 40 steps)."""
+        buf = self._ws.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._ws[name] = like.new_empty(numel)
+        return buf[:numel]
+
+    def _reduce_scatter(self, tensor: Tensor, group: dist.ProcessGroup, parts: int, out: Tensor | None = None) -> Tensor:
+        """Sum of ``tensor`` over ``group``, chunk ``rank in group`` only, into ``out`` (default: a new tensor)."""
         c = tensor.numel() // parts
-        if self._topo.backend == "nccl":
+        if out is None:
             out = tensor.new_empty(c)
+        if parts == 1:
+            return out.copy_(tensor)
+        if self._topo.backend == "nccl":
             collectives.reduce_scatter_single(out, tensor, group=group)
             return out
         # gloo emulates reduce-scatter with a full all-reduce; an all-to-all sends half as much.
-        received = torch.empty_like(tensor)
+        received = self._workspace("all_to_all", tensor.numel(), tensor)
         collectives.all_to_all_single(received, tensor, group=group)
-        return received.view(parts, c).sum(dim=0)
+        return torch.sum(received.view(parts, c), dim=0, out=out)
 
     def _reduce_to_shard(self, bucket: Bucket) -> Tensor:
         t = self._topo
@@ -376,15 +401,31 @@ class ZeroSharder:
         buf = bucket.buffer
         if layout == "two_level" or (layout == "node" and (m == 1 or self._hierarchical)):
             buf.div_(k)
-            block = self._reduce_scatter(buf, t.intra_node_group, k)
+            if layout == "two_level":
+                block = self._reduce_scatter(buf, t.intra_node_group, k, self._workspace("block", buf.numel() // k, buf))
+            else:
+                block = self._reduce_scatter(buf, t.intra_node_group, k)  # the shard itself
+            if layout == "two_level" and self._plain_cross_node_mean():
+                # No codec: reduce-scatter across nodes too, half the bytes of an all-reduce of the block.
+                return self._reduce_scatter(block, t.inter_node_group, m).div_(m)
             self._hook.on_cross_node_reduce(tensor=block, group=t.inter_node_group, bucket=bucket).wait()
             if layout == "node":
                 return block
             c = block.numel() // m
-            return block[t.node_rank * c : (t.node_rank + 1) * c]
+            return block[t.node_rank * c : (t.node_rank + 1) * c].clone()  # not a view keeping the block alive
+        if layout == "world" and self._plain_cross_node_mean():
+            return self._reduce_scatter(buf, t.world_group, t.world_size).div_(t.world_size)
         self._hook.on_cross_node_reduce(tensor=buf, group=t.world_group, bucket=bucket).wait()
         c = buf.numel() // self.num_shards
         return buf[self.shard_index * c : (self.shard_index + 1) * c]
+
+    def _plain_cross_node_mean(self) -> bool:
+        """Whether ``on_cross_node_reduce`` would only average (no codec, no plugin of the user's answers it), so
+        this rank's shard can come from a reduce-scatter instead of an all-reduce of the whole tensor."""
+        if self._plain is None:
+            impls = [i for i in self._hook.on_cross_node_reduce.get_hookimpls() if not (i.hookwrapper or i.wrapper)]
+            self._plain = all(isinstance(i.plugin, MeanAllReduce) for i in impls)
+        return self._plain
 
     @hookimpl
     def on_bucket_ready(self, bucket: Bucket) -> torch.futures.Future:
@@ -573,6 +614,226 @@ class ZeroSharder:
                 self._gather_unit(unit)
             elif unit.gathered:
                 self._free(unit)
+
+    # ------------------------------------------------------------------ checkpoints: one consolidated layout
+
+    def _shard_group(self) -> tuple[dist.ProcessGroup, list[int]]:
+        """The side group one full copy of the shards is spread over, and the shard index of each of its ranks."""
+        t = self._topo
+        layout = self._layout()
+        if layout == "node":
+            return t.side_intra_node_group, list(range(t.ranks_per_node))
+        if layout == "two_level":
+            k, m = t.ranks_per_node, t.num_nodes
+            return t.side_world_group, [(r % k) * m + r // k for r in range(t.world_size)]
+        return t.side_world_group, list(range(t.world_size))
+
+    def _gather_flat_to_root(self, local: Tensor, group: dist.ProcessGroup, index_of: list[int]) -> Tensor | None:
+        """Every rank's shard-sized ``local`` assembled in shard order on the group's first rank (else None),
+        received straight into one buffer, in chunks (gloo's gather stages its output in a buffer of its own:
+        chunks keep that small)."""
+        root = dist.get_global_rank(group, 0)
+        if dist.get_rank() != root:
+            for a in range(0, local.numel(), _GATHER_CHUNK):
+                dist.gather(local[a : a + _GATHER_CHUNK], None, dst=root, group=group)
+            return None
+        c = local.numel()
+        full = local.new_empty(c * len(index_of))
+        for a in range(0, c, _GATHER_CHUNK):
+            z = min(a + _GATHER_CHUNK, c)
+            dist.gather(local[a:z], [full[idx * c + a : idx * c + z] for idx in index_of], dst=root, group=group)
+        return full
+
+    @hookimpl
+    def on_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Gather the sharded optimizer state to global rank 0 in the layout the unsharded optimizer would have
+        (``{"state": {index: {...}}, "param_groups": [...]}``, parameters numbered across groups in order), one
+        bucket and one state entry at a time; the other ranks return ``{}``."""
+        group, index_of = self._shard_group()
+        me = dist.get_rank()
+        root = dist.get_global_rank(group, 0)
+        # What exists where: per bucket and parameter, the state entries of this rank's pieces.
+        local: dict[tuple[int, int], dict[str, Any]] = {}
+        for b, entry in enumerate(self._shards):
+            for piece, i, _, _ in entry.pieces:
+                st = optimizer.state.get(piece)
+                if st:
+                    local[(b, i)] = {
+                        k: ("flat" if isinstance(v, Tensor) and v.dim() > 0 and v.numel() == piece.numel() else v)
+                        for k, v in st.items()
+                    }
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, local, group=group)
+        meta: dict[tuple[int, int], dict[str, Any]] = {}
+        for part in everyone:
+            for key, entries in part.items():
+                meta.setdefault(key, {}).update(entries)
+
+        full_state: dict[tuple[int, int], dict[str, Any]] = {key: {} for key in meta}
+        for b, (bucket, entry) in enumerate(zip(self._buckets, self._shards)):
+            flat_keys = sorted({k for (bb, _), e in meta.items() if bb == b for k, v in e.items() if v == "flat"})
+            for k in flat_keys:
+                buf = torch.zeros_like(entry.shard)
+                for piece, i, _, s_start in entry.pieces:
+                    v = optimizer.state.get(piece, {}).get(k)
+                    if v is not None:
+                        buf[s_start : s_start + piece.numel()].copy_(v.reshape(-1))
+                full = self._gather_flat_to_root(buf, group, index_of)
+                if full is None:
+                    continue
+                for (bb, i), e in meta.items():
+                    if bb == b and e.get(k) == "flat":
+                        p = bucket.params[i]
+                        # A view: the gathered buffer becomes the state (saved once, as one storage).
+                        full_state[(b, i)][k] = full[bucket.offsets[i] : bucket.offsets[i] + p.numel()].view_as(p)
+                del full
+            for (bb, i), e in meta.items():
+                if bb == b:
+                    for k, v in e.items():
+                        if v != "flat":
+                            full_state[(b, i)][k] = v
+        if me != root or dist.get_rank() != 0:
+            return {}
+        where = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
+        state: dict[int, dict[str, Any]] = {}
+        groups = []
+        index = 0
+        for group_dict, params in zip(optimizer.param_groups, self._original_groups[id(optimizer)]):
+            ids = []
+            for p in params:
+                if id(p) in where:
+                    st = full_state.get(where[id(p)])
+                    if st:
+                        state[index] = st
+                elif optimizer.state.get(p):
+                    state[index] = optimizer.state[p]  # not sharded: the same on every rank
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group_dict.items() if k != "params"}, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    @hookimpl
+    def on_load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: Mapping[str, Any]) -> bool:
+        """Take this rank's pieces of an unsharded optimizer state dict (any world size, stage or scope wrote it)."""
+        originals = self._original_groups[id(optimizer)]
+        saved_groups = state_dict.get("param_groups", [])
+        if [len(g["params"]) for g in saved_groups] != [len(ps) for ps in originals]:
+            raise ValueError(
+                "The checkpoint's optimizer state does not fit this model's optimizer: it has parameter groups of"
+                f" {[len(g['params']) for g in saved_groups]} parameters, the optimizer of"
+                f" {[len(ps) for ps in originals]}. Was it saved from another model or `configure_optimizers`?"
+            )
+        where = {id(piece): p_start for entry in self._shards for piece, _, p_start, _ in entry.pieces}
+        saved_state = state_dict.get("state", {})
+        optimizer.state.clear()
+        for group_dict, params, saved in zip(optimizer.param_groups, originals, saved_groups):
+            group_dict.update({k: v for k, v in saved.items() if k != "params"})
+            for p, index in zip(params, saved["params"]):
+                st = saved_state.get(index)
+                if not st:
+                    continue
+                for k, v in st.items():
+                    if isinstance(v, Tensor) and v.dim() > 0 and v.shape != p.shape:
+                        raise ValueError(
+                            f"The checkpoint's optimizer state `{k}` has shape {tuple(v.shape)} for a parameter of"
+                            f" shape {tuple(p.shape)}: it was saved from another model."
+                        )
+                pieces = self._pieces_of.get(id(p))
+                if pieces is None:
+                    optimizer.state[p] = {k: (v.to(p.device) if isinstance(v, Tensor) else v) for k, v in st.items()}
+                    continue
+                for piece in pieces:
+                    start = where[id(piece)]
+                    optimizer.state[piece] = {
+                        k: (v.detach().reshape(-1)[start : start + piece.numel()].to(piece.device, copy=True)
+                            if isinstance(v, Tensor) and v.dim() > 0 else
+                            (v.to(piece.device, copy=True) if isinstance(v, Tensor) else v))
+                        for k, v in st.items()
+                    }
+        return True
+
+    @hookimpl
+    def on_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The module's full state dict on global rank 0 (at stage 3 gathered one unit at a time and copied, so
+        rank 0 holds the full model plus one unit; at stages 1-2 the parameters themselves); ``{}`` elsewhere."""
+        me = dist.get_rank()
+        names: dict[int, list[str]] = {}
+        for name, value in module.state_dict(keep_vars=True).items():
+            names.setdefault(id(value), []).append(name)
+        copies: dict[str, Tensor] = {}
+        for bucket in self._buckets:
+            unit = self._unit_of_bucket.get(bucket.index)
+            gathered_here = unit is not None and not unit.gathered
+            if gathered_here:
+                self._gather_unit(unit)
+            if me == 0:
+                for p in bucket.params:
+                    # A unit gathered only for this is freed below: copy it. Otherwise the parameter is whole
+                    # and stays so while the checkpoint is written (no copy: ~S less on rank 0).
+                    value = p.detach().clone() if gathered_here else p.detach()
+                    for name in names.get(id(p), []):
+                        copies[name] = value
+            if gathered_here:
+                self._free(unit)
+        if me != 0:
+            return {}
+        return {name: copies.get(name, value.detach()) for name, value in module.state_dict(keep_vars=True).items()}
+
+    # ------------------------------------------------------------------ checkpoints: this rank's part only
+
+    @hookimpl
+    def on_local_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """This rank's part of the module state, for ``checkpoint="sharded"``: at stage 3 the pieces of the
+        sharded parameters as ``<name>#<start>`` (the slice of the flattened parameter from element ``start``),
+        everything else whole (every rank holds it; written once)."""
+        whole = module.state_dict(keep_vars=True)
+        out: dict[str, Tensor] = {}
+        sharded: set[str] = set()
+        if self.stage == 3:
+            names: dict[int, list[str]] = {}
+            for name, value in whole.items():
+                names.setdefault(id(value), []).append(name)
+            for bucket, entry in zip(self._buckets, self._shards):
+                unit = self._unit_of_bucket.get(bucket.index)
+                if unit is None or unit.persistent or unit.gathered:
+                    continue
+                for p in bucket.params:  # freed here: only this rank's pieces (if any) are valid
+                    sharded.update(names.get(id(p), []))
+                for piece, i, p_start, _ in entry.pieces:
+                    for name in names.get(id(bucket.params[i]), []):
+                        out[f"{name}#{p_start}"] = piece.detach()
+        out.update({name: value.detach() for name, value in whole.items() if name not in sharded})
+        return out
+
+    @hookimpl
+    def on_local_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's part of ``optimizer``'s state, for ``checkpoint="sharded"``: ``{"state": {flat key:
+        value}, "param_groups": [...], "shapes": {...}}`` with the parameters numbered as in an unsharded
+        ``optimizer.state_dict()``; a sharded state tensor is ``<index>/<key>#<start>``, the rest
+        ``<index>/<key>``."""
+        where = {id(piece): p_start for entry in self._shards for piece, _, p_start, _ in entry.pieces}
+        state: dict[str, Any] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        groups = []
+        index = 0
+        for group_dict, params in zip(optimizer.param_groups, self._original_groups[id(optimizer)]):
+            ids = []
+            for p in params:
+                pieces = self._pieces_of.get(id(p))
+                if pieces is None:
+                    for k, v in optimizer.state.get(p, {}).items():
+                        state[f"{index}/{k}"] = v
+                for piece in pieces or []:
+                    for k, v in optimizer.state.get(piece, {}).items():
+                        if isinstance(v, Tensor) and v.dim() > 0 and v.numel() == piece.numel():
+                            state[f"{index}/{k}#{where[id(piece)]}"] = v
+                            shapes[f"{index}/{k}"] = tuple(p.shape)
+                        else:
+                            state[f"{index}/{k}"] = v  # the same on every rank (e.g. Adam's step)
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group_dict.items() if k != "params"}, "params": ids})
+        return {"state": state, "param_groups": groups, "shapes": shapes}
 
     # ------------------------------------------------------------------ metrics
 

@@ -1,0 +1,36 @@
+"""Returning freed CPU buffers to the operating system at ZeRO stages 2 and 3.
+
+Stages 2 and 3 allocate and free bucket- and unit-sized buffers many times per step (gradient buckets
+materialized and released, stage 3 units gathered before forward and backward and freed after). PyTorch's CPU
+allocator is glibc's ``malloc``, whose *dynamic mmap threshold* rises to the size of the largest chunk freed so
+far (up to 32 MiB): after the first step these buffers come from the heap, whose holes are not given back, and
+the process's resident memory grows step after step although the live tensors do not (measured on the 2x2
+benchmark: 677 MB peak RSS per rank at stage 3 with 53 MB of live tensors, against 615 MB for Lightning
+``ddp``). Fixing the threshold at 1 MiB with ``mallopt`` makes every buffer of 1 MiB or more a mapping of its
+own that ``free`` unmaps at once (462 MB), for the price of fresh page faults when a buffer is allocated again.
+
+This is process-wide: it applies to every allocation of 1 MiB or more in the process, the user's included.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+import sys
+
+log = logging.getLogger(__name__)
+
+M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
+THRESHOLD_BYTES = 1 << 20
+
+
+def release_freed_buffers(threshold_bytes: int = THRESHOLD_BYTES) -> bool:
+    """Fix glibc's mmap threshold at ``threshold_bytes``; False (and nothing done) off Linux/glibc."""
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)))
+    except (OSError, AttributeError):
+        return False
