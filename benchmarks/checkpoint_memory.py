@@ -1,0 +1,178 @@
+"""Checkpoint benchmark: rank 0's extra memory and the time of one save, ours (master mode) against Lightning ``ddp``.
+
+    python benchmarks/checkpoint_memory.py                    # 4 CPU ranks, 11.6M-parameter MLP, AdamW
+    python benchmarks/checkpoint_memory.py --contenders ddp,stage3 --out /tmp/ckpt.md
+
+Each contender runs in a fresh process (Lightning's launcher re-executes the command line per rank): 3 training
+steps, then ``trainer.save_checkpoint(path)``. While rank 0 saves, a thread samples its resident set size
+(``/proc/self/statm``) every millisecond; *extra* is the peak during the save minus the RSS right before it
+(after ``gc.collect()``), in MB and in units of S (the fp32 parameter bytes). Rank 0's wall time of the
+save includes the final barrier; "file" is the checkpoint's size (all files of a sharded one). This is a benchmark: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONTENDERS = {
+    "ddp": "Lightning `ddp` (TorchCheckpointIO)",
+    "stage0": "ours, stage 0",
+    "stage2": "ours, ZeRO-2 (global shards)",
+    "stage3": "ours, ZeRO-3 (global shards)",
+    "stage3_sharded": 'ours, ZeRO-3 (global shards), `checkpoint="sharded"`',
+}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakSampler(threading.Thread):
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak, self.stop = rss_bytes(), threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(0.001)
+
+
+def _size(path: str) -> int:
+    p = Path(path)
+    return sum(f.stat().st_size for f in p.iterdir()) if p.is_dir() else p.stat().st_size
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning as L
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddp_plugin import HierarchicalZeroStrategy
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    layers: list[nn.Module] = [nn.Linear(32, args.hidden), nn.ReLU()]
+    for _ in range(args.layers):
+        layers += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
+    net = nn.Sequential(*layers, nn.Linear(args.hidden, 10))
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class MeasureSave(L.Callback):
+        """After the last step, inside fit (so stage 3 is still sharded): one measured save."""
+
+        def on_train_batch_end(self, trainer, *_) -> None:
+            if trainer.global_step != 3:
+                return
+            gc.collect()
+            sampler = PeakSampler()
+            before = rss_bytes()
+            sampler.start()
+            start = time.perf_counter()
+            trainer.save_checkpoint(args.path)
+            seconds = time.perf_counter() - start
+            sampler.stop.set()
+            sampler.join()
+            if trainer.is_global_zero:
+                s_bytes = sum(p.numel() * 4 for p in net.parameters())
+                Path(args.json).write_text(json.dumps({
+                    "extra": sampler.peak - before, "before": before, "S": s_bytes, "seconds": seconds,
+                    "file": _size(args.path),
+                }))
+
+    data = TensorDataset(torch.randn(64, 32), torch.randint(0, 10, (64,)))
+    if args.contender == "ddp":
+        strategy: object = "ddp"
+    else:
+        stage, _, mode = args.contender.removeprefix("stage").partition("_")
+        strategy = HierarchicalZeroStrategy(zero_stage=int(stage), auto_wrap_policy=["Linear"],
+                                            checkpoint=mode or "master")
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[MeasureSave()])
+    trainer.fit(Module(), DataLoader(data, batch_size=8))
+
+
+def driver(args: argparse.Namespace) -> None:
+    rows = []
+    for name in args.contenders.split(","):
+        results = []
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "result.json"
+                cmd = [sys.executable, __file__, "--contender", name, "--json", str(out),
+                       "--path", str(Path(tmp) / "model.ckpt"), "--devices", str(args.devices),
+                       "--hidden", str(args.hidden), "--layers", str(args.layers)]
+                subprocess.run(cmd, check=True, cwd=HERE.parent, stdout=subprocess.DEVNULL)
+                results.append(json.loads(out.read_text()))
+        extra = sorted(r["extra"] for r in results)[len(results) // 2]
+        seconds = sorted(r["seconds"] for r in results)[len(results) // 2]
+        r = results[0]
+        rows.append((name, extra, seconds, r))
+        print(f"{name:8s} extra {extra / 1e6:8.1f} MB = {extra / r['S']:.2f} S, save {seconds:.2f} s, "
+              f"file {r['file'] / 1e6:.1f} MB", flush=True)
+    s_mb = rows[0][3]["S"] / 1e6
+    lines = [
+        "# Checkpoint benchmark: rank 0's extra memory during one save",
+        "",
+        f"- command: `python benchmarks/checkpoint_memory.py --contenders {args.contenders}`",
+        f"- Python {platform.python_version()}, {os.cpu_count()} CPU cores shared by {args.devices} ranks (gloo)",
+        f"- model: MLP 32 -> {args.layers + 1} x Linear({args.hidden}) -> 10, AdamW, S = {s_mb:.2f} MB of fp32"
+        " parameters; a checkpoint holds S of parameters and 2 S of AdamW state",
+        "- extra: peak RSS of rank 0 during `trainer.save_checkpoint` (sampled every ms) minus its RSS right before;"
+        f" median of {args.repeats} runs; save time on rank 0 includes the final barrier",
+        "",
+        "| contender | extra MB on rank 0 | x S | save s | file MB |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, extra, seconds, r in rows:
+        lines.append(f"| {CONTENDERS[name]} | {extra / 1e6:.1f} | {extra / r['S']:.2f} | {seconds:.2f} |"
+                     f" {r['file'] / 1e6:.1f} |")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--contender", choices=list(CONTENDERS), help=argparse.SUPPRESS)
+    p.add_argument("--json", help=argparse.SUPPRESS)
+    p.add_argument("--path", help=argparse.SUPPRESS)
+    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=11)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=str(HERE / "results" / "checkpoint.md"))
+    args = p.parse_args()
+    if args.contender:
+        worker(args)
+    else:
+        driver(args)
+
+
+if __name__ == "__main__":
+    main()
