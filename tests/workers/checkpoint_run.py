@@ -123,6 +123,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--timeout", type=float, default=30)
     p.add_argument("--stall-second-save", action="store_true")
+    p.add_argument("--accelerator", default="cpu", help="cpu, or gpu for the CUDA/NCCL tests")
     p.add_argument("--no-save", action="store_true", help="no checkpoints: the uninterrupted reference")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -144,7 +145,7 @@ def main() -> None:
     if args.stall_second_save:
         callbacks = [SaveEvery(3, os.path.join(args.out, "model.ckpt"))]
     trainer = L.Trainer(
-        accelerator="cpu", devices=max(args.devices, 1), strategy=strategy, max_steps=args.steps,
+        accelerator=args.accelerator, devices=max(args.devices, 1), strategy=strategy, max_steps=args.steps,
         callbacks=callbacks, enable_checkpointing=saver in callbacks, logger=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False,
     )
@@ -154,7 +155,7 @@ def main() -> None:
         f.write(str(os.getpid()))
     trainer.fit(model, ckpt_path=args.resume)
     if trainer.is_global_zero:
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
         torch.save({"params": params, "losses": model.losses, "global_step": trainer.global_step},
                    os.path.join(args.out, f"{args.name}.pt"))
 

@@ -92,6 +92,7 @@ class RecordParameters(L.Callback):
     def __init__(self) -> None:
         self.history: list[torch.Tensor] = []
         self.max_rank_diff = 0.0
+        self.device = ""
         self._last_step = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -101,7 +102,8 @@ class RecordParameters(L.Callback):
         full = getattr(trainer.strategy, "full_parameters", contextlib.nullcontext)
         with full():
             flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
-        self.history.append(flat.clone())
+        self.device = str(flat.device)  # where training ran (Lightning moves the model to the CPU after fit)
+        self.history.append(flat.cpu())
         if trainer.world_size > 1:
             every_rank = trainer.strategy.all_gather(flat)
             self.max_rank_diff = max(self.max_rank_diff, (every_rank - every_rank[0]).abs().max().item())
@@ -116,7 +118,8 @@ def dataset(accumulate: int) -> TensorDataset:
 
 
 def run(name: str, devices: int, devices_per_node: int | None, hierarchical: bool | None, out: str,
-        num_nodes: int = 1, zero: dict | None = None, precision: str = "32-true", tag: str = "") -> None:
+        num_nodes: int = 1, zero: dict | None = None, precision: str = "32-true", tag: str = "",
+        accelerator: str = "cpu") -> None:
     cfg = CONFIGS[name]
     accumulate = cfg.get("accumulate", 1)
     L.seed_everything(1234, verbose=False)
@@ -131,7 +134,7 @@ def run(name: str, devices: int, devices_per_node: int | None, hierarchical: boo
         strategy, trainer_devices = "auto", 1
     recorder = RecordParameters()
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=trainer_devices,
         num_nodes=num_nodes if devices else 1,
         strategy=strategy,
@@ -159,6 +162,8 @@ def run(name: str, devices: int, devices_per_node: int | None, hierarchical: boo
                 "branch_used": used,
                 "world_size": trainer.world_size,
                 "hierarchical": trainer.strategy.uses_hierarchical_reducer if devices else False,
+                "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+                "device": recorder.device,
             },
             os.path.join(out, f"{name}-{devices}{tag}.pt"),
         )
@@ -177,6 +182,7 @@ def main() -> None:
                         " same processes (hierarchical: auto, on or off)")
     parser.add_argument("--wrap", default="Linear", help="stage 3 auto_wrap_policy: module class names, comma-separated")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--accelerator", default="cpu", help="cpu, or gpu for the CUDA/NCCL tests")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for variant in args.variants.split(","):
@@ -190,7 +196,7 @@ def main() -> None:
         tag = "" if variant == "0:global:auto" else "-" + variant.replace(":", "-")
         for name in args.configs.split(","):
             run(name, args.devices, args.devices_per_node, hierarchical, args.out, args.num_nodes,
-                zero if args.devices else None, args.precision, tag)
+                zero if args.devices else None, args.precision, tag, args.accelerator)
 
 
 if __name__ == "__main__":
