@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ddp_plugin import collectives, cpu_memory, health, sharded_checkpoint
-from ddp_plugin.checkpoint_io import AtomicCheckpointIO
+from ddp_plugin.checkpoint_io import AtomicCheckpointIO, deferred_storages, materialize, produce_all
 from ddp_plugin.engine import GradientEngine
 from ddp_plugin.plugin_manager import build_plugin_manager
 from ddp_plugin.plugins.zero_sharder import SHARD_SCOPES, check_auto_wrap_policy
@@ -784,6 +784,14 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         if self.checkpoint == "sharded":
             self._save_sharded(checkpoint, filepath)
             return
+        # A sharder's optimizer state arrives as deferred tensors: rank 0 produces and writes them one at a
+        # time (AtomicCheckpointIO) while every other rank produces its part of each, in the same order.
+        deferred = deferred_storages(checkpoint)
+        if deferred and not self.is_global_zero:
+            produce_all(deferred)
+            return
+        if deferred and not isinstance(self.checkpoint_io, AtomicCheckpointIO):
+            checkpoint = materialize(checkpoint)  # another CheckpointIO gets ordinary tensors
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:

@@ -2,7 +2,7 @@
 
 Everything a plugin author needs lives in this package: the markers (:data:`hookimpl`, :data:`hookspec`),
 the hook specifications (:mod:`ddp_plugin.hookspecs.hooks`) and the small value types that hooks exchange
-(:class:`Bucket`, :class:`Topology`). Plugins import from here and never from the strategy's internals.
+(:class:`Bucket`, :class:`Topology`, :class:`DeferredTensor`). Plugins import from here and never from the strategy's internals.
 
 It is installed as ``ddp_plugin.hookspecs`` (the repository keeps it in the top-level ``hookspecs/`` folder).
 """
@@ -17,6 +17,15 @@ PROJECT_NAME = "ddp_plugin"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
-from ddp_plugin.hookspecs.types import Bucket, Topology, completed_future  # noqa: E402
+from ddp_plugin.hookspecs.types import (  # noqa: E402
+    Bucket,
+    DeferredStorage,
+    DeferredTensor,
+    Topology,
+    completed_future,
+)
 
-__all__ = ["PROJECT_NAME", "Bucket", "Topology", "completed_future", "hookimpl", "hookspec"]
+__all__ = [
+    "PROJECT_NAME", "Bucket", "DeferredStorage", "DeferredTensor", "Topology", "completed_future", "hookimpl",
+    "hookspec",
+]

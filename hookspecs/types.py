@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +111,42 @@ class Topology:
     @property
     def local_rank(self) -> int:
         return self.rank % self.ranks_per_node
+
+
+_deferred_order = itertools.count()
+
+
+@dataclass(eq=False)
+class DeferredStorage:
+    """Checkpoint bytes that only exist collectively, produced while global rank 0 writes the file.
+
+    A hook that builds a checkpoint (``on_optimizer_state_dict``, say) may return :class:`DeferredTensor`\\ s
+    instead of tensors, so that rank 0 never holds all of a sharded state at once: when the checkpoint is
+    saved, every rank calls ``produce()`` of every deferred storage in the checkpoint, in the order they were
+    created (``order``), rank 0 receiving a 1-D tensor of ``numel`` elements of ``dtype`` (which it writes and
+    frees) and the other ranks ``None``. ``produce`` may run collectives; every rank must build the same
+    deferred storages in the same order. ``device`` is where the tensor is (as ``torch.save`` records it).
+    """
+
+    dtype: torch.dtype
+    numel: int
+    produce: Callable[[], Tensor | None]
+    device: str = "cpu"
+    order: int = field(default_factory=lambda: next(_deferred_order))
+
+
+@dataclass(eq=False)
+class DeferredTensor:
+    """A tensor in a checkpoint whose data is ``numel(shape)`` contiguous elements of a :class:`DeferredStorage`
+    from element ``offset``. A checkpoint written by ddp_plugin holds an ordinary tensor in its place."""
+
+    storage: DeferredStorage
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
 
 
 def completed_future(value: Any = None) -> torch.futures.Future:

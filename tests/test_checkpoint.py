@@ -47,6 +47,10 @@ def runs(tmp_path_factory) -> dict:
     # A plain Lightning checkpoint (one process, Lightning's strategy) resumed by 4 ranks at stage 3.
     r["plain"] = train(out, "plain", 0)
     r["plain_to_z3"] = train(out, "plain_to_z3", 4, "--stage", "3", "--resume", out / "plain-step=6.ckpt")
+    # Node scope (a replica per node: only node 0's ranks send shards) through Lightning's own TorchCheckpointIO
+    # (the optimizer state is gathered whole before it writes), resumed at stage 3 over every rank.
+    r["z2n"] = train(out, "z2n", 4, *two_nodes, "--stage", "2", "--scope", "node", "--lightning-io")
+    r["z2n_to_z3"] = train(out, "z2n_to_z3", 4, "--stage", "3", "--resume", out / "z2n-step=6.ckpt")
     # A codec with error feedback: the residuals must come back.
     r["int8"] = train(out, "int8", 4, "--devices-per-node", "2", "--stage", "1", "--compression", "int8")
     r["int8_same"] = train(out, "int8_same", 4, "--devices-per-node", "2", "--stage", "1", "--compression", "int8",
@@ -89,6 +93,11 @@ def test_c4_stage_2_resumes_as_stage_0(runs):
 def test_c4_four_ranks_stage_3_resume_on_two_ranks_stage_1(runs):
     assert runs["z3_to_z1"]["global_step"] == 12  # (rank 0's losses differ: on 2 ranks its batches are others)
     assert_same_params(runs["z3_to_z1"]["params"], runs["z3"]["params"], ATOL_OTHER_WORLD)
+
+
+def test_c4_node_scope_through_lightnings_checkpoint_io_resumes_at_global_stage_3(runs):
+    assert_same_params(runs["z2n"]["params"], runs["reference"]["params"], ATOL_OTHER_WORLD)
+    assert_same_params(runs["z2n_to_z3"]["params"], runs["z2n"]["params"], ATOL_OTHER_WORLD)
 
 
 def test_plain_lightning_checkpoint_resumes_at_stage_3(runs):

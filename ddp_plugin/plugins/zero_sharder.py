@@ -30,6 +30,7 @@ in the root unit, which stays gathered. Frozen parameters are not sharded.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from ddp_plugin import collectives
-from ddp_plugin.hookspecs import completed_future, hookimpl
+from ddp_plugin.hookspecs import DeferredStorage, DeferredTensor, completed_future, hookimpl
 from ddp_plugin.plugins.mean_allreduce import MeanAllReduce
 
 if TYPE_CHECKING:
@@ -644,13 +645,28 @@ class ZeroSharder:
             dist.gather(local[a:z], [full[idx * c + a : idx * c + z] for idx in index_of], dst=root, group=group)
         return full
 
+    def _gather_state_entry(self, optimizer: Optimizer, b: int, k: str, group: dist.ProcessGroup,
+                            index_of: list[int]) -> Tensor | None:
+        """Optimizer state entry ``k`` of bucket ``b``, flat and whole, on global rank 0 (None elsewhere): the
+        producer of a deferred checkpoint tensor. The groups of nodes other than rank 0's skip it."""
+        if dist.get_global_rank(group, 0) != 0:
+            return None
+        entry = self._shards[b]
+        buf = torch.zeros_like(entry.shard)
+        for piece, _, _, s_start in entry.pieces:
+            v = optimizer.state.get(piece, {}).get(k)
+            if v is not None:
+                buf[s_start : s_start + piece.numel()].copy_(v.reshape(-1))
+        return self._gather_flat_to_root(buf, group, index_of)
+
     @hookimpl
     def on_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
         """Gather the sharded optimizer state to global rank 0 in the layout the unsharded optimizer would have
-        (``{"state": {index: {...}}, "param_groups": [...]}``, parameters numbered across groups in order), one
-        bucket and one state entry at a time; the other ranks return ``{}``."""
+        (``{"state": {index: {...}}, "param_groups": [...]}``, parameters numbered across groups in order). The
+        sharded entries are :class:`DeferredTensor`\ s, gathered one bucket and one entry at a time while rank 0
+        writes the file; every rank whose shards rank 0 needs returns the same structure (its producers send),
+        the ranks of other nodes (node scope) return ``{}``."""
         group, index_of = self._shard_group()
-        me = dist.get_rank()
         root = dist.get_global_rank(group, 0)
         # What exists where: per bucket and parameter, the state entries of this rank's pieces.
         local: dict[tuple[int, int], dict[str, Any]] = {}
@@ -673,27 +689,23 @@ class ZeroSharder:
         for b, (bucket, entry) in enumerate(zip(self._buckets, self._shards)):
             flat_keys = sorted({k for (bb, _), e in meta.items() if bb == b for k, v in e.items() if v == "flat"})
             for k in flat_keys:
-                buf = torch.zeros_like(entry.shard)
-                for piece, i, _, s_start in entry.pieces:
-                    v = optimizer.state.get(piece, {}).get(k)
-                    if v is not None:
-                        buf[s_start : s_start + piece.numel()].copy_(v.reshape(-1))
-                full = self._gather_flat_to_root(buf, group, index_of)
-                if full is None:
-                    continue
+                # Deferred: gathered when the checkpoint is written, one bucket's entry at a time, so rank 0
+                # holds one bucket of optimizer state beside what it writes, not the whole state.
+                storage = DeferredStorage(
+                    dtype=entry.shard.dtype, numel=entry.shard.numel() * len(index_of), device=str(entry.shard.device),
+                    produce=functools.partial(self._gather_state_entry, optimizer, b, k, group, index_of),
+                )
                 for (bb, i), e in meta.items():
                     if bb == b and e.get(k) == "flat":
                         p = bucket.params[i]
-                        # A view: the gathered buffer becomes the state (saved once, as one storage).
-                        full_state[(b, i)][k] = full[bucket.offsets[i] : bucket.offsets[i] + p.numel()].view_as(p)
-                del full
+                        full_state[(b, i)][k] = DeferredTensor(storage, bucket.offsets[i], tuple(p.shape))
             for (bb, i), e in meta.items():
                 if bb == b:
                     for k, v in e.items():
                         if v != "flat":
                             full_state[(b, i)][k] = v
-        if me != root or dist.get_rank() != 0:
-            return {}
+        if root != 0:
+            return {}  # a node other than rank 0's (node scope): nothing of it is written, nothing to produce
         where = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
         state: dict[int, dict[str, Any]] = {}
         groups = []

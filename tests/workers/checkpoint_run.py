@@ -22,10 +22,10 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from types import SimpleNamespace
 
 import lightning as L
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
@@ -82,7 +82,7 @@ class SaveEvery(L.Callback):
 
 def stall_second_save(marker: str) -> None:
     """From the second checkpoint on, stop writing after 4 kB (after creating ``marker``) and wait to be killed."""
-    real_save, calls = torch.save, []
+    real_save, calls = ddp_plugin.checkpoint_io.stream_save, []
 
     class Stalling:
         def __init__(self, f, stall_at: int) -> None:
@@ -99,13 +99,13 @@ def stall_second_save(marker: str) -> None:
         def __getattr__(self, name):
             return getattr(self.f, name)
 
-    def save(obj, f, *args, **kwargs):
+    def save(obj, f):
         calls.append(1)
         if len(calls) < 2:
-            return real_save(obj, f, *args, **kwargs)
-        return real_save(obj, Stalling(f, 4096), *args, **kwargs)  # the checkpoint has ~20 kB
+            return real_save(obj, f)
+        return real_save(obj, Stalling(f, 4096))  # the checkpoint has ~20 kB
 
-    ddp_plugin.checkpoint_io.torch = SimpleNamespace(save=save)  # only the checkpoint writer's torch.save
+    ddp_plugin.checkpoint_io.stream_save = save  # the checkpoint writer's serializer
 
 
 def main() -> None:
@@ -123,6 +123,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--timeout", type=float, default=30)
     p.add_argument("--stall-second-save", action="store_true")
+    p.add_argument("--lightning-io", action="store_true", help="Lightning's TorchCheckpointIO instead of ours")
     p.add_argument("--accelerator", default="cpu", help="cpu, or gpu for the CUDA/NCCL tests")
     p.add_argument("--no-save", action="store_true", help="no checkpoints: the uninterrupted reference")
     args = p.parse_args()
@@ -133,7 +134,7 @@ def main() -> None:
         strategy = HierarchicalZeroStrategy(
             zero_stage=args.stage, shard_scope=args.scope, compression=args.compression,
             devices_per_node=args.devices_per_node, auto_wrap_policy=["Linear"], checkpoint=args.checkpoint,
-            timeout=args.timeout,
+            timeout=args.timeout, checkpoint_io=TorchCheckpointIO() if args.lightning_io else None,
         )
     else:
         strategy = "auto"
