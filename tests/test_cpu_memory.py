@@ -26,10 +26,10 @@ def rss_mb():
 
 if sys.argv[1] == "on":
     assert cpu_memory.release_freed_buffers()
-big = torch.ones(8 << 18)        # 8 MiB, mapped; freeing it raises glibc's dynamic threshold to 8 MiB
+big = torch.ones(24 << 18)       # 24 MiB, mapped; freeing it raises glibc's dynamic threshold to 24 MiB
 del big
 before = rss_mb()
-buf = torch.ones(4 << 18)        # 4 MiB: from the heap under the dynamic threshold, a mapping of its own if fixed
+buf = torch.ones(16 << 18)       # 16 MiB: from the heap under the dynamic threshold, a mapping of its own if fixed
 pin = torch.ones(16)             # a small allocation after it, so the heap cannot shrink from the top
 del buf
 print(f"{rss_mb() - before:.2f}")
@@ -44,5 +44,6 @@ def held_after_free_mb(mode: str, tmp_path) -> float:
 
 def test_fixed_threshold_gives_a_freed_buffer_back_to_the_os(tmp_path):
     assert held_after_free_mb("on", tmp_path) < 0.5
-    # ...which glibc's default does not: the same pattern keeps the 4 MiB resident.
-    assert held_after_free_mb("off", tmp_path) > 3.5
+    # ...which glibc's default does not: the same pattern keeps the 16 MiB resident (but for whatever part of it
+    # reused free heap memory that was resident already: up to 0.8 MiB seen).
+    assert held_after_free_mb("off", tmp_path) > 12
