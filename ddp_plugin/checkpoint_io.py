@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import os
 import pickle
 import sys
@@ -37,9 +38,15 @@ from ddp_plugin.hookspecs import DeferredStorage, DeferredTensor
 _PICKLE_PROTOCOL = 2  # torch.save's
 
 
-def _is_local(path: _PATH) -> bool:
+def is_local_path(path: _PATH) -> bool:
+    """Whether ``path`` is on a local (or mounted) filesystem: no URL scheme, or ``file://``."""
     text = str(path)
     return "://" not in text or text.startswith("file://")
+
+
+def local_path(path: _PATH) -> str:
+    """A local ``path`` as the operating system names it (without ``file://``)."""
+    return str(path).removeprefix("file://")
 
 
 # ---------------------------------------------------------------------------------------------- deferred tensors
@@ -83,10 +90,7 @@ def materialize(obj: Any) -> Any:
             flat = made[id(x.storage)]
             if flat is None:
                 return None
-            n = 1
-            for d in x.shape:
-                n *= d
-            return flat[x.offset : x.offset + n].view(x.shape)
+            return flat[x.offset : x.offset + math.prod(x.shape)].view(x.shape)
         if isinstance(x, dict):
             return {k: build(v) for k, v in x.items()}
         if isinstance(x, list):
@@ -197,7 +201,7 @@ def stream_save(obj: Any, f: IO[bytes]) -> None:
 
 def atomic_write(path: _PATH, write: Callable[[IO[bytes]], None]) -> None:
     """``write(file)`` into a temporary file beside ``path``, fsync, rename over ``path``, fsync the directory."""
-    target = Path(str(path).removeprefix("file://"))
+    target = Path(local_path(path))
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
@@ -235,7 +239,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None or not _is_local(path):
+        if storage_options is not None or not is_local_path(path):
             return super().save_checkpoint(materialize(checkpoint), path, storage_options=storage_options)
         atomic_torch_save(checkpoint, path)
         return None

@@ -46,7 +46,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ddp_plugin import collectives, cpu_memory, health, sharded_checkpoint
-from ddp_plugin.checkpoint_io import AtomicCheckpointIO, deferred_storages, materialize, produce_all
+from ddp_plugin.checkpoint_io import (
+    AtomicCheckpointIO,
+    deferred_storages,
+    is_local_path,
+    local_path,
+    materialize,
+    produce_all,
+)
 from ddp_plugin.engine import GradientEngine
 from ddp_plugin.plugin_manager import build_plugin_manager
 from ddp_plugin.plugins.zero_sharder import SHARD_SCOPES, check_auto_wrap_policy
@@ -796,7 +803,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
 
     def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         assert self.lightning_module is not None
-        if not _is_local_path(filepath):
+        if not is_local_path(filepath):
             raise ValueError(f'`checkpoint="sharded"` writes to a local (or shared) filesystem; got `{filepath}`.')
         shapes: dict[str, tuple[int, ...]] = {
             f"model/{name}": tuple(value.shape)
@@ -806,7 +813,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         optimizers = checkpoint.get("optimizer_states", [])
         for j, opt in enumerate(optimizers):
             shapes.update({f"optim/{j}/{k}": v for k, v in opt.get("shapes", {}).items()})
-        sharded_checkpoint.save(checkpoint, checkpoint["state_dict"], optimizers, shapes, filepath)
+        sharded_checkpoint.save(checkpoint, checkpoint["state_dict"], optimizers, shapes, local_path(filepath))
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -829,14 +836,14 @@ class HierarchicalZeroStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if _is_local_path(checkpoint_path) and not os.path.exists(str(checkpoint_path)):
+        if is_local_path(checkpoint_path) and not os.path.exists(local_path(checkpoint_path)):
             raise FileNotFoundError(
                 f"Checkpoint not found: `{checkpoint_path}` does not exist (resolved from the current directory"
                 f" {os.getcwd()}). Pass the path of a `.ckpt` file written by `trainer.save_checkpoint` or"
                 " `ModelCheckpoint`."
             )
-        if sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
-            checkpoint = sharded_checkpoint.load(checkpoint_path)
+        if is_local_path(checkpoint_path) and sharded_checkpoint.is_sharded_checkpoint(local_path(checkpoint_path)):
+            checkpoint = sharded_checkpoint.load(local_path(checkpoint_path))
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state = checkpoint.get(CHECKPOINT_KEY)
@@ -901,11 +908,6 @@ def _check_choice(flag: str, value: Any, allowed: Iterable[Any]) -> Any:
     if value not in allowed:
         raise ValueError(f"`{flag}={value!r}` is not supported; allowed values: {', '.join(map(repr, allowed))}.")
     return value
-
-
-def _is_local_path(path: Any) -> bool:
-    text = str(path)
-    return "://" not in text
 
 
 def _compare_state_dicts(mine: Mapping[str, Tensor], theirs: Mapping[str, Any]) -> tuple[list[str], list[str], list[str]]:

@@ -232,7 +232,7 @@ def on_optimizer_state_dict(optimizer: Optimizer) -> dict[str, Any] | None:
     """Return ``optimizer``'s state for a checkpoint in the layout the unsharded optimizer would have (so any
     world size, stage or plain Lightning can resume from it), or ``None`` for ``optimizer.state_dict()``. Called
     on every rank; only global rank 0's answer is written. Tensors that must be gathered may be returned as
-    :class:`~ddp_plugin.hookspecs.DeferredTensor`\ s, produced one storage at a time while rank 0 writes; a
+    :class:`~ddp_plugin.hookspecs.DeferredTensor`\\ s, produced one storage at a time while rank 0 writes; a
     rank whose producers take part must return them too (the strategy runs them on every rank in the order
     they were made). Stops at first non-None result."""
 

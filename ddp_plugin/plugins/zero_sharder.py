@@ -648,9 +648,7 @@ class ZeroSharder:
     def _gather_state_entry(self, optimizer: Optimizer, b: int, k: str, group: dist.ProcessGroup,
                             index_of: list[int]) -> Tensor | None:
         """Optimizer state entry ``k`` of bucket ``b``, flat and whole, on global rank 0 (None elsewhere): the
-        producer of a deferred checkpoint tensor. The groups of nodes other than rank 0's skip it."""
-        if dist.get_global_rank(group, 0) != 0:
-            return None
+        producer of a deferred checkpoint tensor."""
         entry = self._shards[b]
         buf = torch.zeros_like(entry.shard)
         for piece, _, _, s_start in entry.pieces:
@@ -659,15 +657,31 @@ class ZeroSharder:
                 buf[s_start : s_start + piece.numel()].copy_(v.reshape(-1))
         return self._gather_flat_to_root(buf, group, index_of)
 
+    def _unsharded_numbering(self, optimizer: Optimizer) -> tuple[list[tuple[int, nn.Parameter]], list[dict[str, Any]]]:
+        """The user's parameters numbered across groups as an unsharded ``optimizer.state_dict()`` numbers
+        them, and its ``param_groups`` (hyperparameters, and those numbers as ``params``)."""
+        numbered: list[tuple[int, nn.Parameter]] = []
+        groups = []
+        for group_dict, params in zip(optimizer.param_groups, self._original_groups[id(optimizer)]):
+            ids = list(range(len(numbered), len(numbered) + len(params)))
+            numbered.extend(zip(ids, params))
+            groups.append({**{k: v for k, v in group_dict.items() if k != "params"}, "params": ids})
+        return numbered, groups
+
+    def _piece_starts(self) -> dict[int, int]:
+        """``id(piece)`` -> the element of its parameter (flattened) where this rank's piece starts."""
+        return {id(piece): p_start for entry in self._shards for piece, _, p_start, _ in entry.pieces}
+
     @hookimpl
     def on_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
         """Gather the sharded optimizer state to global rank 0 in the layout the unsharded optimizer would have
         (``{"state": {index: {...}}, "param_groups": [...]}``, parameters numbered across groups in order). The
-        sharded entries are :class:`DeferredTensor`\ s, gathered one bucket and one entry at a time while rank 0
+        sharded entries are :class:`DeferredTensor`\\ s, gathered one bucket and one entry at a time while rank 0
         writes the file; every rank whose shards rank 0 needs returns the same structure (its producers send),
-        the ranks of other nodes (node scope) return ``{}``."""
+        the ranks of other nodes (node scope) return ``{}`` at once."""
         group, index_of = self._shard_group()
-        root = dist.get_global_rank(group, 0)
+        if dist.get_global_rank(group, 0) != 0:
+            return {}  # a node other than rank 0's (node scope): nothing of it is written, nothing to gather
         # What exists where: per bucket and parameter, the state entries of this rank's pieces.
         local: dict[tuple[int, int], dict[str, Any]] = {}
         for b, entry in enumerate(self._shards):
@@ -704,24 +718,16 @@ class ZeroSharder:
                     for k, v in e.items():
                         if v != "flat":
                             full_state[(b, i)][k] = v
-        if root != 0:
-            return {}  # a node other than rank 0's (node scope): nothing of it is written, nothing to produce
         where = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
         state: dict[int, dict[str, Any]] = {}
-        groups = []
-        index = 0
-        for group_dict, params in zip(optimizer.param_groups, self._original_groups[id(optimizer)]):
-            ids = []
-            for p in params:
-                if id(p) in where:
-                    st = full_state.get(where[id(p)])
-                    if st:
-                        state[index] = st
-                elif optimizer.state.get(p):
-                    state[index] = optimizer.state[p]  # not sharded: the same on every rank
-                ids.append(index)
-                index += 1
-            groups.append({**{k: v for k, v in group_dict.items() if k != "params"}, "params": ids})
+        numbered, groups = self._unsharded_numbering(optimizer)
+        for index, p in numbered:
+            if id(p) in where:
+                st = full_state.get(where[id(p)])
+                if st:
+                    state[index] = st
+            elif optimizer.state.get(p):
+                state[index] = optimizer.state[p]  # not sharded: the same on every rank
         return {"state": state, "param_groups": groups}
 
     @hookimpl
@@ -735,7 +741,7 @@ class ZeroSharder:
                 f" {[len(g['params']) for g in saved_groups]} parameters, the optimizer of"
                 f" {[len(ps) for ps in originals]}. Was it saved from another model or `configure_optimizers`?"
             )
-        where = {id(piece): p_start for entry in self._shards for piece, _, p_start, _ in entry.pieces}
+        where = self._piece_starts()
         saved_state = state_dict.get("state", {})
         optimizer.state.clear()
         for group_dict, params, saved in zip(optimizer.param_groups, originals, saved_groups):
@@ -823,28 +829,22 @@ class ZeroSharder:
         value}, "param_groups": [...], "shapes": {...}}`` with the parameters numbered as in an unsharded
         ``optimizer.state_dict()``; a sharded state tensor is ``<index>/<key>#<start>``, the rest
         ``<index>/<key>``."""
-        where = {id(piece): p_start for entry in self._shards for piece, _, p_start, _ in entry.pieces}
+        where = self._piece_starts()
         state: dict[str, Any] = {}
         shapes: dict[str, tuple[int, ...]] = {}
-        groups = []
-        index = 0
-        for group_dict, params in zip(optimizer.param_groups, self._original_groups[id(optimizer)]):
-            ids = []
-            for p in params:
-                pieces = self._pieces_of.get(id(p))
-                if pieces is None:
-                    for k, v in optimizer.state.get(p, {}).items():
-                        state[f"{index}/{k}"] = v
-                for piece in pieces or []:
-                    for k, v in optimizer.state.get(piece, {}).items():
-                        if isinstance(v, Tensor) and v.dim() > 0 and v.numel() == piece.numel():
-                            state[f"{index}/{k}#{where[id(piece)]}"] = v
-                            shapes[f"{index}/{k}"] = tuple(p.shape)
-                        else:
-                            state[f"{index}/{k}"] = v  # the same on every rank (e.g. Adam's step)
-                ids.append(index)
-                index += 1
-            groups.append({**{k: v for k, v in group_dict.items() if k != "params"}, "params": ids})
+        numbered, groups = self._unsharded_numbering(optimizer)
+        for index, p in numbered:
+            pieces = self._pieces_of.get(id(p))
+            if pieces is None:
+                for k, v in optimizer.state.get(p, {}).items():
+                    state[f"{index}/{k}"] = v
+            for piece in pieces or []:
+                for k, v in optimizer.state.get(piece, {}).items():
+                    if isinstance(v, Tensor) and v.dim() > 0 and v.numel() == piece.numel():
+                        state[f"{index}/{k}#{where[id(piece)]}"] = v
+                        shapes[f"{index}/{k}"] = tuple(p.shape)
+                    else:
+                        state[f"{index}/{k}"] = v  # the same on every rank (e.g. Adam's step)
         return {"state": state, "param_groups": groups, "shapes": shapes}
 
     # ------------------------------------------------------------------ metrics
