@@ -127,3 +127,118 @@ def test_an_optimizer_that_cannot_be_sharded_fails_before_the_first_step_saying_
     assert proc.returncode != 0
     assert "ZeRO stages 1-3 cannot shard the optimizer LBFGS: it re-evaluates the closure" in proc.stderr
     assert "training_step" not in proc.stderr  # refused in setup, before any step ran
+
+
+def test_an_optimizer_subclassing_an_elementwise_one_is_refused_naming_it_and_the_opt_in():
+    # LARS subclasses SGD but scales each tensor's step by a norm over the whole tensor: sharded, it trains to
+    # another result than unsharded, so it must be refused like LBFGS unless the user vouches for it.
+    proc = run_python(WORKERS / "zero_run.py", "--mode", "optimizer", "--optimizer", "lars", check=False)
+    assert proc.returncode != 0
+    assert "ZeRO stages 1-3 cannot shard the optimizer LARS" in proc.stderr
+    assert "subclasses SGD" in proc.stderr
+    assert "allow_optimizer(LARS)" in proc.stderr
+    assert "training_step" not in proc.stderr
+
+
+def test_an_optimizer_subclass_declared_with_allow_optimizer_is_sharded():
+    run_python(WORKERS / "zero_run.py", "--mode", "optimizer", "--optimizer", "lars", "--allow")
+
+
+def test_check_optimizer_takes_exact_classes_and_subclasses_only_when_declared():
+    from ddp_plugin.plugins.zero_sharder import ELEMENTWISE_OPTIMIZERS, allow_optimizer, check_optimizer
+
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    class MyAdamChild(MyAdam):
+        pass
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    check_optimizer(torch.optim.Adam(params))
+    with pytest.raises(ValueError, match=r"cannot shard the optimizer MyAdam: it subclasses Adam.*allow_optimizer"):
+        check_optimizer(MyAdam(params))
+    try:
+        assert allow_optimizer(MyAdam) is MyAdam
+        check_optimizer(MyAdam(params))
+        with pytest.raises(ValueError, match=r"optimizer MyAdamChild: it subclasses MyAdam"):
+            check_optimizer(MyAdamChild(params))  # vouching for a class is not vouching for its subclasses
+    finally:
+        ELEMENTWISE_OPTIMIZERS.remove(MyAdam)
+
+
+# ---------------------------------------------------------------------------------------------- stage 3 units
+
+GPT_VARIANTS = ["1:default", "2:default", "3:default", "3:Block", "3:name"]
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(tmp_path_factory) -> dict:
+    ref, d = tmp_path_factory.mktemp("gpt_ref"), tmp_path_factory.mktemp("gpt")
+    run_python(WORKERS / "zero_run.py", "--mode", "modulelist", "--out", ref, "--devices", "0")
+    run_python(WORKERS / "zero_run.py", "--mode", "modulelist", "--out", d, "--devices", "2",
+               "--variants", ",".join(GPT_VARIANTS), timeout=600)
+    out = {"reference": torch.load(ref / "gpt-0-default.pt")}
+    for v in GPT_VARIANTS:
+        out[v] = torch.load(d / f"gpt-{v.replace(':', '-')}.pt")
+    return out
+
+
+@pytest.mark.parametrize("variant", GPT_VARIANTS)
+def test_blocks_in_a_module_list_train_like_one_process_ties_kept_ranks_identical(gpt_runs, variant):
+    run, ref = gpt_runs[variant], gpt_runs["reference"]
+    assert run["max_rank_diff"] == 0.0
+    assert run["tied"]
+    torch.testing.assert_close(run["history"], ref["history"], atol=ATOL, rtol=0)
+    assert (ref["history"][-1] - ref["history"][0]).abs().max() > 1e-2
+
+
+def test_default_policy_groups_the_blocks_of_a_module_list_into_called_units(gpt_runs):
+    # Three blocks reach 1,000,000 parameters: one unit of three called blocks, never the ModuleList itself; the
+    # fourth block (and the embeddings) stay in the root unit.
+    assert gpt_runs["3:default"]["units"] == [["Block", "Block", "Block"]]
+    assert gpt_runs["3:Block"]["units"] == [["Block"]] * 4
+    assert gpt_runs["3:name"]["units"] == [["Block"]] * 4
+
+
+def _plan(model: torch.nn.Module, policy):
+    from ddp_plugin.plugins.zero_sharder import ZeroSharder
+
+    sharder = ZeroSharder(3, auto_wrap_policy=policy)
+    sharder.on_plan_buckets(module=model, named_params=list(model.named_parameters()))
+    return sharder
+
+
+def _nested_containers() -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.stages = torch.nn.ModuleDict({
+        "a": torch.nn.ModuleList([torch.nn.Linear(10, 10) for _ in range(3)]),
+        "b": torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.ReLU()) for _ in range(3)]),
+    })
+    model.head = torch.nn.Linear(10, 1)
+    return model
+
+
+@pytest.mark.parametrize("policy", [100, 200, 500])
+def test_units_are_made_of_called_modules_never_of_containers(policy):
+    model = _nested_containers()
+    sharder = _plan(model, policy)
+    modules = dict(model.named_modules())
+    members = [m for unit, _ in sharder._planned if unit for m in unit.split("+")]  # a unit is named by its modules
+    assert members  # some units were formed (each Linear has 110 parameters)
+    for name in members:
+        assert not isinstance(modules[name], (torch.nn.ModuleList, torch.nn.ModuleDict)), name
+    # Every parameter is in at most one unit.
+    claimed = [p for unit, params in sharder._planned if unit for _, p in params]
+    assert len({id(p) for p in claimed}) == len(claimed)
+
+
+@pytest.mark.parametrize("policy", [["Lienar"], [torch.nn.Conv2d]])
+def test_a_wrap_policy_entry_that_matches_no_module_fails_at_setup_naming_it_and_existing_classes(policy):
+    name = policy[0] if isinstance(policy[0], str) else policy[0].__name__
+    with pytest.raises(ValueError, match=rf"`auto_wrap_policy`.*'{name}'.*matches no module.*Linear.*Sequential"):
+        _plan(_nested_containers(), policy)
+
+
+def test_a_wrap_policy_name_that_matches_a_container_fails_at_setup():
+    with pytest.raises(ValueError, match=r"`auto_wrap_policy`.*'ModuleList'.*never called"):
+        _plan(_nested_containers(), ["ModuleList"])

@@ -74,7 +74,14 @@ _WHY_NOT = {
 
 def allow_optimizer(cls: type) -> type:
     """Declare an optimizer class elementwise (each element's update depends only on its own gradient and
-    state), so ZeRO stages accept it. Usable as a class decorator."""
+    state), so ZeRO stages accept it. Usable as a class decorator.
+
+    This is also how to vouch for a subclass of an allowed optimizer: the check takes exact classes only,
+    because a subclass may change the update (a per-tensor trust ratio, a norm over a whole matrix) and would
+    then train to another result sharded than unsharded, silently. Declaring a class does not declare its
+    subclasses."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"allow_optimizer takes an optimizer class (a torch.optim.Optimizer subclass), got {cls!r}.")
     if cls not in ELEMENTWISE_OPTIMIZERS:
         ELEMENTWISE_OPTIMIZERS.append(cls)
     return cls
@@ -85,16 +92,33 @@ _GATHER_CHUNK = 1 << 18
 
 
 def check_optimizer(optimizer: Optimizer) -> None:
-    if isinstance(optimizer, tuple(ELEMENTWISE_OPTIMIZERS)):
+    """Refuse an optimizer whose exact class was not declared elementwise (subclasses included: see
+    :func:`allow_optimizer`). Called on every rank, so every rank fails with this message."""
+    cls = type(optimizer)
+    if cls in ELEMENTWISE_OPTIMIZERS:
         return
-    name = type(optimizer).__name__
-    why = _WHY_NOT.get(name, "ddp_plugin does not know whether its update is elementwise")
+    name = cls.__name__
+    parent = next((c for c in cls.__mro__[1:] if c in ELEMENTWISE_OPTIMIZERS), None)
+    if parent is not None:
+        why = (
+            f"it subclasses {parent.__name__}, and a subclass may change the update (e.g. a per-tensor trust ratio,"
+            " as LARS and LAMB have), which would train to another result on shards than on whole tensors"
+        )
+    else:
+        why = _WHY_NOT.get(name, "ddp_plugin does not know whether its update is elementwise")
     raise ValueError(
         f"ZeRO stages 1-3 cannot shard the optimizer {name}: {why}. Sharded optimizers must update each element"
         f" from its own gradient and state ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}). Use one of"
-        " those, `zero_stage=0`, or, if your optimizer is elementwise, declare it with"
-        " `ddp_plugin.plugins.zero_sharder.allow_optimizer(YourOptimizer)`."
+        f" those, `zero_stage=0`, or, if {name}'s update is elementwise, declare it before `fit` with"
+        f" `ddp_plugin.plugins.zero_sharder.allow_optimizer({name})`."
     )
+
+
+def is_called(module: nn.Module) -> bool:
+    """Whether ``module`` has a forward of its own. Containers (``nn.ModuleList``, ``nn.ModuleDict``, parameter
+    lists, a plain ``nn.Module`` used as a namespace) have none: their parent calls their children, never them,
+    so hooks on them never fire and they cannot be stage 3 units."""
+    return type(module).forward is not nn.Module.forward
 
 
 def check_auto_wrap_policy(policy: Any) -> int | tuple[type | str, ...]:
@@ -110,6 +134,13 @@ def check_auto_wrap_policy(policy: Any) -> int | tuple[type | str, ...]:
     if isinstance(policy, Iterable):
         items = tuple(policy)
         if items and all(isinstance(c, str) or (isinstance(c, type) and issubclass(c, nn.Module)) for c in items):
+            containers = [c.__name__ for c in items if isinstance(c, type) and c.forward is nn.Module.forward]
+            if containers:
+                raise ValueError(
+                    f"`auto_wrap_policy` names {', '.join(containers)}, a container whose forward is never called"
+                    " (its parent calls its children), so a unit made of it would never be gathered; name the"
+                    " class of the modules it holds instead (e.g. your transformer block)."
+                )
             return items
     raise ValueError(
         f"`auto_wrap_policy={policy!r}` is not supported; allowed values: None (units of at least"
@@ -127,6 +158,7 @@ class _Unit:
     bucket: int = -1
     persistent: bool = False  # the root unit stays gathered
     gathered: bool = True
+    waiting: set[int] = field(default_factory=set)  # ids of the modules whose forward has yet to run this pass
     pending: Any = None  # a prefetch in flight: (work, block or None)
     remaining: int = 0  # gradients still to come in this backward
 
@@ -160,6 +192,7 @@ class ZeroSharder:
         self._units: list[_Unit] = []
         self._unit_of_bucket: dict[int, _Unit] = {}
         self._planned: list[tuple[str, list[tuple[str, nn.Parameter]]]] | None = None
+        self._unit_members: dict[str, list[str]] = {}  # unit name -> the names of the modules it is made of
         self._handles: list[Any] = []
         self._forward_order: list[_Unit] = []
         self._order_known = False
@@ -208,7 +241,10 @@ class ZeroSharder:
     ) -> list[list[tuple[str, nn.Parameter]]] | None:
         if self.stage != 3:
             return None
-        roots = self._unit_roots(module)
+        # A unit is one module, or several modules held by one container (named "a+b+..."), all of them called.
+        groups = self._unit_roots(module)
+        self._unit_members = {"+".join(g): g for g in groups}
+        unit_of_root = {r: "+".join(g) for g in groups for r in g}
         owners: dict[int, set[str]] = {}
         for mname, m in module.named_modules(remove_duplicate=False):
             for p in m._parameters.values():
@@ -217,10 +253,10 @@ class ZeroSharder:
 
         def unit_of(mname: str) -> str:
             best = ""
-            for r in roots:
+            for r in unit_of_root:
                 if (mname == r or mname.startswith(r + ".")) and len(r) > len(best):
                     best = r
-            return best
+            return unit_of_root.get(best, "")
 
         members: dict[str, list[tuple[str, nn.Parameter]]] = {}
         first_seen: dict[str, int] = {}
@@ -237,31 +273,75 @@ class ZeroSharder:
         self._module_names = dict(module.named_modules())
         return [list(reversed(members[u])) for u in order]
 
-    def _unit_roots(self, module: nn.Module) -> list[str]:
+    def _unit_roots(self, module: nn.Module) -> list[list[str]]:
+        """The units' modules: each unit is a list of module names (one module, or several held by one container),
+        and every one of them is called (``is_called``), so its forward hooks fire."""
         if isinstance(self.policy, int):
-            roots: list[str] = []
-            assigned: set[int] = set()
-
-            def visit(name: str, m: nn.Module) -> int:
-                count = 0
-                for child_name, child in m.named_children():
-                    count += visit(f"{name}.{child_name}" if name else child_name, child)
-                count += sum(p.numel() for p in m._parameters.values()
-                             if p is not None and p.requires_grad and id(p) not in assigned)
-                if name and count >= self.policy:
-                    roots.append(name)
-                    assigned.update(id(p) for p in m.parameters())
-                    return 0
-                return count
-
-            visit("", module)
-            return roots
+            return self._units_by_count(module, self.policy)
         classes = tuple(c for c in self.policy if isinstance(c, type))
         names = {c for c in self.policy if isinstance(c, str)}
-        return [
-            name for name, m in module.named_modules()
-            if name and (isinstance(m, classes) or type(m).__name__ in names)
-        ]
+        matched = [(name, m) for name, m in module.named_modules()
+                   if name and (isinstance(m, classes) or type(m).__name__ in names)]
+        present = sorted({type(m).__name__ for _, m in module.named_modules()})
+        for entry in self.policy:
+            label = entry if isinstance(entry, str) else entry.__name__
+            if not any(type(m).__name__ == entry if isinstance(entry, str) else isinstance(m, entry) for _, m in matched):
+                raise ValueError(
+                    f"`auto_wrap_policy` names {label!r}, which matches no module of {type(module).__name__}; module"
+                    f" classes in this model: {', '.join(present[:12])}{' ...' if len(present) > 12 else ''}."
+                    " Name one of them (or pass a parameter count)."
+                )
+        for name, m in matched:
+            if not is_called(m):
+                raise ValueError(
+                    f"`auto_wrap_policy` names {type(m).__name__!r}: `{name}` is a container whose forward is never"
+                    " called (its parent calls its children), so a unit made of it would never be gathered; name"
+                    " the class of the modules it holds instead."
+                )
+        return [[name] for name, _ in matched]
+
+    @staticmethod
+    def _units_by_count(module: nn.Module, size: int) -> list[list[str]]:
+        """Bottom-up: a called module whose parameters not yet in a unit reach ``size`` becomes a unit. A
+        container is never one: the called modules inside it that are in no unit yet are grouped, in order,
+        into runs of at least ``size`` parameters, each run a unit; what is left goes up to the enclosing
+        module (the root unit at the top)."""
+        units: list[list[str]] = []
+        assigned: set[int] = set()
+
+        def own(m: nn.Module) -> int:
+            return sum(p.numel() for p in m._parameters.values()
+                       if p is not None and p.requires_grad and id(p) not in assigned)
+
+        def claim(names: list[str], modules: list[nn.Module]) -> None:
+            units.append(names)
+            for m in modules:
+                assigned.update(id(p) for p in m.parameters())
+
+        def visit(name: str, m: nn.Module) -> tuple[int, list[tuple[str, nn.Module, int]]]:
+            """Parameters left over in this subtree, and the called modules that hold them (with their counts;
+            a container's own parameters belong to none of them)."""
+            results = [visit(f"{name}.{child_name}" if name else child_name, child)
+                       for child_name, child in m.named_children()]
+            count = own(m) + sum(c for c, _ in results)
+            if is_called(m) or not name:
+                if name and count >= size:
+                    claim([name], [m])
+                    return 0, []
+                return count, ([(name, m, count)] if count else [])
+            # Parameters of containers (e.g. a ParameterList) are used by an enclosing module's forward: they
+            # go up with what is left, never into a run.
+            loose = own(m) + sum(c - sum(pc for _, _, pc in pieces) for c, pieces in results)
+            run: list[tuple[str, nn.Module, int]] = []
+            for piece in (piece for _, pieces in results for piece in pieces):
+                run.append(piece)
+                if sum(c for _, _, c in run) >= size:
+                    claim([n for n, _, _ in run], [mm for _, mm, _ in run])
+                    run = []
+            return loose + sum(c for _, _, c in run), run
+
+        visit("", module)
+        return units
 
     # ------------------------------------------------------------------ setup
 
@@ -308,7 +388,8 @@ class ZeroSharder:
                 self._units.append(unit)
                 self._unit_of_bucket[b] = unit
                 if not unit.persistent:
-                    self._register_unit_hooks(unit, self._module_names[uname])
+                    for member in self._unit_members[uname]:
+                        self._register_unit_hooks(unit, self._module_names[member])
             for bucket in self._buckets:
                 unit = self._unit_of_bucket[bucket.index]
                 for p in bucket.params:
@@ -564,9 +645,14 @@ class ZeroSharder:
                 self._start_gather(nxt, async_op=True)
 
     def _register_unit_hooks(self, unit: _Unit, module: nn.Module) -> None:
+        """Hooks on one of the unit's modules (a unit of several siblings gets them on each): the first forward
+        of the unit in a pass gathers it, and it is freed once every one of its modules has run (a module that
+        runs again later gathers it again)."""
         unit.modules.append(module)
 
         def pre_forward(_module: nn.Module, _args: Any) -> None:
+            if not unit.gathered or not unit.waiting:
+                unit.waiting = {id(m) for m in unit.modules}
             self._gather_unit(unit)
             if not self._order_known and unit not in self._forward_order:
                 self._forward_order.append(unit)
@@ -574,7 +660,9 @@ class ZeroSharder:
                 self._prefetch(unit, +1)
 
         def post_forward(_module: nn.Module, _args: Any, output: Any) -> Any:
-            self._free(unit)
+            unit.waiting.discard(id(_module))
+            if not unit.waiting:
+                self._free(unit)
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
             if tensors and torch.is_grad_enabled():
                 unit.remaining = len(self._buckets[unit.bucket].params)

@@ -1,22 +1,42 @@
-"""Worker for the ZeRO memory and bad-optimizer tests.
+"""Worker for the ZeRO memory, optimizer-refusal and ModuleList-model tests.
 
     python tests/workers/zero_run.py --mode memory --out FILE.json     # 4 ranks, stages 0-3, global scope
     python tests/workers/zero_run.py --mode optimizer --optimizer lbfgs  # must fail before the first step
+    python tests/workers/zero_run.py --mode optimizer --optimizer lars [--allow]  # an SGD subclass, not elementwise
+    python tests/workers/zero_run.py --mode modulelist --out DIR --devices 2 --variants 1:default,3:Block
+    python tests/workers/zero_run.py --mode modulelist --out DIR --devices 0  # single-process reference
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.plugins.zero_sharder import allow_optimizer
 
 WIDTH, LAYERS = 512, 4  # 4 x (512 x 512 + 512) = 1,050,624 parameters, fp32
+
+
+class LARS(torch.optim.SGD):
+    """SGD with a per-tensor trust ratio (LARS): each tensor's step is scaled by ||w|| / ||g||, a norm over the
+    whole tensor, so stepping pieces of a tensor is not stepping the tensor."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(p.norm() / (p.grad.norm() + 1e-12))
+        return super().step(closure)
 
 
 class Net(L.LightningModule):
@@ -43,6 +63,8 @@ class Net(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer_name == "lbfgs":
             return torch.optim.LBFGS(self.parameters())
+        if self.optimizer_name == "lars":
+            return LARS(self.parameters(), lr=0.1)
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
@@ -57,15 +79,131 @@ def fit(stage: int, optimizer: str, devices: int) -> Net:
     return model
 
 
+# ---------------------------------------------------------------------------------------------- GPT-2 layout
+
+VOCAB, SEQ, DIM, BLOCKS = 64, 8, 192, 4
+# A block has 12 DIM^2 + 13 DIM = 444,864 parameters, below the default unit size (1,000,000); the four blocks
+# together reach it: bottom-up grouping used to pick `transformer.h`, the ModuleList, as the unit.
+GLOBAL_BATCH, STEPS = 8, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.c_attn, self.c_proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).view(b, t, 3, 4, DIM // 4).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, DIM)
+        x = x + self.c_proj(attn)
+        return x + self.mlp(self.ln_2(x))
+
+
+class Transformer(nn.Module):
+    """GPT-2's layout: embeddings, the blocks in an `nn.ModuleList` (which is never called), a final norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, DIM), nn.Embedding(SEQ, DIM)
+        self.h = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.ln_f = nn.LayerNorm(DIM)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.ln_f(x)
+
+
+class GPT(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = Transformer()
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+
+    def training_step(self, batch, batch_idx):
+        (idx,) = batch
+        logits = self.lm_head(self.transformer(idx[:, :-1]))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+
+    def train_dataloader(self) -> DataLoader:
+        data = TensorDataset(torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ + 1),
+                                           generator=torch.Generator().manual_seed(3)))
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        # No shuffling: rank r's batch j together with the other ranks' is the reference's batch j.
+        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=sampler)
+
+    def configure_optimizers(self):
+        # SGD: Adam's first steps are +-lr whatever a gradient's size, so gradients near rounding noise (this
+        # model has many) would make the comparison with one process measure rounding instead of sharding.
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+
+
+class Record(L.Callback):
+    """After every step: the full parameter vector and (C1) the largest difference between ranks."""
+
+    def __init__(self) -> None:
+        self.history: list[torch.Tensor] = []
+        self.max_rank_diff = 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        full = getattr(trainer.strategy, "full_parameters", contextlib.nullcontext)
+        with full():
+            flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        self.history.append(flat.clone())
+        if trainer.world_size > 1:
+            every_rank = trainer.strategy.all_gather(flat)
+            self.max_rank_diff = max(self.max_rank_diff, (every_rank - every_rank[0]).abs().max().item())
+
+
+def fit_gpt(devices: int, stage: int, policy: str, out: str) -> None:
+    L.seed_everything(0, verbose=False)
+    model = GPT()
+    if devices:
+        wrap = {"default": None, "Block": [Block], "name": ["Block"]}[policy]
+        strategy = HierarchicalZeroStrategy(zero_stage=stage, auto_wrap_policy=wrap)
+    else:
+        strategy, devices = "auto", 1
+    record = Record()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
+                        callbacks=[record], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False)
+    trainer.fit(model)
+    units = []
+    if stage == 3:
+        sharder = trainer.strategy.plugin_manager.get_plugin("zero_sharder")
+        units = [[type(m).__name__ for m in u.modules] for u in sharder._units if not u.persistent]
+    if trainer.is_global_zero:
+        torch.save({"history": torch.stack(record.history), "max_rank_diff": record.max_rank_diff,
+                    "tied": model.lm_head.weight is model.transformer.wte.weight, "units": units},
+                   os.path.join(out, f"gpt-{stage}-{policy}.pt"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["memory", "optimizer"], required=True)
+    parser.add_argument("--mode", choices=["memory", "optimizer", "modulelist"], required=True)
     parser.add_argument("--out", default=None)
     parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--allow", action="store_true", help="declare the optimizer elementwise (allow_optimizer)")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--variants", default="0:default", help="stage:policy, comma-separated (policy: default,"
+                        " Block, name)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.mode == "optimizer":
-        fit(1, args.optimizer, devices=2)
+        if args.allow:
+            allow_optimizer(LARS)
+        fit(2 if args.optimizer == "lars" else 1, args.optimizer, devices=2)
+        return
+    if args.mode == "modulelist":
+        for variant in args.variants.split(","):
+            stage, policy = variant.split(":")
+            fit_gpt(args.devices, int(stage), policy, args.out)
         return
     rows = {}
     for stage in (0, 1, 2, 3):
