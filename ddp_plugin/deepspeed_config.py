@@ -28,6 +28,8 @@ ALLOWED_STAGES = (0, 1, 2, 3)
 GRADIENT_BYTES = 4
 """Bytes per gradient element assumed when converting ``reduce_bucket_size`` (elements) to MiB: fp32 gradients,
 which is what Lightning's mixed precision keeps (``"16-mixed"``, ``"bf16-mixed"``)."""
+MAX_BUCKET_ELEMENTS = 2**40 // GRADIENT_BYTES
+"""The largest ``reduce_bucket_size`` taken: the strategy's ``bucket_size_mb`` limit, 1 TiB."""
 
 _UNSET = "auto"
 _UNKNOWN = "not a DeepSpeed option ddp_plugin knows"
@@ -332,7 +334,8 @@ def _map_zero(zero: Any, flags: dict[str, Any], ignored: dict[str, str]) -> int 
         if key == "stage" or _unset(value):
             continue
         if key == "reduce_bucket_size":
-            elements = _number(dotted, value, "a positive number of elements", minimum=0, strict=True)
+            elements = _number(dotted, value, f"a positive number of elements, at most {MAX_BUCKET_ELEMENTS} (1 TiB"
+                               " of fp32)", minimum=0, strict=True, maximum=MAX_BUCKET_ELEMENTS)
             flags["bucket_size_mb"] = elements * GRADIENT_BYTES / 2**20
         elif key == "zero_hpz_partition_size":
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -374,12 +377,14 @@ def _bool(key: str, value: Any) -> bool:
     return value
 
 
-def _number(key: str, value: Any, expected: str, minimum: float, strict: bool = False) -> float:
+def _number(key: str, value: Any, expected: str, minimum: float, strict: bool = False,
+            maximum: float = math.inf) -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
         or (value <= minimum if strict else value < minimum)
+        or value > maximum
     ):
         raise ValueError(f"`{key}={value!r}` must be {expected}.")
     return value

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import math
 import os
 import shutil
 import weakref
@@ -72,11 +73,14 @@ ZERO_STAGES = (0, 1, 2, 3)
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 WEIGHTINGS = ("rank", "sample")
 CHECKPOINT_MODES = ("master", "sharded")
-# Flags a DeepSpeed config can set, with their defaults (an explicitly passed other value wins over the config).
+# Flags a DeepSpeed config can set, and their defaults. In the signature they default to None, "not set", so that
+# a value the user passed wins over the config even when it equals the default; LightningCLI passes every
+# parameter, the ones a YAML file leaves out as their signature default, so None must mean "not set" there too.
 _CONFIG_FLAGS: dict[str, Any] = {
-    "zero_stage": 0, "shard_scope": "global", "bucket_size_mb": 25, "compression": None,
-    "gradient_clip_norm": None, "timeout": default_pg_timeout,
+    "zero_stage": 0, "shard_scope": "global", "bucket_size_mb": 25, "compression": None, "gradient_clip_norm": None,
 }
+MAX_BUCKET_SIZE_MB = 2**20  # 1 TiB: no device holds a bucket near that; inf overflowed `int(mb * 2**20)`
+MAX_TIMEOUT = timedelta(days=365)  # much beyond, torch's deadlines (int64 nanoseconds) overflow: about 292 years
 CHECKPOINT_KEY = "ddp_plugin"
 
 
@@ -88,17 +92,23 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     gradient engine buckets gradients and launches each bucket during backward; reducer and codec plugins
     decide how a bucket is averaged.
 
+    The flags a DeepSpeed ``config`` can set (``zero_stage``, ``shard_scope``, ``bucket_size_mb``,
+    ``compression``, ``gradient_clip_norm``) default to ``None``, "not set": the config's value if it has one,
+    else the default named below. Any other value passed wins over the config, also one equal to the default.
+
     Args:
-        zero_stage: 0 is plain data parallelism; 1 shards the optimizer state, 2 also the gradients, 3 also the
-            parameters (:class:`~ddp_plugin.plugins.ZeroSharder`).
-        shard_scope: ``"global"`` shards over every rank (least memory); ``"node"`` shards over the ranks of a
-            node and replicates across nodes, so parameter all-gathers never cross the slow link (HSDP,
+        zero_stage: 0 (default) is plain data parallelism; 1 shards the optimizer state, 2 also the gradients, 3
+            also the parameters (:class:`~ddp_plugin.plugins.ZeroSharder`).
+        shard_scope: ``"global"`` (default) shards over every rank (least memory); ``"node"`` shards over the
+            ranks of a node and replicates across nodes, so parameter all-gathers never cross the slow link (HSDP,
             DeepSpeed ZeRO++ hpZ).
         auto_wrap_policy: stage 3 units, whose parameters are gathered together before their forward and
             backward: module classes (or class names) whose instances become units, or a parameter count
-            (modules are grouped bottom-up into units of at least that many parameters; default 1,000,000).
+            (modules are grouped bottom-up into units of at least that many parameters; default 1,000,000). A
+            unit is always made of modules that are called: a container (``nn.ModuleList``, ``nn.ModuleDict``)
+            is never one; the blocks inside it are grouped into units instead.
         gradient_clip_norm: clip gradients to this global 2-norm before every step (across shards at stages
-            1-3). ``Trainer(gradient_clip_val=...)`` works too.
+            1-3); default: no clipping. ``Trainer(gradient_clip_val=...)`` works too.
         checkpoint: ``"master"``: global rank 0 writes one consolidated file (full model, optimizer state in the
             layout an unsharded optimizer has), atomically, which any world size, stage, or plain Lightning in
             one process can load. ``"sharded"``: every rank writes its own part through
@@ -111,15 +121,19 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             on at stages 2 and 3 on CPU; costs page faults (measured: +6% to +17% step time on the 2x2
             benchmark). No effect on CUDA or without glibc.
         config: a DeepSpeed config (path to a JSON file, or a dict) whose ZeRO settings become these flags;
-            flags passed explicitly win, and every key that has no counterpart is named in a warning.
+            flags passed explicitly (not ``None``) win, and every key that has no counterpart is named in a
+            warning.
         devices_per_node: ranks per node. ``None`` takes the launcher's (``devices=``); set it to simulate
             several nodes on one machine. Must divide the world size.
         hierarchical: reduce inside each node, then across nodes with 1/k of the data, then gather inside
             the node (:class:`~ddp_plugin.plugins.HierarchicalReducer`). ``None`` (default): on when there are
             several nodes of several ranks. ``False``: one flat all-reduce over every rank, like DDP.
-        compression: ``None`` or the name of an installed codec plugin (entry-point group ``ddp_plugin``).
-        compression_options: passed to plugins through ``on_setup(options=...)``.
-        bucket_size_mb: gradient bucket capacity in MiB (default 25, as DDP).
+        compression: the name of a built-in or installed codec plugin (entry-point group ``ddp_plugin``);
+            default: none.
+        compression_options: the codec's options, passed to plugins through ``on_setup(options=...)``. Without
+            ``compression`` they are refused unless a plugin given in ``plugins`` (or an installed one) takes
+            ``options`` in its ``on_setup``.
+        bucket_size_mb: gradient bucket capacity in MiB (default 25, as DDP; at most 1 TiB).
         plugins: extra plugin objects; pluggy calls them before the built-ins.
         broadcast_buffers: broadcast module buffers (e.g. BatchNorm statistics) from rank 0 before each
             training step, as DDP does.
@@ -131,7 +145,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         progress_bar_metrics: also show the synchronization metrics (``comm/...``) in the progress bar.
         process_group_backend: ``"nccl"``, ``"gloo"`` or ``"mpi"``; default NCCL on CUDA, gloo on CPU, MPI
             when launched by ``mpirun`` and torch has MPI support.
-        timeout: collective timeout, a ``timedelta`` or seconds.
+        timeout: collective timeout, a ``timedelta`` or seconds (positive, at most 365 days).
         start_method: ``"popen"`` (re-run the script per rank, the default), ``"spawn"``, ``"fork"`` or
             ``"forkserver"``, as for Lightning's ``DDPStrategy``.
     """
@@ -140,8 +154,8 @@ class HierarchicalZeroStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        zero_stage: int = 0,
-        shard_scope: Literal["global", "node"] = "global",
+        zero_stage: int | None = None,
+        shard_scope: Literal["global", "node"] | None = None,
         auto_wrap_policy: Any = None,
         gradient_clip_norm: float | None = None,
         config: str | os.PathLike | dict[str, Any] | None = None,
@@ -151,7 +165,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         hierarchical: bool | None = None,
         compression: str | None = None,
         compression_options: dict[str, Any] | None = None,
-        bucket_size_mb: float = 25,
+        bucket_size_mb: float | None = None,
         plugins: Iterable[object] = (),
         broadcast_buffers: bool = True,
         progress_bar_metrics: bool = False,
@@ -173,18 +187,18 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        explicit = {k: v for k, v in locals().items() if k in _CONFIG_FLAGS and v != _CONFIG_FLAGS[k]}
+        # None is "not set": the config's value, else the default. Anything else was passed and wins.
+        passed = {k: v for k, v in locals().items() if k in _CONFIG_FLAGS and v is not None}
         self._hpz_partition_size: int | None = None
+        merged = dict(_CONFIG_FLAGS)
         if config is not None:
             mapped = _from_deepspeed_config(config)
             self._hpz_partition_size = mapped.hpz_partition_size
-            merged = {**mapped.flags, **explicit}
-            zero_stage = merged.get("zero_stage", zero_stage)
-            shard_scope = merged.get("shard_scope", shard_scope)
-            bucket_size_mb = merged.get("bucket_size_mb", bucket_size_mb)
-            compression = merged.get("compression", compression)
-            gradient_clip_norm = merged.get("gradient_clip_norm", gradient_clip_norm)
-            timeout = merged.get("timeout", timeout)
+            merged.update(mapped.flags)
+        merged.update(passed)
+        zero_stage, shard_scope, bucket_size_mb, compression, gradient_clip_norm = (
+            merged[k] for k in ("zero_stage", "shard_scope", "bucket_size_mb", "compression", "gradient_clip_norm")
+        )
         self.zero_stage = _check_zero_stage(zero_stage)
         self.checkpoint = _check_choice("checkpoint", checkpoint, CHECKPOINT_MODES)
         if release_cpu_memory is not None and not isinstance(release_cpu_memory, bool):
@@ -198,18 +212,19 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             None if gradient_clip_norm is None else _check_positive_number("gradient_clip_norm", gradient_clip_norm)
         )
         self.devices_per_node = _check_devices_per_node(devices_per_node)
-        self.hierarchical = _check_choice("hierarchical", hierarchical, (None, True, False))
+        self.hierarchical = None if hierarchical is None else _check_bool("hierarchical", hierarchical, none=True)
         self.compression_options = _check_mapping("compression_options", compression_options)
-        self.bucket_size_mb = _check_positive_number("bucket_size_mb", bucket_size_mb)
+        self.bucket_size_mb = _check_positive_number("bucket_size_mb", bucket_size_mb, MAX_BUCKET_SIZE_MB, " MiB (1 TiB)")
         self.compression = compression
         self.extra_plugins = list(plugins)
         # Assemble the plugins once now, so an unknown codec or a misspelled hook fails here, not on the ranks.
-        build_plugin_manager(
+        pm = build_plugin_manager(
             self.compression, self.extra_plugins, compression_options=self.compression_options, **self._zero_kwargs()
         )
-        self.broadcast_buffers = bool(broadcast_buffers)
-        self.progress_bar_metrics = bool(progress_bar_metrics)
-        self.skip_nonfinite = _check_choice("skip_nonfinite", skip_nonfinite, (False, True))
+        _check_options_are_read(self.compression, self.compression_options, pm)
+        self.broadcast_buffers = _check_bool("broadcast_buffers", broadcast_buffers)
+        self.progress_bar_metrics = _check_bool("progress_bar_metrics", progress_bar_metrics)
+        self.skip_nonfinite = _check_bool("skip_nonfinite", skip_nonfinite)
         self.weighting = _check_choice("weighting", weighting, WEIGHTINGS)
         self.skipped_steps = 0
         self._heartbeat: health.Heartbeat | None = None
@@ -961,10 +976,47 @@ def _check_mapping(flag: str, value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def _check_positive_number(flag: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"`{flag}={value!r}` must be a positive number.")
+def _check_bool(flag: str, value: Any, none: bool = False) -> bool:
+    # bool(...) would take "no" (and any non-empty string) for True.
+    if not isinstance(value, bool):
+        allowed = "None, True, False" if none else "True, False"
+        raise ValueError(f"`{flag}={value!r}` must be a bool; allowed values: {allowed}.")
     return value
+
+
+def _check_positive_number(flag: str, value: Any, maximum: float | None = None, meaning: str = "") -> float:
+    # `not value > 0` also refuses nan; inf passed that and broke later on every rank (an OverflowError).
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not value > 0
+        or not math.isfinite(value)
+        or (maximum is not None and value > maximum)
+    ):
+        limit = f" and at most {maximum}{meaning}" if maximum is not None else ""
+        raise ValueError(f"`{flag}={value!r}` must be a positive number, finite{limit}.")
+    return value
+
+
+def _check_options_are_read(compression: str | None, options: Mapping[str, Any], pm: pluggy.PluginManager) -> None:
+    """Options without a codec are read by nobody, unless a plugin of the user's (or an installed one) takes the
+    flags in ``on_setup(options=...)``: a forgotten ``compression=`` would otherwise train uncompressed, silently."""
+    if compression is not None or not options:
+        return
+    readers = [
+        impl.plugin for impl in pm.hook.on_setup.get_hookimpls()
+        if "options" in impl.argnames and not type(impl.plugin).__module__.startswith("ddp_plugin.")
+    ]
+    if readers:
+        return
+    from ddp_plugin.plugin_manager import available_codecs
+
+    allowed = ", ".join(map(repr, available_codecs()))
+    raise ValueError(
+        f"`compression_options={dict(options)!r}` has no effect: `compression` is not set, and no plugin reads the"
+        f" options (a plugin of yours receives them in `on_setup(options=...)`). Set `compression` to the codec"
+        f" they are for ({allowed}), or drop `compression_options`."
+    )
 
 
 def _check_backend(backend: Any) -> str | None:
@@ -981,8 +1033,21 @@ def _check_backend(backend: Any) -> str | None:
 
 
 def _check_timeout(timeout: Any) -> timedelta | None:
-    if timeout is None or isinstance(timeout, timedelta):
-        return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"`timeout={timeout!r}` must be a datetime.timedelta or a positive number of seconds.")
-    return timedelta(seconds=timeout)
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        ok = timedelta(0) < timeout <= MAX_TIMEOUT
+    else:
+        ok = (
+            not isinstance(timeout, bool)
+            and isinstance(timeout, (int, float))
+            and math.isfinite(timeout)
+            and 0 < timeout <= MAX_TIMEOUT.total_seconds()
+        )
+    if not ok:
+        # A negative timedelta used to fail only at connect, nan and inf with errors that did not name the flag.
+        raise ValueError(
+            f"`timeout={timeout!r}` must be a datetime.timedelta or a positive number of seconds, finite and at"
+            f" most {MAX_TIMEOUT.days} days."
+        )
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)

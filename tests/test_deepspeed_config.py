@@ -188,6 +188,7 @@ def test_bad_stage(stage):
         ([2], r"`zero_optimization` must be a JSON object"),
         ({"reduce_bucket_size": 0}, r"`zero_optimization\.reduce_bucket_size=0` must be a positive number"),
         ({"reduce_bucket_size": "5e8"}, r"`zero_optimization\.reduce_bucket_size='5e8'`"),
+        ({"reduce_bucket_size": 1e15}, r"`zero_optimization\.reduce_bucket_size=1000000000000000\.0`.*at most 274877906944"),
         ({"zero_hpz_partition_size": -2}, r"`zero_optimization\.zero_hpz_partition_size=-2`"),
         ({"zero_quantized_gradients": 1}, r"`zero_optimization\.zero_quantized_gradients=1`.*true, false"),
         ({"overlap_comm": "yes"}, r"`zero_optimization\.overlap_comm='yes'`.*true, false"),
@@ -274,3 +275,81 @@ def test_strategy_takes_its_flags_from_a_deepspeed_config_and_names_what_it_igno
     # A flag passed explicitly wins over the config.
     with pytest.warns(UserWarning):
         assert HierarchicalZeroStrategy(config=str(path), zero_stage=2).zero_stage == 2
+
+
+# ---------------------------------------------------------------------------------------------- precedence
+
+
+STAGE3_CONFIG = {
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": 2**20, "zero_hpz_partition_size": 2,
+                          "zero_quantized_gradients": True},
+}
+
+
+@pytest.mark.parametrize(
+    ("flag", "explicit", "from_config"),
+    [
+        ("zero_stage", 0, 3),  # the documented defaults, passed explicitly
+        ("shard_scope", "global", "node"),
+        ("bucket_size_mb", 25, 4.0),
+        ("zero_stage", 1, 3),  # and other values
+        ("shard_scope", "node", "node"),
+        ("bucket_size_mb", 2, 4.0),
+        ("compression", "fp16", "int8"),
+        ("gradient_clip_norm", 0.5, 1.0),
+    ],
+)
+def test_a_flag_passed_explicitly_wins_over_the_config_even_when_it_equals_the_default(flag, explicit, from_config):
+    from ddp_plugin import HierarchicalZeroStrategy
+
+    assert getattr(HierarchicalZeroStrategy(config=STAGE3_CONFIG), flag) == from_config
+    assert getattr(HierarchicalZeroStrategy(config=STAGE3_CONFIG, **{flag: explicit}), flag) == explicit
+
+
+def test_a_stage_2_config_with_an_explicit_stage_0_trains_unsharded():
+    from ddp_plugin import HierarchicalZeroStrategy
+
+    strategy = HierarchicalZeroStrategy(config={"zero_optimization": {"stage": 2}}, zero_stage=0)
+    assert strategy.zero_stage == 0
+    assert strategy._zero_kwargs()["zero_stage"] == 0  # what the plugins are built with
+
+
+def test_flags_left_unset_take_the_documented_defaults_without_a_config():
+    from ddp_plugin import HierarchicalZeroStrategy
+
+    strategy = HierarchicalZeroStrategy(config={})
+    assert (strategy.zero_stage, strategy.shard_scope, strategy.bucket_size_mb) == (0, "global", 25)
+    assert (strategy.compression, strategy.gradient_clip_norm) == (None, None)
+
+
+def _cli(tmp_path, init_args: str):
+    from lightning.pytorch.cli import LightningCLI
+
+    import lightning as L
+
+    class Model(L.LightningModule):
+        pass
+
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 2**20}}))
+    config = tmp_path / "config.yaml"
+    config.write_text(f"""
+trainer:
+  accelerator: cpu
+  devices: 2
+  logger: false
+  strategy:
+    class_path: ddp_plugin.HierarchicalZeroStrategy
+    init_args: {{config: {tmp_path / 'ds.json'}{init_args}}}
+""")
+    return LightningCLI(Model, run=False, save_config_callback=None, args=["--config", str(config)]).trainer.strategy
+
+
+def test_lightning_cli_yaml_takes_the_config_for_flags_it_does_not_set(tmp_path):
+    strategy = _cli(tmp_path, "")
+    assert (strategy.zero_stage, strategy.bucket_size_mb, strategy.shard_scope) == (2, 4.0, "global")
+
+
+def test_lightning_cli_yaml_flag_equal_to_the_default_wins_over_the_config(tmp_path):
+    strategy = _cli(tmp_path, ", zero_stage: 0, bucket_size_mb: 25")
+    assert (strategy.zero_stage, strategy.bucket_size_mb) == (0, 25)

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import lightning as L
 import pytest
+from torch import nn
 
 import ddp_plugin
 from ddp_plugin import HierarchicalZeroStrategy
@@ -75,3 +76,95 @@ def test_plugin_authors_import_the_marker_from_the_package():
 def test_devices_per_node_that_does_not_divide_the_world_fails_before_launch():
     with pytest.raises(ValueError, match=r"`devices_per_node=3` does not divide the world size 4.*1, 2, 4"):
         L.Trainer(accelerator="cpu", devices=4, strategy=HierarchicalZeroStrategy(devices_per_node=3), logger=False)
+
+
+# ---------------------------------------------------------------------------------------------- values that
+# used to be accepted and then broke on every rank, or were silently taken for something else
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"bucket_size_mb": float("inf")}, r"`bucket_size_mb=inf` must be a positive number, finite"),
+        ({"bucket_size_mb": float("nan")}, r"`bucket_size_mb=nan` must be a positive number, finite"),
+        ({"bucket_size_mb": -1}, r"`bucket_size_mb=-1` must be a positive number, finite"),
+        ({"bucket_size_mb": True}, r"`bucket_size_mb=True`"),
+        ({"bucket_size_mb": 1e7}, r"`bucket_size_mb=10000000.0`.*at most 1048576 MiB \(1 TiB\)"),
+        ({"gradient_clip_norm": float("nan")}, r"`gradient_clip_norm=nan` must be a positive number, finite"),
+        ({"gradient_clip_norm": float("inf")}, r"`gradient_clip_norm=inf` must be a positive number, finite"),
+        ({"gradient_clip_norm": 0}, r"`gradient_clip_norm=0` must be a positive number, finite"),
+        ({"gradient_clip_norm": True}, r"`gradient_clip_norm=True`"),
+        ({"timeout": float("nan")}, r"`timeout=nan`.*positive number of seconds, finite"),
+        ({"timeout": float("inf")}, r"`timeout=inf`.*positive number of seconds, finite"),
+        ({"timeout": 0}, r"`timeout=0`.*positive number of seconds, finite"),
+        ({"timeout": True}, r"`timeout=True`"),
+        ({"timeout": 1e12}, r"`timeout=1000000000000.0`.*at most 365 days"),
+        ({"timeout": timedelta(seconds=-5)}, r"`timeout=datetime.timedelta\(days=-1, seconds=86395\)`.*positive"),
+        ({"timeout": timedelta(0)}, r"`timeout=datetime.timedelta\(0\)`.*positive"),
+        ({"timeout": timedelta(days=400)}, r"`timeout=datetime.timedelta\(days=400\)`.*at most 365 days"),
+        ({"devices_per_node": True}, r"`devices_per_node=True`"),
+        ({"devices_per_node": -2}, r"`devices_per_node=-2`"),
+        ({"zero_stage": 2.0}, r"`zero_stage=2.0`"),
+        ({"zero_stage": -1}, r"`zero_stage=-1`"),
+        ({"zero_stage": 3, "auto_wrap_policy": True}, r"`auto_wrap_policy=True`"),
+        ({"zero_stage": 3, "auto_wrap_policy": -5}, r"`auto_wrap_policy=-5` must be a positive parameter count"),
+        ({"zero_stage": 3, "auto_wrap_policy": [nn.ModuleList]}, r"`auto_wrap_policy`.*ModuleList.*never called"),
+    ],
+)
+def test_non_finite_negative_absurd_or_boolean_numbers_fail_at_construction_naming_the_flag(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        HierarchicalZeroStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("flag", ["broadcast_buffers", "progress_bar_metrics", "skip_nonfinite"])
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, 1.0, None])
+def test_bool_flags_accept_only_bools(flag, value):
+    with pytest.raises(ValueError, match=rf"`{flag}={value!r}` must be a bool; allowed values: True, False"):
+        HierarchicalZeroStrategy(**{flag: value})
+
+
+@pytest.mark.parametrize("value", ["off", 0, 1])
+def test_hierarchical_accepts_only_none_or_a_bool(value):
+    with pytest.raises(ValueError, match=rf"`hierarchical={value!r}`.*allowed values: None, True, False"):
+        HierarchicalZeroStrategy(hierarchical=value)
+
+
+def test_bool_flags_keep_the_bool_given():
+    strategy = HierarchicalZeroStrategy(broadcast_buffers=False, progress_bar_metrics=True, skip_nonfinite=True)
+    assert (strategy.broadcast_buffers, strategy.progress_bar_metrics, strategy.skip_nonfinite) == (False, True, True)
+
+
+def test_compression_options_without_compression_fail_naming_both_flags():
+    with pytest.raises(ValueError, match=r"`compression_options=\{'block_size': 256\}` has no effect.*`compression`"):
+        HierarchicalZeroStrategy(compression_options={"block_size": 256})
+
+
+class _ReadsOptions:
+    """A plugin that takes the user's flags in ``on_setup``: it may read ``compression_options``."""
+
+    @ddp_plugin.hookimpl
+    def on_setup(self, options):
+        self.options = options
+
+
+class _ReadsNoOptions:
+    @ddp_plugin.hookimpl
+    def on_setup(self, topology):
+        self.topology = topology
+
+
+def test_compression_options_without_compression_reach_a_plugin_that_reads_options():
+    strategy = HierarchicalZeroStrategy(compression_options={"my_knob": 3}, plugins=[_ReadsOptions()])
+    assert strategy.compression_options == {"my_knob": 3}
+
+
+def test_compression_options_without_compression_fail_when_no_plugin_reads_options():
+    with pytest.raises(ValueError, match=r"`compression_options=\{'my_knob': 3\}` has no effect"):
+        HierarchicalZeroStrategy(compression_options={"my_knob": 3}, plugins=[_ReadsNoOptions()])
+
+
+def test_strategy_constructs_with_no_arguments_and_documented_defaults():
+    strategy = HierarchicalZeroStrategy()
+    assert (strategy.zero_stage, strategy.shard_scope, strategy.bucket_size_mb) == (0, "global", 25)
+    assert (strategy.compression, strategy.gradient_clip_norm, strategy.checkpoint) == (None, None, "master")
+    assert strategy.broadcast_buffers is True and strategy.skip_nonfinite is False
