@@ -214,7 +214,9 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         self.devices_per_node = _check_devices_per_node(devices_per_node)
         self.hierarchical = None if hierarchical is None else _check_bool("hierarchical", hierarchical, none=True)
         self.compression_options = _check_mapping("compression_options", compression_options)
-        self.bucket_size_mb = _check_positive_number("bucket_size_mb", bucket_size_mb, MAX_BUCKET_SIZE_MB, " MiB (1 TiB)")
+        self.bucket_size_mb = _check_positive_number(
+            "bucket_size_mb", bucket_size_mb, maximum=MAX_BUCKET_SIZE_MB, unit=" MiB (1 TiB)"
+        )
         self.compression = compression
         self.extra_plugins = list(plugins)
         # Assemble the plugins once now, so an unknown codec or a misspelled hook fails here, not on the ranks.
@@ -984,7 +986,7 @@ def _check_bool(flag: str, value: Any, none: bool = False) -> bool:
     return value
 
 
-def _check_positive_number(flag: str, value: Any, maximum: float | None = None, meaning: str = "") -> float:
+def _check_positive_number(flag: str, value: Any, maximum: float | None = None, unit: str = "") -> float:
     # `not value > 0` also refuses nan; inf passed that and broke later on every rank (an OverflowError).
     if (
         isinstance(value, bool)
@@ -993,7 +995,7 @@ def _check_positive_number(flag: str, value: Any, maximum: float | None = None, 
         or not math.isfinite(value)
         or (maximum is not None and value > maximum)
     ):
-        limit = f" and at most {maximum}{meaning}" if maximum is not None else ""
+        limit = f" and at most {maximum}{unit}" if maximum is not None else ""
         raise ValueError(f"`{flag}={value!r}` must be a positive number, finite{limit}.")
     return value
 

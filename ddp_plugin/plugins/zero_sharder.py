@@ -285,7 +285,8 @@ class ZeroSharder:
         present = sorted({type(m).__name__ for _, m in module.named_modules()})
         for entry in self.policy:
             label = entry if isinstance(entry, str) else entry.__name__
-            if not any(type(m).__name__ == entry if isinstance(entry, str) else isinstance(m, entry) for _, m in matched):
+            if not any((type(m).__name__ == entry) if isinstance(entry, str) else isinstance(m, entry)
+                       for _, m in matched):
                 raise ValueError(
                     f"`auto_wrap_policy` names {label!r}, which matches no module of {type(module).__name__}; module"
                     f" classes in this model: {', '.join(present[:12])}{' ...' if len(present) > 12 else ''}."

@@ -165,7 +165,7 @@ def fit_gpt(devices: int, stage: int, policy: str, out: str) -> None:
     L.seed_everything(0, verbose=False)
     model = GPT()
     if devices:
-        wrap = {"default": None, "Block": [Block], "name": ["Block"]}[policy]
+        wrap = {"default": None, "Block": [Block]}[policy]
         strategy = HierarchicalZeroStrategy(zero_stage=stage, auto_wrap_policy=wrap)
     else:
         strategy, devices = "auto", 1
@@ -191,8 +191,8 @@ def main() -> None:
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--allow", action="store_true", help="declare the optimizer elementwise (allow_optimizer)")
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--variants", default="0:default", help="stage:policy, comma-separated (policy: default,"
-                        " Block, name)")
+    parser.add_argument("--variants", default="0:default", help="stage:policy, comma-separated (policy: default"
+                        " or Block)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.mode == "optimizer":
