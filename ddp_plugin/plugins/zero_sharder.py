@@ -413,7 +413,8 @@ class ZeroSharder:
         reducer's last stage), and the node's share crosses nodes by an all-reduce (or the codec) instead of a
         reduce-scatter. That costs, per step, one more intra-node all-gather ((k-1)/k of the bucket per rank)
         and, with global shards over several nodes, (M-1)/M of the bucket more per node across nodes (with a
-        codec, or node shards, nothing more across nodes)."""
+        codec, or node shards, nothing more across nodes). Without hierarchical reduction the bucket is
+        all-reduced over the world, as at stage 0."""
         t = self._topo
         layout, k, m = self._layout(), t.ranks_per_node, t.num_nodes
         buf = bucket.buffer
