@@ -608,7 +608,10 @@ class HierarchicalZeroStrategy(ParallelStrategy):
 
     def _route_gradient_clipping(self) -> None:
         """``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm")`` reaches the precision plugin's
-        ``clip_grad_by_norm``, which would clip each shard by its own norm; send it through the plugins."""
+        ``clip_grad_by_norm``, which would clip each shard by its own norm; send it through the plugins.
+        ``gradient_clip_algorithm="value"`` clamps each element, which is right on shards as it is; the module's
+        own ``.grad`` (whole at ZeRO stage 1, where the optimizer's pieces are slices of it) is clamped too, so it
+        shows what the optimizer applies."""
         plugin = self.precision_plugin
         if getattr(plugin, "_ddp_plugin_routed", False):
             return
@@ -619,7 +622,16 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             self._clip_grad_norm(optimizer, float(clip_val))
             return None
 
+        def clip_grad_by_value(optimizer: Optimizer, clip_val: float) -> None:
+            type(plugin).clip_grad_by_value(plugin, optimizer, clip_val)
+            if self._engine is not None and self.zero_stage and self.model is not None:
+                # Clamping twice is clamping once: the slices the optimizer's pieces share are not clipped twice.
+                whole = [p for p in self.model.parameters() if p.grad is not None]
+                if whole:  # (none at stages 2-3; torch's clip_grad_value_ fails on an empty list)
+                    torch.nn.utils.clip_grad_value_(whole, clip_val)
+
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
         plugin._ddp_plugin_routed = True  # type: ignore[attr-defined]
 
     @contextmanager
@@ -634,6 +646,45 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         finally:
             if pm is not None:
                 pm.hook.on_gather_full_parameters(gather=False)
+
+    @contextmanager
+    def full_gradients(self) -> Generator[None, None, None]:
+        """Inside, every module parameter's ``.grad`` holds its whole gradient on every rank, as under DDP: the
+        global mean after a synchronizing backward (clipped once clipping ran), ``None`` where the optimizer has
+        none. At ZeRO stages 2 and 3 the gradient shards are all-gathered into a buffer of the gradients' size
+        (freed on exit, when each ``.grad`` is restored); at stages 0 and 1 ``.grad`` is whole anyway and nothing
+        happens. Call it on every rank (``on_after_backward``, ``on_before_optimizer_step``,
+        ``on_train_batch_end``). Read-only: changes are not applied. For norms alone, :meth:`grad_norm` needs no
+        gather."""
+        pm = self._plugin_manager if self._engine is not None else None
+        if pm is not None:
+            pm.hook.on_gather_full_gradients(gather=True)
+        try:
+            yield
+        finally:
+            if pm is not None:
+                pm.hook.on_gather_full_gradients(gather=False)
+
+    def grad_norm(self, norm_type: float | int | str = 2, group_separator: str = "/") -> dict[str, Tensor]:
+        """``lightning.pytorch.utilities.grad_norm(module, norm_type)`` of the LightningModule, at every ZeRO
+        stage: each parameter's gradient norm (``grad_{p}_norm/{name}``) and their total
+        (``grad_{p}_norm_total``), ready for ``self.log_dict``. At stages 2 and 3 computed from the shards with one
+        all-reduce of two numbers per parameter (call it on every rank); elsewhere it reads ``.grad``."""
+        from lightning.pytorch.utilities import grad_norm
+
+        module = self.lightning_module
+        assert module is not None
+        norm_type = float(norm_type)
+        if norm_type <= 0:
+            raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+        pm = self._plugin_manager if self._engine is not None else None
+        per_param = pm.hook.on_grad_norms(module=module, norm_type=norm_type) if pm is not None else None
+        if per_param is None:
+            return grad_norm(module, norm_type, group_separator)
+        norms = {f"grad_{norm_type}_norm{group_separator}{name}": value for name, value in per_param.items()}
+        if norms:
+            norms[f"grad_{norm_type}_norm_total"] = torch.tensor([float(v) for v in norms.values()]).norm(norm_type)
+        return norms
 
     # ------------------------------------------------------------------ memory
 

@@ -183,6 +183,44 @@ def on_gather_full_parameters(gather: bool) -> None:
 
 
 @hookspec
+def on_gather_full_gradients(gather: bool) -> None:
+    """Lend every module parameter its full gradient, or take it back.
+
+    Called by ``HierarchicalZeroStrategy.full_gradients()`` on entry (``gather=True``) and on exit (``False``),
+    on every rank, from the training thread. With ``True``, a plugin that keeps only shards of the gradients
+    (a ZeRO stage 2/3 sharder) all-gathers them so that each module parameter's ``.grad`` holds the whole
+    gradient the optimizer is about to apply (the global mean after a synchronizing backward, clipped once
+    clipping ran), ``None`` where the optimizer has none; with ``False`` it frees them and restores each
+    ``.grad`` as it was. Gradients lent are read-only: changes are not applied. Plugins whose module gradients
+    are whole anyway (stages 0 and 1) do nothing.
+
+    Not firstresult: every implementation is called. Runs collectives on every rank with ``gather=True``
+    (side groups, training thread); none with ``False``.
+
+    :param gather: ``True`` to lend the full gradients, ``False`` to take them back.
+    :returns: nothing.
+    """
+
+
+@hookspec(firstresult=True)
+def on_grad_norms(module: Module, norm_type: float) -> dict[str, Tensor] | None:
+    """Return the ``norm_type``-norm of the full gradient of every parameter of ``module`` that has one, keyed
+    by the name ``module.named_parameters()`` gives it, without gathering the gradients; or ``None`` when
+    ``.grad`` is whole and ``lightning.pytorch.utilities.grad_norm`` can read it (stages 0 and 1).
+
+    Called by ``HierarchicalZeroStrategy.grad_norm()`` on every rank, from the training thread. A sharder
+    answers with the per-parameter sums of ``|g|^p`` (maxima of ``|g|`` for ``inf``) of its shards, summed
+    over the ranks by one all-reduce of two numbers per parameter.
+
+    Stops at first non-None result. An implementation that answers runs a collective on every rank.
+
+    :param module: the user's LightningModule.
+    :param norm_type: ``p`` of the p-norm, a positive float or ``inf``.
+    :returns: ``{parameter name: norm}`` (0-d tensors), or ``None``.
+    """
+
+
+@hookspec
 def on_after_optimizer_step(optimizer: Optimizer) -> None:
     """Called right after ``optimizer.step``. A sharder gathers the updated parameters here. Not called for a
     step that ``skip_nonfinite`` skipped (the parameters did not change).

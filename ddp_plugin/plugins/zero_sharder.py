@@ -18,8 +18,12 @@ One step, for every stage:
 3. after the step the updated shards are all-gathered into the flat parameter buffers every module parameter
    views (stages 1 and 2), or left sharded until the next forward needs them (stage 3).
 
-Stage 1 keeps every bucket's gradient buffer (the shard's mean is written into its slice); stages 2 and 3
-release the buffers as soon as their shard is reduced, keeping only the shard's gradient.
+Stage 1 keeps every bucket's gradient buffer and fills all of it with the mean (the reduction ends with an
+all-gather of the reduced parts, inside the node where it can), so every module parameter's ``.grad`` holds its
+whole averaged gradient from the end of backward until the next backward, as under DDP; the optimizer steps the
+shard's slice of it. Stages 2 and 3 release the buffers as soon as their shard is reduced, keeping only the
+shard's gradient; ``on_gather_full_gradients`` lends the whole gradients to the module on demand and
+``on_grad_norms`` computes their norms from the shards.
 
 Stage 3 groups parameters into units (modules chosen by ``auto_wrap_policy``); a unit's parameters are
 gathered before its forward, freed after it, gathered again before its backward (a hook on its outputs'
@@ -200,6 +204,9 @@ class ZeroSharder:
         self._original_groups: dict[int, list[list[nn.Parameter]]] = {}
         self._plain: bool | None = None  # see _plain_cross_node_mean
         self._ws: dict[str, Tensor] = {}  # see _workspace
+        self._grads_published = False  # stage 1: see _register_stage_1_hooks
+        self._lent: list[tuple[nn.Parameter, Tensor | None]] = []  # on_gather_full_gradients: (parameter, its .grad)
+        self._lent_depth = 0
         self.peak_gathered_bytes = 0
         """Stage 3: the most parameter bytes gathered at once since the last metrics collection (one step)."""
         self.fit_peak_gathered_bytes = 0
@@ -395,10 +402,14 @@ class ZeroSharder:
                 unit = self._unit_of_bucket[bucket.index]
                 for p in bucket.params:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_done(unit)))
+        if self.stage == 1:
+            self._register_stage_1_hooks()
         self._order_known = False
         self._forward_order = []
         # The pieces the optimizer will step: 1-D views of this rank's shards.
-        self._pieces_of = {}
+        # Every sharded parameter has an entry, empty where none of it is this rank's: the optimizer must not
+        # step such a parameter itself (at stage 1 it has a gradient, the whole one).
+        self._pieces_of = {id(p): [] for bucket in self._buckets for p in bucket.params}
         for bucket, entry in zip(self._buckets, self._shards):
             pieces = []
             for _, i, p_start, s_start in entry.pieces:
@@ -479,28 +490,46 @@ class ZeroSharder:
         return torch.sum(received.view(parts, c), dim=0, out=out)
 
     def _reduce_to_shard(self, bucket: Bucket) -> Tensor:
+        """This rank's shard of the bucket's mean. At stage 1 the whole bucket is left holding the mean too, and
+        the shard is its slice: what the node reduced is all-gathered inside the node (the hierarchical
+        reducer's last stage), and the node's share crosses nodes by an all-reduce (or the codec) instead of a
+        reduce-scatter. That costs, per step, one more intra-node all-gather ((k-1)/k of the bucket per rank)
+        and, with global shards over several nodes, (M-1)/M of the bucket more per node across nodes (with a
+        codec, or node shards, nothing more across nodes). Without hierarchical reduction the bucket is
+        all-reduced over the world, as at stage 0."""
         t = self._topo
         layout, k, m = self._layout(), t.ranks_per_node, t.num_nodes
         buf = bucket.buffer
+        whole = self.stage == 1
         if layout == "two_level" or (layout == "node" and (m == 1 or self._hierarchical)):
             buf.div_(k)
             if layout == "two_level":
                 block = self._reduce_scatter(buf, t.intra_node_group, k, self._workspace("block", buf.numel() // k, buf))
             else:
                 block = self._reduce_scatter(buf, t.intra_node_group, k)  # the shard itself
-            if layout == "two_level" and self._plain_cross_node_mean():
+            if layout == "two_level" and not whole and self._plain_cross_node_mean():
                 # No codec: reduce-scatter across nodes too, half the bytes of an all-reduce of the block.
                 return self._reduce_scatter(block, t.inter_node_group, m).div_(m)
             self._hook.on_cross_node_reduce(tensor=block, group=t.inter_node_group, bucket=bucket).wait()
+            if whole:
+                if k > 1:
+                    collectives.all_gather_single(buf, block, group=t.intra_node_group)
+                else:
+                    buf.copy_(block)
+                return self._slice(buf)
             if layout == "node":
                 return block
             c = block.numel() // m
             return block[t.node_rank * c : (t.node_rank + 1) * c].clone()  # not a view keeping the block alive
-        if layout == "world" and self._plain_cross_node_mean():
+        if layout == "world" and not whole and self._plain_cross_node_mean():
             return self._reduce_scatter(buf, t.world_group, t.world_size).div_(t.world_size)
         self._hook.on_cross_node_reduce(tensor=buf, group=t.world_group, bucket=bucket).wait()
-        c = buf.numel() // self.num_shards
-        return buf[self.shard_index * c : (self.shard_index + 1) * c]
+        return self._slice(buf)
+
+    def _slice(self, flat: Tensor) -> Tensor:
+        """This rank's shard of a bucket-sized tensor (a view)."""
+        c = flat.numel() // self.num_shards
+        return flat[self.shard_index * c : (self.shard_index + 1) * c]
 
     def _plain_cross_node_mean(self) -> bool:
         """Whether ``on_cross_node_reduce`` would only average (no codec, no plugin of the user's answers it), so
@@ -515,11 +544,7 @@ class ZeroSharder:
         shard = self._reduce_to_shard(bucket)
         entry = self._shards[bucket.index]
         if self.stage == 1:
-            c = shard.numel()
-            mine = bucket.buffer[self.shard_index * c : (self.shard_index + 1) * c]
-            if mine.data_ptr() != shard.data_ptr():
-                mine.copy_(shard)
-            entry.grad = mine
+            entry.grad = shard  # a slice of the bucket, which holds the whole mean
         else:
             if shard.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr():
                 shard = shard.clone()
@@ -563,13 +588,115 @@ class ZeroSharder:
             for piece, i, _, s_start in entry.pieces:
                 # A parameter no rank used has no gradient, as in one process: its pieces are skipped too.
                 piece.grad = grad[s_start : s_start + piece.numel()] if bucket.grad_used[i] else None
-            for p in bucket.params:
-                p.grad = None  # the optimizer steps the pieces; the module's gradients would be partial
+            if self.stage > 1:
+                for p in bucket.params:
+                    p.grad = None  # the optimizer steps the pieces; the module's buckets were released
+        # Stage 1: the engine left each used parameter's `.grad` viewing the bucket, which holds the whole mean.
+        self._grads_published = self.stage == 1
         if self.stage == 3:
             for unit in self._units:
                 if not unit.persistent and unit.gathered:
                     self._free(unit)
             self._order_known = True
+
+    def _register_stage_1_hooks(self) -> None:
+        """Stage 1 leaves the module's `.grad` holding the last step's mean, which the optimizer's `zero_grad`
+        (it zeroes only this rank's pieces) does not clear. Backward would add the next gradient to it; so the
+        first gradient of the next backward (a hook that runs before autograd accumulates it) drops them all,
+        and that backward starts from nothing, as after `zero_grad` under DDP. Accumulation inside a
+        backward window (`accumulate_grad_batches`) is untouched: nothing is published before it synchronizes."""
+        self._grads_published = False
+
+        def discard_published(_grad: Tensor) -> None:
+            if self._grads_published:
+                self._grads_published = False
+                for bucket in self._buckets:
+                    for p in bucket.params:
+                        p.grad = None
+
+        for bucket in self._buckets:
+            for p in bucket.params:
+                self._handles.append(p.register_hook(discard_published))
+
+    # ------------------------------------------------------------------ gradients for user hooks
+
+    def _grad_stats(self, norm_type: float | None) -> tuple[Tensor, Tensor]:
+        """Per bucket parameter, in bucket order: whether some rank's pieces of it have a gradient, and (with
+        ``norm_type``) the sum of ``|g|^norm_type`` over all its pieces, or the max of ``|g|`` for ``inf``.
+        Partial values from this rank's pieces, combined over the shard group by one all-reduce."""
+        first = [0]
+        for bucket in self._buckets:
+            first.append(first[-1] + len(bucket.params))
+        n = first[-1]
+        inf = norm_type == float("inf")
+        local = torch.zeros(2 * n, dtype=torch.float64, device=self._topo.device)
+        for b, entry in enumerate(self._shards):
+            for piece, i, _, _ in entry.pieces:
+                if piece.grad is None:
+                    continue
+                j = first[b] + i
+                local[n + j] = 1.0
+                if norm_type is not None:
+                    g = piece.grad.detach().double().abs()
+                    local[j] = torch.maximum(local[j], g.max()) if inf else local[j] + g.pow(norm_type).sum()
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        collectives.all_reduce(local, op=op, group=self._shard_group()[0])
+        return local[n:] > 0, local[:n]
+
+    @hookimpl
+    def on_gather_full_gradients(self, gather: bool) -> None:
+        if self.stage == 1:
+            return  # the module's gradients are whole already
+        if not gather:
+            self._lent_depth = max(self._lent_depth - 1, 0)
+            if self._lent_depth == 0:
+                for p, previous in self._lent:
+                    p.grad = previous
+                self._lent = []
+            return
+        self._lent_depth += 1
+        if self._lent_depth > 1:
+            return  # nested: lent already (every rank nests alike)
+        self._lent = []
+        present, _ = self._grad_stats(None)
+        j = 0
+        for bucket, entry in zip(self._buckets, self._shards):
+            flags = present[j : j + len(bucket.params)].tolist()
+            j += len(bucket.params)
+            if not any(flags):
+                continue
+            local = entry.shard.new_zeros(entry.shard.numel())
+            for piece, _, _, s_start in entry.pieces:
+                if piece.grad is not None:
+                    local[s_start : s_start + piece.numel()].copy_(piece.grad.detach().reshape(-1))
+            # A buffer of its own, not the bucket's: during accumulation the bucket holds this rank's running sum.
+            full = local.new_empty(bucket.numel)
+            self._all_gather(full, local)
+            for i, p in enumerate(bucket.params):
+                if flags[i]:
+                    self._lent.append((p, p.grad))
+                    p.grad = full[bucket.offsets[i] : bucket.offsets[i] + p.numel()].view_as(p)
+
+    @hookimpl
+    def on_grad_norms(self, module: nn.Module, norm_type: float) -> dict[str, Tensor] | None:
+        if self.stage == 1:
+            return None  # `.grad` is whole: Lightning's grad_norm reads it
+        inf = norm_type == float("inf")
+        present, partial = self._grad_stats(norm_type)
+        where: dict[int, int] = {}
+        for bucket in self._buckets:
+            for p in bucket.params:
+                where[id(p)] = len(where)
+        norms: dict[str, Tensor] = {}
+        for name, p in module.named_parameters():
+            j = where.get(id(p))
+            if j is None:
+                if p.grad is not None:  # not sharded: whole on every rank
+                    norms[name] = p.grad.detach().norm(norm_type)
+            elif present[j]:
+                value = partial[j] if inf else partial[j] ** (1.0 / norm_type)
+                norms[name] = value.to(p.dtype)
+        return norms
 
     # ------------------------------------------------------------------ optimizer step
 
@@ -591,6 +718,10 @@ class ZeroSharder:
         total = (local + replicated).sqrt().to(torch.float32)
         clip_coef = max_norm / (total + 1e-6)
         clamped = torch.clamp(clip_coef, max=1.0)
+        if self.stage == 1:
+            # The pieces' gradients are slices of the buckets, and the module's `.grad` views all of them:
+            # scale the whole buckets, so that `.grad` shows what the optimizer applies, the same on every rank.
+            grads = [g for g in grads if id(g) not in sharded] + [b.buffer for b in self._buckets]
         for g in grads:
             g.mul_(clamped.to(g.dtype))
         return total
