@@ -183,12 +183,19 @@ def main() -> None:
     if args.validate_after_fit:
         trainer.validate(model, dataloaders=model.dataloader(seed=6), verbose=False)
         trainer.test(model, dataloaders=model.dataloader(seed=7), verbose=False)
+    user_state_dict = None
     if args.save_after_fit:
         trainer.save_checkpoint(os.path.join(ckpt_dir, f"{args.name}-after-fit.ckpt"))
+        try:  # what the optimizer the user holds says when asked directly
+            trainer.optimizers[0].state_dict()
+            user_state_dict = "returned"
+        except RuntimeError as err:
+            user_state_dict = str(err)
     if trainer.is_global_zero:
         params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
         torch.save({"params": params, "losses": model.losses, "global_step": trainer.global_step,
-                    "num_buckets": getattr(model, "num_buckets", 0)}, os.path.join(args.out, f"{args.name}.pt"))
+                    "num_buckets": getattr(model, "num_buckets", 0), "user_state_dict": user_state_dict},
+                   os.path.join(args.out, f"{args.name}.pt"))
 
 
 if __name__ == "__main__":
