@@ -12,30 +12,44 @@ It writes ``torch.save``'s format itself (a zip of ``data.pkl`` and one record p
 storages are produced one at a time, collectively, after the pickle is written, and each is freed once it is
 on disk. Remote paths (``s3://`` and friends) go through Lightning's own writer, with deferred tensors
 materialized first (:func:`materialize`).
+
+A save every rank takes part in fails on every rank together: a write that fails on rank 0 still runs the
+producers (the other ranks are waiting in those collectives), and :func:`agree_with_rank_0` then tells the other
+ranks what failed; a collective that fails because a rank died is diagnosed (:func:`diagnosed`), naming it.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import io
 import math
 import os
 import pickle
+import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+import zipfile
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from typing_extensions import override
 
+from ddp_plugin import health
 from ddp_plugin.hookspecs import DeferredStorage, DeferredTensor
 
 _PICKLE_PROTOCOL = 2  # torch.save's
+# What torch.save's legacy (pre-zip) format starts with: its magic number, pickled.
+_LEGACY_HEADER = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=_PICKLE_PROTOCOL)[:-1]
+# Errors of a write that ran out of room: the disk or quota is full, or the file hit a size limit.
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def is_local_path(path: _PATH) -> bool:
@@ -75,15 +89,73 @@ def deferred_storages(obj: Any) -> list[DeferredStorage]:
 def produce_all(storages: list[DeferredStorage]) -> None:
     """Run every producer, dropping what comes back: what ranks other than 0 do while rank 0 writes."""
     for s in storages:
-        s.produce()
+        _produce(s)
+
+
+def _produce(storage: DeferredStorage) -> Tensor | None:
+    # Producers gather to rank 0: if one dies in the middle of a save, say which, not gloo's "connection closed".
+    with diagnosed("the checkpoint's gather to rank 0"):
+        return storage.produce()
+
+
+def _release(storages: list[DeferredStorage]) -> None:
+    """Run the producers rank 0 has not run yet, after its write failed: the other ranks are waiting in them."""
+    for s in storages:
+        try:
+            _produce(s)
+        except Exception:  # noqa: BLE001 - a collective failed too; the write's error is what matters
+            break
+
+
+class CheckpointCollectiveError(RuntimeError):
+    """A collective of a checkpoint save or load failed; the message names the rank at fault and why."""
+
+
+@contextmanager
+def diagnosed(what: str) -> Generator[None, None, None]:
+    """Inside, a collective that fails because a peer died or failed raises :class:`CheckpointCollectiveError`
+    naming that rank (:func:`ddp_plugin.health.diagnose`) instead of the backend's bare socket error."""
+    try:
+        yield
+    except CheckpointCollectiveError:
+        raise
+    except Exception as err:
+        if dist.is_available() and dist.is_initialized() and health.is_communication_error(err):
+            raise CheckpointCollectiveError(health.diagnose(err, what=what)) from err
+        raise
+
+
+def agree_with_rank_0(error: BaseException | None, what: str) -> None:
+    """After rank 0's part of a save that every rank takes part in: every rank learns whether ``what`` (a verb
+    phrase, "write `model.ckpt`") failed on rank 0, so that all fail together naming rank 0 and the cause
+    instead of going on (and later failing in a collective that rank 0 left). Rank 0 raises ``error`` itself;
+    the others' ``error`` is ignored. Every rank must call it."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    me = dist.get_rank()
+    box = [f"{type(error).__name__}: {error}" if me == 0 and error is not None else None]
+    with diagnosed(f"waiting for rank 0 to {what}"):
+        dist.broadcast_object_list(box, src=0)
+    if me == 0:
+        if error is not None:
+            raise error
+    elif box[0] is not None:
+        raise RuntimeError(f"rank {me}: rank 0 could not {what}: {box[0]}")
 
 
 def materialize(obj: Any) -> Any:
     """``obj`` with every :class:`DeferredTensor` replaced by a tensor (by ``None`` on the ranks whose producers
     return nothing). Every rank must call it, as it runs the producers; rank 0 then holds all of them at once."""
     made: dict[int, Tensor | None] = {}
-    for s in deferred_storages(obj):
-        made[id(s)] = s.produce()
+    storages = deferred_storages(obj)
+    for i, s in enumerate(storages):
+        try:
+            made[id(s)] = _produce(s)
+        except BaseException:
+            _release(storages[i + 1 :])  # the other ranks are waiting in those
+            raise
 
     def build(x: Any) -> Any:
         if isinstance(x, DeferredTensor):
@@ -179,7 +251,7 @@ def stream_save(obj: Any, f: IO[bytes]) -> None:
                 _write_record(writer, f"data/{key}", storage)
             while pending:
                 s = pending.pop(0)
-                flat = s.produce()
+                flat = _produce(s)
                 key = pickler.deferred.get(id(s))
                 if key is None:
                     continue
@@ -191,39 +263,126 @@ def stream_save(obj: Any, f: IO[bytes]) -> None:
                 _write_record(writer, f"data/{key}", flat.contiguous().untyped_storage())
                 del flat
     except BaseException:
-        for s in pending:  # release the other ranks, then fail
-            try:
-                s.produce()
-            except Exception:  # noqa: BLE001
-                break
+        _release(pending)  # release the other ranks, then fail
         raise
 
 
 def atomic_write(path: _PATH, write: Callable[[IO[bytes]], None]) -> None:
-    """``write(file)`` into a temporary file beside ``path``, fsync, rename over ``path``, fsync the directory."""
+    """``write(file)`` into a temporary file beside ``path``, fsync, rename over ``path``, fsync the directory.
+    An ``OSError`` (also one torch's zip writer buries under "unexpected pos") is raised naming ``path``, and for a
+    full disk the free space."""
     target = Path(local_path(path))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    tmp: str | None = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would make the checkpoint private to this user
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException as err:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)  # (gone already if the rename happened)
+        explained = explain_write_error(err, target)
+        if explained is not None:
+            raise explained from err
         raise
-    dir_fd = os.open(target.parent, os.O_RDONLY)
+
+
+def explain_write_error(err: BaseException, target: Path, who: str = "") -> OSError | None:
+    """An ``OSError`` naming the checkpoint ``target`` (and, when the disk is full, its filesystem's free space)
+    for the first ``OSError`` in ``err``'s chain; ``None`` if there is none. ``who``: "rank 2 " or ""."""
+    cause: BaseException | None = err
+    seen: set[int] = set()
+    while cause is not None and not isinstance(cause, OSError) and id(cause) not in seen:
+        if isinstance(cause, CheckpointCollectiveError):
+            return None  # a rank died or failed: that is the cause, already named
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    if not isinstance(cause, OSError) or cause.errno is None:
+        return None
+    reason = os.strerror(cause.errno)
+    message = f"{reason}: {who}could not write the checkpoint `{target}`"
+    if cause.errno in _NO_ROOM:
+        message += (
+            f" ({_free_space(target.parent)} free on its filesystem without the unfinished file; a previous"
+            " checkpoint of that name is kept)"
+            if cause.errno != errno.EFBIG else
+            f" (a file size limit: the process's `ulimit -f` or the filesystem's; {_free_space(target.parent)} free"
+            " on it; a previous checkpoint of that name is kept)"
+        )
+    elif cause.filename is not None and str(cause.filename) != str(target):
+        message += f" (at `{cause.filename}`)"
+    return OSError(cause.errno, message)  # OSError picks the subclass for the errno (PermissionError, ...)
+
+
+def _free_space(directory: Path) -> str:
     try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return "unknown space"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if free >= size:
+            return f"{free / size:.1f} {unit}"
+    return f"{free} B"
 
 
 def atomic_torch_save(obj: Any, path: _PATH) -> None:
-    """``torch.save(obj, path)``, atomically; ``obj`` may hold :class:`DeferredTensor`\\ s."""
-    atomic_write(path, lambda f: stream_save(obj, f))
+    """``torch.save(obj, path)``, atomically; ``obj`` may hold :class:`DeferredTensor`\\ s, whose producers all run
+    even when the write fails (:func:`stream_save` runs those it did not reach; here those of a file that could
+    not even be created)."""
+    started = False
+
+    def write(f: IO[bytes]) -> None:
+        nonlocal started
+        started = True
+        stream_save(obj, f)  # looked up at each call: tests replace it
+
+    try:
+        atomic_write(path, write)
+    except BaseException:
+        if not started:
+            _release(deferred_storages(obj))
+        raise
+
+
+def not_a_checkpoint(path: _PATH, err: BaseException) -> ValueError | None:
+    """For a local ``path`` ``torch.load`` failed on (``err``): a clear error if it is no checkpoint at all (empty,
+    random bytes, cut short by an interrupted copy, another kind of file or directory), else ``None`` (then
+    ``err`` stands: e.g. a real checkpoint that ``weights_only`` refuses)."""
+    p = Path(local_path(path))
+    try:
+        if p.is_dir():
+            what = "a directory that is not a sharded checkpoint (no `.metadata` and `meta.pt`; an interrupted save?)"
+        elif not p.is_file():
+            return None
+        else:
+            size = p.stat().st_size
+            with open(p, "rb") as f:
+                if f.read(len(_LEGACY_HEADER)) == _LEGACY_HEADER:
+                    return None  # torch.save's legacy format
+            if zipfile.is_zipfile(p):
+                with zipfile.ZipFile(p) as z:
+                    if any(n == "data.pkl" or n.endswith("/data.pkl") for n in z.namelist()):
+                        return None  # torch.save's format: torch's error is about its content
+                what = f"a zip archive of {size} bytes without torch.save's `data.pkl`"
+            elif size == 0:
+                what = "an empty file"
+            else:
+                what = f"{size} bytes that are not torch.save's format (a zip archive holding `data.pkl`)"
+    except (OSError, zipfile.BadZipFile):
+        return None
+    return ValueError(
+        f"`{path}` is not a checkpoint, or truncated: {what}. Was its save or copy interrupted, or is it another"
+        f" file? (torch.load raised {type(err).__name__})"
+    )
 
 
 def _umask() -> int:

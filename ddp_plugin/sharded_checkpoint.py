@@ -14,7 +14,8 @@ checkpoint resumes on any world size, stage, shard scope or hierarchy, exactly l
 
 The directory is written as ``<path>.partial`` and renamed to ``<path>`` once every rank has finished (a
 previous checkpoint of the same name is moved aside first and deleted after), so a crash in the middle of a
-save never leaves a half-written checkpoint under the final name.
+save never leaves a half-written checkpoint under the final name; a save that fails (a full disk, a read-only
+directory) removes ``<path>.partial`` and fails on every rank, naming the rank and the cause.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ddp_plugin.checkpoint_io import atomic_torch_save
+from ddp_plugin.checkpoint_io import (
+    agree_with_rank_0,
+    atomic_torch_save,
+    diagnosed,
+    explain_write_error,
+    not_a_checkpoint,
+)
 
 META_FILE = "meta.pt"
 SHAPES_KEY = "ddp_plugin_shapes"
@@ -61,43 +68,79 @@ def save(checkpoint: Mapping[str, Any], local_model: Mapping[str, Any], local_op
     Called on every rank with the same ``path``. ``local_model``: flat keys (``name`` or ``name#start``) to this
     rank's tensors. ``local_optimizers``: per optimizer ``{"state": {flat key: value}, "param_groups": [...]}``,
     flat keys ``<index>/<state key>`` or ``<index>/<state key>#<start>``. ``shapes``: the full shape of every
-    key that may be cut into pieces (``model/<name>``, ``optim/<j>/<index>/<state key>``).
+    key that may be cut into pieces (``model/<name>``), and of every parameter whose optimizer state may be
+    (``optim/<j>/<index>``: its state tensors that are cut into pieces have its shape), on every rank, whether
+    or not it holds a piece.
+
+    A failure on any rank fails the save on every rank, naming the rank and the cause, and removes
+    ``<path>.partial``; a previous checkpoint under ``path`` is kept.
     """
     target = Path(str(path))
     partial = target.with_name(target.name + ".partial")
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    error: BaseException | None = None
     if rank0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    _barrier()
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        except OSError as err:
+            error = explain_write_error(err, target) or err
+    agree_with_rank_0(error, f"create `{partial}`")
     tensors: dict[str, Any] = {f"model/{k}": v for k, v in local_model.items()}
     for j, opt in enumerate(local_optimizers):
         tensors.update({f"optim/{j}/{k}": v for k, v in opt["state"].items()})
-    dcp.save(tensors, checkpoint_id=str(partial))
+    try:
+        with diagnosed(f"writing the sharded checkpoint `{target}`"):
+            dcp.save(tensors, checkpoint_id=str(partial))
+    except BaseException as err:  # DCP's CheckpointException is a BaseException, raised on every rank
+        if rank0:
+            shutil.rmtree(partial, ignore_errors=True)
+        explained = _explain_dcp_error(err, target)
+        if explained is not None:
+            raise explained from err
+        raise
     if rank0:
-        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        meta[SHAPES_KEY] = dict(shapes)
-        meta[OPTIM_KEY] = [{"param_groups": opt["param_groups"]} for opt in local_optimizers]
-        atomic_torch_save(meta, partial / META_FILE)
-        old = target.with_name(target.name + ".old")
-        if target.exists():
+        try:
+            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            meta[SHAPES_KEY] = dict(shapes)
+            meta[OPTIM_KEY] = [{"param_groups": opt["param_groups"]} for opt in local_optimizers]
+            atomic_torch_save(meta, partial / META_FILE)
+            old = target.with_name(target.name + ".old")
+            if target.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                target.rename(old)
+            partial.rename(target)
             shutil.rmtree(old, ignore_errors=True)
-            target.rename(old)
-        partial.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        except Exception as err:  # noqa: BLE001 - raised below, on every rank
+            shutil.rmtree(partial, ignore_errors=True)
+            error = explain_write_error(err, target) or err
+    agree_with_rank_0(error, f"write `{target}`")
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _explain_dcp_error(err: BaseException, target: Path) -> OSError | None:
+    """DCP's ``CheckpointException`` holds each failed rank's exception: an ``OSError`` naming the first failed
+    rank, the checkpoint and (for a full disk) the free space."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict):
+        return explain_write_error(err, target)
+    for rank, (exc, _trace) in sorted(failures.items()):
+        explained = explain_write_error(exc, target, who=f"rank {rank} ")
+        if explained is not None:
+            return explained
+    return None
 
 
 def load(path: Any) -> dict[str, Any]:
     """The checkpoint at ``path`` in the consolidated layout: ``state_dict`` and ``optimizer_states`` as an
     unsharded model and optimizer would have them, everything else as saved. Every rank reads every piece."""
     p = Path(str(path))
-    meta = torch.load(p / META_FILE, map_location="cpu", weights_only=False)
+    try:
+        meta = torch.load(p / META_FILE, map_location="cpu", weights_only=False)
+    except Exception as err:
+        bad = not_a_checkpoint(p / META_FILE, err)
+        if bad is not None:
+            raise bad from err
+        raise
     metadata = FileSystemReader(str(p)).read_metadata()
     flat: dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
@@ -135,7 +178,12 @@ def _assemble(flat: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) ->
         else:
             pieces.setdefault(base, []).append((start, value))
     for base, parts in pieces.items():
-        shape = tuple(shapes[base])
+        # ``optim/<j>/<index>/<key>`` has the shape of parameter ``optim/<j>/<index>`` (older checkpoints
+        # recorded the key itself).
+        shape = shapes.get(base, shapes.get(base.rpartition("/")[0]))
+        if shape is None:
+            raise ValueError(f"The sharded checkpoint records no shape for `{base}`: it cannot be assembled.")
+        shape = tuple(shape)
         numel = math.prod(shape)
         out = torch.empty(numel, dtype=parts[0][1].dtype)
         covered = 0

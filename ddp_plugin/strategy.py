@@ -49,10 +49,13 @@ from typing_extensions import override
 from ddp_plugin import collectives, cpu_memory, health, sharded_checkpoint
 from ddp_plugin.checkpoint_io import (
     AtomicCheckpointIO,
+    agree_with_rank_0,
     deferred_storages,
+    diagnosed,
     is_local_path,
     local_path,
     materialize,
+    not_a_checkpoint,
     produce_all,
 )
 from ddp_plugin.engine import GradientEngine
@@ -496,7 +499,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             self._heartbeat.stop()
             self._heartbeat = None
         # The plugin manager stays until the next `fit`: `trainer.save_checkpoint` after `fit` still needs the
-        # plugins' state.
+        # plugins' state, and a sharder's layout to consolidate the optimizer state, which stays sharded.
         self._engine = None
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
@@ -807,17 +810,22 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             )
         self.lightning_module.load_state_dict(state, strict=strict)
 
+    # The plugins of the last `fit` answer the state hooks during it and after it (until the next `fit`): the
+    # sharder's layout and the sharded optimizer outlive `teardown`, so `trainer.save_checkpoint` after `fit` (or
+    # after `validate`/`test`) writes what a save during `fit` writes.
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         pm = self._plugin_manager
         if self.checkpoint == "sharded":
             state = None
-            if pm is not None and self._engine is not None:
+            if pm is not None:
                 state = pm.hook.on_local_module_state_dict(module=self.lightning_module)
             assert self.lightning_module is not None
             return state if state is not None else self.lightning_module.state_dict()
-        if pm is not None and self._engine is not None:
-            state = pm.hook.on_module_state_dict(module=self.lightning_module)
+        if pm is not None:
+            with diagnosed("the checkpoint's gather of the model to rank 0"):
+                state = pm.hook.on_module_state_dict(module=self.lightning_module)
             if state is not None:
                 return state
         return super().lightning_module_state_dict()
@@ -828,15 +836,16 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
         if self.checkpoint == "sharded":
             local = None
-            if pm is not None and self._engine is not None:
+            if pm is not None:
                 local = pm.hook.on_local_optimizer_state_dict(optimizer=optimizer)
             if local is None:
                 sd = optimizer.state_dict()
                 flat = {f"{i}/{k}": v for i, st in sd["state"].items() for k, v in st.items()}
                 local = {"state": flat, "param_groups": sd["param_groups"], "shapes": {}}
             return local
-        if pm is not None and self._engine is not None:
-            state = pm.hook.on_optimizer_state_dict(optimizer=optimizer)
+        if pm is not None:
+            with diagnosed("the checkpoint's gather of the optimizer state's layout to rank 0"):
+                state = pm.hook.on_optimizer_state_dict(optimizer=optimizer)
             if state is not None:
                 return state
         return super().optimizer_state(optimizer)
@@ -860,14 +869,26 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             self._save_sharded(checkpoint, filepath)
             return
         # A sharder's optimizer state arrives as deferred tensors: rank 0 produces and writes them one at a
-        # time (AtomicCheckpointIO) while every other rank produces its part of each, in the same order.
+        # time (AtomicCheckpointIO) while every other rank produces its part of each, in the same order. Every
+        # rank then learns whether rank 0's write succeeded, so that all fail together, naming the cause. (At
+        # stages 1-3 on every rank: with shard_scope="node" the ranks of other nodes have nothing to produce.)
         deferred = deferred_storages(checkpoint)
-        if deferred and not self.is_global_zero:
-            produce_all(deferred)
+        if not deferred and not self.zero_stage:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
-        if deferred and not isinstance(self.checkpoint_io, AtomicCheckpointIO):
-            checkpoint = materialize(checkpoint)  # another CheckpointIO gets ordinary tensors
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        what = f"write the checkpoint `{filepath}`"
+        if not self.is_global_zero:
+            produce_all(deferred)
+            agree_with_rank_0(None, what)
+            return
+        error: Exception | None = None
+        try:
+            if deferred and not isinstance(self.checkpoint_io, AtomicCheckpointIO):
+                checkpoint = materialize(checkpoint)  # another CheckpointIO gets ordinary tensors
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        except Exception as err:  # noqa: BLE001 - raised below, after the other ranks are told
+            error = err
+        agree_with_rank_0(error, what)
 
     def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         assert self.lightning_module is not None
@@ -913,7 +934,15 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         if is_local_path(checkpoint_path) and sharded_checkpoint.is_sharded_checkpoint(local_path(checkpoint_path)):
             checkpoint = sharded_checkpoint.load(local_path(checkpoint_path))
         else:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            try:
+                checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            except Exception as err:
+                # Empty, random or cut-short files make torch.load say "Ran out of input" or suggest
+                # `weights_only=False`: say what it is instead.
+                bad = not_a_checkpoint(checkpoint_path, err) if is_local_path(checkpoint_path) else None
+                if bad is not None:
+                    raise bad from err
+                raise
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None:
             if self._engine is not None:

@@ -295,8 +295,8 @@ def on_local_optimizer_state_dict(optimizer: Optimizer) -> dict[str, Any] | None
     """For ``checkpoint="sharded"``: return this rank's part of ``optimizer``'s state as ``{"state": {flat key:
     value}, "param_groups": [...], "shapes": {...}}``, parameters numbered as in the unsharded
     ``optimizer.state_dict()``, keys ``<index>/<state key>`` or ``<index>/<state key>#<start>`` for a piece, and
-    ``shapes`` giving the full shape of every key cut into pieces; or ``None`` for the unsharded state. Stops at
-    first non-None result."""
+    ``shapes`` giving the full shape of every key cut into pieces, or of its parameter (``<index>``), on every rank
+    whether or not it holds a piece; or ``None`` for the unsharded state. Stops at first non-None result."""
 
 
 @hookspec

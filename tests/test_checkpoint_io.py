@@ -1,17 +1,25 @@
 """The checkpoint writer on its own (one process): what it writes is what ``torch.save`` would write, as
 ``torch.load`` (``weights_only=True``) reads it; deferred tensors are produced once each, in the order they were
 made, after everything else is written; a failure leaves the previous file whole and still calls every producer
-(the other ranks would be waiting in those collectives)."""
+(the other ranks would be waiting in those collectives), even when the file cannot be created; a full disk is an
+``OSError`` naming the path and the free space; a file that is not a checkpoint says so."""
 
 from __future__ import annotations
 
 import collections
+import errno
 import io
+import re
+import subprocess
+import sys
+import zipfile
 
 import pytest
 import torch
 from torch import nn
 
+from conftest import ROOT
+from filesystems import in_tmpfs, tmpfs_unavailable
 from ddp_plugin.checkpoint_io import atomic_torch_save, deferred_storages, materialize, stream_save
 from ddp_plugin.hookspecs import DeferredStorage, DeferredTensor
 
@@ -138,9 +146,112 @@ def test_failed_save_keeps_the_previous_file_and_still_calls_every_producer(tmp_
     assert [p.name for p in tmp_path.iterdir()] == ["model.ckpt"]  # no temporary file left
 
 
+def test_save_that_cannot_create_its_file_still_calls_every_producer(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    log: list = []
+    obj, _, _ = deferred_checkpoint(log)
+    with pytest.raises(OSError):
+        atomic_torch_save(obj, tmp_path / "a_file" / "model.ckpt")  # its directory is a file
+    assert log == ["a", "b"]
+
+
 def test_atomic_save_of_deferred_checkpoint_loads_with_torch_load(tmp_path):
     log: list = []
     obj, a, _ = deferred_checkpoint(log)
     atomic_torch_save(obj, tmp_path / "x.ckpt")
     back = torch.load(tmp_path / "x.ckpt", weights_only=True, mmap=True)
     assert torch.equal(back["optimizer_states"][0]["state"][1]["exp_avg_sq"], a[4:])
+
+
+# ---------------------------------------------------------------------------------------------- a full disk, a bad file
+
+# Writes a small checkpoint that fits, then one of 400 kB that does not; prints what the second save raised,
+# the directory's files and what the target holds afterwards.
+_SAVE_TOO_MUCH = """
+import errno, os, resource, signal, sys, torch
+from ddp_plugin.checkpoint_io import atomic_torch_save
+target, limit = sys.argv[1], sys.argv[2]
+if limit != "none":  # the process's file size limit (ulimit -f): writes beyond it fail with EFBIG
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), resource.RLIM_INFINITY))
+atomic_torch_save({"old": torch.ones(2)}, target)
+try:
+    atomic_torch_save({"w": torch.randn(100_000)}, target)
+except BaseException as err:
+    print(f"raised {type(err).__name__} errno={getattr(err, 'errno', None)}: {err}")
+print("files", sorted(os.listdir(os.path.dirname(target))))
+print("target holds", torch.load(target, weights_only=True))
+"""
+
+
+def _save_too_much(argv_prefix: list, target, limit: str) -> str:
+    proc = subprocess.run([*argv_prefix, sys.executable, "-c", _SAVE_TOO_MUCH, str(target), limit],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_full_disk_raises_the_oserror_naming_the_path_and_the_free_space(tmp_path):
+    reason = tmpfs_unavailable()
+    if reason:
+        pytest.skip(reason)
+    # A 64 kB tmpfs (a real filesystem that runs full: ENOSPC from write(2)) over tmp_path, in a mount
+    # namespace of the child's own.
+    script = in_tmpfs(tmp_path, "size=64k", [sys.executable, "-c", _SAVE_TOO_MUCH, tmp_path / "model.ckpt", "none"])
+    proc = subprocess.run(script, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    first = out.splitlines()[0]
+    assert first.startswith(f"raised OSError errno={errno.ENOSPC}: "), out
+    assert "inline_container" not in first and "unexpected pos" not in first
+    assert str(tmp_path / "model.ckpt") in first and re.search(r"\d+(\.\d+)? [kMG]?B free", first), first
+    assert "files ['model.ckpt']" in out  # the temporary file is gone
+    assert "target holds {'old': tensor([1., 1.])}" in out  # the previous checkpoint is whole
+
+
+def test_file_size_limit_raises_the_oserror_naming_the_path(tmp_path):
+    # The process's file size limit (RLIMIT_FSIZE, no privileges needed): EFBIG from write(2).
+    out = _save_too_much([], tmp_path / "model.ckpt", str(64 * 1024))
+    first = out.splitlines()[0]
+    assert first.startswith(f"raised OSError errno={errno.EFBIG}: "), out
+    assert "unexpected pos" not in first and str(tmp_path / "model.ckpt") in first and "free" in first, first
+    assert "files ['model.ckpt']" in out
+    assert "target holds {'old': tensor([1., 1.])}" in out
+
+
+@pytest.mark.parametrize("content", ["empty", "random bytes", "truncated", "text", "a zip of something else"])
+def test_a_file_that_is_not_a_checkpoint_is_named_as_such(tmp_path, content):
+    from ddp_plugin import HierarchicalZeroStrategy
+
+    path = tmp_path / "model.ckpt"
+    if content == "empty":
+        path.write_bytes(b"")
+    elif content == "random bytes":
+        path.write_bytes(torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+                         .numpy().tobytes())
+    elif content == "truncated":
+        atomic_torch_save({"state_dict": {"w": torch.randn(1000)}}, path)
+        path.write_bytes(path.read_bytes()[:2500])
+    elif content == "text":
+        path.write_text("epoch=3\n")
+    else:
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("notes.txt", "hello")
+    with pytest.raises(ValueError, match=r"is not a checkpoint, or truncated") as info:
+        HierarchicalZeroStrategy().load_checkpoint(path)
+    assert f"`{path}`" in str(info.value)
+    assert "weights_only=False will likely succeed" not in str(info.value)
+
+
+def test_a_checkpoint_that_only_needs_weights_only_false_keeps_torchs_error(tmp_path):
+    # A real checkpoint holding an object torch.load's weights_only mode refuses: that is not "truncated".
+    from ddp_plugin import HierarchicalZeroStrategy
+
+    torch.save({"state_dict": {}, "extra": _Opaque()}, tmp_path / "model.ckpt")
+    with pytest.raises(Exception, match="weights_only") as info:
+        HierarchicalZeroStrategy().load_checkpoint(tmp_path / "model.ckpt", weights_only=True)
+    assert "not a checkpoint" not in str(info.value)
+
+
+class _Opaque:
+    pass

@@ -437,6 +437,7 @@ class ZeroSharder:
                     self._shard_state(optimizer, p, pieces, state)
                 params.extend(pieces)
             group["params"] = params
+        self._refuse_unsharded_access(optimizer)
 
     def _shard_state(self, optimizer: Optimizer, p: nn.Parameter, pieces: list[nn.Parameter], state: dict) -> None:
         """Slice a whole parameter's optimizer state (e.g. Adagrad's initial sums) for its pieces."""
@@ -893,12 +894,14 @@ class ZeroSharder:
         return {id(piece): p_start for entry in self._shards for piece, _, p_start, _ in entry.pieces}
 
     @hookimpl
-    def on_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
+    def on_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any] | None:
         """Gather the sharded optimizer state to global rank 0 in the layout the unsharded optimizer would have
         (``{"state": {index: {...}}, "param_groups": [...]}``, parameters numbered across groups in order). The
         sharded entries are :class:`DeferredTensor`\\ s, gathered one bucket and one entry at a time while rank 0
         writes the file; every rank whose shards rank 0 needs returns the same structure (its producers send),
         the ranks of other nodes (node scope) return ``{}`` at once."""
+        if id(optimizer) not in self._original_groups:
+            return None  # not an optimizer this sharder set up
         group, index_of = self._shard_group()
         if dist.get_global_rank(group, 0) != 0:
             return {}  # a node other than rank 0's (node scope): nothing of it is written, nothing to gather
@@ -1017,6 +1020,24 @@ class ZeroSharder:
             return {}
         return {name: copies.get(name, value.detach()) for name, value in module.state_dict(keep_vars=True).items()}
 
+    def _refuse_unsharded_access(self, optimizer: Optimizer) -> None:
+        """The optimizer holds this rank's pieces from now on, during `fit` and after it: its own ``state_dict()``
+        would silently be this rank's part only (and ``load_state_dict`` would pour a whole state into pieces).
+        Both raise instead, pointing to the strategy's consolidating save and load."""
+        name, stage = type(optimizer).__name__, self.stage
+
+        def refuse(_optimizer: Optimizer, *_args: Any) -> None:
+            raise RuntimeError(
+                f"This {name}'s parameters and state are sharded over the ranks by ZeRO stage {stage} (each rank"
+                " steps 1-D pieces of its shard), so its own state_dict()/load_state_dict() would see this rank's"
+                " pieces only. Save and load it through Lightning, on every rank: `trainer.save_checkpoint(path)`"
+                " writes its state consolidated (the layout it has unsharded), also after `fit`, and"
+                " `trainer.fit(model, ckpt_path=path)` loads it."
+            )
+
+        optimizer.register_state_dict_pre_hook(refuse)
+        optimizer.register_load_state_dict_pre_hook(refuse)
+
     # ------------------------------------------------------------------ checkpoints: this rank's part only
 
     @hookimpl
@@ -1044,25 +1065,33 @@ class ZeroSharder:
         return out
 
     @hookimpl
-    def on_local_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
+    def on_local_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any] | None:
         """This rank's part of ``optimizer``'s state, for ``checkpoint="sharded"``: ``{"state": {flat key:
         value}, "param_groups": [...], "shapes": {...}}`` with the parameters numbered as in an unsharded
         ``optimizer.state_dict()``; a sharded state tensor is ``<index>/<key>#<start>``, the rest
         ``<index>/<key>``."""
+        if id(optimizer) not in self._original_groups:
+            return None  # not an optimizer this sharder set up
         where = self._piece_starts()
+        sharded = {id(p) for bucket in self._buckets for p in bucket.params}
         state: dict[str, Any] = {}
         shapes: dict[str, tuple[int, ...]] = {}
         numbered, groups = self._unsharded_numbering(optimizer)
         for index, p in numbered:
+            if id(p) in sharded:
+                # Every sharded parameter's shape, on every rank: rank 0 writes the metadata, and it may hold no
+                # piece of this parameter (its state is then in other ranks' files only).
+                shapes[f"{index}"] = tuple(p.shape)
             pieces = self._pieces_of.get(id(p))
             if pieces is None:
-                for k, v in optimizer.state.get(p, {}).items():
-                    state[f"{index}/{k}"] = v
-            for piece in pieces or []:
+                if id(p) not in sharded:
+                    for k, v in optimizer.state.get(p, {}).items():
+                        state[f"{index}/{k}"] = v
+                continue
+            for piece in pieces:
                 for k, v in optimizer.state.get(piece, {}).items():
                     if isinstance(v, Tensor) and v.dim() > 0 and v.numel() == piece.numel():
                         state[f"{index}/{k}#{where[id(piece)]}"] = v
-                        shapes[f"{index}/{k}"] = tuple(p.shape)
                     else:
                         state[f"{index}/{k}"] = v  # the same on every rank (e.g. Adam's step)
         return {"state": state, "param_groups": groups, "shapes": shapes}

@@ -8,6 +8,9 @@
     python tests/workers/checkpoint_run.py --devices 4 --steps 12 --out DIR --name kill --stall-second-save
         # trainer.save_checkpoint(DIR/model.ckpt) after steps 3 and 6; rank 0 writes DIR/stalled when 4 kB of
         # the second save are written and then stalls there, for the test to kill it
+    python tests/workers/checkpoint_run.py --devices 4 --stage 2 --steps 12 --out DIR --name after \
+        --save-after-fit --validate-after-fit
+        # after fit (and trainer.validate and trainer.test), trainer.save_checkpoint(DIR/after-after-fit.ckpt)
 
 One epoch is 6 optimizer steps of a global batch of 16 (each rank takes 16 / devices samples, a
 DistributedSampler without shuffling), and the checkpoint after 6 steps is written by an uninterrupted run
@@ -55,8 +58,23 @@ class Net(L.LightningModule):
         self.losses.append(loss.item())
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def on_train_start(self) -> None:
+        engine = getattr(self.trainer.strategy, "engine", None)
+        self.num_buckets = len(engine.buckets) if engine is not None else 0
+
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(5)
+        return self.dataloader(seed=5)
+
+    def dataloader(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
         x = torch.randn(GLOBAL_BATCH * STEPS_PER_EPOCH, 8, generator=g)
         data = TensorDataset(x, torch.sin(x.sum(1, keepdim=True)))
         world, rank = self.trainer.world_size, self.trainer.global_rank
@@ -121,11 +139,17 @@ def main() -> None:
     p.add_argument("--name", required=True)
     p.add_argument("--resume", default=None)
     p.add_argument("--width", type=int, default=32)
-    p.add_argument("--timeout", type=float, default=30)
+    # Generous: it bounds the rendezvous too, which a slow start on a busy machine can take long to reach.
+    p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--stall-second-save", action="store_true")
     p.add_argument("--lightning-io", action="store_true", help="Lightning's TorchCheckpointIO instead of ours")
     p.add_argument("--accelerator", default="cpu", help="cpu, or gpu for the CUDA/NCCL tests")
     p.add_argument("--no-save", action="store_true", help="no checkpoints: the uninterrupted reference")
+    p.add_argument("--ckpt-dir", default=None, help="where checkpoints go (default: --out)")
+    p.add_argument("--bucket-mb", type=float, default=25, help="bucket_size_mb")
+    p.add_argument("--wrap", default="Linear", help="auto_wrap_policy: comma-separated class names")
+    p.add_argument("--save-after-fit", action="store_true", help="trainer.save_checkpoint after fit")
+    p.add_argument("--validate-after-fit", action="store_true", help="trainer.validate and .test before that")
     args = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(11, verbose=False)
@@ -133,18 +157,19 @@ def main() -> None:
     if args.devices:
         strategy = HierarchicalZeroStrategy(
             zero_stage=args.stage, shard_scope=args.scope, compression=args.compression,
-            devices_per_node=args.devices_per_node, auto_wrap_policy=["Linear"], checkpoint=args.checkpoint,
-            timeout=args.timeout, checkpoint_io=TorchCheckpointIO() if args.lightning_io else None,
+            devices_per_node=args.devices_per_node, auto_wrap_policy=args.wrap.split(","), checkpoint=args.checkpoint,
+            timeout=args.timeout, bucket_size_mb=args.bucket_mb, checkpoint_io=TorchCheckpointIO() if args.lightning_io else None,
         )
     else:
         strategy = "auto"
     # A checkpoint after steps 6 and 12 (<name>-step=6.ckpt, ...), saved while training goes on.
+    ckpt_dir = args.ckpt_dir or args.out
     saver = ModelCheckpoint(
-        dirpath=args.out, filename=args.name + "-{step}", save_top_k=-1, every_n_train_steps=STEPS_PER_EPOCH
+        dirpath=ckpt_dir, filename=args.name + "-{step}", save_top_k=-1, every_n_train_steps=STEPS_PER_EPOCH
     )
     callbacks: list[L.Callback] = [] if args.no_save else [saver]
     if args.stall_second_save:
-        callbacks = [SaveEvery(3, os.path.join(args.out, "model.ckpt"))]
+        callbacks = [SaveEvery(3, os.path.join(ckpt_dir, "model.ckpt"))]
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=max(args.devices, 1), strategy=strategy, max_steps=args.steps,
         callbacks=callbacks, enable_checkpointing=saver in callbacks, logger=False, enable_progress_bar=False,
@@ -155,9 +180,21 @@ def main() -> None:
     with open(os.path.join(args.out, f"pid-{os.environ.get('LOCAL_RANK', 0)}"), "w") as f:
         f.write(str(os.getpid()))
     trainer.fit(model, ckpt_path=args.resume)
+    if args.validate_after_fit:
+        trainer.validate(model, dataloaders=model.dataloader(seed=6), verbose=False)
+        trainer.test(model, dataloaders=model.dataloader(seed=7), verbose=False)
+    user_state_dict = None
+    if args.save_after_fit:
+        trainer.save_checkpoint(os.path.join(ckpt_dir, f"{args.name}-after-fit.ckpt"))
+        try:  # what the optimizer the user holds says when asked directly
+            trainer.optimizers[0].state_dict()
+            user_state_dict = "returned"
+        except RuntimeError as err:
+            user_state_dict = str(err)
     if trainer.is_global_zero:
         params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-        torch.save({"params": params, "losses": model.losses, "global_step": trainer.global_step},
+        torch.save({"params": params, "losses": model.losses, "global_step": trainer.global_step,
+                    "num_buckets": getattr(model, "num_buckets", 0), "user_state_dict": user_state_dict},
                    os.path.join(args.out, f"{args.name}.pt"))
 
 
