@@ -1,9 +1,10 @@
 """Telling the user which rank broke when a collective fails, instead of a socket error from deep in gloo.
 
 When a rank dies (killed, crashed, out of memory) its peers' next collective fails at once on gloo ("Connection
-closed by peer") or, for ranks not talking to it directly, after the process group's timeout. Neither error says
-which rank. So every rank keeps a heartbeat on the rendezvous store (a counter a background thread bumps twice a
-second, with the rank's step), and a rank that raises an exception of its own leaves it there. On a failure,
+closed by peer") or, for ranks not talking to it directly, after the process group's timeout; when a rank hangs
+(stopped, deadlocked), every peer's collective fails after the timeout. Neither error says which rank. So every
+rank keeps a heartbeat on the rendezvous store (a counter a background thread bumps twice a second, with the
+rank's step), and a rank that raises an exception of its own leaves it there. On a failure,
 :func:`diagnose` watches the counters for a moment: ranks whose counter stopped are gone; if every rank is alive,
 the ranks furthest behind in steps are the stuck ones. Counters, not clocks, so hosts need not agree on the time.
 """
@@ -135,7 +136,9 @@ def diagnose(error: BaseException, watch_s: float = WATCH_S, what: str = "gradie
     parts = [f"rank {r} failed with {msg}" for r, msg in sorted(failed.items())]
     gone = [r for r in range(world) if after[r] == before[r] and r not in failed and r not in victims]
     if gone:
-        parts.append(f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} stopped (killed or crashed)")
+        # A hung process (SIGSTOP, a deadlock outside Python, an unreachable host) looks the same as a dead one.
+        parts.append(f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} stopped responding (killed,"
+                     " crashed or hung)")
     if not parts and steps:
         slowest = min(steps.values())
         behind = [r for r, s in sorted(steps.items()) if s == slowest]
