@@ -68,6 +68,20 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class DDPPatientStart(DDPStrategy):
+    """Lightning's DDPStrategy connecting with its default 30-minute timeout, then giving its collectives
+    ``collective_timeout``: what ``DDPStrategy(timeout=...)`` does once started. (With a short timeout, DDP's
+    rendezvous fails on a loaded machine before the other ranks have imported Lightning.)"""
+
+    def __init__(self, collective_timeout: timedelta) -> None:
+        super().__init__()
+        self._collective_timeout = collective_timeout
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        torch.distributed.distributed_c10d._set_pg_timeout(self._collective_timeout)
+
+
 def data(n: int) -> TensorDataset:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(n, 8, generator=g)
@@ -93,8 +107,10 @@ def main() -> None:
     parser.add_argument("--late-rank", type=int, default=-1, help="this local rank starts --late-s seconds late")
     parser.add_argument("--late-s", type=float, default=0.0)
     parser.add_argument("--devices-per-node", type=int, default=None, help="simulated nodes of this many ranks")
-    parser.add_argument("--strategy", default="hierarchical_zero", choices=["hierarchical_zero", "ddp"],
-                        help="ddp: Lightning's DDPStrategy with the same timeout, to compare")
+    parser.add_argument("--strategy", default="hierarchical_zero",
+                        choices=["hierarchical_zero", "ddp", "ddp_patient_start"],
+                        help="ddp: Lightning's DDPStrategy with the same timeout, to compare (ddp_patient_start:"
+                             " the timeout on its collectives only)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if int(os.environ.get("LOCAL_RANK", 0)) == args.late_rank:
@@ -104,6 +120,8 @@ def main() -> None:
     if args.devices and args.strategy == "ddp":
         timeout = {"timeout": timedelta(seconds=args.timeout)} if args.timeout else {}
         strategy = DDPStrategy(**timeout)
+    elif args.devices and args.strategy == "ddp_patient_start":
+        strategy = DDPPatientStart(timedelta(seconds=args.timeout))
     elif args.devices:
         timeout = {"timeout": args.timeout} if args.timeout else {}
         strategy = HierarchicalZeroStrategy(
