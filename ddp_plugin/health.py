@@ -1,9 +1,10 @@
 """Telling the user which rank broke when a collective fails, instead of a socket error from deep in gloo.
 
 When a rank dies (killed, crashed, out of memory) its peers' next collective fails at once on gloo ("Connection
-closed by peer") or, for ranks not talking to it directly, after the process group's timeout. Neither error says
-which rank. So every rank keeps a heartbeat on the rendezvous store (a counter a background thread bumps twice a
-second, with the rank's step), and a rank that raises an exception of its own leaves it there. On a failure,
+closed by peer") or, for ranks not talking to it directly, after the process group's timeout; when a rank hangs
+(stopped, deadlocked), every peer's collective fails after the timeout. Neither error says which rank. So every
+rank keeps a heartbeat on the rendezvous store (a counter a background thread bumps twice a second, with the
+rank's step), and a rank that raises an exception of its own leaves it there. On a failure,
 :func:`diagnose` watches the counters for a moment: ranks whose counter stopped are gone; if every rank is alive,
 the ranks furthest behind in steps are the stuck ones. Counters, not clocks, so hosts need not agree on the time.
 """
@@ -13,9 +14,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 import torch.distributed as dist
+
+_T = TypeVar("_T")
 
 _PREFIX = "ddp_plugin/health"
 BEAT_INTERVAL_S = 0.5
@@ -63,11 +68,13 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
-        # Joined, so the thread is never inside a store call while the process exits.
-        self._thread.join(timeout=5)
+        # Joined, so the thread is never inside a store call while the process exits; unless the store is known to
+        # be unreachable, when it may be stuck in one for good (its host stopped).
+        self._thread.join(timeout=0 if _store_unreachable else 5)
 
 
 _diagnosed = False
+_store_unreachable = False  # found by diagnose(): a heartbeat may be stuck in a store call, not worth waiting for
 
 # What gloo and NCCL say when a peer is gone or a collective timed out; such an error is a consequence.
 _COMM_ERROR_MARKS = ("gloo", "NCCL", "pair closure", "Connection closed", "Connection reset", "Timed out waiting",
@@ -95,9 +102,38 @@ def report_exception(exc: BaseException) -> None:
         return
     try:
         if dist.is_initialized():
-            _store().set(f"{_PREFIX}/failed/{dist.get_rank()}", f"{type(exc).__name__}: {exc}"[:500])
+            key, value = f"{_PREFIX}/failed/{dist.get_rank()}", f"{type(exc).__name__}: {exc}"[:500]
+            _within(STORE_TIMEOUT_S + 1, lambda: _store().set(key, value))
     except Exception:  # noqa: BLE001 - the store may be gone too; the original error is what matters
         pass
+
+
+def _within(seconds: float, fn: Callable[[], _T]) -> _T:
+    """``fn()``, run on a daemon thread and waited for at most ``seconds`` (then TimeoutError). A TCPStore client
+    whose store's host is stopped (SIGSTOP), not dead, waits for its first reply forever, whatever its timeout:
+    the host's kernel still accepts the connection. The thread is left behind; a daemon does not hold the exit."""
+    result: list[_T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            errors.append(err)
+
+    thread = threading.Thread(target=run, name="ddp_plugin-health", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + seconds
+    while thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+        try:
+            thread.join(min(left, 0.1))
+        except Exception:  # noqa: BLE001 - e.g. Lightning's SIGTERM handler failing its own collective
+            pass
+    if errors:
+        raise errors[0]
+    if not result:
+        raise TimeoutError(f"the rendezvous store did not answer within {seconds:.0f} s")
+    return result[0]
 
 
 def _read(store: dist.Store, kind: str, rank: int) -> str | None:
@@ -108,34 +144,46 @@ def _read(store: dist.Store, kind: str, rank: int) -> str | None:
 def diagnose(error: BaseException, watch_s: float = WATCH_S, what: str = "gradient synchronization") -> str:
     """A sentence naming the ranks that failed, died or are stuck, for the error this rank raises when ``what``
     (a collective) failed."""
-    global _diagnosed
+    global _diagnosed, _store_unreachable
     _diagnosed = True
     me, world = dist.get_rank(), dist.get_world_size()
-    try:
+
+    def first_look() -> tuple[dist.Store, list[int]]:
         store = _store()
         # Said before watching: a rank that sees this one's heartbeat stop (it exits after its own watch) reads
         # this key after that, and does not name a rank that only gave up after a peer failed.
         store.set(f"{_PREFIX}/victim/{me}", "1")
-        before = [store.add(f"{_PREFIX}/beat/{r}", 0) for r in range(world)]
+        return store, [store.add(f"{_PREFIX}/beat/{r}", 0) for r in range(world)]
+
+    def second_look(store: dist.Store) -> tuple[list[int], dict[int, str], dict[int, int], set[int]]:
+        after = [store.add(f"{_PREFIX}/beat/{r}", 0) for r in range(world)]
+        failed = {r: msg for r in range(world) if (msg := _read(store, "failed", r)) is not None}
+        steps = {r: int(s) for r in range(world) if (s := _read(store, "step", r)) is not None}
+        victims = {r for r in range(world) if _read(store, "victim", r) is not None}
+        return after, failed, steps, victims
+
+    try:
+        # Store calls are bounded here (_within): a client of a stopped store host would wait forever.
+        store, before = _within(STORE_TIMEOUT_S + 1, first_look)
         deadline = time.monotonic() + watch_s
         while time.monotonic() < deadline:
             try:
                 time.sleep(0.1)
             except Exception:  # noqa: BLE001 - e.g. Lightning's SIGTERM handler failing its own collective
                 pass
-        after = [store.add(f"{_PREFIX}/beat/{r}", 0) for r in range(world)]
-        failed = {r: msg for r in range(world) if (msg := _read(store, "failed", r)) is not None}
-        steps = {r: int(s) for r in range(world) if (s := _read(store, "step", r)) is not None}
-        victims = {r for r in range(world) if _read(store, "victim", r) is not None}
+        after, failed, steps, victims = _within(STORE_TIMEOUT_S + 1, lambda: second_look(store))
     except Exception:  # noqa: BLE001
+        _store_unreachable = True
         return (
             f"rank {me}: {what} failed and the rendezvous store is unreachable, so the process"
-            f" hosting it (rank 0 under Lightning's launcher) is gone. Original error: {error}"
+            f" hosting it (rank 0 under Lightning's launcher) is gone or hung. Original error: {error}"
         )
     parts = [f"rank {r} failed with {msg}" for r, msg in sorted(failed.items())]
     gone = [r for r in range(world) if after[r] == before[r] and r not in failed and r not in victims]
     if gone:
-        parts.append(f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} stopped (killed or crashed)")
+        # A hung process (SIGSTOP, a deadlock outside Python, an unreachable host) looks the same as a dead one.
+        parts.append(f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} stopped responding (killed,"
+                     " crashed or hung)")
     if not parts and steps:
         slowest = min(steps.values())
         behind = [r for r, s in sorted(steps.items()) if s == slowest]

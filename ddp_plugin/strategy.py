@@ -61,7 +61,7 @@ from ddp_plugin.checkpoint_io import (
 from ddp_plugin.engine import GradientEngine
 from ddp_plugin.plugin_manager import build_plugin_manager
 from ddp_plugin.plugins.zero_sharder import SHARD_SCOPES, check_auto_wrap_policy
-from ddp_plugin.topology import Layout, build_topology
+from ddp_plugin.topology import Layout, build_topology, connect_timeout, new_group, set_collective_timeout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -338,12 +338,17 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        initializing = not dist.is_initialized()
+        # The rendezvous waits for the other ranks at least minutes (a rank still importing on a loaded machine is
+        # late, not dead); `timeout` bounds the collectives that follow.
+        kwargs: dict[str, Any] = {"timeout": connect_timeout(self._timeout)}
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if initializing:  # a default group the user created keeps the timeout they gave it
+            set_collective_timeout(dist.group.WORLD, self._timeout)
         self._check_ranks_per_node()
         self.topology, self._flags_group = _process_groups(
-            self._layout(), self.root_device, self._process_group_backend, id(dist.group.WORLD)
+            self._layout(), self.root_device, self._process_group_backend, id(dist.group.WORLD), self._timeout
         )
 
     def _check_ranks_per_node(self) -> None:
@@ -989,12 +994,15 @@ def _destroy_process_groups_at_exit() -> None:
 
 @functools.lru_cache(maxsize=None)
 def _process_groups(
-    layout: Layout, device: torch.device, backend: str, world_id: int
+    layout: Layout, device: torch.device, backend: str, world_id: int, timeout: timedelta | None
 ) -> tuple[Topology, dist.ProcessGroup]:
-    """The mesh's groups and a world-sized group for the engine's bookkeeping, created once per process and
-    default group: several `fit` calls in one script share them (gloo groups destroyed mid-run abort at exit)."""
+    """The mesh's groups and a world-sized group for the engine's bookkeeping, created once per process, default
+    group and timeout: several `fit` calls in one script share them (gloo groups destroyed mid-run abort at exit).
+    Every one fails its collectives after `timeout`: with torch's 30-minute default on any of them, a hung rank
+    hung every other rank on it, and a rank that had failed could not exit while its bookkeeping all-reduce was
+    still waiting (gloo joins its worker thread when a group is destroyed)."""
     atexit.register(_destroy_process_groups_at_exit)
-    return build_topology(layout, device), dist.new_group(backend=backend)
+    return build_topology(layout, device, timeout), new_group(backend=backend, timeout=timeout)
 
 
 # ---------------------------------------------------------------------- validation at the door

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from datetime import timedelta
+
     from torch import Tensor
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
@@ -103,6 +105,9 @@ class Topology:
     side_world_group: ProcessGroup | None = None
     side_intra_node_group: ProcessGroup | None = None
     side_inter_node_group: ProcessGroup | None = None
+    timeout: timedelta | None = None
+    """The strategy's collective timeout, which every group above honours; a plugin that creates groups of its own
+    gives them the same (``ddp_plugin.topology.new_group(..., timeout=topology.timeout)``). ``None``: torch's."""
 
     @property
     def node_rank(self) -> int:

@@ -3,10 +3,13 @@ uneven batches are weighted by sample count, and mpi4py without an MPI library g
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,14 +31,119 @@ def test_killed_rank_makes_every_other_rank_exit_naming_it_within_the_timeout():
     exits = {int(r): float(s) for r, s in re.findall(r"rank (\d) exits after ([\d.]+) s", out)}
     assert set(exits) == {0, 1, 3}, out[-4000:]
     # Every survivor raised, and the ones whose synchronization failed say which rank is gone.
-    assert re.search(r"rank [13]: gradient synchronization failed because .*rank 2 stopped \(killed or crashed\)", out)
+    assert re.search(r"rank [13]: gradient synchronization failed because .*rank 2 stopped responding \(killed,"
+                     r" crashed or hung\)", out)
     # ...and only rank 2: a survivor that gave up first (or whose exit came from Lightning's SIGTERM handler
     # failing its own broadcast) is never named as a cause.
     for because in re.findall(r"gradient synchronization failed because (.*?)\. Original error", out):
-        assert because == "rank 2 stopped (killed or crashed)", because
+        assert because == "rank 2 stopped responding (killed, crashed or hung)", because
     # Within the timeout plus a small margin (the diagnosis watches heartbeats for 2 s).
     assert time.time() - killed_at < TIMEOUT_S + 10
     assert time.monotonic() - start < 180
+
+
+STOP_TIMEOUT_S = 15
+STARTUP_S = 600  # a busy machine may take minutes to start 4 ranks; only what follows the stop is timed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # an exited child its parent has not reaped yet is gone
+
+
+def _stop_one_rank(tmp_path: Path, *args: str) -> tuple[dict[int, float], dict[int, float], str]:
+    """Run reliability_run.py --mode stop under Lightning's launcher until the stopping rank has stopped itself
+    (SIGSTOP), then until every other rank's process has ended. Returns how many seconds after the stop each other
+    rank raised its error and was gone (missing: still alive a minute past the timeout), and the output."""
+    log = tmp_path / "log"
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "RANK")}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKERS / "reliability_run.py"), "--mode", "stop", "--out", str(tmp_path),
+             "--timeout", str(STOP_TIMEOUT_S), *args],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+        )
+    pids: dict[int, int] = {}
+    stopped_pid = -1
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while not (tmp_path / "stopped").exists():
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "training never reached the step where the rank stops"
+            time.sleep(0.1)
+        time.sleep(0.2)  # the file is written just before the stop
+        stopped_pid, stopped_at = (tmp_path / "stopped").read_text().split()
+        stopped_pid, stopped_at = int(stopped_pid), float(stopped_at)
+        pids = {int(f.name.split("-")[1]): int(f.read_text()) for f in tmp_path.glob("pid-*")}
+        others = {r: pid for r, pid in pids.items() if pid != stopped_pid}
+        gone_after: dict[int, float] = {}
+        while time.time() - stopped_at < STOP_TIMEOUT_S + 60 and len(gone_after) < len(others):
+            for r, pid in others.items():
+                if r not in gone_after and not _alive(pid):
+                    gone_after[r] = time.time() - stopped_at
+            proc.poll()
+            time.sleep(0.1)
+        out = log.read_text()
+        raised = re.findall(r"rank (\d) exits after \S+ s \(at ([\d.]+)\)", out)
+        raised_after = {int(r): float(at) - stopped_at for r, at in raised}
+        return raised_after, gone_after, out
+    finally:
+        # Nothing is left behind: the stopped rank (SIGKILL ends a stopped process too) and any other.
+        for pid in {stopped_pid, *pids.values()} - {-1}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("layout", "stopped_rank"),
+    [(("--devices", "4"), 1), (("--devices", "4", "--devices-per-node", "2"), 2),
+     (("--devices", "4", "--devices-per-node", "2"), 0)],
+    ids=["one-node-of-4", "two-nodes-of-2", "two-nodes-of-2-rank-0"],
+)
+def test_stopped_rank_makes_every_other_rank_exit_naming_it_within_the_timeout(tmp_path, layout, stopped_rank):
+    # A hung rank (SIGSTOP) breaks no connection: only the timeout of every group the others wait on (intra-node,
+    # inter-node, the engine's bookkeeping group) gets them out, and then their exit must not wait on a collective
+    # still in flight (gloo joins its threads when a group goes). Both used 30 minutes whatever `timeout` said.
+    # Rank 0 also hosts the rendezvous store (Lightning's launcher), which the diagnosis must not wait on forever.
+    raised_after, gone_after, out = _stop_one_rank(tmp_path, *layout, "--die-rank", str(stopped_rank))
+    survivors = {0, 1, 2, 3} - {stopped_rank}
+    print(f"after rank {stopped_rank} stopped, the others raised after {sorted(raised_after.items())} s and were"
+          f" gone after {sorted(gone_after.items())} s")
+    assert set(gone_after) == survivors, (
+        f"still running {STOP_TIMEOUT_S + 60} s after the stop: {sorted(survivors - set(gone_after))}\n{out[-4000:]}"
+    )
+    # Each raised within the timeout plus the 2 s of heartbeat watching and Lightning's teardown...
+    assert set(raised_after) == survivors, out[-4000:]
+    assert max(raised_after.values()) < STOP_TIMEOUT_S + 8, out[-4000:]
+    # ...and then exited. Exiting is CPU work (teardown, interpreter finalization) that took up to 20 s on a 2-core
+    # machine at load 15; a rank waiting on a collective in flight would have stayed for 30 minutes.
+    assert max(gone_after.values()) < STOP_TIMEOUT_S + 45, out[-4000:]
+    if stopped_rank == 0:
+        assert re.search(r"rank [123]: gradient synchronization failed and the rendezvous store is unreachable, so"
+                         r" the process hosting it \(rank 0 under Lightning's launcher\) is gone or hung", out), out
+        return
+    causes = re.findall(r"rank \d: gradient synchronization failed because (.*?)\. Original error", out)
+    assert causes, out[-4000:]
+    for because in causes:
+        assert because == f"rank {stopped_rank} stopped responding (killed, crashed or hung)", because
+
+
+def test_rank_starting_later_than_the_timeout_still_joins_the_rendezvous(tmp_path):
+    # `timeout` bounds collectives; the rendezvous waits at least minutes, so a rank whose imports take longer
+    # than `timeout` on a loaded machine still joins (it failed with "Timed out ... 3/4 clients joined").
+    run_python(WORKERS / "reliability_run.py", "--mode", "late", "--late-rank", "3", "--late-s", "15", "--timeout", "6",
+               "--out", tmp_path, timeout=STARTUP_S)
+    assert (tmp_path / "late-4-rank.pt").exists()
 
 
 def test_rank_raising_its_own_error_makes_the_others_exit_quoting_it():
@@ -44,7 +152,8 @@ def test_rank_raising_its_own_error_makes_the_others_exit_quoting_it():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert re.search(r"rank 2 exits after [\d.]+ s: ValueError: the user's training_step broke on purpose", out)
+    assert re.search(r"rank 2 exits after [\d.]+ s \(at [\d.]+\): ValueError: the user's training_step broke on"
+                     r" purpose", out)
     assert re.search(r"rank [013]: gradient synchronization failed because rank 2 failed with ValueError: the user's"
                      r" training_step broke on purpose", out), out[-4000:]
 

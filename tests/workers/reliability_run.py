@@ -2,6 +2,9 @@
 
     torchrun --nproc_per_node 4 tests/workers/reliability_run.py --mode die --die-rank 2       # C5
     torchrun --nproc_per_node 4 tests/workers/reliability_run.py --mode raise --die-rank 2     # an error of its own
+    python tests/workers/reliability_run.py --mode stop --die-rank 2 --devices-per-node 2 --timeout 15 --out DIR
+        # a hung rank (SIGSTOP) under Lightning's launcher; --strategy ddp runs Lightning's DDPStrategy instead
+    python tests/workers/reliability_run.py --mode late --late-rank 3 --late-s 15 --timeout 6 --out DIR  # slow start
     python tests/workers/reliability_run.py --mode nonfinite --out DIR                         # NaN on one rank
     python tests/workers/reliability_run.py --mode weighting --out DIR [--weighting rank]      # uneven batches
     python tests/workers/reliability_run.py --mode weighting --out DIR --devices 0             # reference
@@ -13,9 +16,11 @@ import argparse
 import os
 import signal
 import time
+from datetime import timedelta
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -27,9 +32,9 @@ NAN_STEP = 5
 
 
 class Model(L.LightningModule):
-    def __init__(self, mode: str, die_rank: int = -1) -> None:
+    def __init__(self, mode: str, die_rank: int = -1, out: str = ".") -> None:
         super().__init__()
-        self.mode, self.die_rank = mode, die_rank
+        self.mode, self.die_rank, self.out = mode, die_rank, out
         self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
         self.history: list[torch.Tensor] = []
 
@@ -38,6 +43,12 @@ class Model(L.LightningModule):
         if self.mode == "die" and self.global_rank == self.die_rank and self.global_step == 20:
             print(f"rank {self.global_rank} kills itself (SIGKILL) at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.mode == "stop" and self.global_rank == self.die_rank and self.global_step == 20:
+            # Written before stopping: the test measures from this moment, however long the start took.
+            with open(os.path.join(self.out, "stopped"), "w") as f:
+                f.write(f"{os.getpid()} {time.time():.3f}")
+            print(f"rank {self.global_rank} stops itself (SIGSTOP)", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         if self.mode == "raise" and self.global_rank == self.die_rank and self.global_step == 20:
             raise ValueError("the user's training_step broke on purpose")
         if self.mode == "nonfinite" and self.global_rank == 1 and self.global_step == NAN_STEP:
@@ -45,11 +56,30 @@ class Model(L.LightningModule):
             x[0, 0] = float("nan")
         return nn.functional.mse_loss(self.net(x), y)
 
+    def on_fit_start(self) -> None:
+        if self.mode == "stop":  # for the test's cleanup: every rank's process id
+            with open(os.path.join(self.out, f"pid-{self.global_rank}"), "w") as f:
+                f.write(str(os.getpid()))
+
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.history.append(torch.cat([p.detach().flatten() for p in self.parameters()]).clone())
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class DDPPatientStart(DDPStrategy):
+    """Lightning's DDPStrategy connecting with its default 30-minute timeout, then giving its collectives
+    ``collective_timeout``: what ``DDPStrategy(timeout=...)`` does once started. (With a short timeout, DDP's
+    rendezvous fails on a loaded machine before the other ranks have imported Lightning.)"""
+
+    def __init__(self, collective_timeout: timedelta) -> None:
+        super().__init__()
+        self._collective_timeout = collective_timeout
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        torch.distributed.distributed_c10d._set_pg_timeout(self._collective_timeout)
 
 
 def data(n: int) -> TensorDataset:
@@ -68,26 +98,41 @@ def uneven_batches(rank: int, world: int) -> list[list[int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", required=True, choices=["die", "raise", "nonfinite", "weighting"])
+    parser.add_argument("--mode", required=True, choices=["die", "raise", "stop", "late", "nonfinite", "weighting"])
     parser.add_argument("--out", default=".")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--die-rank", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=None, help="seconds; default: the strategy's")
     parser.add_argument("--weighting", default="rank")
+    parser.add_argument("--late-rank", type=int, default=-1, help="this local rank starts --late-s seconds late")
+    parser.add_argument("--late-s", type=float, default=0.0)
+    parser.add_argument("--devices-per-node", type=int, default=None, help="simulated nodes of this many ranks")
+    parser.add_argument("--strategy", default="hierarchical_zero",
+                        choices=["hierarchical_zero", "ddp", "ddp_patient_start"],
+                        help="ddp: Lightning's DDPStrategy with the same timeout, to compare (ddp_patient_start:"
+                             " the timeout on its collectives only)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if int(os.environ.get("LOCAL_RANK", 0)) == args.late_rank:
+        time.sleep(args.late_s)  # as a slow import on a loaded machine: the others are waiting at the rendezvous
     L.seed_everything(0, verbose=False)
-    model = Model(args.mode, args.die_rank)
-    if args.devices:
+    model = Model(args.mode, args.die_rank, args.out)
+    if args.devices and args.strategy == "ddp":
+        timeout = {"timeout": timedelta(seconds=args.timeout)} if args.timeout else {}
+        strategy = DDPStrategy(**timeout)
+    elif args.devices and args.strategy == "ddp_patient_start":
+        strategy = DDPPatientStart(timedelta(seconds=args.timeout))
+    elif args.devices:
         timeout = {"timeout": args.timeout} if args.timeout else {}
         strategy = HierarchicalZeroStrategy(
-            **timeout, skip_nonfinite=args.mode == "nonfinite", weighting=args.weighting
+            **timeout, skip_nonfinite=args.mode == "nonfinite", weighting=args.weighting,
+            devices_per_node=args.devices_per_node,
         )
     else:
         strategy = "auto"
     trainer = L.Trainer(
         accelerator="cpu", devices=max(args.devices, 1), strategy=strategy,
-        max_steps=500 if args.mode in ("die", "raise") else STEPS, logger=False, enable_checkpointing=False,
+        max_steps=500 if args.mode in ("die", "raise", "stop") else STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=args.mode != "weighting",
     )
     if args.mode == "weighting":
@@ -100,7 +145,8 @@ def main() -> None:
     try:
         trainer.fit(model, loader)
     except BaseException as err:
-        print(f"rank {trainer.global_rank} exits after {time.time() - start:.1f} s: {type(err).__name__}: {err}",
+        now = time.time()
+        print(f"rank {trainer.global_rank} exits after {now - start:.1f} s (at {now:.3f}): {type(err).__name__}: {err}",
               flush=True)
         raise
     history = torch.stack(model.history)
