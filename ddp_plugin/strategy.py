@@ -321,9 +321,6 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self.topology, self._flags_group = _process_groups(
-            self._layout(), self.root_device, self._process_group_backend, id(dist.group.WORLD)
-        )
 
     def _check_ranks_per_node(self) -> None:
         """Every node must run the same number of ranks, numbered node by node, or the (node, local) mesh would
@@ -367,9 +364,12 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         assert self.model is not None
-        # A collective, so here rather than in `setup_environment`, which (as DDPStrategy's) only creates the
+        # Collectives, so here rather than in `setup_environment`, which (as DDPStrategy's) only creates the
         # process group: code that mocks its creation, as Lightning's tests do, must not reach a collective.
         self._check_ranks_per_node()
+        self.topology, self._flags_group = _process_groups(
+            self._layout(), self.root_device, self._process_group_backend, id(dist.group.WORLD)
+        )
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:

@@ -29,8 +29,8 @@ def test_setup_by_hand_runs_no_collective_before_setup_and_no_heartbeat_after_th
     # Lightning's test_ddp_configure_ddp calls setup_environment() and setup() and never teardown().
     result = run(tmp_path, "setup-without-teardown")
     # setup_environment() only creates the process group (its init may be mocked, as in Lightning's
-    # test_set_timeout); the ranks-per-node check is a collective of setup().
-    assert result["gathers"] == ["setup"]
+    # test_set_timeout); the ranks-per-node check and the mesh's groups are collectives of setup().
+    assert result["collectives"] == ["setup:all_gather_object", "setup:new_group"]
     assert result["heartbeats_during"] == ["ddp_plugin-heartbeat"]
     assert result["heartbeats_after"] == []
 

@@ -10,7 +10,8 @@ Options (environment variables, so that the processes Lightning's launchers star
 - ``DDP_PLUGIN_CONFORMANCE_GPU``: ``1`` runs tests written for CUDA GPUs on CPU: their ``RunIf(min_cuda_gpus=...)``
   skip is lifted and ``accelerator="gpu"``/``"cuda"`` becomes ``"cpu"`` (device lists become a count).
 - ``DDP_PLUGIN_CONFORMANCE_REPORT``: a JSON-lines file; one line per test: node id, outcome, whether our strategy
-  was swapped in, the first line of the failure, and whether it ran ``fit`` or saved a checkpoint through it.
+  was swapped in, the first line of the failure.
+- ``DDP_PLUGIN_CONFORMANCE_MARKS``: a folder where the tests that ran ``fit`` with our strategy are noted.
 - ``DDP_PLUGIN_CONFORMANCE_COLLECT``: a JSON file to write the selected items' properties to (with
   ``--collect-only``): node id, standalone, converted from CUDA, the skip reason when it cannot run here.
 """
@@ -28,7 +29,7 @@ import pytest
 
 STAGE = int(os.environ.get("DDP_PLUGIN_CONFORMANCE_STAGE", "0"))
 GPU_TO_CPU = os.environ.get("DDP_PLUGIN_CONFORMANCE_GPU") == "1"
-MARKS_DIR = os.environ.get("DDP_PLUGIN_CONFORMANCE_MARKS")  # where every process notes fit/checkpoint use
+MARKS_DIR = os.environ.get("DDP_PLUGIN_CONFORMANCE_MARKS")
 
 _swapped: list[str] = []
 
@@ -44,38 +45,48 @@ def _mark(kind: str) -> None:
             f.write(f"{_current_test()}\t{kind}\n")
 
 
-def _convert(ddp: Any) -> Any:
-    """Our strategy, built from what the test gave ``DDPStrategy`` (launch method, backend, timeout, plugins)."""
-    from ddp_plugin import HierarchicalZeroStrategy
-
-    return HierarchicalZeroStrategy(
-        zero_stage=STAGE,
-        start_method=ddp._start_method,
-        process_group_backend=ddp._process_group_backend,
-        timeout=ddp._timeout,
-        accelerator=ddp._accelerator,
-        parallel_devices=ddp.parallel_devices,
-        cluster_environment=ddp.cluster_environment,
-        checkpoint_io=ddp._checkpoint_io,
-        precision_plugin=ddp._precision_plugin,
-    )
+_DDP_ARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+             "process_group_backend", "timeout", "start_method")
 
 
 def _install() -> None:
+    import inspect
+
     from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.trainer.connectors import accelerator_connector as connector_module
 
     from ddp_plugin import HierarchicalZeroStrategy
 
+    signature = inspect.signature(DDPStrategy.__init__)
+
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        """``DDPStrategy(...)``, directly or through the registry (``"ddp"``, ``"ddp_spawn"``, ...), builds ours
+        from the arguments both take (launch method, backend, timeout, plugins); DDP's own options (comm hooks,
+        ``find_unused_parameters``, ...) have no counterpart and are dropped. Subclasses are left alone."""
+        if cls is not DDPStrategy:
+            return object.__new__(cls)
+        given = signature.bind(None, *args, **kwargs).arguments
+        ours = HierarchicalZeroStrategy(zero_stage=STAGE, **{k: given[k] for k in _DDP_ARGS if k in given})
+        ours._conformance_ddp_args = (args, kwargs)
+        _swapped.append(_current_test())
+        return ours
+
+    DDPStrategy.__new__ = staticmethod(__new__)
+
     connector = connector_module._AcceleratorConnector
     init_strategy = connector._init_strategy
 
     def _init_strategy(self: Any) -> None:
         init_strategy(self)
-        if type(self.strategy) is DDPStrategy and isinstance(self.accelerator, CPUAccelerator):
-            self.strategy = _convert(self.strategy)
-            _swapped.append(_current_test())
+        ddp_args = getattr(self.strategy, "_conformance_ddp_args", None)
+        if ddp_args is not None and not isinstance(self.accelerator, CPUAccelerator):
+            # Not a CPU DDPStrategy (a test that mocks CUDA devices): Lightning's own, and not counted.
+            genuine = object.__new__(DDPStrategy)
+            genuine.__init__(*ddp_args[0], **ddp_args[1])
+            self.strategy = genuine
+            if _current_test() in _swapped:
+                _swapped.remove(_current_test())
 
     connector._init_strategy = _init_strategy
 
@@ -95,21 +106,17 @@ def _install() -> None:
 
         connector.__init__ = __init__
 
-    setup, save_checkpoint = HierarchicalZeroStrategy.setup, HierarchicalZeroStrategy.save_checkpoint
+    from lightning.pytorch.trainer import call as call_module
 
-    def noting_setup(self: Any, trainer: Any) -> None:
-        from lightning.pytorch.trainer.states import TrainerFn
+    call_and_handle_interrupt = call_module._call_and_handle_interrupt
 
-        if trainer.state.fn == TrainerFn.FITTING:
+    def noting_call(trainer: Any, trainer_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # In the test's own process, also when the launcher runs `fit` in spawned processes.
+        if isinstance(trainer.strategy, HierarchicalZeroStrategy) and getattr(trainer_fn, "__name__", "") == "_fit_impl":
             _mark("fit")
-        return setup(self, trainer)
+        return call_and_handle_interrupt(trainer, trainer_fn, *args, **kwargs)
 
-    def noting_save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> None:
-        _mark("checkpoint")
-        return save_checkpoint(self, *args, **kwargs)
-
-    HierarchicalZeroStrategy.setup = noting_setup
-    HierarchicalZeroStrategy.save_checkpoint = noting_save_checkpoint
+    call_module._call_and_handle_interrupt = noting_call
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -122,20 +129,21 @@ _REASONS = re.compile(r"Requires: \[(.*)\]")
 _GPU_REASON = re.compile(r"GPUs>=\d+")
 
 
-def _runif(item: pytest.Item) -> tuple[pytest.Mark | None, list[str]]:
+def _runif(item: pytest.Item) -> tuple[list[pytest.Mark], list[str]]:
+    """Lightning's ``RunIf`` skip marks on ``item`` (the function's and its parameters') and their unmet reasons."""
+    marks, reasons = [], []
     for mark in item.iter_markers("skipif"):
         if "min_cuda_gpus" in mark.kwargs or "standalone" in mark.kwargs:
+            marks.append(mark)
             found = _REASONS.search(mark.kwargs.get("reason", ""))
-            reasons = [r for r in found.group(1).split(" + ")] if found else []
-            return mark, reasons if (mark.args and mark.args[0]) or mark.kwargs.get("condition") else []
-    return None, []
+            if found and ((mark.args and mark.args[0]) or mark.kwargs.get("condition")):
+                reasons += found.group(1).split(" + ")
+    return marks, reasons
 
 
 def _unmet(item: pytest.Item) -> list[str]:
     """What still keeps the item from running here once CUDA tests run on CPU and standalone tests alone."""
-    mark, reasons = _runif(item)
-    if mark is None:
-        return []
+    _, reasons = _runif(item)
     lifted = {"Standalone execution"}
     return [r for r in reasons if r not in lifted and not (GPU_TO_CPU and _GPU_REASON.fullmatch(r))]
 
@@ -145,28 +153,26 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if select_file:
         wanted = set(Path(select_file).read_text().split())
         items[:] = [item for item in items if item.nodeid in wanted]
+    rows = []
     for item in items:
-        mark, _ = _runif(item)
-        if mark is None or _unmet(item):
+        marks, _ = _runif(item)
+        unmet = _unmet(item)
+        rows.append({
+            "nodeid": item.nodeid,
+            "standalone": any("standalone" in m.kwargs for m in marks),
+            "cuda": any("min_cuda_gpus" in m.kwargs for m in marks),
+            "unmet": unmet,
+            "source_mentions_ddp": _mentions_ddp(item),
+        })
+        if not marks or unmet:
             continue
-        # Lift the skip: CUDA on CPU (GPU_TO_CPU) and standalone tests (the runner starts each in its own process).
-        item.own_markers = [m for m in item.own_markers if m is not mark]
+        # Lift the skips: CUDA on CPU (GPU_TO_CPU) and standalone tests (the runner starts each in its own process).
         for node in item.listchain():
-            node.own_markers = [m for m in node.own_markers if m is not mark]
-        if "min_cuda_gpus" in mark.kwargs and GPU_TO_CPU:
+            node.own_markers = [m for m in node.own_markers if not any(m is k for k in marks)]
+        if rows[-1]["cuda"] and GPU_TO_CPU:
             item.user_properties.append(("converted_from_cuda", True))
     out = os.environ.get("DDP_PLUGIN_CONFORMANCE_COLLECT")
     if out:
-        rows = []
-        for item in items:
-            mark, _ = _runif(item)
-            rows.append({
-                "nodeid": item.nodeid,
-                "standalone": bool(mark is not None and "standalone" in mark.kwargs),
-                "cuda": bool(mark is not None and "min_cuda_gpus" in mark.kwargs),
-                "unmet": _unmet(item),
-                "source_mentions_ddp": _mentions_ddp(item),
-            })
         Path(out).write_text(json.dumps(rows, indent=1))
 
 

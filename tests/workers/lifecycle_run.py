@@ -71,12 +71,16 @@ def patched_backward(args: argparse.Namespace) -> None:
 def setup_without_teardown(args: argparse.Namespace) -> None:
     """Lightning's ``test_ddp_configure_ddp``: ``setup_environment`` and ``setup`` by hand, never ``teardown``;
     then the process group is destroyed, as Lightning's test fixtures do after every test."""
-    gathers: list[str] = []
-    real_gather = dist.all_gather_object
+    collectives: list[str] = []
 
-    def counting_gather(*a, **k):
-        gathers.append(phase)
-        return real_gather(*a, **k)
+    def counting(name: str):
+        real = getattr(dist, name)
+
+        def call(*a, **k):
+            collectives.append(f"{phase}:{name}")
+            return real(*a, **k)
+
+        return call
 
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HierarchicalZeroStrategy(), max_epochs=1,
                         logger=False, enable_checkpointing=False)
@@ -84,7 +88,8 @@ def setup_without_teardown(args: argparse.Namespace) -> None:
     trainer.state.fn = TrainerFn.FITTING
     trainer.strategy.connect(model)
     trainer.lightning_module.trainer = trainer
-    with mock.patch.object(dist, "all_gather_object", counting_gather):
+    with mock.patch.object(dist, "all_gather_object", counting("all_gather_object")), \
+            mock.patch.object(dist, "new_group", counting("new_group")):
         phase = "setup_environment"
         trainer.strategy.setup_environment()
         phase = "setup"
@@ -95,7 +100,7 @@ def setup_without_teardown(args: argparse.Namespace) -> None:
     deadline = time.monotonic() + 10
     while heartbeats() and time.monotonic() < deadline:
         time.sleep(0.05)
-    write(args.out, args.mode, {"gathers": gathers, "heartbeats_during": during, "heartbeats_after": heartbeats()})
+    write(args.out, args.mode, {"collectives": sorted(set(collectives)), "heartbeats_during": during, "heartbeats_after": heartbeats()})
 
 
 class UserCheckpointIO(TorchCheckpointIO):
