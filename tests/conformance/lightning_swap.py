@@ -151,7 +151,7 @@ def _unmet(item: pytest.Item) -> list[str]:
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     select_file = os.environ.get("DDP_PLUGIN_CONFORMANCE_SELECT")
     if select_file:
-        wanted = set(Path(select_file).read_text().split())
+        wanted = set(Path(select_file).read_text().splitlines())
         items[:] = [item for item in items if item.nodeid in wanted]
     rows = []
     for item in items:
@@ -208,6 +208,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         os.environ["DDP_PLUGIN_CONFORMANCE_MAIN"] = str(os.getpid())
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # A DDPStrategy built at import time as a test parameter (no test was running yet): counted for its test.
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and any(hasattr(v, "_conformance_ddp_args") for v in callspec.params.values()):
+        _swapped.append(item.nodeid)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if _is_child():
         return
@@ -216,7 +223,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         row["outcome"] = "failed" if report.when == "call" or row["outcome"] != "failed" else row["outcome"]
         if not row["message"]:
             crash = getattr(report.longrepr, "reprcrash", None)
-            row["message"] = (crash.message if crash is not None else str(report.longrepr)).splitlines()[0][:300]
+            text = crash.message if crash is not None else str(report.longrepr)
+            row["message"] = (text.strip().splitlines() or [""])[0][:300]
             row["phase"] = report.when
     elif report.skipped and row["outcome"] == "passed":
         row["outcome"] = "skipped"

@@ -103,6 +103,7 @@ class Runner:
         standalone one in a process of its own. Returns one report row per test."""
         report = self.out / f"report-{tag}.jsonl"
         report.unlink(missing_ok=True)
+        (self.out / f"rows-{tag}.json").write_text(json.dumps(rows))
         log = self.out / f"{tag}.log"
         log.unlink(missing_ok=True)
         for cuda in (False, True):
@@ -119,6 +120,10 @@ class Runner:
                 if r["cuda"] == cuda and r["standalone"]:
                     self.pytest([f"--timeout={self.timeout}", str(self.tests / r["nodeid"])],
                                 {**env, "PL_RUN_STANDALONE_TESTS": "1"}, log, timeout=self.timeout + 300)
+        return self.results(rows, tag)
+
+    def results(self, rows: list[dict], tag: str) -> list[dict]:
+        report = self.out / f"report-{tag}.jsonl"
         seen = {}
         if report.exists():
             for line in report.read_text().splitlines():
@@ -171,7 +176,9 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "ddp_plugin_conformance")
     p.add_argument("--summary", type=Path, default=None, help="also write the summary here")
     p.add_argument("--stages", default="0,1,2,3", help="stage 0 runs every test; 1-3 the fit/checkpoint tests")
-    p.add_argument("--only", default=None, help="fnmatch pattern on node ids (a subset while developing)")
+    p.add_argument("--only", default=None, help="fnmatch patterns on node ids, comma-separated (a subset)")
+    p.add_argument("--reclassify", action="store_true",
+                   help="summarize the run already in --out with the current expectations, running nothing")
     p.add_argument("--timeout", type=float, default=300, help="seconds per test")
     p.add_argument("--zero-tests", default="tests_pytorch/strategies/*,tests_pytorch/checkpointing/*",
                    help="fnmatch patterns (comma-separated) of the fit tests also run at stages 1-3: by default"
@@ -190,10 +197,13 @@ def main() -> int:
 
     start = time.monotonic()
     runner = Runner(args)
+    if args.reclassify:
+        return reclassify(runner, args)
     collected = runner.collect()
     candidates = [r for r in collected if r["source_mentions_ddp"] and not r["unmet"]]
     if args.only:
-        candidates = [r for r in candidates if fnmatch.fnmatchcase(r["nodeid"], args.only)]
+        only = args.only.split(",")
+        candidates = [r for r in candidates if any(fnmatch.fnmatchcase(r["nodeid"], p) for p in only)]
     stages = [int(s) for s in args.stages.split(",")]
     report: dict = {"collected": len(collected), "candidates": len(candidates), "phases": {}}
 
@@ -217,8 +227,9 @@ def main() -> int:
     fitted = runner.fit_marks()
     good0 = {r["nodeid"] for ph in report["phases"].values() for r in ph["rows"]
              if r["verdict"] in ("passed", "failed, listed")}
+    # Without stage 0 in this run, every selected candidate (those that do not apply fail and are listed).
     zero_patterns = args.zero_tests.split(",")
-    fit_rows = [r for r in candidates if r["nodeid"] in good0 and r["nodeid"] in fitted
+    fit_rows = [r for r in candidates if (0 not in stages or (r["nodeid"] in good0 and r["nodeid"] in fitted))
                 and any(fnmatch.fnmatchcase(r["nodeid"], p) for p in zero_patterns)]
     for stage in (s for s in stages if s > 0):
         results = runner.run(fit_rows, stage, f"stage{stage}")
@@ -229,6 +240,44 @@ def main() -> int:
     print(summary)
     unlisted = sum(ph["counts"].get("failed, unlisted", 0) for ph in report["phases"].values())
     return 1 if unlisted else 0
+
+
+def reclassify(runner: Runner, args: argparse.Namespace) -> int:
+    """The summary of an earlier run in ``--out``, with the current expectations (no test runs)."""
+    collected = json.loads((args.out / "collected.json").read_text())
+    by_id = {r["nodeid"]: r for r in collected}
+    old = json.loads((args.out / "results.json").read_text()) if (args.out / "results.json").exists() else {}
+    report: dict = {"collected": len(collected), "candidates": old.get("candidates", 0), "phases": {}}
+    for stage in range(4):
+        tag = f"stage{stage}"
+        saved = args.out / f"rows-{tag}.json"
+        if saved.exists():
+            rows = json.loads(saved.read_text())
+        else:
+            ids: set[str] = set()
+            for path in args.out.glob(f"select-{tag}-*.txt"):
+                ids |= set(path.read_text().splitlines())
+            report_file = args.out / f"report-{tag}.jsonl"
+            if report_file.exists():
+                ids |= {json.loads(line)["nodeid"] for line in report_file.read_text().splitlines()}
+            rows = [by_id[i] for i in sorted(ids) if i in by_id]
+        if not rows:
+            continue
+        results = runner.results(rows, tag)
+        if stage == 0:
+            for cuda, name in ((False, "CPU tests, stage 0"), (True, "CUDA tests on CPU, stage 0")):
+                counts, classified = classify([r for r in results if r["cuda"] == cuda], 0)
+                report["phases"][name] = {"counts": dict(counts), "rows": classified}
+        else:
+            counts, classified = classify(results, stage)
+            report["phases"][f"fit/checkpoint tests, stage {stage}"] = {"counts": dict(counts), "rows": classified}
+    report["wall_s"] = old.get("wall_s", 0)
+    summary = render(report, args)
+    (args.out / "summary.md").write_text(summary)
+    if args.summary:
+        args.summary.write_text(summary)
+    print(summary)
+    return 1 if any(ph["counts"].get("failed, unlisted", 0) for ph in report["phases"].values()) else 0
 
 
 def render(report: dict, args: argparse.Namespace) -> str:
