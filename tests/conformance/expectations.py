@@ -23,7 +23,43 @@ NOT_APPLICABLE: dict[str, tuple[str, tuple[int, ...]]] = {
         "expects DDP's error for parameters without a gradient; ours handles them (as single-process training)", ALL),
     S + "test_ddp_integration.py::test_ddp_wrapper*": (
         "asserts `DistributedDataParallel` wrapping and its `parameters_to_ignore`", ALL),
+    "tests_pytorch/deprecated_api/test_no_removal_version.py::test_ddp_is_distributed": (
+        "asserts the deprecation warning of `DDPStrategy.is_distributed`", ALL),
+    S + "test_ddp_integration.py::test_model_parameters_on_device_for_optimizer*": (
+        "a CUDA test: asserts the parameters are on a CUDA device", ALL),
+    S + "test_ddp.py::test_tensor_init_context*": ("a CUDA test: creates tensors on a CUDA device", ALL),
+    S + "test_ddp_integration.py::test_ddp_strategy_checkpoint_zero_redundancy_optimizer*": (
+        "torch's `ZeroRedundancyOptimizer` shards the optimizer itself; ZeRO stages 1-3 refuse an optimizer they"
+        " cannot shard elementwise, with a message saying so (it passes at stage 0)", ZERO),
 }
+
+# Lightning's strategy-selection tests: they assert that "ddp"/"ddp_spawn"/... (or `devices>1` on CPU) select
+# `DDPStrategy`, i.e. `isinstance(trainer.strategy, DDPStrategy)`.
+C = "tests_pytorch/trainer/connectors/test_accelerator_connector.py::"
+_ISINSTANCE = ("asserts `isinstance(trainer.strategy, DDPStrategy)`", ALL)
+NOT_APPLICABLE.update({
+    C + name: _ISINSTANCE for name in (
+        "test_custom_cluster_environment_in_slurm_environment",
+        "test_strategy_choice_ddp_on_cpu",
+        "test_accelerator_cpu_with_devices*",
+        "test_strategy_choice_cpu_str*",
+        "test_strategy_choice_cpu_instance",
+        "test_strategy_choice_ddp_spawn_cpu",
+        "test_strategy_choice_ddp_fork_in_interactive",
+        "test_strategy_choice_ddp_fork_cpu",
+        "test_strategy_choice_ddp_cpu_kubeflow",
+        "test_strategy_choice_ddp_cpu_slurm*",
+        "test_strategy_str_passed_being_case_insensitive*",
+    )
+})
+NOT_APPLICABLE.update({
+    "tests_pytorch/trainer/test_trainer.py::test_trainer_config_strategy*": _ISINSTANCE,
+    "tests_pytorch/trainer/test_trainer.py::test_spawn_predict_return_predictions": _ISINSTANCE,
+    S + "test_ddp_integration.py::test_ddp_with_2_gpus": (
+        "a CUDA test: asserts `isinstance(trainer.strategy, DDPStrategy)` and CUDA memory", ALL),
+    S + "test_ddp_integration.py::test_ddp_barrier_non_consecutive_device_ids": (
+        "a CUDA test: asserts NCCL's `barrier(device_ids=[1])` on GPU 1", ALL),
+})
 
 # Applicable tests that fail for a reason that is known and stated.
 KNOWN_FAILURES: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -33,6 +69,10 @@ KNOWN_FAILURES: dict[str, tuple[str, tuple[int, ...]]] = {
     "tests_pytorch/checkpointing/test_checkpoint_callback_frequency.py::test_top_k_ddp*": (
         "mocks and counts `torch.save`: the default `AtomicCheckpointIO` writes torch.save's format itself (same"
         " files, 0 calls); a user's `checkpoint_io` gets torch.save", ALL),
+    "tests_pytorch/utilities/test_compile.py::test_trainer_compiled_model_ddp": (
+        "Lightning takes a `torch.compile`d LightningModule only with SingleDevice, DDP or FSDP strategies"
+        " (`_verify_strategy_supports_compile`, an isinstance check); compile submodules inside the LightningModule"
+        " instead", ALL),
     S + "test_ddp_integration.py::test_ddp_gradients_synced*": (
         "`param.grad` is None after backward at ZeRO stages 1-3: fixed by issue 14 item 1 (other branch)", ZERO),
 }

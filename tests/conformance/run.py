@@ -247,7 +247,8 @@ def reclassify(runner: Runner, args: argparse.Namespace) -> int:
     collected = json.loads((args.out / "collected.json").read_text())
     by_id = {r["nodeid"]: r for r in collected}
     old = json.loads((args.out / "results.json").read_text()) if (args.out / "results.json").exists() else {}
-    report: dict = {"collected": len(collected), "candidates": old.get("candidates", 0), "phases": {}}
+    candidates = sum(1 for r in collected if r["source_mentions_ddp"] and not r["unmet"])
+    report: dict = {"collected": len(collected), "candidates": old.get("candidates", candidates), "phases": {}}
     for stage in range(4):
         tag = f"stage{stage}"
         saved = args.out / f"rows-{tag}.json"
