@@ -41,6 +41,7 @@ NOT_APPLICABLE.update({
     C + name: _ISINSTANCE for name in (
         "test_custom_cluster_environment_in_slurm_environment",
         "test_strategy_choice_ddp_on_cpu",
+        "test_accelerator_gpu_with_devices*",
         "test_accelerator_cpu_with_devices*",
         "test_strategy_choice_cpu_str*",
         "test_strategy_choice_cpu_instance",
@@ -57,6 +58,13 @@ NOT_APPLICABLE.update({
     "tests_pytorch/trainer/test_trainer.py::test_spawn_predict_return_predictions": _ISINSTANCE,
     S + "test_ddp_integration.py::test_ddp_with_2_gpus": (
         "a CUDA test: asserts `isinstance(trainer.strategy, DDPStrategy)` and CUDA memory", ALL),
+    "tests_pytorch/core/test_metric_result_integration.py::test_result_reduce_ddp": (
+        "a CUDA test: launches its processes on `torch.device('cuda:0')` and `'cuda:1'` itself", ALL),
+    "tests_pytorch/plugins/test_amp_plugins.py::test_amp_gradient_unscale*": (
+        "a CUDA test of 16-mixed's GradScaler: on CPU Lightning has no scaler and calls"
+        " `optimizer.step(closure=...)`, which the test's optimizer does not take (as with DDPStrategy)", ALL),
+    "tests_pytorch/utilities/test_dtype_device_mixin.py::test_submodules_multi_gpu_ddp_spawn": (
+        "a CUDA test: asserts `model.device.index == rank` (cuda:<rank>)", ALL),
     S + "test_ddp_integration.py::test_ddp_barrier_non_consecutive_device_ids": (
         "a CUDA test: asserts NCCL's `barrier(device_ids=[1])` on GPU 1", ALL),
 })

@@ -6,6 +6,7 @@ module, and not collected by the project's own test run.
 Options (environment variables, so that the processes Lightning's launchers start behave alike):
 
 - ``DDP_PLUGIN_CONFORMANCE_STAGE``: the ``zero_stage`` of the swapped-in strategy (default 0).
+- ``DDP_PLUGIN_CONFORMANCE_SWAP``: ``0`` keeps Lightning's ``DDPStrategy`` (a baseline for the same selection).
 - ``DDP_PLUGIN_CONFORMANCE_SELECT``: a file of node ids (one a line); only those items run.
 - ``DDP_PLUGIN_CONFORMANCE_GPU``: ``1`` runs tests written for CUDA GPUs on CPU: their ``RunIf(min_cuda_gpus=...)``
   skip is lifted and ``accelerator="gpu"``/``"cuda"`` becomes ``"cpu"`` (device lists become a count).
@@ -72,7 +73,8 @@ def _install() -> None:
         _swapped.append(_current_test())
         return ours
 
-    DDPStrategy.__new__ = staticmethod(__new__)
+    if os.environ.get("DDP_PLUGIN_CONFORMANCE_SWAP", "1") != "0":  # "0": Lightning's own DDP, for comparison
+        DDPStrategy.__new__ = staticmethod(__new__)
 
     connector = connector_module._AcceleratorConnector
     init_strategy = connector._init_strategy
