@@ -41,24 +41,33 @@ def _store() -> dist.Store:
                          wait_for_workers=False)
 
 
-class Heartbeat:
-    """A daemon thread that bumps this rank's counter on the store every ``BEAT_INTERVAL_S`` seconds."""
+class Heartbeat(threading.Thread):
+    """A daemon thread that bumps this rank's counter on the store every ``BEAT_INTERVAL_S`` seconds.
+
+    It ends on :meth:`stop`, or one beat after the default process group it was started under is destroyed: a
+    strategy set up and never torn down (as some of Lightning's tests do) leaves nothing running beyond its
+    process group. ``stop`` is also what tools that stop leftover daemon threads call."""
 
     def __init__(self) -> None:
+        super().__init__(name="ddp_plugin-heartbeat", daemon=True)
         self.step = 0
         self._rank = dist.get_rank()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ddp_plugin-heartbeat", daemon=True)
-        self._thread.start()
+        # An id, not a reference: the heartbeat must not keep a destroyed group alive.
+        self._world = id(dist.group.WORLD)
+        self._stopping = threading.Event()
+        self.start()
 
-    def _run(self) -> None:
+    def _group_alive(self) -> bool:
+        return dist.is_initialized() and id(dist.group.WORLD) == self._world
+
+    def run(self) -> None:
         # The client lives and dies on this thread: sharing the default group's client with the training thread
         # made processes abort at exit now and then (~1 in 8 runs on the simulated cluster).
         try:
             store = _store()
         except Exception:  # noqa: BLE001 - no store, no heartbeat; diagnose() will say the store is gone
             return
-        while not self._stop.wait(BEAT_INTERVAL_S):
+        while not self._stopping.wait(BEAT_INTERVAL_S) and self._group_alive():
             try:
                 store.add(f"{_PREFIX}/beat/{self._rank}", 1)
                 store.set(f"{_PREFIX}/step/{self._rank}", str(self.step))
@@ -67,10 +76,11 @@ class Heartbeat:
         del store
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         # Joined, so the thread is never inside a store call while the process exits; unless the store is known to
         # be unreachable, when it may be stuck in one for good (its host stopped).
-        self._thread.join(timeout=0 if _store_unreachable else 5)
+        if self is not threading.current_thread():
+            self.join(timeout=0 if _store_unreachable else 5)
 
 
 _diagnosed = False

@@ -346,10 +346,6 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if initializing:  # a default group the user created keeps the timeout they gave it
             set_collective_timeout(dist.group.WORLD, self._timeout)
-        self._check_ranks_per_node()
-        self.topology, self._flags_group = _process_groups(
-            self._layout(), self.root_device, self._process_group_backend, id(dist.group.WORLD), self._timeout
-        )
 
     def _check_ranks_per_node(self) -> None:
         """Every node must run the same number of ranks, numbered node by node, or the (node, local) mesh would
@@ -393,6 +389,12 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         assert self.model is not None
+        # Collectives, so here rather than in `setup_environment`, which (as DDPStrategy's) only creates the
+        # process group: code that mocks its creation, as Lightning's tests do, must not reach a collective.
+        self._check_ranks_per_node()
+        self.topology, self._flags_group = _process_groups(
+            self._layout(), self.root_device, self._process_group_backend, id(dist.group.WORLD), self._timeout
+        )
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
@@ -449,7 +451,8 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             pad_multiple=self.topology.world_size if self.zero_stage else 1,
         )
         self._engine.check_finite = self.skip_nonfinite
-        if self._heartbeat is None:
+        if self._heartbeat is None or not self._heartbeat.is_alive():
+            # (One that ended with its process group, if setup ran without teardown, is replaced.)
             self._heartbeat = health.Heartbeat()
         self.skipped_steps = 0
         pm.hook.on_setup(
@@ -534,18 +537,23 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         return super().training_step(*args, **kwargs)
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._sample_weight is not None:
-            work, total, count = self._sample_weight
-            self._sample_weight = None
-            try:
-                work.wait()
-            except Exception as err:
-                raise RuntimeError(health.diagnose(err)) from err
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # Sample weighting scales the gradient that flows into the loss instead of overriding `backward`, which
+        # Lightning (and its tests, wrapping `Strategy.backward` in a Mock) expect to be the base class's.
+        if self._sample_weight is None:
+            return
+        work, total, count = self._sample_weight
+        self._sample_weight = None
+        try:
+            work.wait()
+        except Exception as err:
+            raise RuntimeError(health.diagnose(err)) from err
+        if closure_loss.requires_grad:
             # Each rank's loss is a mean over its own samples; scaled by N * n_r / sum(n), the average over ranks
-            # the reducers compute becomes the mean over every sample of the step.
-            closure_loss = closure_loss * (self.world_size * count / total.item())
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+            # the reducers compute becomes the mean over every sample of the step. A hook on the loss scales its
+            # gradient, so every hook and logger still sees the loss the user returned.
+            weight = self.world_size * count / total.item()
+            closure_loss.register_hook(lambda grad: grad * weight)
 
     @contextmanager
     @override
