@@ -1,0 +1,397 @@
+"""The fault matrix: how ``hierarchical_zero`` and Lightning's ``ddp`` behave when a run breaks, on the same script.
+
+    python benchmarks/faults.py                       # every fault; writes benchmarks/results/faults.md
+    python benchmarks/faults.py --only sigstop,nan    # names containing these words
+
+Each fault is one run of ``benchmarks/fault_worker.py`` per contender: 4 CPU ranks over gloo under Lightning's own
+launcher (ours as 2 simulated nodes of 2 ranks, ``devices_per_node=2``, unless the row says one node), a small
+MLP with AdamW, 12 steps. The worker injects the fault and writes the time it did (``fault``); this driver then
+watches every rank's process and reports the seconds from the fault until the last of the other ranks exited, and
+the line of the output that tells the user what happened. A run whose processes outlive the cap is reported as a
+hang and killed. Faults that need root (a full or read-only filesystem: a small tmpfs) are skipped with the reason
+where it cannot be mounted.
+
+This is a benchmark, not a test: it asserts nothing. Times depend on the machine; say how busy it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKER = HERE / "fault_worker.py"
+TIMEOUT_S = 20  # the collective timeout both contenders get
+CAP_S = 120  # seconds after the fault (or the start) before a run counts as hung
+
+
+@dataclass
+class Run:
+    """What one contender's run did."""
+
+    returncode: int | None
+    seen: str  # the line that tells the user what happened
+    seconds: float | None  # from the fault to the last other rank's exit; from the start where no fault is marked
+    hung: bool
+    result: dict = field(default_factory=dict)
+    workdir: Path | None = None
+    log: str = ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _pids(d: Path) -> dict[int, int]:
+    out = {}
+    for f in d.glob("pid-*"):
+        try:
+            out[int(f.name[4:])] = int(f.read_text())
+        except ValueError:
+            pass
+    return out
+
+
+_ERROR_LINE = re.compile(r"^((?:rank \d+: )?\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt|Terminated)\b:?.*)$")
+
+
+def what_the_user_sees(log: str) -> str:
+    """Our diagnosis ("rank N: ...") where there is one, else the last exception line."""
+    lines = [re.sub(r"^\[rank(\d+)\]:\s?", r"rank \1: ", ln) for ln in log.splitlines()]
+    lines = [re.sub(r"^(rank \d+: )(rank \d+: )", r"\2", ln) for ln in lines]
+    ours = [ln for ln in lines if re.search(r"\brank \d+: .* failed (because|and the rendezvous)", ln)]
+    errors = ours or [m.group(1) for ln in lines if (m := _ERROR_LINE.match(ln))]
+    if not errors:
+        return ""
+    seen = errors[-1].strip()
+    seen = re.sub(r"\s*Original error: .*", "", seen)
+    return seen if len(seen) <= 200 else seen[:197] + "..."
+
+
+def run(spec: dict, kill_rank_0_at_fault: bool = False) -> Run:
+    d = Path(tempfile.mkdtemp(prefix="fault-"))
+    spec = {**spec, "out": str(d)}
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK",
+                                                            "WORLD_SIZE", "NODE_RANK")}
+    env["PYTHONUNBUFFERED"] = "1"
+    log_path = d / "log"
+    started = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, str(WORKER), "--spec", json.dumps(spec)], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    fault_at: float | None = None
+    faulted_rank = (spec.get("fault") or {}).get("rank")
+    hung = False
+    try:
+        while True:
+            if fault_at is None and (d / "fault").exists():
+                text = (d / "fault").read_text().split()
+                if text:
+                    fault_at = float(text[0])
+                    if kill_rank_0_at_fault:
+                        faulted_rank = 0
+                        os.kill(_pids(d)[0], signal.SIGKILL)
+            others = [pid for r, pid in _pids(d).items() if r != faulted_rank]
+            if proc.poll() is not None and not any(_alive(p) for p in others):
+                break
+            if time.time() - (fault_at or started) > CAP_S + (0 if fault_at else 240):
+                hung = True
+                break
+            time.sleep(0.05)
+        ended = time.time()
+    finally:
+        for pid in _pids(d).values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    log = log_path.read_text(errors="replace")
+    result = json.loads((d / "result.json").read_text()) if (d / "result.json").exists() else {}
+    seconds = ended - (fault_at or started)
+    return Run(proc.returncode, what_the_user_sees(log), seconds, hung, result, d, log)
+
+
+# ---------------------------------------------------------------------------------------------- the faults
+
+
+@dataclass
+class Fault:
+    name: str
+    what: str
+    ours: dict | None
+    ddp: dict | None
+    describe: Callable[[Run, str], str] | None = None  # (run, contender) -> outcome; default: exit + line
+    kill_rank_0_at_fault: bool = False
+    needs_mount: bool = False
+    prepare: Callable[[dict, Path], dict] | None = None  # (spec, scratch) -> spec, before the run
+
+
+def _crash_outcome(r: Run, contender: str) -> str:
+    if r.hung:
+        return f"**hangs**: ranks still alive {CAP_S} s after the fault (killed by this script)"
+    seen = r.seen or "(no error line)"
+    return f"exit {r.returncode} after **{r.seconds:.1f} s**: `{seen}`"
+
+
+def _nan_outcome(r: Run, contender: str) -> str:
+    if not r.result:
+        return _crash_outcome(r, contender)
+    s = r.result["param_sum"]
+    return f"finishes {r.result['global_step']} steps; parameters {'finite' if math.isfinite(s) else '**NaN**'}"
+
+
+def _trains_outcome(r: Run, contender: str) -> str:
+    if r.result:
+        extra = f", stage {r.result['zero_stage']}" if r.result.get("zero_stage") is not None else ""
+        return f"trains ({r.seconds:.0f} s){extra}; parameter sum {r.result['param_sum']:.4f}"
+    if r.hung:
+        return "**hangs**"
+    return f"error after {r.seconds:.0f} s: `{r.seen or '(no error line)'}`"
+
+
+def _base(**flags) -> dict:
+    return {"devices": 4, "steps": 12, "flags": {"timeout": TIMEOUT_S, **flags}}
+
+
+OURS_2x2 = {"devices_per_node": 2}
+
+
+def faults() -> list[Fault]:
+    stop1 = {"fault": {"kind": "sigstop", "rank": 1, "step": 5}}
+    stop2 = {"fault": {"kind": "sigstop", "rank": 2, "step": 5}}
+    return [
+        Fault("sigstop, one node", "`kill -STOP` of rank 1 (one node of 4 ranks)",
+              {**_base(), **stop1}, {**_base(), **stop1}, _crash_outcome),
+        Fault("sigstop, two nodes", "`kill -STOP` of rank 2 (2 nodes x 2)",
+              {**_base(**OURS_2x2), **stop2}, {**_base(), **stop2}, _crash_outcome),
+        Fault("sigkill", "`kill -9` of rank 2",
+              {**_base(**OURS_2x2), "fault": {"kind": "sigkill", "rank": 2, "step": 5}},
+              {**_base(), "fault": {"kind": "sigkill", "rank": 2, "step": 5}}, _crash_outcome),
+        Fault("raise", "an exception in rank 2's `training_step`",
+              {**_base(**OURS_2x2), "fault": {"kind": "raise", "rank": 2, "step": 5}},
+              {**_base(), "fault": {"kind": "raise", "rank": 2, "step": 5}}, _crash_outcome),
+        Fault("nan", "a NaN loss on rank 1 at step 5 (ours: `skip_nonfinite=True`)",
+              {**_base(**OURS_2x2, skip_nonfinite=True), "fault": {"kind": "nan", "rank": 1, "step": 5}},
+              {**_base(), "fault": {"kind": "nan", "rank": 1, "step": 5}}, _nan_outcome),
+        Fault("kill rank 0 mid-save", "`kill -9` of rank 0 in the middle of its second checkpoint write (ours: stage 2)",
+              {**_base(**OURS_2x2, zero_stage=2), "save_every": 3, "stall_save": True},
+              {**_base(), "save_every": 3, "stall_save": True}, _with_checkpoint(_crash_outcome),
+              kill_rank_0_at_fault=True, prepare=_ckpt_in_scratch),
+        Fault("full disk", "the checkpoint's filesystem fills up on the second save (ours: stage 2)",
+              {**_base(**OURS_2x2, zero_stage=2), "save_every": 3, "width": 256},
+              {**_base(), "save_every": 3, "width": 256}, _with_checkpoint(_crash_outcome),
+              needs_mount=True, prepare=_small_disk),
+        Fault("read-only directory", "the checkpoint directory is read-only (ours: stage 2)",
+              {**_base(**OURS_2x2, zero_stage=2), "save_every": 3},
+              {**_base(), "save_every": 3}, _crash_outcome, needs_mount=True, prepare=_read_only_dir),
+        Fault("random bytes checkpoint", "`fit(ckpt_path=...)` of a file of 4 kB of random bytes",
+              {**_base(), "devices": 2}, {**_base(), "devices": 2}, _crash_outcome,
+              prepare=lambda s, d: _corrupt(s, d, os.urandom(4096))),
+        Fault("empty checkpoint", "`fit(ckpt_path=...)` of an empty file",
+              {**_base(), "devices": 2}, {**_base(), "devices": 2}, _crash_outcome,
+              prepare=lambda s, d: _corrupt(s, d, b"")),
+        Fault("save after fit", "`trainer.save_checkpoint` after `fit` (ours: stage 2), resumed on 2 ranks (ours: stage 0)",
+              {**_base(**OURS_2x2, zero_stage=2), "save_after_fit": True},
+              {**_base(), "save_after_fit": True}, _resume_outcome, prepare=_ckpt_in_scratch),
+        Fault("sharded checkpoint", "`checkpoint=\"sharded\"` at stage 2, resumed on 2 ranks at stage 1",
+              {**_base(**OURS_2x2, zero_stage=2, checkpoint="sharded"), "save_after_fit": True},
+              None, _resume_outcome, prepare=_ckpt_in_scratch),
+        Fault("optimizer subclass", "a LARS-like optimizer (per-tensor trust ratio) subclassing `SGD` (ours: stage 2)",
+              {**_base(**OURS_2x2, zero_stage=2), "optimizer": "lars"}, {**_base(), "optimizer": "lars"},
+              _trains_outcome),
+        Fault("config precedence", "`config=` a stage-2 DeepSpeed config plus `zero_stage=0`",
+              {**_base(**OURS_2x2, zero_stage=0, config={"zero_optimization": {"stage": 2}})}, None, _trains_outcome),
+        Fault("bucket_size_mb=inf", "`bucket_size_mb=inf` (ddp: `bucket_cap_mb=inf`)",
+              {**_base(bucket_size_mb=math.inf)}, {**_base(bucket_cap_mb=math.inf)}, _trains_outcome),
+        Fault("timeout=nan", "`timeout=nan` (seconds)",
+              {**_base(), "flags": {"timeout": math.nan}}, {**_base(), "flags": {"timeout": math.nan}},
+              _trains_outcome),
+        Fault("broadcast_buffers=\"no\"", "`broadcast_buffers=\"no\"`",
+              {**_base(broadcast_buffers="no")}, {**_base(broadcast_buffers="no")}, _trains_outcome),
+        Fault("stage 3, blocks in a ModuleList", "GPT-2's layout (blocks in an `nn.ModuleList`, smaller than a unit),"
+              " stage 3 with the default `auto_wrap_policy`",
+              {**_base(**OURS_2x2, zero_stage=3), "model": "blocks"}, {**_base(), "model": "blocks"}, _trains_outcome),
+    ]
+
+
+def _ckpt_in_scratch(spec: dict, scratch: Path) -> dict:
+    return {**spec, "ckpt": str(scratch / "model.ckpt")}
+
+
+def _corrupt(spec: dict, scratch: Path, data: bytes) -> dict:
+    path = scratch / "bad.ckpt"
+    path.write_bytes(data)
+    return {**spec, "resume": str(path)}
+
+
+def _mount_tmpfs(path: Path, size: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True, capture_output=True)
+
+
+def _small_disk(spec: dict, scratch: Path) -> dict:
+    # Room for one checkpoint (about 0.8 MB) but not for the second beside it: an atomic write needs both.
+    _mount_tmpfs(scratch / "disk", "1200k")
+    return {**spec, "ckpt": str(scratch / "disk" / "model.ckpt")}
+
+
+def _read_only_dir(spec: dict, scratch: Path) -> dict:
+    _mount_tmpfs(scratch / "ro", "1m")
+    subprocess.run(["mount", "-o", "remount,ro", str(scratch / "ro")], check=True, capture_output=True)
+    return {**spec, "ckpt": str(scratch / "ro" / "model.ckpt")}
+
+
+def _with_checkpoint(outcome: Callable[[Run, str], str]) -> Callable[[Run, str], str]:
+    """The outcome, and what the checkpoint file holds afterwards."""
+
+    def describe(r: Run, contender: str) -> str:
+        ckpt = Path(r.spec_ckpt) if getattr(r, "spec_ckpt", None) else None
+        text = outcome(r, contender)
+        if ckpt is None:
+            return text
+        if not ckpt.exists():
+            return f"{text}; no checkpoint file"
+        try:
+            import torch
+
+            step = torch.load(ckpt, weights_only=False, map_location="cpu")["global_step"]
+            return f"{text}; the checkpoint loads (step {step})"
+        except Exception as err:  # noqa: BLE001
+            return f"{text}; **the checkpoint does not load** ({type(err).__name__})"
+
+    return describe
+
+
+def _resume_outcome(r: Run, contender: str) -> str:
+    if not r.result:
+        return f"save fails: {_crash_outcome(r, contender)}"
+    resumed = getattr(r, "resumed", None)
+    if resumed is None:
+        return "saved"
+    if resumed.result:
+        return f"saves; resumes to step {resumed.result['global_step']}"
+    return f"saves; **resume fails**: `{resumed.seen or '(no error line)'}`"
+
+
+def _resume_spec(spec: dict, contender: str) -> dict:
+    flags = {"timeout": TIMEOUT_S}
+    if contender == "ours":
+        sharded = spec["flags"].get("checkpoint") == "sharded"
+        flags.update(zero_stage=1 if sharded else 0)
+    return {"devices": 2, "steps": spec["steps"] + 2, "flags": flags, "resume": spec["ckpt"]}
+
+
+def _can_mount() -> tuple[bool, str]:
+    if os.geteuid() != 0:
+        return False, "needs root to mount a small tmpfs"
+    probe = Path(tempfile.mkdtemp(prefix="fault-mount-"))
+    try:
+        _mount_tmpfs(probe, "64k")
+        subprocess.run(["umount", str(probe)], check=True, capture_output=True)
+        return True, ""
+    except (subprocess.CalledProcessError, FileNotFoundError) as err:
+        return False, f"cannot mount a tmpfs here ({err})"
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
+def run_fault(fault: Fault, contender: str, spec: dict) -> Run:
+    scratch = Path(tempfile.mkdtemp(prefix="fault-scratch-"))
+    spec = {**spec, "strategy": contender}
+    try:
+        if fault.prepare is not None:
+            spec = fault.prepare(spec, scratch)
+        r = run(spec, kill_rank_0_at_fault=fault.kill_rank_0_at_fault)
+        r.spec_ckpt = spec.get("ckpt")  # type: ignore[attr-defined]
+        if fault.describe is _resume_outcome and r.result:
+            r.resumed = run({**_resume_spec(spec, contender), "strategy": contender})  # type: ignore[attr-defined]
+        r.outcome = (fault.describe or _crash_outcome)(r, contender)  # type: ignore[attr-defined]
+        return r
+    finally:
+        for m in ("disk", "ro"):
+            if (scratch / m).is_mount():
+                subprocess.run(["umount", "-l", str(scratch / m)], capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="", help="comma-separated words; run the faults whose names contain one")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "faults.md")
+    p.add_argument("--keep", action="store_true", help="keep each run's folder (log, markers) and print its path")
+    args = p.parse_args(argv)
+    words = [w for w in args.only.split(",") if w]
+    mount_ok, mount_reason = _can_mount()
+    rows = []
+    started = time.time()
+    for fault in faults():
+        if words and not any(w in fault.name for w in words):
+            continue
+        cells = []
+        for contender, spec in (("ours", fault.ours), ("ddp", fault.ddp)):
+            if spec is None:
+                cells.append("(no counterpart)")
+                continue
+            if fault.needs_mount and not mount_ok:
+                cells.append(f"skipped: {mount_reason}")
+                continue
+            r = run_fault(fault, contender, spec)
+            cells.append(r.outcome)  # type: ignore[attr-defined]
+            print(f"[{time.time() - started:6.0f} s] {fault.name} / {contender}: {r.outcome}", flush=True)
+            if args.keep:
+                print(f"    {r.workdir}")
+            else:
+                shutil.rmtree(r.workdir, ignore_errors=True)
+        rows.append(f"| {fault.what} | {cells[0]} | {cells[1]} |")
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    text = "\n".join([
+        "# Fault matrix",
+        "",
+        f"`python benchmarks/faults.py` at {rev or 'an unknown revision'}: 4 CPU ranks over gloo under Lightning's"
+        " launcher (ours as 2 simulated nodes x 2 unless the row says one node), a small MLP with AdamW,"
+        f" `timeout={TIMEOUT_S}` s for both. Times are from the fault until the last other rank exited (where a fault is"
+        f" injected), else the run's wall time. {os.cpu_count()} cores, {platform.platform()}.",
+        "",
+        "| fault | ddp_plugin (`hierarchical_zero`) | Lightning `ddp` |",
+        "|---|---|---|",
+        *rows,
+        "",
+    ])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
