@@ -312,8 +312,7 @@ def explain_write_error(err: BaseException, target: Path, who: str = "") -> OSEr
     message = f"{reason}: {who}could not write the checkpoint `{target}`"
     if cause.errno in _NO_ROOM:
         message += (
-            f" ({_free_space(target.parent)} free on its filesystem without the unfinished file; a previous"
-            " checkpoint of that name is kept)"
+            f" ({_free_space(target.parent)} free on its filesystem; a previous checkpoint of that name is kept)"
             if cause.errno != errno.EFBIG else
             f" (a file size limit: the process's `ulimit -f` or the filesystem's; {_free_space(target.parent)} free"
             " on it; a previous checkpoint of that name is kept)"

@@ -100,12 +100,12 @@ def save(checkpoint: Mapping[str, Any], local_model: Mapping[str, Any], local_op
             raise explained from err
         raise
     if rank0:
+        old = target.with_name(target.name + ".old")
         try:
             meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             meta[SHAPES_KEY] = dict(shapes)
             meta[OPTIM_KEY] = [{"param_groups": opt["param_groups"]} for opt in local_optimizers]
             atomic_torch_save(meta, partial / META_FILE)
-            old = target.with_name(target.name + ".old")
             if target.exists():
                 shutil.rmtree(old, ignore_errors=True)
                 target.rename(old)
@@ -113,6 +113,8 @@ def save(checkpoint: Mapping[str, Any], local_model: Mapping[str, Any], local_op
             shutil.rmtree(old, ignore_errors=True)
         except Exception as err:  # noqa: BLE001 - raised below, on every rank
             shutil.rmtree(partial, ignore_errors=True)
+            if old.exists() and not target.exists():
+                old.rename(target)  # the previous checkpoint back under its name
             error = explain_write_error(err, target) or err
     agree_with_rank_0(error, f"write `{target}`")
 

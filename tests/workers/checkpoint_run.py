@@ -157,8 +157,9 @@ def main() -> None:
     if args.devices:
         strategy = HierarchicalZeroStrategy(
             zero_stage=args.stage, shard_scope=args.scope, compression=args.compression,
-            devices_per_node=args.devices_per_node, auto_wrap_policy=args.wrap.split(","), checkpoint=args.checkpoint,
-            timeout=args.timeout, bucket_size_mb=args.bucket_mb, checkpoint_io=TorchCheckpointIO() if args.lightning_io else None,
+            devices_per_node=args.devices_per_node, auto_wrap_policy=args.wrap.split(","),
+            checkpoint=args.checkpoint, timeout=args.timeout, bucket_size_mb=args.bucket_mb,
+            checkpoint_io=TorchCheckpointIO() if args.lightning_io else None,
         )
     else:
         strategy = "auto"
