@@ -256,7 +256,14 @@ def reclassify(runner: Runner, args: argparse.Namespace) -> int:
     old = json.loads((args.out / "results.json").read_text()) if (args.out / "results.json").exists() else {}
     candidates = sum(1 for r in collected if r["source_mentions_ddp"] and not r["unmet"])
     report: dict = {"collected": len(collected), "candidates": old.get("candidates", candidates), "phases": {}}
-    for stage in range(4):
+    if old.get("phases"):
+        # The finished run's rows (tests whose process died have a row there and no report line).
+        for name, phase in old["phases"].items():
+            stage = int(name.rsplit(" ", 1)[1])
+            counts, classified = classify([{k: v for k, v in r.items() if k not in ("verdict", "reason")}
+                                           for r in phase["rows"]], stage)
+            report["phases"][name] = {"counts": dict(counts), "rows": classified}
+    for stage in range(4 if not old.get("phases") else 0):
         tag = f"stage{stage}"
         saved = args.out / f"rows-{tag}.json"
         if saved.exists():
