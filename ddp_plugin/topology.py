@@ -89,8 +89,9 @@ def build_topology(layout: Layout, device: torch.device, timeout: timedelta | No
     """Build the ``(node, local)`` device mesh over the initialized default process group.
 
     Ranks are laid out row-major (global rank = node * ranks_per_node + local rank), as Lightning, torchrun and
-    SLURM number them. Every rank must call this (creating subgroups is collective). Every group's collectives
-    fail after ``timeout`` (the strategy's), so a hung rank cannot hang the others past it on any group.
+    SLURM number them. Every rank must call this (creating subgroups is collective). Every group created here
+    fails its collectives after ``timeout`` (the strategy's, which it also gives the default group when it creates
+    that), so a hung rank cannot hang the others past it on any group.
     """
     rank = dist.get_rank()
     # A dimension spanning every rank reuses the default group, whose timeout the strategy has set; the others
@@ -111,7 +112,8 @@ def build_topology(layout: Layout, device: torch.device, timeout: timedelta | No
         [[n * k + l for n in range(m)] for l in range(k)], timeout=connect_timeout(timeout)
     )
     for group in (intra, inter, side_intra, side_inter):
-        set_collective_timeout(group, timeout)
+        if group is not dist.group.WORLD:  # the default group's timeout is its creator's business
+            set_collective_timeout(group, timeout)
     return Topology(
         world_size=layout.world_size,
         rank=rank,
