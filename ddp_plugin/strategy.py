@@ -654,14 +654,8 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     def full_parameters(self) -> Generator[None, None, None]:
         """Inside, every module parameter holds its full value on every rank (at ZeRO stage 3 they are
         all-gathered, and freed again on exit; call it on every rank). Read-only: changes are not kept."""
-        pm = self._plugin_manager if self._engine is not None else None
-        if pm is not None:
-            pm.hook.on_gather_full_parameters(gather=True)
-        try:
+        with self._lent("on_gather_full_parameters"):
             yield
-        finally:
-            if pm is not None:
-                pm.hook.on_gather_full_parameters(gather=False)
 
     @contextmanager
     def full_gradients(self) -> Generator[None, None, None]:
@@ -672,14 +666,21 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         happens. Call it on every rank (``on_after_backward``, ``on_before_optimizer_step``,
         ``on_train_batch_end``). Read-only: changes are not applied. For norms alone, :meth:`grad_norm` needs no
         gather."""
+        with self._lent("on_gather_full_gradients"):
+            yield
+
+    @contextmanager
+    def _lent(self, hook_name: str) -> Generator[None, None, None]:
+        """Call the gather hook ``hook_name`` with ``gather=True`` on entry and ``False`` on exit, during a fit."""
         pm = self._plugin_manager if self._engine is not None else None
-        if pm is not None:
-            pm.hook.on_gather_full_gradients(gather=True)
+        hook = getattr(pm.hook, hook_name) if pm is not None else None
+        if hook is not None:
+            hook(gather=True)
         try:
             yield
         finally:
-            if pm is not None:
-                pm.hook.on_gather_full_gradients(gather=False)
+            if hook is not None:
+                hook(gather=False)
 
     def grad_norm(self, norm_type: float | int | str = 2, group_separator: str = "/") -> dict[str, Tensor]:
         """``lightning.pytorch.utilities.grad_norm(module, norm_type)`` of the LightningModule, at every ZeRO
