@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddp_plugin.checks import check_bool, check_int, check_number
+
 ZERO = "zero_optimization"
 ALLOWED_STAGES = (0, 1, 2, 3)
 GRADIENT_BYTES = 4
@@ -320,12 +322,10 @@ def _map_zero(zero: Any, flags: dict[str, Any], ignored: dict[str, str]) -> int 
         )
     stage = zero.get("stage")
     if not _unset(stage):
-        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in ALLOWED_STAGES:
-            raise ValueError(
-                f"`{ZERO}.stage={stage!r}` is not a ZeRO stage; allowed values:"
-                f" {', '.join(map(str, ALLOWED_STAGES))}."
-            )
-        flags["zero_stage"] = stage
+        flags["zero_stage"] = check_int(
+            f"{ZERO}.stage", stage, min(ALLOWED_STAGES), max(ALLOWED_STAGES),
+            expected=f"a ZeRO stage; allowed values: {', '.join(map(str, ALLOWED_STAGES))}",
+        )
     effective_stage = flags.get("zero_stage", 0)
     hpz_partition_size: int | None = None
     for key, value in zero.items():
@@ -338,11 +338,8 @@ def _map_zero(zero: Any, flags: dict[str, Any], ignored: dict[str, str]) -> int 
                                " of fp32)", minimum=0, strict=True, maximum=MAX_BUCKET_ELEMENTS)
             flags["bucket_size_mb"] = elements * GRADIENT_BYTES / 2**20
         elif key == "zero_hpz_partition_size":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(
-                    f"`{dotted}={value!r}` must be a non-negative integer: the ranks per node to shard over"
-                    " (0 or 1: no hpZ)."
-                )
+            check_int(dotted, value, minimum=0,
+                      expected="a non-negative integer: the ranks per node to shard over (0 or 1: no hpZ)")
             if value > 1:
                 if effective_stage == 3:
                     flags["shard_scope"] = "node"
@@ -372,19 +369,9 @@ def _map_zero(zero: Any, flags: dict[str, Any], ignored: dict[str, str]) -> int 
 
 
 def _bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"`{key}={value!r}` must be a boolean; allowed values: true, false.")
-    return value
+    return check_bool(key, value, spelled="true, false")  # JSON's spelling
 
 
 def _number(key: str, value: Any, expected: str, minimum: float, strict: bool = False,
             maximum: float = math.inf) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or (value <= minimum if strict else value < minimum)
-        or value > maximum
-    ):
-        raise ValueError(f"`{key}={value!r}` must be {expected}.")
-    return value
+    return check_number(key, value, minimum=minimum, maximum=maximum, strict=strict, expected=expected)

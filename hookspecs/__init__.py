@@ -2,7 +2,9 @@
 
 Everything a plugin author needs lives in this package: the markers (:data:`hookimpl`, :data:`hookspec`),
 the hook specifications (:mod:`ddp_plugin.hookspecs.hooks`) and the small value types that hooks exchange
-(:class:`Bucket`, :class:`Topology`, :class:`DeferredTensor`). Plugins import from here and never from the strategy's internals.
+(:class:`Bucket`, :class:`Topology`, :class:`Options`, :class:`DeferredTensor`), and the interface of the
+collectives a plugin may use (:class:`Communicator`, handed to ``on_setup``). Plugins import from here and
+never from the strategy's internals.
 
 It is installed as ``ddp_plugin.hookspecs`` (the repository keeps it in the top-level ``hookspecs/`` folder).
 """
@@ -19,13 +21,16 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 from ddp_plugin.hookspecs.types import (  # noqa: E402
     Bucket,
+    Communicator,
     DeferredStorage,
     DeferredTensor,
+    Options,
     Topology,
+    Traffic,
     completed_future,
 )
 
 __all__ = [
-    "PROJECT_NAME", "Bucket", "DeferredStorage", "DeferredTensor", "Topology", "completed_future", "hookimpl",
-    "hookspec",
+    "PROJECT_NAME", "Bucket", "Communicator", "DeferredStorage", "DeferredTensor", "Options", "Topology", "Traffic",
+    "completed_future", "hookimpl", "hookspec",
 ]

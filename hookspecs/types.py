@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
     from datetime import timedelta
 
     from torch import Tensor
-    from torch.distributed import ProcessGroup
+    from torch.distributed import ProcessGroup, ReduceOp, Work
     from torch.distributed.device_mesh import DeviceMesh
     from torch.nn import Parameter
 
@@ -116,6 +117,81 @@ class Topology:
     @property
     def local_rank(self) -> int:
         return self.rank % self.ranks_per_node
+
+
+@dataclass(frozen=True)
+class Options:
+    """The strategy's settings as plugins see them (``on_setup(options=...)``), validated and final: a DeepSpeed
+    ``config`` is merged in, and the values left to the layout (``hierarchical``) are decided.
+
+    Attributes:
+        zero_stage: 0 (plain data parallel), 1, 2 or 3.
+        shard_scope: ``"global"`` (shards over every rank) or ``"node"`` (over the ranks of a node).
+        hierarchical: whether gradients are reduced in node, cross-node and gather stages.
+        compression: the ``compression=`` name, or ``None``.
+        compression_options: the codec's options, read-only (a third-party codec validates its own).
+        cross_node_codec: the name of the plugin that answers ``on_cross_node_reduce`` ahead of the plain
+            averaging all-reduce (the codec, or a plugin of the user's), or ``None`` when the cross-node stage
+            is the plain mean; a plugin that could take a cheaper path for a plain mean (a sharder's
+            reduce-scatter) asks this instead of inspecting other plugins.
+        bucket_size_mb: gradient bucket capacity in MiB.
+        broadcast_buffers: whether module buffers are broadcast from rank 0 before each training step.
+        devices_per_node: the ``devices_per_node`` flag (``None``: the launcher's ranks per node).
+    """
+
+    zero_stage: int = 0
+    shard_scope: Literal["global", "node"] = "global"
+    hierarchical: bool = False
+    compression: str | None = None
+    compression_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    cross_node_codec: str | None = None
+    bucket_size_mb: float = 25.0
+    broadcast_buffers: bool = True
+    devices_per_node: int | None = None
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank handed to the network, split by whether the receiver is on its node."""
+
+    intra_node_bytes: int = 0
+    cross_node_bytes: int = 0
+
+
+class Communicator(Protocol):
+    """The collectives a plugin may use, handed to it as ``on_setup(comm=...)``. Each one is the
+    ``torch.distributed`` collective of the same meaning, and records what this rank sends and to whom (from
+    the algorithm the backend runs), so that the strategy's traffic accounting (``comm/...`` metrics) counts
+    it; collectives a plugin issues through ``torch.distributed`` directly are not counted. Every method takes
+    the group (``None``: the world) and, where torch does, ``async_op`` (then it returns the work handle).
+    """
+
+    def all_reduce(self, tensor: Tensor, op: ReduceOp = ..., group: ProcessGroup | None = None,
+                   async_op: bool = False) -> Work | None:
+        """Reduce ``tensor`` in place over ``group`` (sum by default). Sends 2(n-1)/n of it (ring)."""
+
+    def reduce_scatter(self, output: Tensor, input: Tensor, group: ProcessGroup | None = None) -> Tensor:  # noqa: A002
+        """Sum ``input`` (n equal chunks) over ``group`` and write chunk ``rank in group`` into ``output``;
+        return ``output``. Blocking. NCCL runs its native reduce-scatter; on gloo, which emulates one with a
+        full all-reduce, an all-to-all plus a local sum, half the bytes: (n-1)/n of ``input`` either way."""
+
+    def all_gather(self, output: Tensor, input: Tensor, group: ProcessGroup | None = None,  # noqa: A002
+                   async_op: bool = False) -> Work | None:
+        """Every rank's ``input`` into ``output``, in rank order. Sends (n-1) times ``input`` (ring)."""
+
+    def all_to_all(self, output: Tensor, input: Tensor, group: ProcessGroup | None = None,  # noqa: A002
+                   async_op: bool = False) -> Work | None:
+        """Equal splits: chunk j of ``input`` goes to rank j, which keeps it as chunk ``rank`` of ``output``."""
+
+    def new_group(self, ranks: list[int] | None = None, backend: str | None = None) -> ProcessGroup:
+        """A process group of ``ranks`` (collective: every rank calls it) whose collectives fail after the
+        strategy's ``timeout``, like every group of the strategy's (torch gives a new group 30 minutes)."""
+
+    def bytes_sent_by_this_thread(self) -> int:
+        """Bytes recorded so far by the calling thread: the difference around a call is what it sent."""
+
+    def take_traffic(self) -> Traffic:
+        """The traffic recorded since the last call (every thread), resetting the tally."""
 
 
 _deferred_order = itertools.count()

@@ -1,0 +1,133 @@
+"""The collectives the strategy and its plugins use, with traffic accounting, and the torch-version
+differences in one place: :class:`TracedCommunicator` implements the contract's
+:class:`~ddp_plugin.hookspecs.Communicator`, and one is handed to the plugins of every ``fit``.
+
+Each method issues the torch.distributed collective and records what this rank sends and to whom, from the
+algorithm the backend runs: a ring all-reduce sends 2(n-1)/n of the tensor to the next rank of the group, a
+ring all-gather (n-1) input-sized chunks to the next rank, an all-to-all each chunk straight to its owner.
+Whether a send stays inside a node or crosses to another follows from the two ranks' nodes.
+
+torch 2.13 renamed ``reduce_scatter_tensor``/``all_gather_into_tensor`` to ``reduce_scatter_single``/
+``all_gather_single`` (the old names remain as deprecated aliases); the methods take whichever exists.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ddp_plugin.hookspecs import Traffic
+from ddp_plugin.topology import new_group
+
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
+def _next_in_ring(group: dist.ProcessGroup) -> int:
+    return (dist.get_rank(group) + 1) % dist.get_world_size(group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class TracedCommunicator:
+    """Collectives that count this rank's traffic, split into intra-node and cross-node bytes by
+    ``ranks_per_node`` (global rank = node * ranks_per_node + local rank); groups made by :meth:`new_group` fail
+    their collectives after ``timeout``.
+
+    Thread-safe: the communication thread and the training thread both record."""
+
+    def __init__(self, ranks_per_node: int = 1, timeout: timedelta | None = None) -> None:
+        self.ranks_per_node = ranks_per_node
+        self.timeout = timeout
+        self._traffic = Traffic()
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    # ------------------------------------------------------------------ accounting
+
+    def _record(self, group: dist.ProcessGroup, sends: list[tuple[int, float]]) -> None:
+        """``sends``: (destination rank within ``group``, bytes) pairs for this rank."""
+        me = dist.get_rank() // self.ranks_per_node
+        intra = cross = 0.0
+        for dst, nbytes in sends:
+            if dist.get_global_rank(group, dst) // self.ranks_per_node == me:
+                intra += nbytes
+            else:
+                cross += nbytes
+        with self._lock:
+            self._traffic.intra_node_bytes += int(intra)
+            self._traffic.cross_node_bytes += int(cross)
+        self._local.sent = self.bytes_sent_by_this_thread() + int(intra + cross)
+
+    def bytes_sent_by_this_thread(self) -> int:
+        return getattr(self._local, "sent", 0)
+
+    def take_traffic(self) -> Traffic:
+        with self._lock:
+            traffic, self._traffic = self._traffic, Traffic()
+        return traffic
+
+    # ------------------------------------------------------------------ collectives
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        group = _group(group)
+        n = dist.get_world_size(group)
+        if n > 1:
+            self._record(group, [(_next_in_ring(group), 2 * (n - 1) / n * _nbytes(tensor))])
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    def reduce_scatter(self, output, input, group=None):  # noqa: A002
+        group = _group(group)
+        n = dist.get_world_size(group)
+        if n == 1:
+            return output.copy_(input)
+        if dist.get_backend(group) == "nccl":
+            self._record(group, [(_next_in_ring(group), (n - 1) / n * _nbytes(input))])
+            _reduce_scatter_single(output, input, group=group)
+            return output
+        # gloo emulates reduce-scatter with a full all-reduce (2(n-1)/n of the input); an all-to-all sends each
+        # chunk once, (n-1)/n, and the sum is local.
+        received = self._workspace(input)
+        self.all_to_all(received, input, group=group)
+        return torch.sum(received.view(n, output.numel()), dim=0, out=output)
+
+    def all_gather(self, output, input, group=None, async_op=False):  # noqa: A002
+        group = _group(group)
+        n = dist.get_world_size(group)
+        if n > 1:
+            self._record(group, [(_next_in_ring(group), (n - 1) * _nbytes(input))])
+        return _all_gather_single(output, input, group=group, async_op=async_op)
+
+    def all_to_all(self, output, input, group=None, async_op=False):  # noqa: A002
+        group = _group(group)
+        n = dist.get_world_size(group)
+        if n > 1:
+            me = dist.get_rank(group)
+            chunk = _nbytes(input) / n
+            self._record(group, [(dst, chunk) for dst in range(n) if dst != me])
+        return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+
+    def new_group(self, ranks=None, backend=None):
+        return new_group(ranks, backend=backend, timeout=self.timeout)
+
+    # ------------------------------------------------------------------ scratch space
+
+    def _workspace(self, like: torch.Tensor) -> torch.Tensor:
+        """A scratch tensor shaped like ``like``, one per thread, dtype and device, reused from call to call
+        (grown when needed): a bucket-sized buffer allocated every step only churns the allocator, and on CPU
+        fragments the heap (measured: RSS grew by 2x the gradient size over 40 steps)."""
+        spaces: dict[tuple[torch.dtype, torch.device], torch.Tensor] = self._local.__dict__.setdefault("spaces", {})
+        key = (like.dtype, like.device)
+        buf = spaces.get(key)
+        if buf is None or buf.numel() < like.numel():
+            buf = spaces[key] = like.new_empty(like.numel())
+        return buf[: like.numel()]

@@ -1,0 +1,201 @@
+"""The strategy's settings: one frozen, validated :class:`StrategyConfig`, built once from the flags and an
+optional DeepSpeed config, that everything after construction trusts.
+
+Precedence, for the flags a DeepSpeed config can set (:data:`CONFIG_FLAGS`): a flag that was given wins, also
+when it equals its default; then the config's value; then the default. "Given" is decided by the sentinel
+:data:`UNSET` in :meth:`StrategyConfig.from_flags`. ``HierarchicalZeroStrategy``'s signature cannot default to
+a sentinel (LightningCLI checks every default against its type), so there ``None`` means "not set" for those
+flags, and an explicit ``compression=None`` cannot switch off a config's ``zero_quantized_gradients``; a
+config without that key can.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from types import MappingProxyType
+from typing import Any
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+from ddp_plugin.checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_mapping,
+    check_positive_number,
+    invalid,
+)
+
+ZERO_STAGES = (0, 1, 2, 3)
+SHARD_SCOPES = ("global", "node")
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+WEIGHTINGS = ("rank", "sample")
+CHECKPOINT_MODES = ("master", "sharded")
+BACKENDS = ("gloo", "nccl", "mpi")
+MAX_BUCKET_SIZE_MB = 2**20  # 1 TiB: no device holds a bucket near that; inf overflowed `int(mb * 2**20)`
+MAX_TIMEOUT = timedelta(days=365)  # much beyond, torch's deadlines (int64 nanoseconds) overflow: about 292 years
+CONFIG_FLAGS = ("zero_stage", "shard_scope", "bucket_size_mb", "compression", "gradient_clip_norm")
+"""The flags a DeepSpeed ``config`` can set."""
+
+
+class _Unset:
+    """The type of :data:`UNSET`."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __reduce__(self) -> str:
+        return "UNSET"  # pickles as the module-level singleton
+
+
+UNSET: Any = _Unset()
+"""A flag that was not given."""
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """Every flag of ``HierarchicalZeroStrategy``, validated (see its docstring for their meaning). Build it
+    with :meth:`from_flags`; the constructor itself checks nothing."""
+
+    zero_stage: int = 0
+    shard_scope: str = "global"
+    auto_wrap_policy: int | tuple[type | str, ...] = 1_000_000
+    gradient_clip_norm: float | None = None
+    checkpoint: str = "master"
+    release_cpu_memory: bool | None = None
+    devices_per_node: int | None = None
+    hierarchical: bool | None = None
+    compression: str | None = None
+    compression_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    bucket_size_mb: float = 25
+    plugins: tuple[object, ...] = ()
+    broadcast_buffers: bool = True
+    progress_bar_metrics: bool = False
+    skip_nonfinite: bool = False
+    weighting: str = "rank"
+    process_group_backend: str | None = None
+    timeout: timedelta | None = default_pg_timeout
+    start_method: str = "popen"
+    hpz_partition_size: int | None = None
+    """From a DeepSpeed config's ``zero_hpz_partition_size``: must equal the ranks per node (checked at setup)."""
+
+    @classmethod
+    def from_flags(cls, config: str | os.PathLike | Mapping[str, Any] | None = None, **flags: Any) -> StrategyConfig:
+        """Validate ``flags`` (keyword arguments named like the fields; :data:`UNSET` or missing = not given)
+        and merge the DeepSpeed ``config`` into those it can set. Raises ``ValueError`` naming the flag, the value
+        and the allowed values; ``TypeError`` for an unknown flag."""
+        unknown = sorted(set(flags) - {f.name for f in fields(cls)} - {"hpz_partition_size"})
+        if unknown:
+            raise TypeError(f"Unknown flag(s) {', '.join(unknown)} for HierarchicalZeroStrategy.")
+        given = {k: v for k, v in flags.items() if v is not UNSET}
+        merged: dict[str, Any] = {}
+        if config is not None:
+            mapped = _from_deepspeed_config(config)
+            merged.update(mapped.flags)
+            merged["hpz_partition_size"] = mapped.hpz_partition_size
+        merged.update(given)
+        return cls(**_validated(merged))
+
+    @property
+    def uses_sharding(self) -> bool:
+        return self.zero_stage > 0
+
+
+def _validated(values: dict[str, Any]) -> dict[str, Any]:
+    """Each given value checked and normalized; missing ones keep their defaults."""
+    from ddp_plugin.codecs import check_compression
+    from ddp_plugin.plugin_manager import check_plugins
+    from ddp_plugin.zero.units import check_auto_wrap_policy
+
+    out: dict[str, Any] = {}
+    checks = {
+        "zero_stage": lambda v: check_int("zero_stage", v, 0, 3, expected="an integer; allowed values: 0, 1, 2, 3"),
+        "shard_scope": lambda v: check_choice("shard_scope", v, SHARD_SCOPES),
+        "auto_wrap_policy": check_auto_wrap_policy,
+        "gradient_clip_norm": lambda v: None if v is None else check_positive_number("gradient_clip_norm", v),
+        "checkpoint": lambda v: check_choice("checkpoint", v, CHECKPOINT_MODES),
+        "release_cpu_memory": lambda v: check_bool("release_cpu_memory", v, none=True),
+        "devices_per_node": _check_devices_per_node,
+        "hierarchical": lambda v: check_bool("hierarchical", v, none=True),
+        "compression_options": lambda v: MappingProxyType(check_mapping("compression_options", v)),
+        "bucket_size_mb": lambda v: check_positive_number(
+            "bucket_size_mb", v, maximum=MAX_BUCKET_SIZE_MB, unit=" MiB (1 TiB)"),
+        "plugins": lambda v: tuple(v),
+        "broadcast_buffers": lambda v: check_bool("broadcast_buffers", v),
+        "progress_bar_metrics": lambda v: check_bool("progress_bar_metrics", v),
+        "skip_nonfinite": lambda v: check_bool("skip_nonfinite", v),
+        "weighting": lambda v: check_choice("weighting", v, WEIGHTINGS),
+        "process_group_backend": _check_backend,
+        "timeout": _check_timeout,
+        "start_method": lambda v: check_choice("start_method", v, START_METHODS),
+        "hpz_partition_size": lambda v: v,
+    }
+    for name, value in values.items():
+        if name != "compression":
+            out[name] = checks[name](value)
+    # The codec last: its options are checked by the codec itself, and options nobody reads are refused.
+    compression = values.get("compression")
+    options = out.get("compression_options", MappingProxyType({}))
+    plugins = out.get("plugins", ())
+    check_compression(compression, options)
+    check_plugins(plugins, compression, options)
+    if "compression" in values:
+        out["compression"] = compression
+    return out
+
+
+def _check_devices_per_node(value: Any) -> int | None:
+    if value is None:
+        return None
+    return check_int("devices_per_node", value, minimum=1, expected=(
+        "a positive integer that divides the world size, or None to use the launcher's ranks per node"))
+
+
+def _check_backend(backend: Any) -> str | None:
+    if backend is None:
+        return None
+    check_choice("process_group_backend", backend, BACKENDS)
+    import torch.distributed as dist
+
+    if backend == "mpi" and not dist.is_mpi_available():
+        raise ValueError(
+            "`process_group_backend='mpi'` needs a torch build with MPI support, and this one has none; use"
+            " 'gloo' (CPU) or 'nccl' (CUDA). `mpirun` launches still work with those backends."
+        )
+    return backend
+
+
+def _check_timeout(timeout: Any) -> timedelta | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        ok = timedelta(0) < timeout <= MAX_TIMEOUT
+    else:
+        ok = (not isinstance(timeout, bool) and isinstance(timeout, (int, float)) and math.isfinite(timeout)
+              and 0 < timeout <= MAX_TIMEOUT.total_seconds())
+    if not ok:
+        # A negative timedelta used to fail only at connect, nan and inf with errors that did not name the flag.
+        raise invalid("timeout", timeout, "a datetime.timedelta or a positive number of seconds, finite and at"
+                      f" most {MAX_TIMEOUT.days} days")
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+
+
+def _from_deepspeed_config(config: Any) -> Any:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    from ddp_plugin.deepspeed_config import describe_ignored, from_deepspeed_config
+
+    mapped = from_deepspeed_config(config)
+    message = describe_ignored(mapped)
+    if message:
+        rank_zero_warn(message)
+    return mapped
+
+
+def flag_names() -> Iterable[str]:
+    """The user-facing flags (every field but what a DeepSpeed config alone sets)."""
+    return (f.name for f in fields(StrategyConfig) if f.name != "hpz_partition_size")
