@@ -16,7 +16,6 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from types import MappingProxyType
 from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -70,7 +69,7 @@ class StrategyConfig:
     devices_per_node: int | None = None
     hierarchical: bool | None = None
     compression: str | None = None
-    compression_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    compression_options: dict[str, Any] = field(default_factory=dict)  # read-only by convention (pickled by spawn)
     bucket_size_mb: float = 25
     plugins: tuple[object, ...] = ()
     broadcast_buffers: bool = True
@@ -121,7 +120,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "release_cpu_memory": lambda v: check_bool("release_cpu_memory", v, none=True),
         "devices_per_node": _check_devices_per_node,
         "hierarchical": lambda v: check_bool("hierarchical", v, none=True),
-        "compression_options": lambda v: MappingProxyType(check_mapping("compression_options", v)),
+        "compression_options": lambda v: check_mapping("compression_options", v),
         "bucket_size_mb": lambda v: check_positive_number(
             "bucket_size_mb", v, maximum=MAX_BUCKET_SIZE_MB, unit=" MiB (1 TiB)"),
         "plugins": lambda v: tuple(v),
@@ -139,7 +138,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
             out[name] = checks[name](value)
     # The codec last: its options are checked by the codec itself, and options nobody reads are refused.
     compression = values.get("compression")
-    options = out.get("compression_options", MappingProxyType({}))
+    options = out.get("compression_options", {})
     plugins = out.get("plugins", ())
     check_compression(compression, options)
     check_plugins(plugins, compression, options)

@@ -79,7 +79,7 @@ _TOP_LEVEL: dict[str, str] = {
     "dump_state": "no counterpart",
     "zero_allow_untested_optimizer": (
         "not needed: ZeRO stages accept elementwise optimizers (SGD, Adam, AdamW, ...); declare another one with"
-        " `ddp_plugin.plugins.zero_sharder.allow_optimizer`"
+        " `ddp_plugin.zero.allow_optimizer`"
     ),
     "zero_force_ds_cpu_optimizer": _NO_OFFLOAD,
     "allgather_size": "no counterpart: parameters are all-gathered in the gradient buckets (`bucket_size_mb`)",

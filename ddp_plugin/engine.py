@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ddp_plugin import collectives, health
+from ddp_plugin import health
 from ddp_plugin.hookspecs import Bucket
 
 if TYPE_CHECKING:
     from pluggy import HookRelay
     from torch import Tensor
     from torch.nn import Module, Parameter
+
+    from ddp_plugin.hookspecs import Communicator
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,7 @@ class GradientEngine:
         bucket_cap_bytes: int,
         flags_group: dist.ProcessGroup,
         device: torch.device,
+        comm: Communicator,
         pad_multiple: int = 1,
     ) -> None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -147,6 +150,7 @@ class GradientEngine:
         # Bookkeeping (which parameters got a gradient) runs on a group of its own, so gloo moves it alongside the
         # last bucket instead of queueing it behind, and it never interleaves with the plugins' collectives.
         self._flags_group = flags_group
+        self._comm = comm
         self._views: list[list[Tensor]] = [[b.grad_view(i) for i in range(len(b.params))] for b in self.buckets]
         self._params: list[Parameter] = [p for b in self.buckets for p in b.params]
         self._flat_views: list[Tensor] = [v for views in self._views for v in views]
@@ -164,7 +168,7 @@ class GradientEngine:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
 
-        self._comm = concurrent.futures.ThreadPoolExecutor(
+        self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="ddp_plugin-comm", initializer=_bind_device
         )
 
@@ -206,7 +210,7 @@ class GradientEngine:
         if self.check_finite and not self._local_nonfinite:
             # Checked before the reduction: a codec could turn a NaN into a finite value on the wire.
             self._local_nonfinite = not bool(torch.isfinite(bucket.buffer).all())
-        self._in_flight.append(self._comm.submit(self._reduce, bucket))
+        self._in_flight.append(self._thread.submit(self._reduce, bucket))
         self._next_launch = bucket.index + 1
 
     def _reduce(self, bucket: Bucket) -> torch.futures.Future:
@@ -245,7 +249,7 @@ class GradientEngine:
         # branch cannot hang.
         flags.append(self._local_nonfinite)
         counts = torch.tensor(flags, dtype=torch.int32, device=self.buckets[0].buffer.device)
-        flags_work = collectives.all_reduce(counts, group=self._flags_group, async_op=True)
+        flags_work = self._comm.all_reduce(counts, group=self._flags_group, async_op=True)
 
         waiting_since = time.perf_counter()
         try:
@@ -279,4 +283,4 @@ class GradientEngine:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._comm.shutdown(wait=True)
+        self._thread.shutdown(wait=True)

@@ -1,40 +1,26 @@
-"""Assembles the plugins one run uses: built-ins chosen by flags, installed ones, and the user's objects."""
+"""Assembles the plugins one ``fit`` uses: built-ins chosen by flags, installed ones, and the user's objects."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from ddp_plugin.codecs import BUILTIN_CODECS, available_codecs, implements, installed_codecs
 from ddp_plugin.hookspecs import PROJECT_NAME, hooks
 from ddp_plugin.plugins import FlatReducer, HierarchicalReducer, MeanAllReduce, TrafficAccounting
-from ddp_plugin.plugins.codecs import BUILTIN_CODECS
-from ddp_plugin.plugins.zero_sharder import ZeroSharder
+
+if TYPE_CHECKING:
+    from ddp_plugin.config import StrategyConfig
+
+__all__ = ["available_codecs", "build_plugin_manager", "check_plugins", "cross_node_codec", "installed_codecs"]
 
 
 def new_plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(hooks)
     return pm
-
-
-def _is_codec(pm: pluggy.PluginManager, plugin: object) -> bool:
-    return any(caller.name == "on_cross_node_reduce" for caller in pm.get_hookcallers(plugin) or ())
-
-
-def installed_codecs() -> list[str]:
-    """Names of the codecs installed packages provide: plugins in the entry-point group ``ddp_plugin`` that
-    implement ``on_cross_node_reduce``. The entry point's name is the value to pass as ``compression=``."""
-    pm = new_plugin_manager()
-    pm.load_setuptools_entrypoints(PROJECT_NAME)
-    return sorted(name for name, plugin in pm.list_name_plugin() if _is_codec(pm, plugin))
-
-
-def available_codecs() -> list[str]:
-    """Every valid ``compression=`` name: the built-in codecs, then the installed ones (a built-in name wins
-    over an installed codec of the same name)."""
-    return [*BUILTIN_CODECS, *(name for name in installed_codecs() if name not in BUILTIN_CODECS)]
 
 
 def build_plugin_manager(
@@ -47,11 +33,13 @@ def build_plugin_manager(
     auto_wrap_policy: Any = None,
 ) -> pluggy.PluginManager:
     """Register, in order: the built-in defaults (``trylast``; the hierarchical or the flat reducer), the
-    traffic accounting, the ZeRO sharder (``zero_stage`` 1-3), the built-in codec ``compression`` names (constructed with ``compression_options`` as
-    keyword arguments, so a bad option fails here), installed plugins from entry points (a codec only when
-    ``compression`` names it), then the user's ``plugins=`` objects, which pluggy calls first.
+    traffic accounting, the ZeRO sharder (``zero_stage`` 1-3), the built-in codec ``compression`` names
+    (constructed with ``compression_options`` as keyword arguments), installed plugins from entry points (a codec
+    only when ``compression`` names it), then the user's ``plugins=`` objects, which pluggy calls first.
+    ``check_pending()`` makes a misspelled hook fail here. Installed codecs receive ``compression_options``
+    through ``on_setup(options=...)``."""
+    from ddp_plugin.zero import ZeroSharder
 
-    Installed codecs receive ``compression_options`` through ``on_setup(options=...)``."""
     pm = new_plugin_manager()
     builtins: dict[str, object] = {
         "mean_allreduce": MeanAllReduce(),
@@ -65,21 +53,61 @@ def build_plugin_manager(
         builtins[compression] = BUILTIN_CODECS[compression](**dict(compression_options or {}))
     for name, plugin in builtins.items():
         pm.register(plugin, name=name)
-    pm.load_setuptools_entrypoints(PROJECT_NAME)
-    for name, plugin in list(pm.list_name_plugin()):
-        if name not in builtins and _is_codec(pm, plugin) and name != compression:
-            pm.unregister(plugin=plugin)
+    _load_installed(pm, compression, keep=set(builtins))
     if compression is not None and pm.get_plugin(compression) is None:
-        installed = [name for name in installed_codecs() if name not in BUILTIN_CODECS]
-        # Installed codecs first: they are the ones a user most likely meant when a name is not built in.
-        allowed = ", ".join(map(repr, [None, *installed, *BUILTIN_CODECS]))
-        raise ValueError(
-            f"`compression={compression!r}` is not an available codec; allowed values: {allowed} (built-in:"
-            f" {', '.join(BUILTIN_CODECS)}; installed: {', '.join(installed) or 'none'}). More codecs come from"
-            " installed packages that declare an entry point in the group `ddp_plugin`."
-        )
+        from ddp_plugin.codecs import check_compression
+
+        check_compression(compression, compression_options or {})  # raises, naming the available codecs
     for plugin in extra_plugins:
         pm.register(plugin)
-    # A misspelled hook name in any plugin fails here instead of being silently ignored.
     pm.check_pending()
     return pm
+
+
+def build_for(config: StrategyConfig, hierarchical: bool) -> pluggy.PluginManager:
+    """The plugin manager of one ``fit`` with ``config``'s flags."""
+    return build_plugin_manager(
+        config.compression, config.plugins, hierarchical=hierarchical, compression_options=config.compression_options,
+        zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
+    )
+
+
+def _load_installed(pm: pluggy.PluginManager, compression: str | None, keep: set[str]) -> None:
+    """Installed plugins from entry points, except codecs that ``compression`` does not name."""
+    pm.load_setuptools_entrypoints(PROJECT_NAME)
+    for name, plugin in list(pm.list_name_plugin()):
+        if name not in keep and implements(plugin, "on_cross_node_reduce") and name != compression:
+            pm.unregister(plugin=plugin)
+
+
+def cross_node_codec(pm: pluggy.PluginManager) -> str | None:
+    """The name of the plugin that answers ``on_cross_node_reduce`` ahead of the default mean, or ``None``: what
+    :class:`~ddp_plugin.hookspecs.Options` tells plugins, so that none of them inspects the registry."""
+    for impl in reversed(pm.hook.on_cross_node_reduce.get_hookimpls()):  # the order pluggy calls them
+        if impl.hookwrapper or impl.wrapper or isinstance(impl.plugin, MeanAllReduce):
+            continue
+        return pm.get_name(impl.plugin)
+    return None
+
+
+def check_plugins(plugins: Iterable[object], compression: str | None, options: Mapping[str, Any]) -> None:
+    """At construction: the user's plugins' hooks are real hooks with real parameters
+    (``pluggy.PluginValidationError`` otherwise), and ``compression_options`` without ``compression`` have a
+    reader: a plugin of the user's, or an installed one that is not a codec, taking ``options`` in ``on_setup``
+    (a forgotten ``compression=`` would otherwise train uncompressed, silently)."""
+    pm = new_plugin_manager()
+    for plugin in plugins:
+        pm.register(plugin)
+    pm.check_pending()
+    if compression is not None or not options:
+        return
+    _load_installed(pm, None, keep=set())
+    readers = [impl.plugin for impl in pm.hook.on_setup.get_hookimpls() if "options" in impl.argnames]
+    if readers:
+        return
+    allowed = ", ".join(map(repr, available_codecs()))
+    raise ValueError(
+        f"`compression_options={dict(options)!r}` has no effect: `compression` is not set, and no plugin reads the"
+        f" options (a plugin of yours receives them in `on_setup(options=...)`). Set `compression` to the codec"
+        f" they are for ({allowed}), or drop `compression_options`."
+    )

@@ -37,13 +37,12 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     import torch
+    from ddp_plugin.hookspecs.types import Bucket, Communicator, Options, Topology
     from pluggy import HookRelay
     from torch import Tensor
     from torch.distributed import ProcessGroup
     from torch.nn import Module, Parameter
     from torch.optim import Optimizer
-
-    from ddp_plugin.hookspecs.types import Bucket, Communicator, Options, Topology
 
 
 # -------------------------------------------------------------------------
@@ -143,7 +142,9 @@ def on_bucket_ready(bucket: Bucket) -> torch.futures.Future | None:
 
 
 @hookspec(firstresult=True)
-def on_cross_node_reduce(tensor: Tensor, group: ProcessGroup, bucket: Bucket, offset: int) -> torch.futures.Future | None:
+def on_cross_node_reduce(
+    tensor: Tensor, group: ProcessGroup, bucket: Bucket, offset: int
+) -> torch.futures.Future | None:
     """Average ``tensor`` in place over the ranks of ``group``: the stage of synchronization that crosses the
     slow link.
 

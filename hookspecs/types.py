@@ -108,7 +108,7 @@ class Topology:
     side_inter_node_group: ProcessGroup | None = None
     timeout: timedelta | None = None
     """The strategy's collective timeout, which every group above honours; a plugin that creates groups of its own
-    gives them the same (``ddp_plugin.topology.new_group(..., timeout=topology.timeout)``). ``None``: torch's."""
+    gets the same through ``comm.new_group(...)`` (:class:`Communicator`). ``None``: torch's."""
 
     @property
     def node_rank(self) -> int:

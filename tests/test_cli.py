@@ -43,7 +43,7 @@ trainer:
     assert isinstance(strategy, HierarchicalZeroStrategy)
     assert (strategy.devices_per_node, strategy.hierarchical, strategy.compression) == (2, False, "int8")
     assert strategy.compression_options == {"block_size": 256}
-    assert strategy.skip_nonfinite and strategy._timeout.total_seconds() == 120
+    assert strategy.skip_nonfinite and strategy.config.timeout.total_seconds() == 120
 
 
 def test_registered_name_from_yaml(tmp_path):

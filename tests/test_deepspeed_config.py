@@ -313,7 +313,7 @@ def test_a_stage_2_config_with_an_explicit_stage_0_trains_unsharded():
 
     strategy = HierarchicalZeroStrategy(config={"zero_optimization": {"stage": 2}}, zero_stage=0)
     assert strategy.zero_stage == 0
-    assert strategy._zero_kwargs()["zero_stage"] == 0  # what the plugins are built with
+    assert strategy.config.zero_stage == 0  # what the plugins are built with
 
 
 def test_flags_left_unset_take_the_documented_defaults_without_a_config():

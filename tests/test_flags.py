@@ -55,7 +55,7 @@ def test_mpi_backend_without_torch_mpi_support_is_refused(monkeypatch):
 
 
 def test_timeout_accepts_seconds():
-    assert HierarchicalZeroStrategy(timeout=90)._timeout == timedelta(seconds=90)
+    assert HierarchicalZeroStrategy(timeout=90).config.timeout == timedelta(seconds=90)
 
 
 def test_string_name_selects_the_strategy():
@@ -64,7 +64,7 @@ def test_string_name_selects_the_strategy():
     assert trainer.strategy.zero_stage == 0
     assert trainer.strategy.num_processes == 4
     spawn = L.Trainer(accelerator="cpu", devices=2, strategy="hierarchical_zero_spawn", logger=False)
-    assert spawn.strategy._start_method == "spawn"
+    assert spawn.strategy.config.start_method == "spawn"
 
 
 def test_plugin_authors_import_the_marker_from_the_package():

@@ -145,7 +145,7 @@ def test_an_optimizer_subclass_declared_with_allow_optimizer_is_sharded():
 
 
 def test_check_optimizer_takes_exact_classes_and_subclasses_only_when_declared():
-    from ddp_plugin.plugins.zero_sharder import ELEMENTWISE_OPTIMIZERS, allow_optimizer, check_optimizer
+    from ddp_plugin.zero import ELEMENTWISE_OPTIMIZERS, allow_optimizer, check_optimizer
 
     class MyAdam(torch.optim.Adam):
         pass
@@ -200,11 +200,10 @@ def test_default_policy_groups_the_blocks_of_a_module_list_into_called_units(gpt
 
 
 def _plan(model: torch.nn.Module, policy):
-    from ddp_plugin.plugins.zero_sharder import ZeroSharder
+    from ddp_plugin.zero import check_auto_wrap_policy
+    from ddp_plugin.zero.units import plan_units
 
-    sharder = ZeroSharder(3, auto_wrap_policy=policy)
-    sharder.on_plan_buckets(module=model, named_params=list(model.named_parameters()))
-    return sharder
+    return plan_units(model, list(model.named_parameters()), check_auto_wrap_policy(policy))
 
 
 def _nested_containers() -> torch.nn.Module:
@@ -220,14 +219,14 @@ def _nested_containers() -> torch.nn.Module:
 @pytest.mark.parametrize("policy", [100, 200, 500])
 def test_units_are_made_of_called_modules_never_of_containers(policy):
     model = _nested_containers()
-    sharder = _plan(model, policy)
+    plan = _plan(model, policy)
     modules = dict(model.named_modules())
-    members = [m for unit, _ in sharder._planned if unit for m in unit.split("+")]  # a unit is named by its modules
+    members = [m for unit, _ in plan.order if unit for m in unit.split("+")]  # a unit is named by its modules
     assert members  # some units were formed (each Linear has 110 parameters)
     for name in members:
         assert not isinstance(modules[name], (torch.nn.ModuleList, torch.nn.ModuleDict)), name
     # Every parameter is in at most one unit.
-    claimed = [p for unit, params in sharder._planned if unit for _, p in params]
+    claimed = [p for unit, params in plan.order if unit for _, p in params]
     assert len({id(p) for p in claimed}) == len(claimed)
 
 

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     import torch
     from pluggy import HookRelay
 
-    from ddp_plugin.hookspecs import Bucket, Topology
+    from ddp_plugin.hookspecs import Bucket, Communicator, Topology
 
 
 class FlatReducer:
@@ -23,15 +23,17 @@ class FlatReducer:
     def __init__(self) -> None:
         self._hook: HookRelay | None = None
         self._topology: Topology | None = None
+        self._comm: Communicator | None = None
 
     @hookimpl
-    def on_setup(self, topology: Topology, hook: HookRelay) -> None:
+    def on_setup(self, topology: Topology, hook: HookRelay, comm: Communicator) -> None:
         self._topology = topology
         self._hook = hook
+        self._comm = comm
 
     @hookimpl(trylast=True)
     def on_bucket_ready(self, bucket: Bucket) -> torch.futures.Future:
         assert self._hook is not None and self._topology is not None, "on_setup must run before backward"
         return self._hook.on_cross_node_reduce(
-            tensor=bucket.buffer, group=self._topology.world_group, bucket=bucket
+            tensor=bucket.buffer, group=self._topology.world_group, bucket=bucket, offset=0
         )

@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ddp_plugin import collectives
 from ddp_plugin.hookspecs import hookimpl
 from ddp_plugin.plugins.flat_reducer import FlatReducer
 
@@ -27,14 +26,10 @@ class HierarchicalReducer(FlatReducer):
     Per node and step the slow link carries 2(M-1)/M * S (S = gradient bytes), against 2(N-1)/N * S for a flat
     ring all-reduce over N = M*k ranks (1.5 S against 1.0 S on 2 nodes x 2 ranks).
 
-    A ZeRO sharder that keeps only this rank's chunk calls :meth:`reduce_to_shard` and skips stage 3.
-
     With one node (or one rank per node) there is nothing to split: the whole bucket goes through
-    ``on_cross_node_reduce`` over the world, exactly as the flat reducer does.
-
-    On gloo a reduce-scatter costs as much as an all-reduce (gloo emulates it with one), so stage 1 is an
-    all-to-all plus a local sum, which sends (k-1)/k of the bucket per rank; NCCL's native reduce-scatter sends
-    the same and needs no extra buffer.
+    ``on_cross_node_reduce`` over the world, exactly as the flat reducer does. The reduce-scatter is the
+    communicator's (an all-to-all plus a local sum on gloo, which emulates reduce-scatter with a full
+    all-reduce; NCCL's own).
     """
 
     @property
@@ -69,22 +64,13 @@ class HierarchicalReducer(FlatReducer):
     def reduce_to_shard(self, bucket: Bucket) -> Tensor:
         """Stages 1 and 2: return this rank's chunk (``local_rank``) of the bucket, averaged over every rank."""
         topo = self._topology
-        k = topo.ranks_per_node
         padded = self._padded(bucket)
         c = self.shard_numel(bucket)
         # Divide first (as DDP does): the node sum then the cross-node mean give the global mean directly.
-        padded.div_(k)
-        if topo.backend == "nccl":
-            shard = padded.new_empty(c)
-            collectives.reduce_scatter_single(shard, padded, group=topo.intra_node_group)
-        else:
-            # Kept per bucket: allocating a bucket-sized buffer every step only churns the allocator.
-            received = bucket.state.get("hierarchical_received")
-            if received is None:
-                received = bucket.state["hierarchical_received"] = padded.new_empty(k * c)
-            collectives.all_to_all_single(received, padded, group=topo.intra_node_group)
-            shard = received.view(k, c).sum(dim=0)
-        fut = self._hook.on_cross_node_reduce(tensor=shard, group=topo.inter_node_group, bucket=bucket)
+        padded.div_(topo.ranks_per_node)
+        shard = self._comm.reduce_scatter(padded.new_empty(c), padded, group=topo.intra_node_group)
+        fut = self._hook.on_cross_node_reduce(tensor=shard, group=topo.inter_node_group, bucket=bucket,
+                                              offset=topo.local_rank * c)
         fut.wait()
         return shard
 
@@ -92,7 +78,7 @@ class HierarchicalReducer(FlatReducer):
         """Stage 3: all-gather every local rank's averaged chunk into the bucket."""
         topo = self._topology
         padded = self._padded_target(bucket)
-        work = collectives.all_gather_single(padded, shard, group=topo.intra_node_group, async_op=True)
+        work = self._comm.all_gather(padded, shard, group=topo.intra_node_group, async_op=True)
         if padded is bucket.buffer:
             return work.get_future()
 

@@ -6,17 +6,25 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from ddp_plugin import collectives
 from ddp_plugin.hookspecs import completed_future, hookimpl
 
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
+    from ddp_plugin.hookspecs import Communicator
+
 
 class MeanAllReduce:
     """Average a tensor over a group with one all-reduce. Cost: a ring all-reduce sends 2(n-1)/n of the
     tensor per rank. Registered ``trylast``, so any codec plugin answers ``on_cross_node_reduce`` first."""
+
+    def __init__(self) -> None:
+        self._comm: Communicator | None = None
+
+    @hookimpl
+    def on_setup(self, comm: Communicator) -> None:
+        self._comm = comm
 
     @hookimpl(trylast=True)
     def on_cross_node_reduce(self, tensor: Tensor, group: dist.ProcessGroup) -> torch.futures.Future:
@@ -25,4 +33,4 @@ class MeanAllReduce:
             return completed_future(tensor)
         # Divide before summing, as DDP does: keeps low-precision sums in range.
         tensor.div_(size)
-        return collectives.all_reduce(tensor, group=group, async_op=True).get_future()
+        return self._comm.all_reduce(tensor, group=group, async_op=True).get_future()

@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ddp_plugin import collectives
 from ddp_plugin.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from ddp_plugin.hookspecs import Bucket, Topology
+    from ddp_plugin.hookspecs import Bucket, Communicator
 
 MB = 1e6
 
 
 class TrafficAccounting:
-    """Per optimizer step and per rank, from what each collective moves (see :mod:`ddp_plugin.collectives`):
+    """Per optimizer step and per rank, from what each collective moves (the communicator handed to ``on_setup``
+    records it):
 
     - ``comm/intra_node_MB``, ``comm/cross_node_MB``: megabytes sent to ranks on this node and on other nodes.
       Cross-node bytes are what the slow link carries; summed over a node's ranks they match the node's
@@ -33,6 +33,7 @@ class TrafficAccounting:
     """
 
     def __init__(self) -> None:
+        self._comm: Communicator | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -61,21 +62,21 @@ class TrafficAccounting:
 
     @hookimpl(wrapper=True)
     def on_cross_node_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup):
-        before = collectives.ledger.sent_by_this_thread()
+        before = self._comm.bytes_sent_by_this_thread()
         future = yield
         n = dist.get_world_size(group)
         self.plain_bytes += 2 * (n - 1) / n * tensor.numel() * tensor.element_size()
-        self.codec_bytes += collectives.ledger.sent_by_this_thread() - before
+        self.codec_bytes += self._comm.bytes_sent_by_this_thread() - before
         return future
 
     @hookimpl
-    def on_setup(self, topology: Topology) -> None:
-        collectives.ledger.ranks_per_node = topology.ranks_per_node
-        collectives.ledger.take()  # start from zero: setup's own traffic is not a step's
+    def on_setup(self, comm: Communicator) -> None:
+        self._comm = comm
+        comm.take_traffic()  # start from zero: setup's own traffic is not a step's
 
     @hookimpl
     def on_after_backward(self, buckets: Sequence[Bucket], sync_wait_s: float) -> None:
-        traffic = collectives.ledger.take()
+        traffic = self._comm.take_traffic()
         self.intra_node_bytes += traffic.intra_node_bytes
         self.cross_node_bytes += traffic.cross_node_bytes
         self.wait_s += sync_wait_s

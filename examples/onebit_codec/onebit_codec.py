@@ -8,6 +8,12 @@ all ranks hold the same bits. The residual x - scale * sign(x) is added to the n
 
 Bytes per rank: (n-1) * (S/32 + 4 S / (4 block_size)) for a tensor of S bytes, against 2(n-1)/n * S for a
 float32 all-reduce: 1/16 of it on two ranks. Because it all-gathers, it suits the small cross-node group.
+
+It uses only the public contract, ``ddp_plugin.hookspecs``: its options arrive in ``on_setup(options=...)``,
+its collectives go through the communicator handed there (so the strategy's traffic accounting counts them),
+and its residuals, which differ from rank to rank, are returned by ``on_save_rank_state_dict``: the strategy
+collects every rank's into the checkpoint and hands each rank its own back on resume (none on another world
+size, where the residuals start from zero).
 """
 
 from __future__ import annotations
@@ -18,9 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from ddp_plugin import collectives
-from ddp_plugin.hookspecs import completed_future, hookimpl
+from ddp_plugin.hookspecs import Communicator, Options, completed_future, hookimpl
 
 __all__ = ["OneBitCodec", "codec"]
 
@@ -48,10 +52,12 @@ class OneBitCodec:
     def __init__(self) -> None:
         self.block_size = 2048
         self.residuals: dict[int, torch.Tensor] = {}
+        self.comm: Communicator | None = None
 
     @hookimpl
-    def on_setup(self, options: Mapping[str, Any]) -> None:
-        opts = dict(options.get("compression_options") or {})
+    def on_setup(self, options: Options, comm: Communicator) -> None:
+        self.comm = comm
+        opts = dict(options.compression_options)
         unknown = sorted(set(opts) - {"block_size"})
         if unknown:
             raise ValueError(
@@ -69,6 +75,7 @@ class OneBitCodec:
 
     @hookimpl
     def on_cross_node_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, bucket) -> torch.futures.Future:
+        # (`offset`, where the tensor sits in the bucket, is not needed: signs and scales need no parameter shapes.)
         n = dist.get_world_size(group)
         if n == 1:
             return completed_future(tensor)
@@ -91,8 +98,8 @@ class OneBitCodec:
         all_packed = packed.new_empty(n * packed.numel())
         all_scales = scales.new_empty(n * blocks)
         works = [
-            collectives.all_gather_single(all_packed, packed, group=group, async_op=True),
-            collectives.all_gather_single(all_scales, scales, group=group, async_op=True),
+            self.comm.all_gather(all_packed, packed, group=group, async_op=True),
+            self.comm.all_gather(all_scales, scales, group=group, async_op=True),
         ]
         for work in works:
             work.wait()
@@ -102,24 +109,14 @@ class OneBitCodec:
         return completed_future(tensor)
 
     @hookimpl
-    def on_save_state_dict(self) -> dict[str, Any]:
-        # Residuals differ between ranks; Lightning writes rank 0's checkpoint, so gather everyone's (every
-        # rank calls this hook from `save_checkpoint`).
-        local = {i: r.detach().cpu() for i, r in self.residuals.items()}
-        ranks = [local]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, local)
-        return {"codec/onebit": {"world_size": len(ranks), "ranks": ranks}}
+    def on_save_rank_state_dict(self) -> dict[str, Any]:
+        return {"codec/onebit": {i: r.detach().cpu() for i, r in self.residuals.items()}}
 
     @hookimpl
-    def on_load_state_dict(self, state: Mapping[str, Any]) -> None:
-        saved = state.get("codec/onebit")
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if saved is None or saved["world_size"] != world:
-            return  # residuals of another world size do not map to this one's ranks: start from zero
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        self.residuals = dict(saved["ranks"][rank])
+    def on_load_state_dict(self, rank_state: Mapping[str, Any] | None) -> None:
+        if rank_state is None or "codec/onebit" not in rank_state:
+            return  # saved by another number of ranks (or without this codec): start from zero
+        self.residuals = dict(rank_state["codec/onebit"])
 
 
 codec = OneBitCodec()

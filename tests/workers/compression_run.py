@@ -119,7 +119,7 @@ def run(name: str, steps: int, ids: torch.Tensor, vocab: int, out_dir: str) -> d
     trainer.save_checkpoint(path)
     saved = None
     if trainer.is_global_zero:
-        saved = torch.load(path, weights_only=False).get("ddp_plugin", {}).get(f"codec/{compression}")
+        saved = codec_state_by_rank(torch.load(path, weights_only=False), f"codec/{compression}")
 
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     every = trainer.strategy.all_gather(flat)
@@ -139,11 +139,31 @@ def run(name: str, steps: int, ids: torch.Tensor, vocab: int, out_dir: str) -> d
         "hierarchical": strategy.uses_hierarchical_reducer,
         "saved_state": None if saved is None else {
             "world_size": saved["world_size"],
-            "buckets_per_rank": [len(rank_state) for rank_state in saved["ranks"]],
+            "buckets_per_rank": [len(rank_state) for rank_state in saved["ranks"]],  # per-bucket entries
             "keys": sorted({k for rank_state in saved["ranks"] for s in rank_state.values() if isinstance(s, dict)
                             for k in s}),
         },
     }
+
+
+def codec_state_by_rank(checkpoint: dict, key: str) -> dict | None:
+    """The codec's state as every rank saw it, per bucket: the shared part (``checkpoint["ddp_plugin"]``) with each
+    rank's own (``checkpoint["ddp_plugin_ranks"]``); ``None`` when the checkpoint holds none."""
+    shared = checkpoint.get("ddp_plugin", {}).get(key)
+    ranks = checkpoint.get("ddp_plugin_ranks")
+    own = [r.get(key) for r in ranks["ranks"]] if ranks is not None else []
+    if shared is None and not any(o is not None for o in own):
+        return None
+    world = ranks["world_size"] if ranks is not None else 1
+    merged = []
+    for r in range(world):
+        mine = own[r] if r < len(own) and own[r] is not None else {}
+        buckets = {}
+        for index in {*(shared or {}), *mine}:
+            a, b = (shared or {}).get(index), mine.get(index)
+            buckets[index] = {**a, **b} if isinstance(a, dict) and isinstance(b, dict) else (b if b is not None else a)
+        merged.append(buckets)
+    return {"world_size": world, "ranks": merged}
 
 
 def main() -> None:

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_plugin import Bucket
-from ddp_plugin.plugins.codecs import BUILTIN_CODECS, dequantize_int8, quantize_int8
+from ddp_plugin.codecs import BUILTIN_CODECS, dequantize_int8, quantize_int8
+from ddp_plugin.comm import TracedCommunicator
 
 OPTIONS = {
     "fp16": {},
@@ -42,23 +43,26 @@ def bucket_on(device: torch.device) -> Bucket:
 
 def run(name: str, device: torch.device, group: dist.ProcessGroup, data: torch.Tensor) -> dict:
     codec = BUILTIN_CODECS[name](**OPTIONS[name])
+    codec.on_setup(comm=TracedCommunicator())
     bucket = bucket_on(device)
     outs = []
     for step in range(STEPS):
         tensor = data[step].to(device, copy=True)
-        codec.reduce(tensor, group, 1, bucket, codec.bucket_state(0, tensor)).wait()
+        codec.reduce(tensor, group, 1, bucket, 0, codec.bucket_state(0, tensor)).wait()
         outs.append(tensor)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    state = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in codec._state.get(0, {}).items()}
-    state_devices = sorted({str(v.device) for v in codec._state.get(0, {}).values() if torch.is_tensor(v)})
-    saved = codec.on_save_state_dict()
+    fields = codec.states[0].as_dict() if 0 in codec.states else {}
+    state = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in fields.items()}
+    state_devices = sorted({str(v.device) for v in fields.values() if torch.is_tensor(v)})
+    saved, rank_saved = codec.on_save_state_dict(), codec.on_save_rank_state_dict()
     resumed = BUILTIN_CODECS[name](**OPTIONS[name])
-    if saved is not None:  # fp16 and bf16 keep no state
-        resumed.on_load_state_dict(state=saved)
+    resumed.on_setup(comm=TracedCommunicator())
+    if saved is not None or rank_saved is not None:  # fp16 and bf16 keep no state
+        resumed.on_load_state_dict(state=saved or {}, rank_state=rank_saved)
     again = [data[0].to(device, copy=True), data[0].to(device, copy=True)]
     for c, t in zip((codec, resumed), again):
-        c.reduce(t, group, 1, bucket, c.bucket_state(0, t)).wait()
+        c.reduce(t, group, 1, bucket, 0, c.bucket_state(0, t)).wait()
     return {
         "outs": torch.stack([o.cpu() for o in outs]),
         "out_devices": sorted({str(o.device) for o in outs}),

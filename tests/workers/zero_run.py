@@ -21,7 +21,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ddp_plugin import HierarchicalZeroStrategy
-from ddp_plugin.plugins.zero_sharder import allow_optimizer
+from ddp_plugin.zero import allow_optimizer
 
 WIDTH, LAYERS = 512, 4  # 4 x (512 x 512 + 512) = 1,050,624 parameters, fp32
 
@@ -177,7 +177,7 @@ def fit_gpt(devices: int, stage: int, policy: str, out: str) -> None:
     units = []
     if stage == 3:
         sharder = trainer.strategy.plugin_manager.get_plugin("zero_sharder")
-        units = [[type(m).__name__ for m in u.modules] for u in sharder._units if not u.persistent]
+        units = [[type(m).__name__ for m in u.modules] for u in sharder.units.units if not u.persistent]
     if trainer.is_global_zero:
         torch.save({"history": torch.stack(record.history), "max_rank_diff": record.max_rank_diff,
                     "tied": model.lm_head.weight is model.transformer.wte.weight, "units": units},

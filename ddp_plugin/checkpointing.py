@@ -1,0 +1,249 @@
+"""Checkpoint routing: what the strategy saves and loads, in which layout, through which plugin hook.
+
+``checkpoint="master"`` writes one consolidated file from global rank 0; a sharder's optimizer state arrives
+as deferred tensors that rank 0 produces and writes one at a time (:class:`~ddp_plugin.checkpoint_io.
+AtomicCheckpointIO`) while every other rank produces its part of each, in the same order, and every rank then
+learns whether rank 0's write succeeded, so that all fail together, naming the cause. ``checkpoint="sharded"``
+has every rank write its own part (:mod:`ddp_plugin.sharded_checkpoint`). Both kinds load in either mode.
+
+Plugin state goes under ``checkpoint["ddp_plugin"]`` (what ``on_save_state_dict`` returned, the same on every
+rank) and ``checkpoint["ddp_plugin_ranks"]`` (every rank's ``on_save_rank_state_dict``, collected with one object
+all-gather, and the world size that saved it).
+
+The plugins of the last ``fit`` answer the state hooks during it and after it, until the next ``fit``: the
+sharder's layout and the sharded optimizer outlive ``teardown``, so ``trainer.save_checkpoint`` after ``fit``
+(or after ``validate``/``test``) writes what a save during ``fit`` writes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from torch import Tensor
+from typing_extensions import override
+
+from ddp_plugin import sharded_checkpoint
+from ddp_plugin.checkpoint_io import (
+    AtomicCheckpointIO,
+    agree_with_rank_0,
+    deferred_storages,
+    diagnosed,
+    is_local_path,
+    local_path,
+    materialize,
+    not_a_checkpoint,
+    produce_all,
+)
+
+if TYPE_CHECKING:
+    import pluggy
+    from torch.optim import Optimizer
+
+    from ddp_plugin.session import FitSession
+
+CHECKPOINT_KEY = "ddp_plugin"
+RANK_STATE_KEY = "ddp_plugin_ranks"
+
+
+class CheckpointRouting:
+    """The checkpoint methods of ``HierarchicalZeroStrategy`` (a mixin ahead of Lightning's ``ParallelStrategy``,
+    whose methods are the fallbacks)."""
+
+    _session: FitSession | None
+    _pending_plugin_state: tuple[Mapping[str, Any], Mapping[str, Any] | None] | None
+
+    def _state_plugins(self) -> pluggy.PluginManager | None:
+        return self._session.plugin_manager if self._session is not None else None
+
+    # ------------------------------------------------------------------ what goes in
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        pm = self._state_plugins()
+        if self.config.checkpoint == "sharded":
+            state = pm.hook.on_local_module_state_dict(module=self.lightning_module) if pm is not None else None
+            return state if state is not None else self.lightning_module.state_dict()
+        if pm is not None:
+            with diagnosed("the checkpoint's gather of the model to rank 0"):
+                state = pm.hook.on_module_state_dict(module=self.lightning_module)
+            if state is not None:
+                return state
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        pm = self._state_plugins()
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
+        if self.config.checkpoint == "sharded":
+            local = pm.hook.on_local_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
+            if local is None:
+                sd = optimizer.state_dict()
+                flat = {f"{i}/{k}": v for i, st in sd["state"].items() for k, v in st.items()}
+                local = {"state": flat, "param_groups": sd["param_groups"], "shapes": {}}
+            return local
+        if pm is not None:
+            with diagnosed("the checkpoint's gather of the optimizer state's layout to rank 0"):
+                state = pm.hook.on_optimizer_state_dict(optimizer=optimizer)
+            if state is not None:
+                return state
+        return super().optimizer_state(optimizer)
+
+    def _plugin_state(self, checkpoint: dict[str, Any]) -> None:
+        pm = self._state_plugins()
+        if pm is None:
+            return
+        checkpoint[CHECKPOINT_KEY] = _merged(pm.hook.on_save_state_dict())
+        parts = [part for part in pm.hook.on_save_rank_state_dict() if part]
+        if parts:  # the same answer on every rank (the contract), so every rank takes part in the gather
+            mine = _merged(parts)
+            ranks: list[Any] = [mine]
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                ranks = [None] * dist.get_world_size()
+                with diagnosed("the checkpoint's gather of the plugins' per-rank state"):
+                    dist.all_gather_object(ranks, mine)
+            checkpoint[RANK_STATE_KEY] = {"world_size": len(ranks), "ranks": ranks}
+
+    # ------------------------------------------------------------------ saving
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        self._plugin_state(checkpoint)
+        if self.config.checkpoint == "sharded":
+            self._save_sharded(checkpoint, filepath)
+            return
+        # At stages 1-3 on every rank (with shard_scope="node" the ranks of other nodes have nothing to produce).
+        deferred = deferred_storages(checkpoint)
+        if not deferred and not self.config.zero_stage:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        what = f"write the checkpoint `{filepath}`"
+        if not self.is_global_zero:
+            produce_all(deferred)
+            agree_with_rank_0(None, what)
+            return
+        error: Exception | None = None
+        try:
+            if deferred and not isinstance(self.checkpoint_io, AtomicCheckpointIO):
+                checkpoint = materialize(checkpoint)  # another CheckpointIO gets ordinary tensors
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        except Exception as err:  # noqa: BLE001 - raised below, after the other ranks are told
+            error = err
+        agree_with_rank_0(error, what)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        if not is_local_path(filepath):
+            raise ValueError(f'`checkpoint="sharded"` writes to a local (or shared) filesystem; got `{filepath}`.')
+        shapes: dict[str, tuple[int, ...]] = {
+            f"model/{name}": tuple(value.shape)
+            for name, value in self.lightning_module.state_dict(keep_vars=True).items()
+            if isinstance(value, Tensor)
+        }
+        optimizers = checkpoint.get("optimizer_states", [])
+        for j, opt in enumerate(optimizers):
+            shapes.update({f"optim/{j}/{k}": v for k, v in opt.get("shapes", {}).items()})
+        sharded_checkpoint.save(checkpoint, checkpoint["state_dict"], optimizers, shapes, local_path(filepath))
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero and sharded_checkpoint.is_sharded_checkpoint(filepath):
+            shutil.rmtree(str(filepath))
+            return
+        super().remove_checkpoint(filepath)
+
+    # ------------------------------------------------------------------ loading
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if is_local_path(checkpoint_path) and not os.path.exists(local_path(checkpoint_path)):
+            raise FileNotFoundError(
+                f"Checkpoint not found: `{checkpoint_path}` does not exist (resolved from the current directory"
+                f" {os.getcwd()}). Pass the path of a `.ckpt` file written by `trainer.save_checkpoint` or"
+                " `ModelCheckpoint`."
+            )
+        if is_local_path(checkpoint_path) and sharded_checkpoint.is_sharded_checkpoint(local_path(checkpoint_path)):
+            checkpoint = sharded_checkpoint.load(local_path(checkpoint_path))
+        else:
+            try:
+                checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            except Exception as err:
+                # Empty, random or cut-short files make torch.load say "Ran out of input" or suggest
+                # `weights_only=False`: say what it is instead.
+                bad = not_a_checkpoint(checkpoint_path, err) if is_local_path(checkpoint_path) else None
+                if bad is not None:
+                    raise bad from err
+                raise
+        state, ranks = checkpoint.get(CHECKPOINT_KEY), checkpoint.get(RANK_STATE_KEY)
+        if state is not None or ranks is not None:
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            mine = None
+            if ranks is not None and ranks["world_size"] == world:
+                mine = ranks["ranks"][dist.get_rank() if world > 1 else 0]
+            if self._session is not None and self._session.active:
+                self._session.load_plugin_state(state or {}, mine)
+            else:
+                # Lightning restores before `setup`; hand the state to this fit's plugins once they exist.
+                self._pending_plugin_state = (state or {}, mine)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        state = checkpoint["state_dict"]
+        missing, unexpected, mismatched = _compare_state_dicts(self.lightning_module.state_dict(), state)
+        if strict and (missing or unexpected or mismatched):
+            details = []
+            if missing:
+                details.append(f"missing from the checkpoint: {_some(missing)}")
+            if unexpected:
+                details.append(f"not in this model: {_some(unexpected)}")
+            if mismatched:
+                details.append(f"different shapes: {_some(mismatched)}")
+            raise ValueError(
+                f"The checkpoint does not fit {type(self.lightning_module).__name__}: {'; '.join(details)}. Was it"
+                " saved from another model (or other hyperparameters)?"
+            )
+        self.lightning_module.load_state_dict(state, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._session is None or not self._session.active:
+            return super().load_optimizer_state_dict(checkpoint)
+        pm = self._session.plugin_manager
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if not pm.hook.on_load_optimizer_state_dict(optimizer=optimizer, state_dict=state):
+                optimizer.load_state_dict(state)
+            _optimizers_to_device([optimizer], self.root_device)
+        return None
+
+
+def _merged(parts: list[dict[str, Any] | None]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for part in parts:
+        if not part:
+            continue
+        clash = merged.keys() & part.keys()
+        if clash:
+            raise RuntimeError(f"Two plugins saved state under the same key(s) {sorted(clash)}; keys must be unique.")
+        merged.update(part)
+    return merged
+
+
+def _compare_state_dicts(mine: Mapping[str, Tensor], theirs: Mapping[str, Any]
+                         ) -> tuple[list[str], list[str], list[str]]:
+    missing = [k for k in mine if k not in theirs]
+    unexpected = [k for k in theirs if k not in mine]
+    mismatched = [
+        f"{k} {tuple(theirs[k].shape)} vs {tuple(v.shape)}"
+        for k, v in mine.items()
+        if k in theirs and isinstance(theirs[k], Tensor) and tuple(theirs[k].shape) != tuple(v.shape)
+    ]
+    return missing, unexpected, mismatched
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

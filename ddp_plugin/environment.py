@@ -1,0 +1,164 @@
+"""The process side of the strategy: devices and ranks, the launcher, the rendezvous with its timeouts, and
+the collectives Lightning itself calls (barrier, broadcast, reduce), with failures diagnosed. What Lightning's
+``DDPStrategy`` does for its processes, as the base class of ``HierarchicalZeroStrategy``; it reads the
+settings from the subclass's ``config``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import MPIEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from ddp_plugin import health
+from ddp_plugin.topology import Layout, connect_timeout, set_collective_timeout
+
+if TYPE_CHECKING:
+    from ddp_plugin.config import StrategyConfig
+
+
+class DistributedEnvironment(ParallelStrategy):
+    """Ranks, launcher and rendezvous for ``config``'s flags (``start_method``, ``process_group_backend``,
+    ``timeout``, ``devices_per_node``)."""
+
+    config: StrategyConfig
+    _backend: str | None = None
+    _num_nodes: int = 1
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        if self.local_rank >= len(self.parallel_devices):
+            if all(d.type == "cpu" for d in self.parallel_devices):
+                # More ranks on this node than `devices`: let it reach the collective layout check, which fails
+                # on every rank with one message instead of this rank alone with an IndexError.
+                return torch.device("cpu")
+            raise ValueError(
+                f"This node runs local rank {self.local_rank}, but `devices={len(self.parallel_devices)}`: start"
+                " as many processes per node as `devices` says (e.g. torchrun's `--nproc_per_node`)."
+            )
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning's Trainer to shard dataloaders with a DistributedSampler, as for its own DDP."""
+        return True
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._backend or self.config.process_group_backend
+
+    # ------------------------------------------------------------------ launching and connecting
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        # Lightning calls this in the Trainer's constructor, when devices and num_nodes are known: a layout
+        # that cannot work fails there, before any process starts.
+        if self.num_processes:
+            self._layout()
+        if self.config.start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.config.start_method)
+
+    def _layout(self) -> Layout:
+        return Layout(world_size=self.num_nodes * self.num_processes,
+                      ranks_per_node=self.config.devices_per_node or self.num_processes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_distributed()
+
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._backend = self._get_process_group_backend()
+        initializing = not dist.is_initialized()
+        # The rendezvous waits for the other ranks at least minutes (a rank still importing on a loaded machine is
+        # late, not dead); `timeout` bounds the collectives that follow.
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=connect_timeout(self.config.timeout),
+                              device_id=device_id)
+        if initializing:  # a default group the user created keeps the timeout they gave it
+            set_collective_timeout(dist.group.WORLD, self.config.timeout)
+
+    def _get_process_group_backend(self) -> str:
+        if self.config.process_group_backend:
+            return self.config.process_group_backend
+        if isinstance(self.cluster_environment, MPIEnvironment) and dist.is_mpi_available():
+            return "mpi"
+        return _get_default_process_group_backend_for_device(self.root_device)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ collectives for Lightning
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        health.report_exception(exception)  # the other ranks' failing collectives will name this rank and error
+
+    @override
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        try:
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
+        except Exception as err:
+            # E.g. rank 0 died while writing a checkpoint: say which rank, not only gloo's "connection reset".
+            raise RuntimeError(health.diagnose(err, what=f"the barrier {name or ''}".rstrip())) from err
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor

@@ -1,0 +1,97 @@
+"""What a user (or a callback, or the precision plugin) asks the strategy about the ``fit`` in progress: the
+full parameters and gradients where they are sharded, gradient norms, gradient clipping that sees every shard,
+memory, and the plugins' metrics. A mixin of ``HierarchicalZeroStrategy``; outside a ``fit`` each answers as
+unsharded training would."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ddp_plugin.session import memory_bytes
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+    from ddp_plugin.session import FitSession
+
+
+class FitInspection:
+    """The inspection methods of ``HierarchicalZeroStrategy``."""
+
+    _session: FitSession | None
+
+    def _running(self) -> FitSession | None:
+        """The session of the ``fit`` in progress, if one is."""
+        return self._session if self._session is not None and self._session.active else None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps ``skip_nonfinite`` skipped in the current or last ``fit``."""
+        return self._session.skipped_steps if self._session is not None else 0
+
+    @property
+    def metric_totals(self) -> dict[str, float]:
+        """Sums of the plugins' per-step metrics over the current or last ``fit`` (this rank's values)."""
+        return dict(self._session.metric_sums) if self._session is not None else {}
+
+    @property
+    def metric_means(self) -> dict[str, float]:
+        """Per-step means of the plugins' metrics over the current or last ``fit`` (this rank's values)."""
+        return self._session.metric_means if self._session is not None else {}
+
+    def clip_grad_norm_sharded(self, optimizer: Optimizer, max_norm: float) -> Tensor | None:
+        session = self._running()
+        return session.clip_grad_norm(optimizer, max_norm) if session else None
+
+    def clip_module_grads_by_value(self, clip_val: float) -> None:
+        if self._running() and self.config.zero_stage and self.model is not None:
+            # Clamping twice is clamping once: the slices the optimizer's pieces share are not clipped twice.
+            whole = [p for p in self.model.parameters() if p.grad is not None]
+            if whole:  # (none at stages 2-3; torch's clip_grad_value_ fails on an empty list)
+                torch.nn.utils.clip_grad_value_(whole, clip_val)
+
+    @contextmanager
+    def full_parameters(self) -> Generator[None, None, None]:
+        """Inside, every module parameter holds its full value on every rank (at ZeRO stage 3 they are
+        all-gathered, and freed again on exit; call it on every rank). Read-only: changes are not kept."""
+        with session.lent("on_gather_full_parameters") if (session := self._running()) else nullcontext():
+            yield
+
+    @contextmanager
+    def full_gradients(self) -> Generator[None, None, None]:
+        """Inside, every module parameter's ``.grad`` holds its whole gradient on every rank, as under DDP (the
+        global mean after a synchronizing backward, clipped once clipping ran; ``None`` where the optimizer has
+        none). At stages 2-3 the shards are all-gathered into a buffer freed on exit; at stages 0-1 nothing
+        happens. Call it on every rank. Read-only: changes are not applied. For norms, :meth:`grad_norm`."""
+        with session.lent("on_gather_full_gradients") if (session := self._running()) else nullcontext():
+            yield
+
+    def grad_norm(self, norm_type: float | int | str = 2, group_separator: str = "/") -> dict[str, Tensor]:
+        """``lightning.pytorch.utilities.grad_norm(module, norm_type)`` of the LightningModule at every ZeRO
+        stage, ready for ``self.log_dict``; at stages 2-3 from the shards with one small all-reduce (call it on
+        every rank)."""
+        from lightning.pytorch.utilities import grad_norm
+
+        module = self.lightning_module
+        norm_type = float(norm_type)
+        if norm_type <= 0:
+            raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+        per_param = session.grad_norms(module, norm_type) if (session := self._running()) else None
+        if per_param is None:
+            return grad_norm(module, norm_type, group_separator)
+        norms = {f"grad_{norm_type}_norm{group_separator}{name}": value for name, value in per_param.items()}
+        if norms:
+            norms[f"grad_{norm_type}_norm_total"] = torch.tensor([float(v) for v in norms.values()]).norm(norm_type)
+        return norms
+
+    def memory_bytes(self) -> dict[str, int]:
+        """This rank's bytes of parameters, gradients and optimizer state, measured on the live tensors (each
+        storage counted once): module and optimizer parameters, gradient buckets and ``.grad``, optimizer state."""
+        session = self._running()
+        buckets = [b.buffer for b in session.engine.buckets] if session else []
+        return memory_bytes(self.model.parameters() if self.model is not None else [], self.optimizers, buckets)

@@ -1,0 +1,68 @@
+"""Gradient clipping that knows about shards, as a ``Precision`` subclass.
+
+``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm")`` reaches the precision plugin's
+``clip_grad_by_norm``, which would clip each rank's shard by its own norm; here it goes through the strategy to
+the plugins (one all-reduce of squared norms). ``gradient_clip_algorithm="value"`` clamps each element, which
+is right on shards as it is; the module's own ``.grad`` (whole at ZeRO stage 1, where the optimizer's pieces
+are slices of it) is clamped too, so that it shows what the optimizer applies.
+
+The Trainer picks the precision plugin (``"32-true"``, ``"bf16-mixed"``, ...); the strategy hands it to
+:func:`with_sharded_clipping`, which returns an instance of a subclass of that plugin's own class with these two
+methods overridden, so every other behaviour (and every ``isinstance`` check) stays the Trainer's.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import TYPE_CHECKING, Any, Protocol
+
+from lightning.pytorch.plugins.precision import Precision
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from torch.optim import Optimizer
+
+
+class GradientClipping(Protocol):
+    """What the strategy offers the precision plugin while a ``fit`` runs."""
+
+    def clip_grad_norm_sharded(self, optimizer: Optimizer, max_norm: float) -> Tensor | None:
+        """Clip by the global norm through the plugins; ``None`` when no ``fit`` is running."""
+
+    def clip_module_grads_by_value(self, clip_val: float) -> None:
+        """Clamp the module's own ``.grad`` too (where it is whole and the optimizer steps pieces of it)."""
+
+
+class ShardedGradientClipping(Precision):
+    """The mixin: norm clipping through the strategy's plugins, value clipping of the module's gradients too."""
+
+    clipping: GradientClipping | None = None
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if self.clipping is None or self.clipping.clip_grad_norm_sharded(optimizer, float(clip_val)) is None:
+            super().clip_grad_by_norm(optimizer, clip_val)
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        super().clip_grad_by_value(optimizer, clip_val)
+        if self.clipping is not None:
+            self.clipping.clip_module_grads_by_value(float(clip_val))
+
+
+@functools.cache
+def _subclass(cls: type[Precision]) -> type[Precision]:
+    return type(cls.__name__, (ShardedGradientClipping, cls), {"__module__": cls.__module__,
+                                                                 "__qualname__": cls.__qualname__})
+
+
+def with_sharded_clipping(plugin: Precision, clipping: GradientClipping) -> Precision:
+    """``plugin``, as an instance of a subclass of its class that clips through ``clipping`` (a copy sharing
+    its state; ``plugin`` itself is left as it is). The subclass carries the name of the plugin's class, so it
+    pickles as that class (the spawn launcher pickles the trainer): the strategy wraps it again on first use."""
+    if isinstance(plugin, ShardedGradientClipping):
+        plugin.clipping = clipping
+        return plugin
+    wrapped: Any = copy.copy(plugin)
+    wrapped.__class__ = _subclass(type(plugin))
+    wrapped.clipping = clipping
+    return wrapped

@@ -1,0 +1,112 @@
+"""The lifetime of the strategy's process groups.
+
+Every ``fit`` needs the ``(node, local)`` mesh's groups (:class:`~ddp_plugin.hookspecs.Topology`) and a
+world-sized group for the engine's bookkeeping. They are created once per process, default group, layout and
+timeout, and shared by every ``fit`` of the process: gloo groups destroyed mid-run abort at exit. Every one
+fails its collectives after the strategy's ``timeout`` (torch gives a new group 30 minutes, and a hung rank
+hung every other rank on such a group).
+
+At interpreter exit they are released while the interpreter is still whole: torch asks for
+``destroy_process_group()``, but for gloo that only unregisters the groups, and their worker threads live on
+until the last Python reference goes, which for a trainer kept in a global is during finalization, where a gloo
+thread releasing a tensor cannot take the GIL any more and the process aborts after a successful run
+("terminate called without an active exception", about 1 run in 100 here).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import gc
+import os
+import weakref
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ddp_plugin.topology import Layout, build_topology, new_group
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import ClusterEnvironment
+
+    from ddp_plugin.hookspecs import Topology
+
+
+class UsesProcessGroups(Protocol):
+    def release_process_groups(self) -> None:
+        """Drop every reference to process groups (the fit's plugins and engine included)."""
+
+
+class ProcessGroups:
+    """The mesh (``topology``) and the bookkeeping group of one layout over the current default group."""
+
+    _made: ClassVar[dict[tuple[Any, ...], ProcessGroups]] = {}
+    _users: ClassVar[weakref.WeakSet] = weakref.WeakSet()
+    _atexit_registered: ClassVar[bool] = False
+
+    def __init__(self, topology: Topology, bookkeeping: dist.ProcessGroup) -> None:
+        self.topology = topology
+        self.bookkeeping = bookkeeping
+
+    @classmethod
+    def get(cls, layout: Layout, device: torch.device, backend: str, timeout: timedelta | None) -> ProcessGroups:
+        """The groups for ``layout``, created on first use (collective: every rank calls it at the same point)."""
+        key = (layout, device, backend, id(dist.group.WORLD), timeout)
+        groups = cls._made.get(key)
+        if groups is None:
+            if not cls._atexit_registered:
+                atexit.register(cls.release_all)
+                cls._atexit_registered = True
+            groups = cls._made[key] = cls(build_topology(layout, device, timeout),
+                                          new_group(backend=backend, timeout=timeout))
+        return groups
+
+    @classmethod
+    def track(cls, user: UsesProcessGroups) -> None:
+        """Have ``user`` drop its references at exit, before the groups are destroyed."""
+        cls._users.add(user)
+
+    def release(self) -> None:
+        """Empty the topology's group fields and drop the bookkeeping group, so that a plugin or a user still
+        holding the topology keeps no group alive. (The owner of the groups is the one place that may write the
+        contract's frozen value type.)"""
+        for f in dataclasses.fields(self.topology):
+            if f.name == "mesh" or f.name.endswith("group"):
+                object.__setattr__(self.topology, f.name, None)
+        self.bookkeeping = None  # type: ignore[assignment]
+
+    @classmethod
+    def release_all(cls) -> None:
+        """At exit: every strategy's references, every group's, then the default group and the cycles."""
+        for user in list(cls._users):
+            user.release_process_groups()
+        for groups in cls._made.values():
+            groups.release()
+        cls._made.clear()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+
+
+def check_ranks_per_node(environment: ClusterEnvironment, ranks_per_node: int, world_size: int) -> None:
+    """Every node must run the same number of ranks, numbered node by node, or the ``(node, local)`` mesh would
+    put ranks of one machine on different "nodes". Launchers that know their node's size (torchrun sets
+    ``LOCAL_WORLD_SIZE``) are checked against the layout; all ranks agree on the verdict, so all fail together.
+    Collective."""
+    mine = (environment.node_rank(), int(os.environ.get("LOCAL_WORLD_SIZE", ranks_per_node)))
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, mine)
+    per_node: dict[int, int] = {}
+    for node, size in every:
+        per_node[node] = size
+    k = ranks_per_node
+    misplaced = [r for r, (node, _) in enumerate(every) if r // k != node]
+    if set(per_node.values()) != {k} or misplaced:
+        sizes = ", ".join(f"node {n}: {size}" for n, size in sorted(per_node.items()))
+        raise ValueError(
+            f"Every node must run the same number of ranks, `devices={k}` each, numbered node by node; the"
+            f" launcher reports {sizes}. Start the same number of processes on every node (e.g. the same"
+            " `--nproc_per_node` for torchrun) and set `devices` to it."
+        )

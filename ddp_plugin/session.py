@@ -1,0 +1,244 @@
+"""What exists only while a ``fit`` runs: the plugins, the gradient engine, the heartbeat, the communicator and
+the per-step metrics. A :class:`FitSession` is created in the strategy's ``setup`` and closed in its
+``teardown``; once closed, its plugins still answer the checkpoint hooks (a save after ``fit`` writes what a
+save during it writes) until the next ``fit`` replaces it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Iterable, Mapping
+from contextlib import contextmanager
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+
+from ddp_plugin import health
+from ddp_plugin.comm import TracedCommunicator
+from ddp_plugin.engine import GradientEngine
+from ddp_plugin.hookspecs import Options
+from ddp_plugin.plugin_manager import build_for, cross_node_codec
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    import pluggy
+    from torch.nn import Module
+    from torch.optim import Optimizer
+
+    from ddp_plugin.config import StrategyConfig
+    from ddp_plugin.hookspecs import Topology
+
+log = logging.getLogger(__name__)
+
+
+class FitSession:
+    """One ``fit``'s plugins and engine over ``module``, on the process groups of ``topology``."""
+
+    def __init__(self, config: StrategyConfig, module: pl.LightningModule, topology: Topology,
+                 flags_group: dist.ProcessGroup, device: torch.device, hierarchical: bool,
+                 measure_memory: Callable[[], dict[str, int]]) -> None:
+        if config.hpz_partition_size is not None and config.hpz_partition_size != topology.ranks_per_node:
+            raise ValueError(
+                f"The DeepSpeed config's `zero_optimization.zero_hpz_partition_size={config.hpz_partition_size}`"
+                f" maps to `shard_scope='node'`, which shards over the {topology.ranks_per_node} ranks of a"
+                " node; set it to the ranks per node (or drop it and pass `shard_scope`/`devices_per_node`)."
+            )
+        self.config = config
+        self.topology = topology
+        self.device = device
+        self.comm = TracedCommunicator(topology.ranks_per_node, config.timeout)
+        self.plugin_manager: pluggy.PluginManager = build_for(config, hierarchical)
+        self.options = Options(
+            zero_stage=config.zero_stage, shard_scope=config.shard_scope, hierarchical=hierarchical,  # type: ignore[arg-type]
+            compression=config.compression, compression_options=MappingProxyType(dict(config.compression_options)),
+            cross_node_codec=cross_node_codec(self.plugin_manager), bucket_size_mb=config.bucket_size_mb,
+            broadcast_buffers=config.broadcast_buffers, devices_per_node=config.devices_per_node,
+        )
+        hook = self.plugin_manager.hook
+        self.engine = GradientEngine(
+            module, hook=hook, bucket_cap_bytes=int(config.bucket_size_mb * 2**20), flags_group=flags_group,
+            device=device, comm=self.comm,
+            pad_multiple=topology.world_size if config.zero_stage else 1,  # sharded buckets split without copies
+        )
+        self.engine.check_finite = config.skip_nonfinite
+        self.flags_group = flags_group
+        self.module = module
+        self.measure_memory = measure_memory
+        self.heartbeat = health.Heartbeat()
+        self.active = True
+        self.skipped_steps = 0
+        self.metric_sums: dict[str, float] = {}
+        self.metric_steps = 0
+        self._sample_weight: tuple[Any, Tensor, int] | None = None
+        hook.on_setup(topology=topology, buckets=self.engine.buckets, hook=hook, options=self.options,
+                      module=module, comm=self.comm)
+
+    def close(self) -> None:
+        """End of ``fit``: the plugins' teardown, the engine's hooks and thread, the heartbeat. The plugins stay."""
+        if not self.active:
+            return
+        self.active = False
+        try:
+            self.plugin_manager.hook.on_teardown()
+        finally:
+            self.engine.remove()
+            self.heartbeat.stop()
+            self._print_metric_summary()
+
+    # ------------------------------------------------------------------ a training step
+
+    def before_training_step(self, module: Module, batch: Any) -> None:
+        """Buffers from rank 0 (as DDP), and with ``weighting="sample"`` the all-reduce of the batch sizes,
+        overlapping the forward pass."""
+        world = self.topology.world_size
+        if self.config.broadcast_buffers and world > 1:
+            buffers = list(module.buffers())
+            if buffers:
+                dist._broadcast_coalesced(dist.group.WORLD, buffers, 250 * 2**20, 0)
+        if self.config.weighting == "sample" and batch is not None:
+            count = torch.tensor([float(extract_batch_size(batch))], dtype=torch.float64, device=self.device)
+            total = count.clone()
+            work = self.comm.all_reduce(total, group=self.flags_group, async_op=True)
+            self._sample_weight = (work, total, int(count.item()))
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Sample weighting scales the gradient that flows into the loss (``backward`` stays Lightning's)."""
+        if self._sample_weight is None:
+            return
+        work, total, count = self._sample_weight
+        self._sample_weight = None
+        try:
+            work.wait()
+        except Exception as err:
+            raise RuntimeError(health.diagnose(err)) from err
+        if closure_loss.requires_grad:
+            # Each rank's loss is a mean over its own samples; scaled by N * n_r / sum(n), the average over ranks
+            # the reducers compute becomes the mean over every sample of the step. A hook on the loss scales its
+            # gradient, so every hook and logger still sees the loss the user returned.
+            weight = self.topology.world_size * count / total.item()
+            closure_loss.register_hook(lambda grad: grad * weight)
+
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Inner steps of gradient accumulation: gradients accumulate in the buckets, nothing is sent."""
+        self.engine.require_sync = False
+        try:
+            yield
+        finally:
+            self.engine.require_sync = True
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], step: Callable[[Callable], Any]
+                       ) -> Any:
+        """``step(closure)`` (Lightning's optimizer step) with the plugins' hooks around it; with
+        ``skip_nonfinite`` a step any rank saw NaN/Inf gradients for is skipped on every rank."""
+        hook = self.plugin_manager.hook
+
+        def closure_then_hook() -> Any:
+            result = closure()
+            hook.on_pre_optimizer_step(optimizer=optimizer)
+            if self.config.gradient_clip_norm is not None:
+                self.clip_grad_norm(optimizer, self.config.gradient_clip_norm)
+            return result
+
+        if self.config.skip_nonfinite:
+            # Run forward and backward first: whether to step is known only after the gradients are synchronized.
+            result = closure_then_hook()
+            if self.engine.nonfinite:
+                self.skipped_steps += 1
+                optimizer.zero_grad(set_to_none=True)
+                self._log_metrics()
+                return result
+            output = step(lambda: result)
+        else:
+            output = step(closure_then_hook)
+        hook.on_after_optimizer_step(optimizer=optimizer)
+        self._log_metrics()
+        self.heartbeat.step += 1
+        return output
+
+    # ------------------------------------------------------------------ gradients
+
+    def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        """Clip by the global 2-norm: a sharder answers (each rank holds a shard), else torch's clip."""
+        norm = self.plugin_manager.hook.on_clip_grad_norm(optimizer=optimizer, max_norm=max_norm)
+        if norm is None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm
+
+    @contextmanager
+    def lent(self, hook_name: str) -> Generator[None, None, None]:
+        """Call the gather hook ``hook_name`` with ``gather=True`` on entry and ``False`` on exit."""
+        hook = getattr(self.plugin_manager.hook, hook_name)
+        hook(gather=True)
+        try:
+            yield
+        finally:
+            hook(gather=False)
+
+    def grad_norms(self, module: Module, norm_type: float) -> dict[str, Tensor] | None:
+        return self.plugin_manager.hook.on_grad_norms(module=module, norm_type=norm_type)
+
+    # ------------------------------------------------------------------ memory and metrics
+
+    def _log_metrics(self) -> None:
+        metrics: dict[str, float] = {}
+        for part in self.plugin_manager.hook.on_collect_metrics():
+            metrics.update(part or {})
+        if self.config.skip_nonfinite:
+            metrics["train/skipped_steps"] = float(self.skipped_steps)
+        metrics.update({f"memory/{name}_MB": value / 1e6 for name, value in self.measure_memory().items()})
+        for name, value in metrics.items():
+            self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value
+        self.metric_steps += 1
+        module = self.module
+        if module._current_fx_name is not None:
+            # Through LightningModule.log, so every logger and `log_every_n_steps` apply as to the user's metrics.
+            module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=self.config.progress_bar_metrics)
+
+    @property
+    def metric_means(self) -> dict[str, float]:
+        return {name: total / max(self.metric_steps, 1) for name, total in self.metric_sums.items()}
+
+    def _print_metric_summary(self) -> None:
+        if not self.metric_steps:
+            return
+        rows = "\n".join(f"  {name:<24} {value:12.3f}" for name, value in sorted(self.metric_means.items()))
+        rank_zero_info(f"ddp_plugin: per-step means over {self.metric_steps} optimizer steps (rank 0):\n{rows}")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def load_plugin_state(self, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None) -> None:
+        self.plugin_manager.hook.on_load_state_dict(state=state, rank_state=rank_state)
+
+
+def memory_bytes(module_params: Iterable[Tensor], optimizers: Iterable[Optimizer], buckets: Iterable[Tensor]
+                 ) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state, measured on the live tensors (each storage counted
+    once, released ones as zero): module parameters and the optimizers' (sharded) ones, gradient buckets and
+    every ``.grad``, and every tensor in the optimizers' state."""
+    seen: set[int] = set()
+    optimizers = list(optimizers)
+
+    def size(tensors: Iterable[Tensor | None]) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return total
+
+    module_params = list(module_params)
+    opt_params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    params = size([*module_params, *opt_params])
+    grads = size([*buckets, *(p.grad for p in module_params), *(p.grad for p in opt_params)])
+    state = size(v for opt in optimizers for st in opt.state.values() for v in st.values() if isinstance(v, Tensor))
+    return {"params": params, "grads": grads, "optimizer_state": state, "total": params + grads + state}

@@ -1,0 +1,129 @@
+"""The gradients of a sharded model as users see them: norms for clipping and logging, computed from the
+shards with one small all-reduce, and the whole gradients lent to the module on demand (stages 2-3, where each
+rank keeps only its shard)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+    from ddp_plugin.zero.shards import Shards
+
+
+def grad_stats(shards: Shards, norm_type: float | None) -> tuple[Tensor, Tensor]:
+    """Per bucket parameter, in bucket order: whether some rank's pieces of it have a gradient, and (with
+    ``norm_type``) the sum of ``|g|^norm_type`` over all its pieces, or the max of ``|g|`` for ``inf``. Partial
+    values from this rank's pieces, combined over the shard group by one all-reduce."""
+    first = [0]
+    for bucket in shards.buckets:
+        first.append(first[-1] + len(bucket.params))
+    n = first[-1]
+    inf = norm_type == float("inf")
+    local = torch.zeros(2 * n, dtype=torch.float64, device=shards.layout.topology.device)
+    for b, entry in enumerate(shards.entries):
+        for piece in entry.pieces:
+            if piece.param.grad is None:
+                continue
+            j = first[b] + piece.index
+            local[n + j] = 1.0
+            if norm_type is not None:
+                g = piece.param.grad.detach().double().abs()
+                local[j] = torch.maximum(local[j], g.max()) if inf else local[j] + g.pow(norm_type).sum()
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    shards.comm.all_reduce(local, op=op, group=shards.layout.shard_group()[0])
+    return local[n:] > 0, local[:n]
+
+
+def grad_norms(shards: Shards, module: nn.Module, norm_type: float) -> dict[str, Tensor]:
+    """``{name: norm}`` of every parameter of ``module`` with a gradient, from the shards (collective)."""
+    inf = norm_type == float("inf")
+    present, partial = grad_stats(shards, norm_type)
+    where: dict[int, int] = {}
+    for bucket in shards.buckets:
+        for p in bucket.params:
+            where[id(p)] = len(where)
+    norms: dict[str, Tensor] = {}
+    for name, p in module.named_parameters():
+        j = where.get(id(p))
+        if j is None:
+            if p.grad is not None:  # not sharded: whole on every rank
+                norms[name] = p.grad.detach().norm(norm_type)
+        elif present[j]:
+            value = partial[j] if inf else partial[j] ** (1.0 / norm_type)
+            norms[name] = value.to(p.dtype)
+    return norms
+
+
+def clip_grad_norm(shards: Shards, optimizer: Optimizer, max_norm: float, whole_buckets: bool) -> Tensor:
+    """Scale the gradients ``optimizer`` applies so that their global 2-norm is at most ``max_norm``; return the
+    norm before clipping. Sharded gradients are summed over the shard group (one all-reduce), gradients of
+    parameters that are not sharded are the same on every rank and counted once. ``whole_buckets`` (stage 1,
+    where the pieces' gradients are slices of the buckets and the module's ``.grad`` views all of them): scale
+    the whole buckets, so that ``.grad`` shows what the optimizer applies, the same on every rank."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    sharded = {id(piece.param.grad) for entry in shards.entries for piece in entry.pieces
+               if piece.param.grad is not None}
+    device = shards.layout.topology.device
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        sq = g.detach().double().pow(2).sum()
+        if id(g) in sharded:
+            local += sq
+        else:
+            replicated += sq
+    shards.comm.all_reduce(local, group=shards.layout.shard_group()[0])
+    total = (local + replicated).sqrt().to(torch.float32)
+    clamped = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if whole_buckets:
+        grads = [g for g in grads if id(g) not in sharded] + [b.buffer for b in shards.buckets]
+    for g in grads:
+        g.mul_(clamped.to(g.dtype))
+    return total
+
+
+class LentGradients:
+    """``on_gather_full_gradients``: all-gather the shards' gradients into buffers of their own and point each
+    module parameter's ``.grad`` at its slice; on return, restore each ``.grad``. Nested calls lend once."""
+
+    def __init__(self, shards: Shards) -> None:
+        self.shards = shards
+        self._lent: list[tuple[nn.Parameter, Tensor | None]] = []
+        self._depth = 0
+
+    def lend(self) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return  # nested: lent already (every rank nests alike)
+        self._lent = []
+        present, _ = grad_stats(self.shards, None)
+        j = 0
+        for bucket, entry in zip(self.shards.buckets, self.shards.entries):
+            flags = present[j : j + len(bucket.params)].tolist()
+            j += len(bucket.params)
+            if not any(flags):
+                continue
+            local = entry.shard.new_zeros(entry.shard.numel())
+            for piece in entry.pieces:
+                if piece.param.grad is not None:
+                    local[piece.at : piece.at + piece.param.numel()].copy_(piece.param.grad.detach().reshape(-1))
+            # A buffer of its own, not the bucket's: during accumulation the bucket holds this rank's running sum.
+            full = local.new_empty(bucket.numel)
+            self.shards.gather(full, local)
+            for i, p in enumerate(bucket.params):
+                if flags[i]:
+                    self._lent.append((p, p.grad))
+                    p.grad = full[bucket.offsets[i] : bucket.offsets[i] + p.numel()].view_as(p)
+
+    def take_back(self) -> None:
+        self._depth = max(self._depth - 1, 0)
+        if self._depth == 0:
+            for p, previous in self._lent:
+                p.grad = previous
+            self._lent = []

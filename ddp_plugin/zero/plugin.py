@@ -1,0 +1,256 @@
+"""``ZeroSharder``: the ZeRO plugin on the hook contract. It only wires hooks to the parts of
+:mod:`ddp_plugin.zero` (layout, shards, reduction, units, optimizer view, gradients, checkpoints)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+
+from ddp_plugin.hookspecs import completed_future, hookimpl
+from ddp_plugin.zero import checkpoint, gradients
+from ddp_plugin.zero.layout import ShardLayout
+from ddp_plugin.zero.optimizer import ShardedOptimizers
+from ddp_plugin.zero.reduce import ShardReducer
+from ddp_plugin.zero.shards import Shards
+from ddp_plugin.zero.units import UnitPlan, Units, check_auto_wrap_policy, plan_units
+
+if TYPE_CHECKING:
+    import torch
+    from pluggy import HookRelay
+    from torch.optim import Optimizer
+
+    from ddp_plugin.hookspecs import Bucket, Communicator, Options, Topology
+
+log = logging.getLogger(__name__)
+
+
+class ZeroSharder:
+    """ZeRO stage 1, 2 or 3 over ``shard_scope`` ("global": every rank; "node": the ranks of a node).
+
+    One step, for every stage:
+
+    1. backward: as each bucket fills, it is reduced to this rank's shard only (:class:`ShardReducer`);
+    2. the optimizer steps only this rank's shard: the user's optimizer object is kept, but its parameter groups
+       now hold 1-D pieces of the shards, so its state exists for 1/P of the elements (elementwise optimizers
+       compute exactly what they would on whole tensors);
+    3. after the step the updated shards are all-gathered into the flat parameters every module parameter views
+       (stages 1 and 2), or left sharded until the next forward needs them (stage 3, :class:`Units`).
+
+    Stage 1 keeps every bucket's gradient buffer filled with the mean, so the module's ``.grad`` is whole from
+    the end of backward until the next backward, as under DDP. Stages 2 and 3 release the buffers as soon as
+    their shard is reduced; ``on_gather_full_gradients`` lends the whole gradients on demand and
+    ``on_grad_norms`` computes their norms from the shards. Frozen parameters are not sharded.
+    """
+
+    def __init__(self, stage: int, shard_scope: str = "global", auto_wrap_policy: Any = None) -> None:
+        if stage not in (1, 2, 3):
+            raise ValueError(f"`zero_stage={stage!r}`: the sharder handles stages 1, 2, 3.")
+        if shard_scope not in ("global", "node"):
+            raise ValueError(f"`shard_scope={shard_scope!r}` is not supported; allowed values: 'global', 'node'.")
+        self.stage = stage
+        self.shard_scope = shard_scope
+        self.policy = check_auto_wrap_policy(auto_wrap_policy)
+        self._plan: UnitPlan | None = None
+        self.shards: Shards | None = None
+        self.units: Units | None = None
+        self.optimizers: ShardedOptimizers | None = None
+        self._reduce: ShardReducer | None = None
+        self._lent: gradients.LentGradients | None = None
+        self._grads_published = False  # stage 1: see _register_stage_1_hooks
+        self._handles: list[Any] = []
+
+    # ------------------------------------------------------------------ setup
+
+    @hookimpl
+    def on_plan_buckets(self, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]]
+                        ) -> list[list[tuple[str, nn.Parameter]]] | None:
+        if self.stage != 3:
+            return None
+        self._plan = plan_units(module, named_params, self.policy)
+        return self._plan.bucket_groups()
+
+    @hookimpl
+    def on_setup(self, topology: Topology, buckets: Sequence[Bucket], hook: HookRelay, options: Options,
+                 comm: Communicator) -> None:
+        layout = ShardLayout.of(topology, self.shard_scope, options.hierarchical)
+        unit_buckets = ()
+        if self.stage == 3:
+            assert self._plan is not None, "on_plan_buckets did not run"
+            unit_buckets = {b for b, (name, _) in enumerate(self._plan.order) if name}
+        self.shards = Shards(buckets, layout, comm, release_gradients=self.stage >= 2,
+                             release_parameters=unit_buckets)
+        self.units = Units(self._plan, self.shards) if self.stage == 3 else None
+        if self.stage == 1:
+            self._register_stage_1_hooks()
+        self.optimizers = ShardedOptimizers(self.shards, self.shards.make_pieces(), self.stage)
+        self._reduce = ShardReducer(layout, comm, hook, whole=self.stage == 1, plain=options.cross_node_codec is None)
+        self._lent = gradients.LentGradients(self.shards)
+
+    @hookimpl
+    def on_setup_optimizer(self, optimizer: Optimizer) -> None:
+        self.optimizers.shard(optimizer)
+
+    @hookimpl
+    def on_teardown(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self.units is not None:
+            self.units.remove_hooks()
+            # Leave the module whole after fit (validation, export, `trainer.save_checkpoint`).
+            try:
+                self.units.gather_all()
+            except Exception as err:  # noqa: BLE001 - after a failed run; the original error is what matters
+                log.warning("ZeRO stage 3: could not gather the parameters at teardown: %s", err)
+
+    # ------------------------------------------------------------------ backward
+
+    @hookimpl
+    def on_bucket_ready(self, bucket: Bucket) -> torch.futures.Future:
+        shard = self._reduce(bucket)
+        entry = self.shards.entries[bucket.index]
+        if self.stage == 1:
+            entry.grad = shard  # a slice of the bucket, which holds the whole mean
+        else:
+            if shard.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr():
+                shard = shard.clone()
+            entry.grad = shard
+            bucket.release()
+        return completed_future(None)
+
+    @hookimpl
+    def on_after_backward(self, buckets: Sequence[Bucket]) -> None:
+        for bucket, entry in zip(self.shards.buckets, self.shards.entries):
+            grad, entry.grad = entry.grad, None
+            for piece in entry.pieces:
+                # A parameter no rank used has no gradient, as in one process: its pieces are skipped too.
+                used = bucket.grad_used[piece.index]
+                piece.param.grad = grad[piece.at : piece.at + piece.param.numel()] if used else None
+            if self.stage > 1:
+                for p in bucket.params:
+                    p.grad = None  # the optimizer steps the pieces; the module's buckets were released
+        # Stage 1: the engine left each used parameter's `.grad` viewing the bucket, which holds the whole mean.
+        self._grads_published = self.stage == 1
+        if self.units is not None:
+            self.units.free_all()
+            self.units.order_known = True
+
+    def _register_stage_1_hooks(self) -> None:
+        """Stage 1 leaves the module's `.grad` holding the last step's mean, which the optimizer's `zero_grad`
+        (it zeroes only this rank's pieces) does not clear. Backward would add the next gradient to it; so the
+        first gradient of the next backward (a hook that runs before autograd accumulates it) drops them all,
+        and that backward starts from nothing, as after `zero_grad` under DDP. Accumulation inside a
+        backward window (`accumulate_grad_batches`) is untouched: nothing is published before it synchronizes."""
+        self._grads_published = False
+
+        def discard_published(_grad: Tensor) -> None:
+            if self._grads_published:
+                self._grads_published = False
+                for bucket in self.shards.buckets:
+                    for p in bucket.params:
+                        p.grad = None
+
+        for bucket in self.shards.buckets:
+            for p in bucket.params:
+                self._handles.append(p.register_hook(discard_published))
+
+    # ------------------------------------------------------------------ gradients for user hooks
+
+    @hookimpl
+    def on_gather_full_gradients(self, gather: bool) -> None:
+        if self.stage == 1:
+            return  # the module's gradients are whole already
+        if gather:
+            self._lent.lend()
+        else:
+            self._lent.take_back()
+
+    @hookimpl
+    def on_grad_norms(self, module: nn.Module, norm_type: float) -> dict[str, Tensor] | None:
+        if self.stage == 1:
+            return None  # `.grad` is whole: Lightning's grad_norm reads it
+        return gradients.grad_norms(self.shards, module, norm_type)
+
+    # ------------------------------------------------------------------ optimizer step
+
+    @hookimpl
+    def on_clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        return gradients.clip_grad_norm(self.shards, optimizer, max_norm, whole_buckets=self.stage == 1)
+
+    @hookimpl
+    def on_after_optimizer_step(self, optimizer: Optimizer) -> None:
+        for entry, bucket in zip(self.shards.entries, self.shards.buckets):
+            unit = self.units.of_bucket.get(bucket.index) if self.units is not None else None
+            if unit is not None and not unit.persistent:
+                if unit.gathered:
+                    self.units.free(unit)  # stale now; gathered again when the next forward needs it
+                continue
+            self.shards.gather(entry.full, entry.shard.clone())
+
+    @hookimpl
+    def on_gather_full_parameters(self, gather: bool) -> None:
+        if self.units is None:
+            return
+        for unit in self.units.units:
+            if unit.persistent:
+                continue
+            if gather:
+                self.units.gather(unit)
+            elif unit.gathered:
+                self.units.free(unit)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @hookimpl
+    def on_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any] | None:
+        if self.optimizers is None or optimizer not in self.optimizers:
+            return None  # not an optimizer this sharder set up
+        return checkpoint.consolidated_optimizer_state(self.shards, self.optimizers, optimizer)
+
+    @hookimpl
+    def on_load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: Mapping[str, Any]) -> bool:
+        checkpoint.load_consolidated_optimizer_state(self.shards, self.optimizers, optimizer, state_dict)
+        return True
+
+    @hookimpl
+    def on_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        return checkpoint.consolidated_module_state(self.shards, self.units, module)
+
+    @hookimpl
+    def on_local_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        return checkpoint.local_module_state(self.shards, self.units, module)
+
+    @hookimpl
+    def on_local_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any] | None:
+        if self.optimizers is None or optimizer not in self.optimizers:
+            return None
+        return checkpoint.local_optimizer_state(self.shards, self.optimizers, optimizer)
+
+    # ------------------------------------------------------------------ metrics
+
+    @hookimpl
+    def on_collect_metrics(self) -> dict[str, float]:
+        if self.units is None:
+            return {}
+        peak, self.units.peak_gathered_bytes = self.units.peak_gathered_bytes, self.shards.gathered_bytes()
+        return {"zero/gathered_peak_MB": peak / 1e6}
+
+    # ------------------------------------------------------------------ for tests and benchmarks
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """Stage 3: the most parameter bytes gathered at once since the last metrics collection (one step)."""
+        return self.units.peak_gathered_bytes if self.units is not None else 0
+
+    @property
+    def fit_peak_gathered_bytes(self) -> int:
+        """Stage 3: the same over the whole ``fit``."""
+        return self.units.fit_peak_gathered_bytes if self.units is not None else 0
+
+    @property
+    def largest_unit_bytes(self) -> int:
+        """Stage 3: bytes of the largest unit's gathered parameters."""
+        return self.units.largest_unit_bytes if self.units is not None else 0
