@@ -16,6 +16,9 @@ materialized first (:func:`materialize`).
 A save every rank takes part in fails on every rank together: a write that fails on rank 0 still runs the
 producers (the other ranks are waiting in those collectives), and :func:`agree_with_rank_0` then tells the other
 ranks what failed; a collective that fails because a rank died is diagnosed (:func:`diagnosed`), naming it.
+
+(About 400 lines: the writer, its failure handling and the checks of what is or is not a checkpoint belong
+together; each part is short.)
 """
 
 from __future__ import annotations

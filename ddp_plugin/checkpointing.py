@@ -7,8 +7,8 @@ learns whether rank 0's write succeeded, so that all fail together, naming the c
 has every rank write its own part (:mod:`ddp_plugin.sharded_checkpoint`). Both kinds load in either mode.
 
 Plugin state goes under ``checkpoint["ddp_plugin"]`` (what ``on_save_state_dict`` returned, the same on every
-rank) and ``checkpoint["ddp_plugin_ranks"]`` (every rank's ``on_save_rank_state_dict``, collected with one object
-all-gather, and the world size that saved it).
+rank) and ``checkpoint["ddp_plugin_ranks"]`` (every rank's ``on_save_rank_state_dict``, collected to rank 0
+with one object gather, and the world size that saved it).
 
 The plugins of the last ``fit`` answer the state hooks during it and after it, until the next ``fit``: the
 sharder's layout and the sharded optimizer outlive ``teardown``, so ``trainer.save_checkpoint`` after ``fit``
@@ -101,12 +101,14 @@ class CheckpointRouting:
         parts = [part for part in pm.hook.on_save_rank_state_dict() if part]
         if parts:  # the same answer on every rank (the contract), so every rank takes part in the gather
             mine = _merged(parts)
-            ranks: list[Any] = [mine]
+            ranks: list[Any] | None = [mine]
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                ranks = [None] * dist.get_world_size()
-                with diagnosed("the checkpoint's gather of the plugins' per-rank state"):
-                    dist.all_gather_object(ranks, mine)
-            checkpoint[RANK_STATE_KEY] = {"world_size": len(ranks), "ranks": ranks}
+                # To rank 0 only: it writes the file, and no other rank holds every rank's state.
+                ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+                with diagnosed("the checkpoint's gather of the plugins' per-rank state to rank 0"):
+                    dist.gather_object(mine, ranks, dst=0)
+            if ranks is not None:
+                checkpoint[RANK_STATE_KEY] = {"world_size": len(ranks), "ranks": ranks}
 
     # ------------------------------------------------------------------ saving
 

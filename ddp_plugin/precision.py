@@ -48,6 +48,17 @@ class ShardedGradientClipping(Precision):
         if self.clipping is not None:
             self.clipping.clip_module_grads_by_value(float(clip_val))
 
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        # The subclass is made at run time; pickle (the spawn launcher pickles the trainer) names the Trainer's
+        # class instead and makes the subclass again. The state comes third, so the cycle through the strategy
+        # (`clipping`) pickles like any other.
+        return _unpickle, (type(self).__bases__[1],), self.__dict__
+
+
+def _unpickle(cls: type[Precision]) -> Precision:
+    sub = _subclass(cls)
+    return sub.__new__(sub)
+
 
 @functools.cache
 def _subclass(cls: type[Precision]) -> type[Precision]:
@@ -57,8 +68,7 @@ def _subclass(cls: type[Precision]) -> type[Precision]:
 
 def with_sharded_clipping(plugin: Precision, clipping: GradientClipping) -> Precision:
     """``plugin``, as an instance of a subclass of its class that clips through ``clipping`` (a copy sharing
-    its state; ``plugin`` itself is left as it is). The subclass carries the name of the plugin's class, so it
-    pickles as that class (the spawn launcher pickles the trainer): the strategy wraps it again on first use."""
+    its state; ``plugin`` itself is left as it is)."""
     if isinstance(plugin, ShardedGradientClipping):
         plugin.clipping = clipping
         return plugin

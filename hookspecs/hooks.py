@@ -1,5 +1,8 @@
 """Hook specifications: the whole protocol between the strategy and its plugins.
 
+(One file of about 400 lines on purpose: a plugin author learns the whole protocol from it, as from pytest's
+``hookspec.py``; it is almost all documentation.)
+
 The strategy calls every hook with keyword arguments; an implementation may accept any subset of a hook's
 parameters (pluggy passes only the ones it names, and an implementation's parameter must not have a default).
 Register an implementation by decorating a method or function with :data:`ddp_plugin.hookimpl` and handing
@@ -317,7 +320,7 @@ def on_save_state_dict() -> dict[str, Any] | None:
 @hookspec
 def on_save_rank_state_dict() -> dict[str, Any] | None:
     """The state that differs from rank to rank (a codec's error-feedback residuals), which the strategy
-    collects from every rank into the checkpoint (one object all-gather).
+    collects from every rank into the checkpoint (one object gather to rank 0).
 
     Called on every rank when a checkpoint is saved. Local (the strategy runs the collective). A plugin must
     answer on every rank or on none. Implemented by the codecs with error feedback.

@@ -22,6 +22,8 @@ import sys
 import pytest
 
 from conftest import ROOT, WORKERS, run_python
+from ddp_plugin.comm import TracedCommunicator
+from ddp_plugin.hookspecs import Options
 from ddp_plugin.plugin_manager import available_codecs, installed_codecs
 
 TOLERANCE = {"fp16": 0.005, "bf16": 0.005, "int8": 0.01, "powersgd": 0.06, "topk": 0.15, "onebit": 0.12}
@@ -103,7 +105,8 @@ def test_installed_example_codec_checks_its_options(onebit_install, monkeypatch)
     monkeypatch.syspath_prepend(str(onebit_install))
     onebit_codec = importlib.import_module("onebit_codec")
     with pytest.raises(ValueError, match=r"compression_options\['block_size'\]=0`.*positive integer"):
-        onebit_codec.OneBitCodec().on_setup(options={"compression_options": {"block_size": 0}})
+        onebit_codec.OneBitCodec().on_setup(options=Options(compression_options={"block_size": 0}),
+                                            comm=TracedCommunicator())
 
 
 def test_example_sign_packing_round_trips(onebit_install, monkeypatch):
