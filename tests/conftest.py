@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_plugin.simcluster import SimulatedCluster, available
+from ddp_plugin.testing.simcluster import SimulatedCluster, available
 
 _cluster_ok, _cluster_reason = available()
 needs_cluster = pytest.mark.skipif(not _cluster_ok, reason=_cluster_reason)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import WORKERS, needs_cluster
-from ddp_plugin.simcluster import SimulatedCluster, parse_rate
+from ddp_plugin.testing.simcluster import SimulatedCluster, parse_rate
 
 PROBE = str(WORKERS / "simcluster_probe.py")
 

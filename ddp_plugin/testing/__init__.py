@@ -1,0 +1,12 @@
+"""Helpers for testing and benchmarking data-parallel training: what ddp_plugin's own tests, benchmarks and
+examples share, and what a plugin author needs to test a codec or a strategy change on real ranks.
+
+Import the module you need; this package imports none of them (and nothing imports pytest):
+
+- :mod:`ddp_plugin.testing.processes`: the processes of a run: a clean environment, pid files, alive or stopped,
+  leaving nothing behind, and faults a rank injects into itself.
+- :mod:`ddp_plugin.testing.simcluster`: a simulated multi-node cluster on one Linux machine (network namespaces
+  joined by rate-capped links), and the link counters its nodes read.
+"""
+
+from __future__ import annotations
