@@ -12,7 +12,7 @@ from torch import nn
 from ddp_plugin import Bucket, HierarchicalZeroStrategy
 from ddp_plugin.plugin_manager import available_codecs, build_plugin_manager
 from ddp_plugin.plugins.codecs import BUILTIN_CODECS, dequantize_int8, matrix_segments, quantize_int8
-from workers.codec_ranks import RankPool
+from ddp_plugin.testing.ranks import RankPool
 
 WORLD = 4
 

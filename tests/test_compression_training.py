@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, WORKERS, run_python
+from tests.support import ROOT, WORKERS, run_python
 from ddp_plugin.plugin_manager import available_codecs, installed_codecs
 
 TOLERANCE = {"fp16": 0.005, "bf16": 0.005, "int8": 0.01, "powersgd": 0.06, "topk": 0.15, "onebit": 0.12}

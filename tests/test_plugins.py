@@ -9,7 +9,7 @@ import textwrap
 import pluggy
 import pytest
 
-from conftest import WORKERS, run_python
+from tests.support import WORKERS, run_python
 from ddp_plugin import HierarchicalZeroStrategy, hookimpl
 from ddp_plugin.plugin_manager import build_plugin_manager, installed_codecs
 

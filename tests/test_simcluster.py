@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import WORKERS, needs_cluster
+from tests.support import WORKERS, needs_cluster
 from ddp_plugin.testing.simcluster import SimulatedCluster, parse_rate
 
 PROBE = str(WORKERS / "simcluster_probe.py")
