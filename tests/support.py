@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -21,11 +22,16 @@ needs_cluster = pytest.mark.skipif(not _cluster_ok, reason=_cluster_reason)
 
 
 def run_python(*args: str | os.PathLike, timeout: float = 300, env: dict[str, str] | None = None,
-               check: bool = True, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+               check: bool = True, cwd: str | os.PathLike | None = None,
+               pythonpath: Iterable[str | os.PathLike] = ()) -> subprocess.CompletedProcess:
     """Run ``python *args`` in a fresh process (Lightning's launcher re-executes the command line per rank,
-    which must not be pytest), without the rendezvous variables of any run around it (``env`` may set them).
+    which must not be pytest), without the rendezvous variables of any run around it (``env`` may set them),
+    with the folders ``pythonpath`` in front of the inherited ``PYTHONPATH``.
     Fails the test with the output when the command fails or hangs."""
     full_env = clean_env({"PYTHONUNBUFFERED": "1", **(env or {})})
+    paths = [*map(str, pythonpath), full_env.get("PYTHONPATH", "")]
+    if pythonpath:
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     try:
         proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                               env=full_env, cwd=cwd or ROOT)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -48,8 +47,7 @@ def onebit_install(tmp_path_factory):
 @pytest.fixture(scope="module")
 def c3(onebit_install, tmp_path_factory):
     out = tmp_path_factory.mktemp("c3") / "result.json"
-    pythonpath = os.pathsep.join(filter(None, [str(onebit_install), os.environ.get("PYTHONPATH")]))
-    run_python(WORKERS / "compression_run.py", "--out", out, timeout=400, env={"PYTHONPATH": pythonpath})
+    run_python(WORKERS / "compression_run.py", "--out", out, timeout=400, pythonpath=[onebit_install])
     return json.loads(out.read_text())
 
 

