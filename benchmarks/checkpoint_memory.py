@@ -20,7 +20,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -34,22 +33,6 @@ CONTENDERS = {
 }
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakSampler(threading.Thread):
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak, self.stop = rss_bytes(), threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.peak = max(self.peak, rss_bytes())
-            time.sleep(0.001)
-
-
 def _size(path: str) -> int:
     p = Path(path)
     return sum(f.stat().st_size for f in p.iterdir()) if p.is_dir() else p.stat().st_size
@@ -58,29 +41,15 @@ def _size(path: str) -> int:
 def worker(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     from ddp_plugin import HierarchicalZeroStrategy
+    from ddp_plugin.testing.memory import PeakRSS, rss_bytes
+    from ddp_plugin.testing.models import TinyModule, mlp
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
-    layers: list[nn.Module] = [nn.Linear(32, args.hidden), nn.ReLU()]
-    for _ in range(args.layers):
-        layers += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
-    net = nn.Sequential(*layers, nn.Linear(args.hidden, 10))
-
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net
-
-        def training_step(self, batch, _):
-            x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+    net = mlp(32, args.hidden, 10, layers=args.layers)
 
     class MeasureSave(L.Callback):
         """After the last step, inside fit (so stage 3 is still sharded): one measured save."""
@@ -89,18 +58,15 @@ def worker(args: argparse.Namespace) -> None:
             if trainer.global_step != 3:
                 return
             gc.collect()
-            sampler = PeakSampler()
             before = rss_bytes()
-            sampler.start()
-            start = time.perf_counter()
-            trainer.save_checkpoint(args.path)
-            seconds = time.perf_counter() - start
-            sampler.stop.set()
-            sampler.join()
+            with PeakRSS() as peak:
+                start = time.perf_counter()
+                trainer.save_checkpoint(args.path)
+                seconds = time.perf_counter() - start
             if trainer.is_global_zero:
                 s_bytes = sum(p.numel() * 4 for p in net.parameters())
                 Path(args.json).write_text(json.dumps({
-                    "extra": sampler.peak - before, "before": before, "S": s_bytes, "seconds": seconds,
+                    "extra": peak.bytes - before, "before": before, "S": s_bytes, "seconds": seconds,
                     "file": _size(args.path),
                 }))
 
@@ -114,7 +80,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=3, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[MeasureSave()])
-    trainer.fit(Module(), DataLoader(data, batch_size=8))
+    trainer.fit(TinyModule(net, loss="cross_entropy", optimizer="adamw", lr=1e-3), DataLoader(data, batch_size=8))
 
 
 def driver(args: argparse.Namespace) -> None:

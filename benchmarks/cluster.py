@@ -11,8 +11,8 @@ The ZeRO contenders are not in the default set (it writes ``benchmarks/results/c
 them switches every contender of the run to AdamW (``--optimizer auto``), so that optimizer state exists to shard.
 
 The nodes are network namespaces joined by a veth pair whose egress is capped with tbf
-(:class:`ddp_plugin.simcluster.SimulatedCluster`, design.md section 5). Each contender is one torchrun job per
-node running ``benchmarks/cluster_worker.py`` on the same MLP, data and seed; see that file for what is
+(:class:`ddp_plugin.testing.simcluster.SimulatedCluster`). Each contender is one torchrun
+job per node running ``benchmarks/cluster_worker.py`` on the same MLP, data and seed; see that file for what is
 measured and how. This driver runs the contenders one after the other, in one run, and writes
 
 - a markdown table (``--out``, default ``benchmarks/results/cluster.md``): median step time, its ratio to
@@ -271,9 +271,9 @@ def write_markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[st
         f" {platform.machine()}, {os.cpu_count()} CPU cores shared by all {args.nodes * args.nproc_per_node} ranks",
         f"- ddp_plugin: {args.revision_start}" + (
             "" if args.revision_end == args.revision_start else f"; CHANGED during the run, at its end: {args.revision_end}"),
-        f"- cluster: `ddp_plugin.simcluster.SimulatedCluster(nodes={args.nodes}, rate={args.rate!r})`, one network"
-        " namespace per node, veth link capped with tbf per direction; gloo over the veth (`GLOO_SOCKET_IFNAME`),"
-        " intra-node traffic over the namespace's loopback; one torchrun per node",
+        f"- cluster: `ddp_plugin.testing.simcluster.SimulatedCluster(nodes={args.nodes}, rate={args.rate!r})`,"
+        " one network namespace per node, veth link capped with tbf per direction; gloo over the veth"
+        " (`GLOO_SOCKET_IFNAME`), intra-node traffic over the namespace's loopback; one torchrun per node",
         f"- model: MLP {args.features} -> {args.layers + 1} x Linear({args.hidden}) -> {args.classes}, {params:,}"
         f" parameters, **S = {s_mb:.2f} MB** ({s_mb * MB / 2**20:.1f} MiB) of fp32 gradients; batch {args.batch_size}"
         f" per rank, {OPTIMIZERS[args.optimizer]}, same data, order and seed for every contender",
@@ -516,7 +516,7 @@ def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path)
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from ddp_plugin.simcluster import SimulatedCluster, available
+    from ddp_plugin.testing.simcluster import SimulatedCluster, available
 
     ok, reason = available()
     if not ok:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 
@@ -35,6 +34,8 @@ def main() -> None:
     spec = json.loads(sys.argv[sys.argv.index("--spec") + 1])
     out = spec["out"]
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+    # Written before any import of Lightning (ddp_plugin.testing.processes.write_pid_file would import it): the
+    # driver can kill this rank from its first second.
     with open(os.path.join(out, f"pid-{os.environ.get('LOCAL_RANK', '0')}"), "w") as f:
         f.write(str(os.getpid()))
 
@@ -45,21 +46,13 @@ def main() -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from ddp_plugin import HierarchicalZeroStrategy
+    from ddp_plugin.testing.data import sine_dataset
+    from ddp_plugin.testing.models import LARS, mlp
+    from ddp_plugin.testing.processes import inject_fault
 
     torch.set_num_threads(1)
     width = int(spec.get("width", 32))
     fault = spec.get("fault") or {}
-
-    class Lars(torch.optim.SGD):
-        """SGD with a per-tensor trust ratio: not elementwise, so a shard of a tensor steps differently."""
-
-        @torch.no_grad()
-        def step(self, closure=None):
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(p.norm() / (p.grad.norm() + 1e-8))
-            return super().step(closure)
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -70,6 +63,10 @@ def main() -> None:
             return x + torch.tanh(self.fc(self.ln(x)))
 
     class Model(L.LightningModule):
+        """An MLP or GPT-2's layout (``spec["model"] == "blocks"``, the module tree a stage 3 policy groups), and a
+        fault injected inside ``training_step`` on one rank at one step: not a ``ddp_plugin.testing`` TinyModule,
+        whose modules all sit under ``net`` and which has no faults."""
+
         def __init__(self) -> None:
             super().__init__()
             if spec.get("model") == "blocks":
@@ -78,8 +75,7 @@ def main() -> None:
                 self.head = nn.Linear(width, 64, bias=False)
                 self.head.weight = self.wte.weight
             else:
-                self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
-                                         nn.Linear(width, 1))
+                self.net = mlp(8, width, 1, layers=1, activation=nn.Tanh)
 
         def forward(self, x):
             if spec.get("model") == "blocks":
@@ -99,12 +95,7 @@ def main() -> None:
                     loss = self._loss(x, y) * float("nan")
                     return loss
                 _mark_fault(out, kind)
-                if kind == "sigstop":
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                elif kind == "sigkill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                elif kind == "raise":
-                    raise ValueError("the user's training_step broke on purpose")
+                inject_fault(kind)
             loss = self._loss(x, y)
             self.log("loss", loss)
             return loss
@@ -116,7 +107,7 @@ def main() -> None:
 
         def configure_optimizers(self):
             if spec.get("optimizer") == "lars":
-                return Lars(self.parameters(), lr=0.05, momentum=0.9)
+                return LARS(self.parameters(), lr=0.05, momentum=0.9, eps=1e-8)
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
         def train_dataloader(self):
@@ -126,8 +117,7 @@ def main() -> None:
                 x = torch.randint(0, 64, (n, 8), generator=g)
                 data = TensorDataset(x, x.roll(1, dims=1))
             else:
-                x = torch.randn(n, 8, generator=g)
-                data = TensorDataset(x, x.sum(1, keepdim=True).sin())
+                data = sine_dataset(n, 8, seed=0)
             return DataLoader(data, batch_size=16 // spec.get("devices", 4))
 
     class SaveEvery(L.Callback):

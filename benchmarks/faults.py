@@ -23,7 +23,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ddp_plugin.testing.processes import alive, clean_env, end_run, kill_quietly, pid_files
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -52,32 +53,6 @@ class Run:
     log: str = ""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-def _stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
-def _pids(d: Path) -> dict[int, int]:
-    out = {}
-    for f in d.glob("pid-*"):
-        try:
-            out[int(f.name[4:])] = int(f.read_text())
-        except ValueError:
-            pass
-    return out
-
-
 _ERROR_LINE = re.compile(r"^((?:rank \d+: )?\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt|Terminated)\b:?.*)$")
 
 
@@ -97,9 +72,7 @@ def what_the_user_sees(log: str) -> str:
 def run(spec: dict, kill_rank_0_at_fault: bool = False) -> Run:
     d = Path(tempfile.mkdtemp(prefix="fault-"))
     spec = {**spec, "out": str(d)}
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK",
-                                                            "WORLD_SIZE", "NODE_RANK")}
-    env["PYTHONUNBUFFERED"] = "1"
+    env = clean_env({"PYTHONUNBUFFERED": "1"})
     log_path = d / "log"
     started = time.time()
     with open(log_path, "w") as log:
@@ -116,9 +89,9 @@ def run(spec: dict, kill_rank_0_at_fault: bool = False) -> Run:
                     fault_at = float(text[0])
                     if kill_rank_0_at_fault:
                         faulted_rank = 0
-                        os.kill(_pids(d)[0], signal.SIGKILL)
-            others = [pid for r, pid in _pids(d).items() if r != faulted_rank]
-            if proc.poll() is not None and not any(_alive(p) for p in others):
+                        kill_quietly(pid_files(d)[0])
+            others = [pid for r, pid in pid_files(d).items() if r != faulted_rank]
+            if proc.poll() is not None and not any(alive(p) for p in others):
                 break
             if time.time() - (fault_at or started) > CAP_S + (0 if fault_at else 240):
                 hung = True
@@ -126,16 +99,7 @@ def run(spec: dict, kill_rank_0_at_fault: bool = False) -> Run:
             time.sleep(0.05)
         ended = time.time()
     finally:
-        for pid in _pids(d).values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        end_run(proc, d)
     log = log_path.read_text(errors="replace")
     result = json.loads((d / "result.json").read_text()) if (d / "result.json").exists() else {}
     seconds = ended - (fault_at or started)

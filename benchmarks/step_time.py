@@ -66,30 +66,14 @@ def run_contender(args: argparse.Namespace) -> None:
     """Runs in every rank (Lightning re-executes this command line per rank); rank 0 writes ``--json``."""
     import lightning as L
     import torch
-    from torch import nn
+    from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
     import ddp_plugin  # noqa: F401  (registers strategy="hierarchical_zero")
     from ddp_plugin import HierarchicalZeroStrategy
-    from lightning.pytorch.strategies import DDPStrategy
+    from ddp_plugin.testing.models import TinyModule, mlp
 
     torch.set_num_threads(1)
-
-    class MLP(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            layers: list[nn.Module] = [nn.Linear(args.features, args.hidden), nn.ReLU()]
-            for _ in range(args.layers):
-                layers += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
-            layers.append(nn.Linear(args.hidden, args.classes))
-            self.net = nn.Sequential(*layers)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9)
 
     class StepTimer(L.Callback):
         def __init__(self) -> None:
@@ -117,7 +101,8 @@ def run_contender(args: argparse.Namespace) -> None:
     loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True)
 
     L.seed_everything(args.seed, verbose=False)
-    model = MLP()
+    model = TinyModule(mlp(args.features, args.hidden, args.classes, layers=args.layers), loss="cross_entropy",
+                       optimizer="sgd", lr=1e-2, momentum=0.9)
     if args.contender == "ddp":
         strategy = DDPStrategy(bucket_cap_mb=args.bucket_size_mb)  # == strategy="ddp" with the bucket cap spelled out
     else:
@@ -186,10 +171,9 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
     import lightning
     import torch
 
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
-        env.pop(var, None)
+    from ddp_plugin.testing.processes import clean_env
+
+    env = clean_env({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
 
     order = [c for _ in range(args.repeats) for c in CONTENDERS]
     runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}

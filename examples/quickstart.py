@@ -16,11 +16,12 @@ import time
 
 import lightning as L
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddp_plugin  # noqa: F401  (registers strategy="hierarchical_zero")
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.models import TinyModule, mlp
+from ddp_plugin.testing.ranks import all_ranks_equal, gather_parameters
 
 
 def make_dataset(n: int = 4096, features: int = 32, classes: int = 4, seed: int = 0) -> TensorDataset:
@@ -32,21 +33,11 @@ def make_dataset(n: int = 4096, features: int = 32, classes: int = 4, seed: int 
     return TensorDataset(x, y)
 
 
-class Classifier(L.LightningModule):
-    def __init__(self, features: int = 32, hidden: int = 256, classes: int = 4, lr: float = 1e-3) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, classes))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x), y)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+def classifier(features: int = 32, hidden: int = 256, classes: int = 4, lr: float = 1e-3) -> L.LightningModule:
+    """An MLP with two hidden layers, cross-entropy, AdamW, logging ``train_loss``: any LightningModule trains
+    the same way; this one is ddp_plugin's ready-made :class:`~ddp_plugin.testing.models.TinyModule`."""
+    return TinyModule(mlp(features, hidden, classes), loss="cross_entropy", optimizer="adamw", lr=lr,
+                      log_loss="train_loss", log_options={"prog_bar": True, "sync_dist": True})
 
 
 class Report(L.Callback):
@@ -57,9 +48,9 @@ class Report(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         elapsed = time.perf_counter() - self.start
-        flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
-        # C1: every rank holds the same parameters.
-        checksums = trainer.strategy.all_gather(flat.double().sum().reshape(1)).flatten().tolist()
+        # C1: every rank holds the same parameters (one row per rank).
+        every_rank = gather_parameters(trainer.strategy, pl_module)
+        checksums = every_rank.double().sum(dim=1).tolist()
         topo = trainer.strategy.topology
         if trainer.is_global_zero:
             print(
@@ -69,7 +60,7 @@ class Report(L.Callback):
                 f" {sum(p.numel() for p in pl_module.parameters())} parameters\n"
                 f"  {trainer.global_step} optimizer steps in {elapsed:.1f} s\n"
                 f"  train loss {trainer.callback_metrics['train_loss']:.4f} (started near {math.log(4):.2f})\n"
-                f"  parameters identical on all ranks: {len(set(checksums)) == 1}"
+                f"  parameters identical on all ranks: {all_ranks_equal(every_rank)}"
                 f" (checksums {', '.join(f'{c:.6f}' for c in checksums)})",
                 flush=True,
             )
@@ -104,7 +95,7 @@ def main() -> None:
         enable_model_summary=False,
     )
     loader = DataLoader(make_dataset(), batch_size=args.batch_size, shuffle=True)
-    trainer.fit(Classifier(), loader)
+    trainer.fit(classifier(), loader)
 
 
 if __name__ == "__main__":

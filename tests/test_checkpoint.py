@@ -19,9 +19,12 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, WORKERS, run_python
-from filesystems import in_tmpfs, tmpfs_unavailable
 from ddp_plugin.checkpoint_io import _umask
+from ddp_plugin.testing.processes import clean_env, end_run
+from ddp_plugin.testing.trees import leaves
+from tests.filesystems import in_tmpfs, tmpfs_unavailable
+from tests.support import ROOT, WORKERS, run_python
+from tests.workers.checkpoint_run import Net
 
 # Runs on another number of ranks sum the same gradients in another order: fp32 rounding, as in C2.
 ATOL_OTHER_WORLD = 1e-5
@@ -121,7 +124,7 @@ def test_c4_codec_residuals_are_restored(runs):
     ckpt = torch.load(runs["dir"] / "int8-step=6.ckpt", weights_only=False)
     # Per-rank codec state (every rank's) sits under "ddp_plugin_ranks", state the ranks share under "ddp_plugin".
     plugin_state = {key: ckpt[key] for key in ("ddp_plugin", "ddp_plugin_ranks") if key in ckpt}
-    residuals = [v for k, v in _flatten(plugin_state) if "residual" in k and isinstance(v, torch.Tensor)]
+    residuals = [v for k, v in leaves(plugin_state) if "residual" in k and isinstance(v, torch.Tensor)]
     assert residuals and any(bool(r.abs().sum() > 0) for r in residuals)
     assert_same_params(runs["int8_same"]["params"], runs["int8"]["params"], atol=0)
     # int8 with error feedback trains about like the uncompressed run, and not identically: the codec was on.
@@ -130,23 +133,7 @@ def test_c4_codec_residuals_are_restored(runs):
     assert 0 < diff < 0.05
 
 
-def _flatten(tree, prefix: str = ""):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _flatten(v, f"{prefix}/{k}")
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from _flatten(v, f"{prefix}/{i}")
-    else:
-        yield prefix, tree
-
-
 def test_consolidated_checkpoint_is_a_plain_lightning_checkpoint(runs):
-    sys.path.insert(0, str(WORKERS))
-    try:
-        from checkpoint_run import Net
-    finally:
-        sys.path.remove(str(WORKERS))
     ckpt = torch.load(runs["dir"] / "z3-step=12.ckpt", weights_only=False)
     # The optimizer state in the layout of an unsharded AdamW: one entry per parameter, full shapes.
     net = Net()
@@ -175,7 +162,7 @@ def test_kill_of_rank_0_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tm
         [sys.executable, str(WORKERS / "checkpoint_run.py"), "--devices", "4", "--steps", "12", "--out", tmp_path,
          "--name", "kill", "--stall-second-save", "--timeout", str(timeout_s)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "RANK")},
+        env=clean_env(),
     )
     try:
         # Starting 4 ranks may take minutes on a loaded machine; only what follows the kill is timed. (`timeout`
@@ -191,8 +178,7 @@ def test_kill_of_rank_0_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tm
         out = proc.communicate(timeout=timeout_s + 60)[0]  # EOF once the other ranks are gone too
         survivors_gone_after = time.monotonic() - killed_at
     finally:
-        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
-        _kill_leftovers(tmp_path)
+        end_run(proc, tmp_path)
     print(f"the other ranks were gone {survivors_gone_after:.1f} s after rank 0 was killed")
     # The other ranks did not hang in the barrier after the save: they failed, saying so.
     assert survivors_gone_after < timeout_s + 10, out[-4000:]
@@ -267,8 +253,6 @@ def run_worker_in_tmpfs(mountpoint, options: str, *args, timeout: float = 300) -
     reason = tmpfs_unavailable()
     if reason:
         pytest.skip(reason)
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK",
-                                                               "WORLD_SIZE", "RANK")}
     # Then, still in the namespace, what is left in the tmpfs.
     then_list = ("import os, subprocess, sys; rc = subprocess.call(sys.argv[2:]);"
                  " print('leftovers:', sorted(os.listdir(sys.argv[1])), flush=True); sys.exit(rc)")
@@ -276,7 +260,7 @@ def run_worker_in_tmpfs(mountpoint, options: str, *args, timeout: float = 300) -
                                           WORKERS / "checkpoint_run.py", *map(str, args)])
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                              env={**env, "PYTHONUNBUFFERED": "1"})
+                              env=clean_env({"PYTHONUNBUFFERED": "1"}))
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"the run did not finish in {timeout} s:\n{err.stdout}\n{err.stderr}")
 
@@ -318,7 +302,7 @@ def test_kill_of_rank_0_while_the_ranks_gather_a_stage_2_checkpoint_names_rank_0
         [sys.executable, str(WORKERS / "checkpoint_run.py"), "--devices", "4", "--devices-per-node", "2", "--stage",
          "2", "--steps", "12", "--out", tmp_path, "--name", "kill", "--stall-second-save", "--timeout", "120"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "RANK")},
+        env=clean_env(),
     )
     try:
         deadline = time.monotonic() + 300  # a slow start on a busy machine is not what this test is about
@@ -332,8 +316,7 @@ def test_kill_of_rank_0_while_the_ranks_gather_a_stage_2_checkpoint_names_rank_0
         out = proc.communicate(timeout=120)[0]
         survivors_gone_after = time.monotonic() - killed_at
     finally:
-        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
-        _kill_leftovers(tmp_path)
+        end_run(proc, tmp_path)
     print(f"the other ranks were gone {survivors_gone_after:.1f} s after rank 0 was killed")
     # Not the 120 s collective timeout: the gather fails at once, the diagnosis takes a few seconds.
     assert survivors_gone_after < 30, out[-4000:]
@@ -343,14 +326,6 @@ def test_kill_of_rank_0_while_the_ranks_gather_a_stage_2_checkpoint_names_rank_0
     assert {rank for rank, _ in named} == {"1", "2", "3"}, out[-4000:]
     ckpt = torch.load(tmp_path / "model.ckpt", weights_only=False)
     assert ckpt["global_step"] == 3
-
-
-def _kill_leftovers(d) -> None:
-    for f in d.glob("pid-*"):
-        try:
-            os.kill(int(f.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
 
 
 def test_missing_checkpoint_path_is_a_clear_error(tmp_path):
@@ -419,11 +394,6 @@ def test_consolidated_checkpoint_resumes_in_sharded_mode(runs):
 def test_sharded_checkpoint_consolidates_into_one_plain_lightning_file(runs, tmp_path):
     from ddp_plugin.sharded_checkpoint import consolidate
 
-    sys.path.insert(0, str(WORKERS))
-    try:
-        from checkpoint_run import Net
-    finally:
-        sys.path.remove(str(WORKERS))
     consolidate(runs["dir"] / "z3s-step=12.ckpt", tmp_path / "one.ckpt")
     model = Net.load_from_checkpoint(tmp_path / "one.ckpt")
     assert_same_params(dict(model.named_parameters()), runs["z3s"]["params"], atol=0)

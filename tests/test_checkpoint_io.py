@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT
-from filesystems import in_tmpfs, tmpfs_unavailable
+from tests.support import ROOT
+from tests.filesystems import in_tmpfs, tmpfs_unavailable
 from ddp_plugin.checkpoint_io import atomic_torch_save, deferred_storages, materialize, stream_save
 from ddp_plugin.hookspecs import DeferredStorage, DeferredTensor
 

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from conftest import WORKERS, needs_cluster, run_python
-from ddp_plugin.simcluster import SimulatedCluster
+from tests.support import WORKERS, needs_cluster, run_python
+from ddp_plugin.testing.simcluster import SimulatedCluster
 
 pytestmark = needs_cluster  # the `cluster` fixture (conftest.py): 2 nodes, 1 Gbit/s
 

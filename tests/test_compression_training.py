@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, WORKERS, run_python
 from ddp_plugin.comm import TracedCommunicator
 from ddp_plugin.hookspecs import Options
+from tests.support import ROOT, WORKERS, run_python
 from ddp_plugin.plugin_manager import available_codecs, installed_codecs
 
 TOLERANCE = {"fp16": 0.005, "bf16": 0.005, "int8": 0.01, "powersgd": 0.06, "topk": 0.15, "onebit": 0.12}
@@ -50,8 +49,7 @@ def onebit_install(tmp_path_factory):
 @pytest.fixture(scope="module")
 def c3(onebit_install, tmp_path_factory):
     out = tmp_path_factory.mktemp("c3") / "result.json"
-    pythonpath = os.pathsep.join(filter(None, [str(onebit_install), os.environ.get("PYTHONPATH")]))
-    run_python(WORKERS / "compression_run.py", "--out", out, timeout=400, env={"PYTHONPATH": pythonpath})
+    run_python(WORKERS / "compression_run.py", "--out", out, timeout=400, pythonpath=[onebit_install])
     return json.loads(out.read_text())
 
 

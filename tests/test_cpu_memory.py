@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import run_python
+from tests.support import run_python
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's (Linux only)"
@@ -18,11 +18,10 @@ pytestmark = pytest.mark.skipif(
 PROBE = """
 import sys, torch
 from ddp_plugin import cpu_memory
+from ddp_plugin.testing.memory import rss_bytes
 
 def rss_mb():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) / 1024
+    return rss_bytes() / 2**20
 
 if sys.argv[1] == "on":
     assert cpu_memory.release_freed_buffers()

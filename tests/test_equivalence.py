@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import WORKERS, run_python
+from tests.support import WORKERS, run_python
 
 CONFIGS = ["plain", "accumulate", "clip_and_schedule", "everything"]
 # (label, devices, devices_per_node, hierarchical): 2x2 simulated nodes run hierarchical by default.

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_python
+from ddp_plugin.testing.ranks import free_port
+from tests.support import ROOT, run_python
 
 QUICKSTART = ROOT / "examples" / "quickstart.py"
 
@@ -33,14 +34,6 @@ def test_spawn_start_method_with_simulated_nodes():
                             "--max-steps", "10"))
     assert "4 ranks (2 node(s) x 2)" in out
     assert "parameters identical on all ranks: True" in out
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_torchrun_launch():

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import WORKERS, run_python
+from tests.support import WORKERS, run_python
 
 WORKER = WORKERS / "lifecycle_run.py"
 

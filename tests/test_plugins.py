@@ -9,7 +9,7 @@ import textwrap
 import pluggy
 import pytest
 
-from conftest import WORKERS, run_python
+from tests.support import WORKERS, run_python
 from ddp_plugin import HierarchicalZeroStrategy, hookimpl
 from ddp_plugin.plugin_manager import build_plugin_manager, installed_codecs
 
@@ -91,8 +91,7 @@ def test_unselected_codec_stays_out_and_other_plugins_stay_in(installed_plugin_d
 
 def test_entry_point_codec_and_observer_run_in_training(installed_plugin_dir, tmp_path):
     out = tmp_path / "result.json"
-    run_python(WORKERS / "plugins_run.py", "--mode", "entrypoint", "--out", out,
-               env={"PYTHONPATH": str(installed_plugin_dir)})
+    run_python(WORKERS / "plugins_run.py", "--mode", "entrypoint", "--out", out, pythonpath=[installed_plugin_dir])
     result = json.loads(out.read_text())
     assert result["identical"]
     assert result["num_buckets"] > 1

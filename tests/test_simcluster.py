@@ -1,4 +1,4 @@
-"""The simulated cluster of design.md section 5: namespaces joined by a capped link, torchrun across them."""
+"""The simulated cluster: namespaces joined by a capped link, torchrun across them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from conftest import WORKERS, needs_cluster
-from ddp_plugin.simcluster import SimulatedCluster, parse_rate
+from tests.support import WORKERS, needs_cluster
+from ddp_plugin.testing.simcluster import SimulatedCluster, parse_rate
 
 PROBE = str(WORKERS / "simcluster_probe.py")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import WORKERS, run_python
+from tests.support import WORKERS, run_python
 
 DEVICES = [
     "cpu",

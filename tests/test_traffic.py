@@ -1,4 +1,4 @@
-"""Traffic accounting against the traffic model (design.md section 4), on 4 ranks as 2 nodes x 2, and its
+"""Traffic accounting against the traffic model (docs/zero.md, "Traffic"), on 4 ranks as 2 nodes x 2, and its
 metrics in a CSV logger's output."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import WORKERS, run_python
+from tests.support import WORKERS, run_python
 
 
 @pytest.fixture(scope="module")

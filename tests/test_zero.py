@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import WORKERS, run_python
+from tests.support import WORKERS, run_python
 
 CONFIGS = ["plain", "everything"]  # "everything": AdamW, accumulation 3, clipping 0.05, StepLR
 ATOL = 1e-5  # as at stage 0 (tests/test_equivalence.py); measured: below 2e-7 for every variant

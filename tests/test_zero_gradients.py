@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import WORKERS, run_python
+from tests.support import WORKERS, run_python
 
 ATOL = 1e-5
 STEPS = 4  # optimizer steps per run (tests/workers/grads_run.py)

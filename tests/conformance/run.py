@@ -45,8 +45,9 @@ DEFAULT_TESTS = next(
     (c for c in (ROOT.parent / "shared", ROOT.parents[1] / "shared") if (c / "lightning-tests" / "tests").is_dir()),
     ROOT.parent / "shared",
 ) / "lightning-tests" / "tests"
-sys.path.insert(0, str(HERE))
 
+# A script (`python tests/conformance/run.py`): Python puts this folder first on sys.path, so its neighbours import
+# by name, as `-p lightning_swap` does in the pytest processes it starts (PYTHONPATH, below).
 from expectations import KNOWN_FAILURES, NOT_APPLICABLE  # noqa: E402
 
 REQUIRED = ("cloudpickle", "tensorboard", "pytest_timeout")

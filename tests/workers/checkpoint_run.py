@@ -33,15 +33,21 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 import ddp_plugin.checkpoint_io
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.data import rank_loader, sine_dataset
+from ddp_plugin.testing.processes import write_pid_file
 
 GLOBAL_BATCH = 16
 STEPS_PER_EPOCH = 6
 
 
 class Net(L.LightningModule):
+    """The checkpointed model: not :class:`~ddp_plugin.testing.models.TinyModule`, because the checkpoint tests
+    need more than a training step: its hyperparameters saved (``Net.load_from_checkpoint`` in plain Lightning),
+    parameter names the tests read (``body.0.weight``, ``head.weight``), validation and test steps logging with
+    ``sync_dist`` (``--validate-after-fit``), an LR scheduler stepping every step (its state is in the checkpoint),
+    the loss history, and the engine's bucket count."""
+
     def __init__(self, width: int = 32) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -74,12 +80,8 @@ class Net(L.LightningModule):
         return self.dataloader(seed=5)
 
     def dataloader(self, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(GLOBAL_BATCH * STEPS_PER_EPOCH, 8, generator=g)
-        data = TensorDataset(x, torch.sin(x.sum(1, keepdim=True)))
-        world, rank = self.trainer.world_size, self.trainer.global_rank
-        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
-        return DataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=sampler)
+        data = sine_dataset(GLOBAL_BATCH * STEPS_PER_EPOCH, 8, seed)
+        return rank_loader(data, GLOBAL_BATCH, self.trainer.world_size, self.trainer.global_rank)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
@@ -178,8 +180,7 @@ def main() -> None:
     )
     if args.stall_second_save and int(os.environ.get("LOCAL_RANK", 0)) == 0:
         stall_second_save(os.path.join(args.out, "stalled"))
-    with open(os.path.join(args.out, f"pid-{os.environ.get('LOCAL_RANK', 0)}"), "w") as f:
-        f.write(str(os.getpid()))
+    write_pid_file(args.out, os.environ.get("LOCAL_RANK", 0))
     trainer.fit(model, ckpt_path=args.resume)
     if args.validate_after_fit:
         trainer.validate(model, dataloaders=model.dataloader(seed=6), verbose=False)

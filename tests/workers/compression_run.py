@@ -23,9 +23,11 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.data import rank_loader
+from ddp_plugin.testing.ranks import identical_on_all_ranks
 
 CONTEXT = 16
 GLOBAL_BATCH = 64
@@ -56,7 +58,9 @@ def windows(ids: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 class CharModel(L.LightningModule):
-    """Predict the next character from the previous 16: embeddings, one hidden layer, logits."""
+    """Predict the next character from the previous 16: embeddings, one hidden layer, logits. Its own class
+    (not :class:`~ddp_plugin.testing.models.TinyModule`): C3 needs a model of real text, its loss history and
+    its bucket count."""
 
     def __init__(self, vocab: int, dataset: TensorDataset) -> None:
         super().__init__()
@@ -79,9 +83,7 @@ class CharModel(L.LightningModule):
         return loss
 
     def train_dataloader(self) -> DataLoader:
-        world, rank = self.trainer.world_size, self.trainer.global_rank
-        sampler = DistributedSampler(self.dataset, num_replicas=world, rank=rank, shuffle=False)
-        return DataLoader(self.dataset, batch_size=GLOBAL_BATCH // world, sampler=sampler)
+        return rank_loader(self.dataset, GLOBAL_BATCH, self.trainer.world_size, self.trainer.global_rank)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
@@ -121,8 +123,7 @@ def run(name: str, steps: int, ids: torch.Tensor, vocab: int, out_dir: str) -> d
     if trainer.is_global_zero:
         saved = codec_state_by_rank(torch.load(path, weights_only=False), f"codec/{compression}")
 
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    every = trainer.strategy.all_gather(flat)
+    identical = identical_on_all_ranks(trainer.strategy, model)
     with torch.no_grad():
         held_out = nn.functional.cross_entropy(model(held_x), held_y).item()
     return {
@@ -134,7 +135,7 @@ def run(name: str, steps: int, ids: torch.Tensor, vocab: int, out_dir: str) -> d
         "steps": trainer.global_step,
         "cross_node_MB_per_step": strategy.metric_means.get("comm/cross_node_MB"),
         "buckets": model.num_buckets,
-        "identical_on_all_ranks": bool((every == every[0]).all()),
+        "identical_on_all_ranks": identical,
         "seconds": seconds,
         "hierarchical": strategy.uses_hierarchical_reducer,
         "saved_state": None if saved is None else {

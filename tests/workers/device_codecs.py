@@ -13,7 +13,6 @@ inputs, for tests/test_single_device.py to judge.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from datetime import timedelta
 
@@ -24,6 +23,7 @@ from torch import nn
 from ddp_plugin import Bucket
 from ddp_plugin.codecs import BUILTIN_CODECS, dequantize_int8, quantize_int8
 from ddp_plugin.comm import TracedCommunicator
+from ddp_plugin.testing.ranks import free_port
 
 OPTIONS = {
     "fp16": {},
@@ -76,9 +76,7 @@ def run(name: str, device: torch.device, group: dist.ProcessGroup, data: torch.T
 def main() -> None:
     out = sys.argv[1]
     device = torch.device("cuda", 0) if sys.argv[2] == "cuda" else torch.device("cpu")
-    with socket.socket() as s:  # a free port for the one-rank rendezvous
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(s.getsockname()[1])
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())  # one-rank rendezvous
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=60), device_id=device)

@@ -11,15 +11,16 @@ shuffling hands rank r the samples r, r+N, ..., whose union per step is one cont
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.callbacks import ParameterHistory
+from ddp_plugin.testing.data import rank_loader
 
 GLOBAL_BATCH = 16
 STEPS = 20
@@ -40,7 +41,8 @@ class Branch(nn.Linear):
 
 class Net(L.LightningModule):
     """A tiny model with a frozen layer, a tied weight, and a branch that only samples with x[0] > threshold use
-    (its bias gets no gradient on steps where no rank's samples take the branch)."""
+    (its bias gets no gradient on steps where no rank's samples take the branch): the cases C1 and C2 must hold
+    for, which :class:`~ddp_plugin.testing.models.TinyModule` around a plain MLP does not have."""
 
     def __init__(self, optimizer: str, scheduler: bool = False, accumulate: int = 1) -> None:
         super().__init__()
@@ -70,11 +72,8 @@ class Net(L.LightningModule):
         return nn.functional.mse_loss(self(x), y)
 
     def train_dataloader(self) -> DataLoader:
-        data = dataset(self.accumulate)
-        world, rank = self.trainer.world_size, self.trainer.global_rank
         # No shuffling, so rank r's batch j together with the other ranks' is the reference's batch j.
-        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
-        return DataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=sampler)
+        return rank_loader(dataset(self.accumulate), GLOBAL_BATCH, self.trainer.world_size, self.trainer.global_rank)
 
     def configure_optimizers(self):
         if self.optimizer_name == "adamw":
@@ -84,29 +83,6 @@ class Net(L.LightningModule):
         if not self.use_scheduler:
             return opt
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)}
-
-
-class RecordParameters(L.Callback):
-    """After every optimizer step: the full parameter vector, and (C1) the largest difference between ranks."""
-
-    def __init__(self) -> None:
-        self.history: list[torch.Tensor] = []
-        self.max_rank_diff = 0.0
-        self.device = ""
-        self._last_step = 0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self._last_step:
-            return
-        self._last_step = trainer.global_step
-        full = getattr(trainer.strategy, "full_parameters", contextlib.nullcontext)
-        with full():
-            flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
-        self.device = str(flat.device)  # where training ran (Lightning moves the model to the CPU after fit)
-        self.history.append(flat.cpu())
-        if trainer.world_size > 1:
-            every_rank = trainer.strategy.all_gather(flat)
-            self.max_rank_diff = max(self.max_rank_diff, (every_rank - every_rank[0]).abs().max().item())
 
 
 def dataset(accumulate: int) -> TensorDataset:
@@ -132,7 +108,7 @@ def run(name: str, devices: int, devices_per_node: int | None, hierarchical: boo
         trainer_devices = devices
     else:
         strategy, trainer_devices = "auto", 1
-    recorder = RecordParameters()
+    recorder = ParameterHistory()
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=trainer_devices,

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.models import TinyModule, mlp
 
 
 def report() -> None:
@@ -34,20 +35,8 @@ def report() -> None:
 atexit.register(report)
 
 
-class Model(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
-
-    def training_step(self, batch, batch_idx):
-        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01)
-
-
 torch.manual_seed(0)
 data = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=8)
 trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HierarchicalZeroStrategy(zero_stage=int(sys.argv[1])),
                     max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-trainer.fit(Model(), data)
+trainer.fit(TinyModule(mlp(8, 8, 1, layers=0, activation=nn.Tanh), optimizer="adamw", lr=0.01), data)

@@ -28,9 +28,11 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.data import rank_loader, sine_dataset
+from ddp_plugin.testing.models import TinyModule, mlp
 
 GLOBAL_BATCH = 8
 STEPS = 4
@@ -43,7 +45,9 @@ CONFIGS = {
 
 
 class Net(L.LightningModule):
-    """Three Linear layers (each a stage 3 unit), the middle one frozen: its ``.grad`` stays None everywhere."""
+    """Three Linear layers (each a stage 3 unit), the middle one frozen: its ``.grad`` stays None everywhere.
+    Its own class (not :class:`~ddp_plugin.testing.models.TinyModule` with a callback): what is under test is what
+    the LightningModule's *own* hooks see of ``.grad``, ``grad_norm(self)`` and ``self.log_dict``."""
 
     def __init__(self, optimizer: str, observe: bool, width: int = 8) -> None:
         super().__init__()
@@ -107,40 +111,27 @@ class Net(L.LightningModule):
                 self.record["batch_end"].append(self._grads())
 
 
-class Wide(L.LightningModule):
-    def __init__(self, width: int, helper: bool) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                                 nn.Linear(width, 1))
+class CrossNodePerStep(L.Callback):
+    """Each step's cross-node bytes (the strategy's traffic accounting) and the padded gradient size; with
+    ``helper``, the full gradients are gathered (``strategy.full_gradients()``) before every optimizer step."""
+
+    def __init__(self, helper: bool) -> None:
         self.helper = helper
         self.cross_node: list[float] = []
         self.gradient_bytes = 0
         self._last_total = 0.0
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-    def on_before_optimizer_step(self, optimizer) -> None:
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.helper:
-            with self.trainer.strategy.full_gradients():
-                grad_norm(self, 2)
+            with trainer.strategy.full_gradients():
+                grad_norm(pl_module, 2)
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        strategy = self.trainer.strategy
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        strategy = trainer.strategy
         self.gradient_bytes = sum(b.nbytes for b in strategy.engine.buckets)
         total = strategy.metric_totals.get("comm/cross_node_MB", 0.0) * 1e6
         self.cross_node.append(total - self._last_total)
         self._last_total = total
-
-
-def data(n: int, width: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(n, width, generator=g)
-    return TensorDataset(x, torch.sin(x.sum(dim=1, keepdim=True)))
 
 
 class Data(L.LightningDataModule):
@@ -151,9 +142,7 @@ class Data(L.LightningDataModule):
         self.dataset = dataset
 
     def train_dataloader(self) -> DataLoader:
-        world, rank = self.trainer.world_size, self.trainer.global_rank
-        sampler = DistributedSampler(self.dataset, num_replicas=world, rank=rank, shuffle=False)
-        return DataLoader(self.dataset, batch_size=GLOBAL_BATCH // world, sampler=sampler)
+        return rank_loader(self.dataset, GLOBAL_BATCH, self.trainer.world_size, self.trainer.global_rank)
 
 
 def strategy_for(run: str, devices_per_node: int | None):
@@ -177,7 +166,7 @@ def hooks(run: str, args) -> None:
     cfg = CONFIGS[args.config]
     L.seed_everything(1234, verbose=False)
     model = Net(cfg["optimizer"], observe=not run.endswith(":quiet"))
-    dataset = data(GLOBAL_BATCH * STEPS * cfg["accumulate"], 4)
+    dataset = sine_dataset(GLOBAL_BATCH * STEPS * cfg["accumulate"], 4, seed=7)
     trainer = trainer_for(run, args, max_steps=STEPS, accumulate_grad_batches=cfg["accumulate"],
                           gradient_clip_val=cfg["clip"], gradient_clip_algorithm=cfg["algorithm"])
     trainer.fit(model, datamodule=Data(dataset))
@@ -188,13 +177,14 @@ def hooks(run: str, args) -> None:
 
 def traffic(run: str, args) -> None:
     L.seed_everything(0, verbose=False)
-    model = Wide(256, helper=run.endswith(":helper"))
-    trainer = trainer_for(run, args, max_steps=5)
-    trainer.fit(model, datamodule=Data(data(GLOBAL_BATCH * 5, 256)))
+    model = TinyModule(mlp(256, 256, 1), optimizer="sgd", lr=1e-3)
+    recorder = CrossNodePerStep(helper=run.endswith(":helper"))
+    trainer = trainer_for(run, args, max_steps=5, callbacks=[recorder])
+    trainer.fit(model, datamodule=Data(sine_dataset(GLOBAL_BATCH * 5, 256, seed=7)))
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, model.cross_node)
+    dist.all_gather_object(every, recorder.cross_node)
     if trainer.is_global_zero:
-        torch.save({"cross_node": every, "gradient_bytes": model.gradient_bytes},
+        torch.save({"cross_node": every, "gradient_bytes": recorder.gradient_bytes},
                    f"{args.out}/traffic-{run.replace(':', '-')}.pt")
 
 

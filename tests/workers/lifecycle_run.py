@@ -24,31 +24,23 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.data import sine_dataset
+from ddp_plugin.testing.models import TinyModule, mlp
+from ddp_plugin.testing.trees import leaves
+
+LEARNING_RATES = {"sgd": 0.1, "adam": 1e-2}
 
 
-class Model(L.LightningModule):
-    def __init__(self, optimizer: str = "sgd") -> None:
-        super().__init__()
-        self.optimizer = optimizer
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        if self.optimizer == "adam":
-            return torch.optim.Adam(self.parameters(), lr=1e-2)
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+def tiny_model(optimizer: str = "sgd") -> TinyModule:
+    """8 -> 16 -> 1, tanh; SGD(lr=0.1) or Adam(lr=1e-2)."""
+    return TinyModule(mlp(8, 16, 1, layers=0, activation=nn.Tanh), optimizer=optimizer, lr=LEARNING_RATES[optimizer])
 
 
 def loader() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 8, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4)
+    return DataLoader(sine_dataset(64, 8, seed=0), batch_size=4)
 
 
 def write(out: str, mode: str, result: dict) -> None:
@@ -63,7 +55,7 @@ def patched_backward(args: argparse.Namespace) -> None:
         max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     with mock.patch.object(Strategy, "backward", wraps=trainer.strategy.backward) as backward:
-        trainer.fit(Model(), loader())
+        trainer.fit(tiny_model(), loader())
     if trainer.is_global_zero:
         write(args.out, args.mode, {"backward_calls": backward.call_count, "global_step": trainer.global_step})
 
@@ -84,7 +76,7 @@ def setup_without_teardown(args: argparse.Namespace) -> None:
 
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HierarchicalZeroStrategy(), max_epochs=1,
                         logger=False, enable_checkpointing=False)
-    model = Model()
+    model = tiny_model()
     trainer.state.fn = TrainerFn.FITTING
     trainer.strategy.connect(model)
     trainer.lightning_module.trainer = trainer
@@ -113,18 +105,9 @@ class UserCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         self.saves += 1
-
-        def walk(x) -> None:
-            if isinstance(x, dict):
-                for v in x.values():
-                    walk(v)
-            elif isinstance(x, (list, tuple)):
-                for v in x:
-                    walk(v)
-            elif isinstance(x, torch.Tensor) or type(x).__name__.startswith("Deferred"):
+        for _, x in leaves(checkpoint):
+            if isinstance(x, torch.Tensor) or type(x).__name__.startswith("Deferred"):
                 self.tensor_types.add(type(x).__name__)
-
-        walk(checkpoint)
         super().save_checkpoint(checkpoint, path, storage_options)
 
 
@@ -135,7 +118,7 @@ def user_checkpoint_io(args: argparse.Namespace) -> None:
         max_steps=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath=args.out, every_n_train_steps=2, save_top_k=-1)],
     )
-    model = Model("adam")
+    model = tiny_model("adam")
     real_save, checkpoint_saves = torch.save, []
 
     def save(obj, *a, **k):

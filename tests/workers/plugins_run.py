@@ -17,28 +17,22 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy, hookimpl
+from ddp_plugin.testing.data import sine_dataset
+from ddp_plugin.testing.models import TinyModule
+from ddp_plugin.testing.ranks import identical_on_all_ranks
 
 
-class Model(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)], nn.Linear(16, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+def tiny_model() -> TinyModule:
+    """Six 16 x 16 blocks and a head: with a 1 KiB bucket cap, 12 buckets."""
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)], nn.Linear(16, 1))
+    return TinyModule(net, optimizer="sgd", lr=0.05)
 
 
 def loader() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 16, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8)
+    return DataLoader(sine_dataset(256, 16, seed=0), batch_size=8)
 
 
 class TwoStageCodec:
@@ -83,12 +77,6 @@ class StepCounter:
         self.steps = self.loaded["steps"]
 
 
-def identical_on_all_ranks(trainer, model) -> bool:
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    every = trainer.strategy.all_gather(flat)
-    return bool((every == every[0]).all())
-
-
 def trainer_for(strategy, steps: int, **kw) -> L.Trainer:
     return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                      enable_progress_bar=False, enable_model_summary=False, **kw)
@@ -108,30 +96,30 @@ def main() -> None:
 
         strategy = HierarchicalZeroStrategy(compression="fp64_mean", bucket_size_mb=1 / 1024)
         trainer = trainer_for(strategy, 10, enable_checkpointing=False)
-        model = Model()
+        model = tiny_model()
         trainer.fit(model, loader())
         result = {
             "codec_calls": ddp_test_plugins.codec.calls,
             "observed_buckets": ddp_test_plugins.observer.buckets_seen,
             "num_buckets": len(ddp_test_plugins.observer.bucket_indices),
-            "identical": identical_on_all_ranks(trainer, model),
+            "identical": identical_on_all_ranks(trainer.strategy, model),
         }
     elif args.mode == "two_stage":
         codec = TwoStageCodec()
         strategy = HierarchicalZeroStrategy(plugins=[codec], bucket_size_mb=1 / 1024)
         trainer = trainer_for(strategy, 30, enable_checkpointing=False)
-        model = Model()
+        model = tiny_model()
         trainer.fit(model, loader())
-        result = {"codec_calls": codec.calls, "identical": identical_on_all_ranks(trainer, model)}
+        result = {"codec_calls": codec.calls, "identical": identical_on_all_ranks(trainer.strategy, model)}
     elif args.mode == "state":
         path = os.path.join(os.path.dirname(args.out), "state.ckpt")
         first = StepCounter()
         trainer = trainer_for(HierarchicalZeroStrategy(plugins=[first]), 5, enable_checkpointing=False)
-        trainer.fit(Model(), loader())
+        trainer.fit(tiny_model(), loader())
         trainer.save_checkpoint(path)
         second = StepCounter()
         trainer = trainer_for(HierarchicalZeroStrategy(plugins=[second]), 8, enable_checkpointing=False)
-        trainer.fit(Model(), loader(), ckpt_path=path)
+        trainer.fit(tiny_model(), loader(), ckpt_path=path)
         saved = torch.load(path, weights_only=False)["ddp_plugin"]
         result = {"saved": saved, "loaded": second.loaded, "steps_after_resume": second.steps}
 

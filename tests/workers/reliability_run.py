@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import time
 from datetime import timedelta
 
@@ -22,50 +21,54 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.data import sine_dataset
+from ddp_plugin.testing.models import TinyModule, mlp
+from ddp_plugin.testing.processes import inject_fault, write_pid_file
+from ddp_plugin.testing.ranks import flat_parameters
 
 SIZES = (2, 3, 5, 6)  # uneven per-rank batch sizes; their union is one reference batch of 16
 STEPS = 12
 NAN_STEP = 5
 
 
-class Model(L.LightningModule):
+class Model(TinyModule):
+    """8 -> 32 -> 1 (tanh), SGD with momentum, that breaks on purpose inside ``training_step``: a
+    :class:`~ddp_plugin.testing.models.TinyModule` with faults, because the tests need the fault on one rank at an
+    exact step, between that step's forward on the other ranks and its gradients' collectives (and a NaN in one
+    rank's input). Keeps the parameters after every batch in ``history``."""
+
     def __init__(self, mode: str, die_rank: int = -1, out: str = ".") -> None:
-        super().__init__()
+        super().__init__(mlp(8, 32, 1, layers=0, activation=nn.Tanh), optimizer="sgd", lr=0.1, momentum=0.9)
         self.mode, self.die_rank, self.out = mode, die_rank, out
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
         self.history: list[torch.Tensor] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         if self.mode == "die" and self.global_rank == self.die_rank and self.global_step == 20:
             print(f"rank {self.global_rank} kills itself (SIGKILL) at {time.time():.3f}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            inject_fault("sigkill")
         if self.mode == "stop" and self.global_rank == self.die_rank and self.global_step == 20:
             # Written before stopping: the test measures from this moment, however long the start took.
             with open(os.path.join(self.out, "stopped"), "w") as f:
                 f.write(f"{os.getpid()} {time.time():.3f}")
             print(f"rank {self.global_rank} stops itself (SIGSTOP)", flush=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            inject_fault("sigstop")
         if self.mode == "raise" and self.global_rank == self.die_rank and self.global_step == 20:
-            raise ValueError("the user's training_step broke on purpose")
+            inject_fault("raise")
         if self.mode == "nonfinite" and self.global_rank == 1 and self.global_step == NAN_STEP:
             x = x.clone()
             x[0, 0] = float("nan")
-        return nn.functional.mse_loss(self.net(x), y)
+        return self.compute_loss((x, y))
 
     def on_fit_start(self) -> None:
         if self.mode == "stop":  # for the test's cleanup: every rank's process id
-            with open(os.path.join(self.out, f"pid-{self.global_rank}"), "w") as f:
-                f.write(str(os.getpid()))
+            write_pid_file(self.out, self.global_rank)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.history.append(torch.cat([p.detach().flatten() for p in self.parameters()]).clone())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        self.history.append(flat_parameters(self))
 
 
 class DDPPatientStart(DDPStrategy):
@@ -80,12 +83,6 @@ class DDPPatientStart(DDPStrategy):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         torch.distributed.distributed_c10d._set_pg_timeout(self._collective_timeout)
-
-
-def data(n: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(n, 8, generator=g)
-    return TensorDataset(x, x.sum(1, keepdim=True).sin())
 
 
 def uneven_batches(rank: int, world: int) -> list[list[int]]:
@@ -138,9 +135,9 @@ def main() -> None:
     if args.mode == "weighting":
         # The batches depend on the rank, known once the Trainer has set up its environment.
         rank, world = int(os.environ.get("LOCAL_RANK", 0)), max(args.devices, 1)
-        loader = DataLoader(data(16 * STEPS), batch_sampler=uneven_batches(rank, world))
+        loader = DataLoader(sine_dataset(16 * STEPS, 8, seed=3), batch_sampler=uneven_batches(rank, world))
     else:
-        loader = DataLoader(data(4096), batch_size=8)
+        loader = DataLoader(sine_dataset(4096, 8, seed=3), batch_size=8)
     start = time.time()
     try:
         trainer.fit(model, loader)

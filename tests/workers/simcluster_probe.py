@@ -91,15 +91,11 @@ def source(args: argparse.Namespace) -> dict:
     return {"bytes": args.bytes, "seconds": seconds, "gbit_per_s": args.bytes * 8 / seconds / 1e9, "acked": ack == b"k"}
 
 
-def _link_tx_bytes() -> int:
-    # `ip netns exec` mounts the namespace's own /sys, so this is the node's veth counter, not the host's.
-    with open(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes") as f:
-        return int(f.read())
-
-
 def allreduce(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
+
+    from ddp_plugin.testing.simcluster import link_bytes  # imports torch and Lightning: not for the TCP probes
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -107,7 +103,7 @@ def allreduce(args: argparse.Namespace) -> dict:
     ok = True
     dist.all_reduce(torch.ones(1))  # connect every pair before we count or time
     dist.barrier()
-    tx_before = _link_tx_bytes()
+    tx_before = link_bytes()["tx"]
     times = []
     for step in range(args.iters):
         # Small integers keep the fp32 sum exact, so equality is the right check.
@@ -118,7 +114,7 @@ def allreduce(args: argparse.Namespace) -> dict:
         expected = float(sum(range(world)) + world * step)
         ok = ok and bool(torch.all(tensor == expected))
     dist.barrier()
-    tx = _link_tx_bytes() - tx_before
+    tx = link_bytes()["tx"] - tx_before
     dist.destroy_process_group()
     return {"rank": rank, "world": world, "local_rank": int(os.environ["LOCAL_RANK"]), "ok": ok,
             "tensor_bytes": numel * 4, "seconds": times, "node_tx_bytes": tx}

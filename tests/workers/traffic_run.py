@@ -13,23 +13,11 @@ import os
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_plugin import HierarchicalZeroStrategy
-
-
-class Model(L.LightningModule):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
+from ddp_plugin.testing.models import TinyModule, mlp
+from ddp_plugin.testing.simcluster import link_bytes
 
 
 class KernelCounters(L.Callback):
@@ -41,14 +29,9 @@ class KernelCounters(L.Callback):
         self.kernel_tx = 0.0
         self.ours = 0.0
 
-    @staticmethod
-    def _tx() -> int:
-        with open(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes") as f:
-            return int(f.read())
-
     def _mark(self, trainer) -> tuple[int, float]:
         trainer.strategy.barrier()
-        return self._tx(), trainer.strategy.metric_totals.get("comm/cross_node_MB", 0.0) * 1e6
+        return link_bytes()["tx"], trainer.strategy.metric_totals.get("comm/cross_node_MB", 0.0) * 1e6
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.warmup:
@@ -84,7 +67,7 @@ def main() -> None:
         callbacks=[counters] if on_cluster else [],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    model = Model(args.width)
+    model = TinyModule(mlp(args.width, args.width, 1), optimizer="sgd", lr=1e-3)
     x = torch.randn(64 * args.steps, args.width)
     trainer.fit(model, DataLoader(TensorDataset(x, x[:, :1]), batch_size=8))
     means = strategy.metric_means

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 
@@ -18,65 +17,53 @@ import lightning as L
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.callbacks import ParameterHistory
+from ddp_plugin.testing.data import rank_loader
+from ddp_plugin.testing.models import LARS, TinyModule
 from ddp_plugin.zero import allow_optimizer
 
 WIDTH, LAYERS = 512, 4  # 4 x (512 x 512 + 512) = 1,050,624 parameters, fp32
+OPTIMIZERS = {  # name -> (optimizer, its options)
+    "lbfgs": (torch.optim.LBFGS, {}),
+    "lars": (LARS, {"lr": 0.1}),  # an SGD subclass that is not elementwise
+    "adamw": (torch.optim.AdamW, {"lr": 1e-3}),
+}
 
 
-class LARS(torch.optim.SGD):
-    """SGD with a per-tensor trust ratio (LARS): each tensor's step is scaled by ||w|| / ||g||, a norm over the
-    whole tensor, so stepping pieces of a tensor is not stepping the tensor."""
+class MemoryAfterStep(L.Callback):
+    """After every optimizer step, before the next zero_grad (parameters, gradients and state all live): the
+    strategy's ``memory_bytes()``, and at stage 3 the largest unit and the peak of gathered bytes."""
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(p.norm() / (p.grad.norm() + 1e-12))
-        return super().step(closure)
-
-
-class Net(L.LightningModule):
-    def __init__(self, optimizer: str = "adamw") -> None:
-        super().__init__()
-        self.net = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-        self.optimizer_name = optimizer
+    def __init__(self) -> None:
         self.memory: dict[str, int] = {}
         self.largest_unit = 0
         self.peak_gathered = 0
 
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        return self.net(x).pow(2).mean()
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        # After the optimizer step, before the next zero_grad: parameters, gradients and state all live.
-        self.memory = self.trainer.strategy.memory_bytes()
-        sharder = self.trainer.strategy.plugin_manager.get_plugin("zero_sharder")
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.memory = trainer.strategy.memory_bytes()
+        sharder = trainer.strategy.plugin_manager.get_plugin("zero_sharder")
         if sharder is not None and sharder.stage == 3:
             self.largest_unit = sharder.largest_unit_bytes
             self.peak_gathered = sharder.fit_peak_gathered_bytes
 
-    def configure_optimizers(self):
-        if self.optimizer_name == "lbfgs":
-            return torch.optim.LBFGS(self.parameters())
-        if self.optimizer_name == "lars":
-            return LARS(self.parameters(), lr=0.1)
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-
-def fit(stage: int, optimizer: str, devices: int) -> Net:
+def fit(stage: int, optimizer: str, devices: int) -> tuple[L.Trainer, TinyModule, MemoryAfterStep]:
     L.seed_everything(0, verbose=False)
-    model = Net(optimizer)
+    factory, options = OPTIMIZERS[optimizer]
+    # Batches of (x,): the loss is the mean square of the output.
+    model = TinyModule(nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]), loss="mean_square",
+                       optimizer=factory, **options)
     data = TensorDataset(torch.randn(64, WIDTH))
     strategy = HierarchicalZeroStrategy(zero_stage=stage, shard_scope="global", auto_wrap_policy=[nn.Linear])
+    memory = MemoryAfterStep()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                        callbacks=[memory], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
     trainer.fit(model, DataLoader(data, batch_size=4))
-    return model
+    return trainer, model, memory
 
 
 # ---------------------------------------------------------------------------------------------- GPT-2 layout
@@ -119,6 +106,9 @@ class Transformer(nn.Module):
 
 
 class GPT(L.LightningModule):
+    """GPT-2's layout with its head tied to the token embedding: its own class, since what the test is about is
+    this module tree (a ModuleList of blocks, a tied weight across units) and its token data."""
+
     def __init__(self) -> None:
         super().__init__()
         self.transformer = Transformer()
@@ -133,32 +123,13 @@ class GPT(L.LightningModule):
     def train_dataloader(self) -> DataLoader:
         data = TensorDataset(torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ + 1),
                                            generator=torch.Generator().manual_seed(3)))
-        world, rank = self.trainer.world_size, self.trainer.global_rank
         # No shuffling: rank r's batch j together with the other ranks' is the reference's batch j.
-        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
-        return DataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=sampler)
+        return rank_loader(data, GLOBAL_BATCH, self.trainer.world_size, self.trainer.global_rank)
 
     def configure_optimizers(self):
         # SGD: Adam's first steps are +-lr whatever a gradient's size, so gradients near rounding noise (this
         # model has many) would make the comparison with one process measure rounding instead of sharding.
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
-
-
-class Record(L.Callback):
-    """After every step: the full parameter vector and (C1) the largest difference between ranks."""
-
-    def __init__(self) -> None:
-        self.history: list[torch.Tensor] = []
-        self.max_rank_diff = 0.0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        full = getattr(trainer.strategy, "full_parameters", contextlib.nullcontext)
-        with full():
-            flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
-        self.history.append(flat.clone())
-        if trainer.world_size > 1:
-            every_rank = trainer.strategy.all_gather(flat)
-            self.max_rank_diff = max(self.max_rank_diff, (every_rank - every_rank[0]).abs().max().item())
 
 
 def fit_gpt(devices: int, stage: int, policy: str, out: str) -> None:
@@ -169,7 +140,7 @@ def fit_gpt(devices: int, stage: int, policy: str, out: str) -> None:
         strategy = HierarchicalZeroStrategy(zero_stage=stage, auto_wrap_policy=wrap)
     else:
         strategy, devices = "auto", 1
-    record = Record()
+    record = ParameterHistory()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                         callbacks=[record], enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False)
@@ -207,10 +178,10 @@ def main() -> None:
         return
     rows = {}
     for stage in (0, 1, 2, 3):
-        model = fit(stage, "adamw", devices=4)
-        rows[stage] = {**model.memory, "largest_unit": model.largest_unit, "peak_gathered": model.peak_gathered,
+        trainer, model, memory = fit(stage, "adamw", devices=4)
+        rows[stage] = {**memory.memory, "largest_unit": memory.largest_unit, "peak_gathered": memory.peak_gathered,
                        "numel": sum(p.numel() for p in model.parameters())}
-    if model.trainer.is_global_zero:
+    if trainer.is_global_zero:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
 

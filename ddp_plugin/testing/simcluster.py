@@ -1,4 +1,4 @@
-"""A simulated multi-node cluster on one Linux machine, for tests and benchmarks (design.md, section 5).
+"""A simulated multi-node cluster on one Linux machine, for tests and benchmarks.
 
 Each node is a network namespace. Two nodes are joined by one veth pair; more nodes hang off a bridge that
 lives in its own namespace, so nothing of the simulation touches the machine's root namespace. A ``tbf``
@@ -14,9 +14,17 @@ next start without touching those of a run that is still alive.
 
 Needs root and iproute2 (``ip netns``, ``tc``); :func:`available` says whether this machine can do it::
 
+    from ddp_plugin.testing.simcluster import SimulatedCluster
+
     with SimulatedCluster(nodes=2, rate="1gbit") as cluster:
         results = cluster.launch(["train.py", "--max-steps", "10"], nproc_per_node=2)
         print(cluster.tx_bytes(0), results[0].stdout)
+
+A process the cluster started reads its own node's counters with :func:`link_bytes` (its link is named by
+``GLOO_SOCKET_IFNAME``, which :meth:`SimulatedCluster.launch` sets), e.g. around a timed window of steps.
+
+(About 450 lines: building, driving and tearing down namespaces, links and per-node launches belong together,
+and the teardown must hold even on failure; each part is short.)
 """
 
 from __future__ import annotations
@@ -35,9 +43,12 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["NodeResult", "SimulatedCluster", "available", "parse_rate"]
+from ddp_plugin.testing.processes import RENDEZVOUS_ENV, kill_quietly, signal_group_quietly
+
+__all__ = ["NodeResult", "SimulatedCluster", "available", "link_bytes", "parse_rate"]
 
 SUBNET = "10.77.0"  # private /24; it only ever exists inside the cluster's own namespaces
 BRIDGE = "simbr"
@@ -45,9 +56,8 @@ MIN_MASTER_PORT = 29400
 
 # Environment a launched torchrun must not inherit: it would override the rendezvous we set up.
 _LAUNCH_ENV_DROP = (
-    "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-    "NODE_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+    *RENDEZVOUS_ENV, "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
 )
 
 _RATE_UNITS = {  # tc's units: SI multipliers, "bit" for bits and "bps" for bytes per second
@@ -113,10 +123,8 @@ def _pid_alive(pid: int) -> bool:
 def _kill_namespace_processes(namespace: str) -> None:
     proc = _run(["ip", "netns", "pids", namespace], check=False)
     for pid in proc.stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
+        if pid.isdigit():
+            kill_quietly(int(pid))
 
 
 def _delete_namespace(namespace: str) -> None:
@@ -160,6 +168,28 @@ def available() -> tuple[bool, str]:
     finally:
         _run(["ip", "netns", "delete", namespace], check=False)
     return True, ""
+
+
+def link_bytes(interface: str | None = None) -> dict[str, int]:
+    """``{"tx": bytes sent, "rx": bytes received}`` of this node's link, as the kernel counts them in this process's
+    network namespace: for a process a :class:`SimulatedCluster` started, its node's veth (the ground truth for
+    cross-node bytes). ``interface`` defaults to ``$GLOO_SOCKET_IFNAME``, which :meth:`SimulatedCluster.launch`
+    sets to the node's link. Take the difference of two readings, after a barrier, to count a window of steps.
+
+    Reads ``/sys/class/net/<interface>/statistics`` (``ip netns exec`` mounts the namespace's own /sys); where
+    /sys was not remounted for the namespace, asks netlink (``ip -s link``) instead."""
+    interface = interface or os.environ["GLOO_SOCKET_IFNAME"]
+    stats = Path("/sys/class/net") / interface / "statistics"
+    if stats.is_dir():
+        return {k: int((stats / f"{k}_bytes").read_text()) for k in ("tx", "rx")}
+    s = _ip_link_stats(interface)
+    return {"tx": s["tx"]["bytes"], "rx": s["rx"]["bytes"]}
+
+
+def _ip_link_stats(interface: str, namespace_args: list[str] | None = None) -> dict[str, Any]:
+    """The ``stats64`` counters of ``interface`` over netlink (``ip [-n NS] -s -j link show dev IF``)."""
+    proc = _run(["ip", *(namespace_args or []), "-s", "-j", "link", "show", "dev", interface])
+    return json.loads(proc.stdout)[0]["stats64"]
 
 
 @dataclass
@@ -309,8 +339,7 @@ class SimulatedCluster:
     def _link_stats(self, node: int) -> dict[str, Any]:
         # `ip -n` reads the counters over netlink in the node's namespace; /sys/class/net only shows them from a
         # process whose /sys was mounted in that namespace (which `ip netns exec` does for the processes it runs).
-        proc = _run(["ip", "-n", self.node_namespace(node), "-s", "-j", "link", "show", "dev", self.interfaces[node]])
-        return json.loads(proc.stdout)[0]["stats64"]
+        return _ip_link_stats(self.interfaces[node], ["-n", self.node_namespace(node)])
 
     def _check_node(self, node: int) -> None:
         if not 0 <= node < self.nodes:
@@ -404,21 +433,14 @@ def _kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:
     """SIGTERM the process group of ``proc`` (torchrun forwards it to its ranks), then SIGKILL after ``grace``."""
     if proc.poll() is not None:
         # The leader is gone but its ranks may not be; the group id is still the leader's pid.
-        _signal_group(proc.pid, signal.SIGKILL)
+        signal_group_quietly(proc.pid, signal.SIGKILL)
         return
-    _signal_group(proc.pid, signal.SIGTERM)
+    signal_group_quietly(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         pass
-    _signal_group(proc.pid, signal.SIGKILL)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+    signal_group_quietly(proc.pid, signal.SIGKILL)
 
 
 @atexit.register

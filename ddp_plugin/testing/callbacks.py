@@ -1,0 +1,49 @@
+"""Lightning callbacks that record what training did, for a test to compare afterwards.
+
+- :class:`ParameterHistory`: after every optimizer step, the whole parameter vector (C2: compare it with a
+  single-process run's) and the largest difference between ranks (C1: it must stay 0.0)::
+
+      history = ParameterHistory()
+      trainer = L.Trainer(..., callbacks=[history])
+      trainer.fit(model)
+      torch.save({"history": torch.stack(history.history), "max_rank_diff": history.max_rank_diff}, path)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import lightning as L
+import torch
+
+from ddp_plugin.testing.ranks import flat_parameters, max_rank_difference
+
+__all__ = ["ParameterHistory"]
+
+
+class ParameterHistory(L.Callback):
+    """After every optimizer step (not after the inner batches of gradient accumulation): the full parameter
+    vector, on the CPU, in ``history``; the largest elementwise difference from rank 0 so far in
+    ``max_rank_diff`` (with more than one rank: an all-gather, so every rank must run it); the device training
+    ran on in ``device`` (Lightning moves the model to the CPU after ``fit``). At ZeRO stage 3 the parameters are
+    read inside ``strategy.full_parameters()``."""
+
+    def __init__(self) -> None:
+        self.history: list[torch.Tensor] = []
+        self.max_rank_diff = 0.0
+        self.device = ""
+        self._last_step = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self._last_step:
+            return
+        self._last_step = trainer.global_step
+        full = getattr(trainer.strategy, "full_parameters", contextlib.nullcontext)
+        with full():
+            flat = flat_parameters(pl_module)
+        self.device = str(flat.device)
+        self.history.append(flat.cpu())
+        if trainer.world_size > 1:
+            self.max_rank_diff = max(self.max_rank_diff, max_rank_difference(trainer.strategy, flat))

@@ -1,0 +1,128 @@
+"""The processes of a multi-rank run, seen from outside and from inside.
+
+A test or benchmark that starts a training run (Lightning's launcher, torchrun) and then breaks it needs the
+same few things: an environment without another run's rendezvous variables, every rank's process id (each rank
+writes ``pid-<rank>`` into a folder), whether a process is still alive or stopped, and, whatever happened, to
+leave nothing running afterwards. A rank that breaks itself on purpose uses :func:`inject_fault`.
+
+    proc = subprocess.Popen([...], env=clean_env({"PYTHONUNBUFFERED": "1"}), start_new_session=True)
+    try:
+        ...                                   # the ranks call write_pid_file(folder, rank) when they start
+        gone = [rank for rank, pid in pid_files(folder).items() if not alive(pid)]
+    finally:
+        end_run(proc, folder)                 # SIGKILL every rank and the launcher's process group
+
+Linux only for :func:`process_state` (it reads ``/proc``). Nothing here imports torch or pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+__all__ = [
+    "RENDEZVOUS_ENV",
+    "alive",
+    "clean_env",
+    "end_run",
+    "inject_fault",
+    "kill_quietly",
+    "pid_files",
+    "process_state",
+    "signal_group_quietly",
+    "stopped",
+    "write_pid_file",
+]
+
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
+"""Variables a launcher sets for its ranks; a new run started from inside one must not inherit them."""
+
+FAULT_KINDS = ("sigstop", "sigkill", "raise")
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without :data:`RENDEZVOUS_ENV`, then ``extra`` (which may set them again)."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
+    env.update(extra or {})
+    return env
+
+
+def write_pid_file(folder: str | os.PathLike, rank: int | str) -> None:
+    """Write this process's id to ``folder/pid-<rank>``, for :func:`pid_files` and :func:`end_run`."""
+    with open(os.path.join(folder, f"pid-{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def pid_files(folder: str | os.PathLike) -> dict[int, int]:
+    """``{rank: pid}`` from the ``pid-<rank>`` files in ``folder`` (a file still being written is skipped)."""
+    out = {}
+    for f in Path(folder).glob("pid-*"):
+        try:
+            out[int(f.name[4:])] = int(f.read_text())
+        except ValueError:
+            pass
+    return out
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``/proc/<pid>/stat`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie, ...), or None if there
+    is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` is still running (or stopped): an exited child not yet reaped (a zombie) is gone."""
+    return process_state(pid) not in (None, "Z", "X")
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP)."""
+    return process_state(pid) == "T"
+
+
+def kill_quietly(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``pid``; a process that is already gone (or no longer ours) is not an error."""
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def signal_group_quietly(pgid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to the process group ``pgid``; a group that is already gone is not an error."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def end_run(proc: subprocess.Popen, folder: str | os.PathLike | None = None, also: Iterable[int] = (),
+            timeout: float | None = None) -> None:
+    """Leave nothing of a run behind: SIGKILL every process named in ``folder``'s ``pid-<rank>`` files and in
+    ``also`` (a stopped process dies of SIGKILL too), then the process group of ``proc`` (started with
+    ``start_new_session=True``: the launcher and every rank it started), and reap ``proc``."""
+    pids = set(also) | (set(pid_files(folder).values()) if folder is not None else set())
+    for pid in pids:
+        kill_quietly(pid)
+    signal_group_quietly(proc.pid)
+    proc.wait(timeout=timeout)
+
+
+def inject_fault(kind: str) -> None:
+    """Break this process the way a rank breaks: ``"sigstop"`` (hung: stopped, every connection still open),
+    ``"sigkill"`` (dead at once) or ``"raise"`` (an exception in the user's code, a ValueError)."""
+    if kind == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "raise":
+        raise ValueError("the user's training_step broke on purpose")
+    else:
+        raise ValueError(f"kind={kind!r}: one of {', '.join(FAULT_KINDS)}")

@@ -1,0 +1,168 @@
+"""Ranks for tests: a free port for a rendezvous, a pool of real gloo ranks, and C1, "every rank holds the same
+parameters", checked the same way everywhere.
+
+- :func:`free_port`: a TCP port nobody listens on, for ``--master_port`` or ``tcp://127.0.0.1:<port>``.
+- :class:`RankPool`: N spawned processes joined in a gloo group, running one module-level function at a time on
+  all of them; one pool serves a whole test module (starting the processes costs seconds)::
+
+      with RankPool(4) as ranks:
+          results = ranks.run(some_module_level_function, arg)   # fn(rank, world_size, arg), in rank order
+
+- :func:`flat_parameters`, :func:`gather_parameters`: one flat vector of a module's parameters, and every rank's
+  (at ZeRO stage 3 gathered whole through ``strategy.full_parameters()``).
+- :func:`identical_on_all_ranks`, :func:`all_ranks_equal`: whether those are the same bits on every rank.
+- :func:`max_rank_difference`: the largest elementwise difference of a tensor between any rank and rank 0.
+
+The strategy functions take a Lightning strategy (``trainer.strategy``) and are collectives: call them on every
+rank. Nothing here imports pytest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+
+__all__ = [
+    "RankPool",
+    "all_ranks_equal",
+    "flat_parameters",
+    "free_port",
+    "gather_parameters",
+    "identical_on_all_ranks",
+    "max_rank_difference",
+]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (the operating system's pick)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------- C1
+
+
+def flat_parameters(module: nn.Module | Iterable[Tensor]) -> Tensor:
+    """Every parameter of ``module`` (or the given tensors), detached and flattened into one new vector."""
+    params = module.parameters() if isinstance(module, nn.Module) else module
+    return torch.cat([p.detach().flatten() for p in params])
+
+
+def gather_parameters(strategy: Any, module: nn.Module) -> Tensor:
+    """``(world_size, numel)``: row ``r`` is rank ``r``'s :func:`flat_parameters` of ``module``, whole (inside
+    ``strategy.full_parameters()`` where the strategy has it, which at ZeRO stage 3 gathers the shards)."""
+    full = getattr(strategy, "full_parameters", contextlib.nullcontext)
+    with full():
+        flat = flat_parameters(module)
+    every_rank = strategy.all_gather(flat)
+    return every_rank if every_rank.dim() == 2 else every_rank[None]  # not distributed: no rank dimension
+
+
+def all_ranks_equal(every_rank: Tensor) -> bool:
+    """Whether every row of ``every_rank`` (one per rank, as ``all_gather`` stacks them) equals row 0, bit for
+    bit (a NaN equals nothing)."""
+    return bool((every_rank == every_rank[0]).all())
+
+
+def identical_on_all_ranks(strategy: Any, module: nn.Module) -> bool:
+    """C1: whether every rank holds exactly the same parameters of ``module`` as rank 0."""
+    return all_ranks_equal(gather_parameters(strategy, module))
+
+
+def max_rank_difference(strategy: Any, tensor: Tensor) -> float:
+    """The largest ``|tensor on rank r - tensor on rank 0|`` over all ranks and elements (0.0: identical)."""
+    every_rank = strategy.all_gather(tensor)
+    return (every_rank - every_rank[0]).abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------------- a pool of ranks
+
+
+def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            fn, args = task
+            try:
+                results.put((rank, True, fn(rank, world_size, *args)))
+            except BaseException:  # noqa: BLE001 - reported to the caller, which fails with it
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` spawned processes over gloo on localhost, running one function at a time on all of them.
+
+    The function runs on every rank at once, as ``fn(rank, world_size, *args)``, with the default process group
+    initialized; it must be importable (defined at module level), since the ranks are spawned processes, and so
+    must its arguments and results be picklable.
+    """
+
+    def __init__(self, world_size: int, timeout: float = 60.0) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [
+            ctx.Process(target=_serve, args=(r, world_size, port, self._tasks[r], self._results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(rank, world_size, *args)`` on every rank; the results in rank order. A failure on any rank
+        raises with that rank's traceback; a hang raises after ``timeout`` seconds and stops the pool."""
+        for q in self._tasks:
+            q.put((fn, args))
+        out: list[Any] = [None] * self.world_size
+        errors = []
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self._results.get(timeout=self.timeout)
+            except queue.Empty:
+                self.close(force=True)
+                raise TimeoutError(f"{fn.__name__} did not finish on every rank within {self.timeout} s") from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            raise RuntimeError(f"{fn.__name__} failed:\n" + "\n".join(errors))
+        return out
+
+    def close(self, force: bool = False) -> None:
+        """Stop the ranks: let them leave the group (``force``: kill them at once)."""
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=0 if force else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

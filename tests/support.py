@@ -1,0 +1,43 @@
+"""What the test modules share: where the repository and the worker scripts are, running a worker in a fresh
+Python, and the skip mark for tests that need the simulated cluster."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+from ddp_plugin.testing.processes import clean_env
+from ddp_plugin.testing.simcluster import available
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = ROOT / "tests" / "workers"
+
+_cluster_ok, _cluster_reason = available()
+needs_cluster = pytest.mark.skipif(not _cluster_ok, reason=_cluster_reason)
+
+
+def run_python(*args: str | os.PathLike, timeout: float = 300, env: dict[str, str] | None = None,
+               check: bool = True, cwd: str | os.PathLike | None = None,
+               pythonpath: Iterable[str | os.PathLike] = ()) -> subprocess.CompletedProcess:
+    """Run ``python *args`` in a fresh process (Lightning's launcher re-executes the command line per rank,
+    which must not be pytest), without the rendezvous variables of any run around it (``env`` may set them),
+    with the folders ``pythonpath`` in front of the inherited ``PYTHONPATH``.
+    Fails the test with the output when the command fails or hangs."""
+    full_env = clean_env({"PYTHONUNBUFFERED": "1", **(env or {})})
+    paths = [*map(str, pythonpath), full_env.get("PYTHONPATH", "")]
+    if pythonpath:
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    try:
+        proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                              env=full_env, cwd=cwd or ROOT)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"`{' '.join(map(str, args))}` did not finish in {timeout} s:\n{err.stdout}\n{err.stderr}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"`{' '.join(map(str, args))}` exited with {proc.returncode}:\n{proc.stdout}\n"
+                    f"{proc.stderr[-8000:]}")
+    return proc
