@@ -94,6 +94,7 @@ class FitSession:
     def before_training_step(self, module: Module, batch: Any) -> None:
         """Buffers from rank 0 (as DDP), and with ``weighting="sample"`` the all-reduce of the batch sizes,
         overlapping the forward pass."""
+        health.shield_sigterm_handler()  # (the Trainer installs its handlers after the strategy's setup)
         world = self.topology.world_size
         if self.config.broadcast_buffers and world > 1:
             buffers = list(module.buffers())

@@ -140,7 +140,10 @@ def main() -> None:
     parser.add_argument("--crash-node", type=int, default=1, help="the node whose ranks crash (crash-on-node)")
     args = parser.parse_args()
     result = globals()[args.mode.replace("-", "_")](args)
-    print(json.dumps(result), flush=True)
+    # One write of the whole line: the ranks of a node share one pipe, and print() writes the text and the
+    # newline separately (unbuffered), so two ranks' lines could interleave into one.
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
     sys.exit(0 if result.get("ok", True) and result.get("echoed", True) else 1)
 
 
