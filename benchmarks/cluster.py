@@ -60,6 +60,10 @@ CONTENDERS: dict[str, tuple[str, str, str | None]] = {
     "ours_hier_int8": ("ours, hierarchical + int8", "ours_hier_int8", "capped"),
     "ours_hier_powersgd": ("ours, hierarchical + powersgd (rank 4)", "ours_hier_powersgd", "capped"),
     "torch_ddp_powersgd": ("torch DDP + PowerSGD hook (rank 4, 1 bucket)", "torch_ddp_powersgd", "capped"),
+    "ours_diloco16": ("ours, DiLoCo (`sync_every=16`)", "ours_diloco16", "capped"),
+    "ours_diloco16_streaming": ("ours, streaming DiLoCo (`sync_every=16, sync_fragments=16, max_staleness=1`)",
+                                "ours_diloco16_streaming", "capped"),
+    "ours_diloco16_streaming_int8": ("ours, streaming DiLoCo + int8", "ours_diloco16_streaming_int8", "capped"),
     "uncapped_floor": ("uncapped floor: Lightning `ddp`, link not capped", "lightning_ddp", None),
     # ZeRO group: not in the default selection (see the module docstring).
     "deepspeed_zero1": ("DeepSpeed ZeRO-1", "deepspeed_zero1", "capped"),

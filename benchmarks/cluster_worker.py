@@ -65,6 +65,13 @@ LIGHTNING_CONTENDERS = {
     "ours_zero2": {"zero_stage": 2, "shard_scope": "global"},
     "ours_zero3": {"zero_stage": 3, "shard_scope": "global"},
     "ours_zero3_node": {"zero_stage": 3, "shard_scope": "node"},
+    # Sync modes: nodes synchronize every 16 steps (DiLoCo: Nesterov outer step on the averaged pseudo-gradient).
+    # Streaming: 16 fragments on a staggered schedule (S/16 crosses after every step), each outer all-reduce in the
+    # background, applied one step late; int8 compresses the pseudo-gradients on the wire.
+    "ours_diloco16": {"sync_every": 16},
+    "ours_diloco16_streaming": {"sync_every": 16, "sync_fragments": 16, "max_staleness": 1},
+    "ours_diloco16_streaming_int8": {"sync_every": 16, "sync_fragments": 16, "max_staleness": 1,
+                                     "compression": "int8"},
 }
 TORCH_CONTENDERS = ("fsdp2_hybrid", "torch_ddp_powersgd")
 DEEPSPEED_CONTENDERS = {"deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3}  # name -> ZeRO stage

@@ -118,9 +118,11 @@ class CheckpointRouting:
         if self.config.checkpoint == "sharded":
             self._save_sharded(checkpoint, filepath)
             return
-        # At stages 1-3 on every rank (with shard_scope="node" the ranks of other nodes have nothing to produce).
+        # At stages 1-3 and in sync modes on every rank (with shard_scope="node", or the outer state of a sync mode,
+        # the ranks of other nodes have nothing to produce): whether every rank waits for rank 0's write must not
+        # depend on what one rank holds, or the ranks would disagree on the collectives that follow.
         deferred = deferred_storages(checkpoint)
-        if not deferred and not self.config.zero_stage:
+        if not self.config.zero_stage and self.config.sync_every == 1:
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         what = f"write the checkpoint `{filepath}`"
@@ -145,6 +147,10 @@ class CheckpointRouting:
             for name, value in self.lightning_module.state_dict(keep_vars=True).items()
             if isinstance(value, Tensor)
         }
+        if deferred_storages({k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}):
+            # Plugin state to be gathered (a sync mode's outer state): gathered now, on every rank, into what rank 0
+            # writes beside the shards (the sharded layout keeps only model and optimizer tensors per rank).
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: materialize(checkpoint[CHECKPOINT_KEY])}
         optimizers = checkpoint.get("optimizer_states", [])
         for j, opt in enumerate(optimizers):
             shapes.update({f"optim/{j}/{k}": v for k, v in opt.get("shapes", {}).items()})

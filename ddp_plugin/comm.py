@@ -131,3 +131,26 @@ class TracedCommunicator:
         if buf is None or buf.numel() < like.numel():
             buf = spaces[key] = like.new_empty(like.numel())
         return buf[: like.numel()]
+
+
+# ---------------------------------------------------------------------- checkpoint gathers (not counted)
+
+GATHER_CHUNK = 1 << 18
+"""Elements per ``dist.gather`` when checkpoint state is gathered to rank 0 (1 MiB of fp32 per rank)."""
+
+
+def gather_flat_to_root(local: torch.Tensor, group: dist.ProcessGroup, index_of: list[int]) -> torch.Tensor | None:
+    """Every rank's shard-sized ``local`` assembled in shard order on the group's first rank (else None),
+    received straight into one buffer, in chunks (gloo's gather stages its output in a buffer of its own:
+    chunks keep that small). Checkpoint bookkeeping, not training traffic: not counted."""
+    root = dist.get_global_rank(group, 0)
+    if dist.get_rank() != root:
+        for a in range(0, local.numel(), GATHER_CHUNK):
+            dist.gather(local[a : a + GATHER_CHUNK], None, dst=root, group=group)
+        return None
+    c = local.numel()
+    full = local.new_empty(c * len(index_of))
+    for a in range(0, c, GATHER_CHUNK):
+        z = min(a + GATHER_CHUNK, c)
+        dist.gather(local[a:z], [full[idx * c + a : idx * c + z] for idx in index_of], dst=root, group=group)
+    return full

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +35,7 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 WEIGHTINGS = ("rank", "sample")
 CHECKPOINT_MODES = ("master", "sharded")
 BACKENDS = ("gloo", "nccl", "mpi")
+OUTER_OPTIMIZERS = ("average", "nesterov")
 MAX_BUCKET_SIZE_MB = 2**20  # 1 TiB: no device holds a bucket near that; inf overflowed `int(mb * 2**20)`
 MAX_TIMEOUT = timedelta(days=365)  # much beyond, torch's deadlines (int64 nanoseconds) overflow: about 292 years
 CONFIG_FLAGS = ("zero_stage", "shard_scope", "bucket_size_mb", "compression", "gradient_clip_norm")
@@ -79,6 +80,10 @@ class StrategyConfig:
     process_group_backend: str | None = None
     timeout: timedelta | None = default_pg_timeout
     start_method: str = "popen"
+    sync_every: int = 1
+    outer_optimizer: Any = "nesterov"
+    sync_fragments: int = 1
+    max_staleness: int = 0
     hpz_partition_size: int | None = None
     """From a DeepSpeed config's ``zero_hpz_partition_size``: must equal the ranks per node (checked at setup)."""
 
@@ -131,6 +136,10 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "process_group_backend": _check_backend,
         "timeout": _check_timeout,
         "start_method": lambda v: check_choice("start_method", v, START_METHODS),
+        "sync_every": lambda v: check_int("sync_every", v, minimum=1),
+        "outer_optimizer": _check_outer_optimizer,
+        "sync_fragments": lambda v: check_int("sync_fragments", v, minimum=1),
+        "max_staleness": lambda v: check_int("max_staleness", v, minimum=0),
         "hpz_partition_size": lambda v: v,
     }
     for name, value in values.items():
@@ -144,7 +153,40 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
     check_plugins(plugins, compression, options)
     if "compression" in values:
         out["compression"] = compression
+    _check_sync_mode({**{f.name: f.default for f in fields(StrategyConfig) if f.default is not MISSING}, **out})
     return out
+
+
+def _check_outer_optimizer(value: Any) -> Any:
+    if callable(value) and not isinstance(value, str):
+        return value
+    if value not in OUTER_OPTIMIZERS:
+        raise ValueError(
+            f"`outer_optimizer={value!r}` is not supported; allowed values: 'average', 'nesterov', or a callable"
+            " that builds a torch optimizer over the outer parameters (e.g. `lambda p: torch.optim.SGD(p, lr=0.5)`)."
+        )
+    return value
+
+
+def _check_sync_mode(c: dict[str, Any]) -> None:
+    """The sync-mode flags together: what each allows depends on ``sync_every``."""
+    every, fragments, staleness = c["sync_every"], c["sync_fragments"], c["max_staleness"]
+    if staleness >= every and (staleness or every > 1):
+        raise ValueError(
+            f"`max_staleness={staleness}` must be less than `sync_every={every}`: an outer sync is applied at most"
+            " `max_staleness` steps after it starts, and before the same fragment's next one."
+        )
+    if fragments > every:
+        raise ValueError(
+            f"`sync_fragments={fragments}` must be at most `sync_every={every}`: each fragment crosses nodes once"
+            f" every `sync_every` steps, on a step of its own."
+        )
+    if every > 1 and c["zero_stage"] and c["shard_scope"] == "global":
+        raise ValueError(
+            f"`shard_scope='global'` cannot go with `sync_every={every}`: a sync mode keeps every node a whole"
+            " replica for `sync_every` steps, and global shards spread one copy over every node. Use"
+            " `shard_scope='node'` (shards inside a node, replicas across nodes), or `sync_every=1`."
+        )
 
 
 def _check_devices_per_node(value: Any) -> int | None:

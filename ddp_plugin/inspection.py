@@ -91,7 +91,14 @@ class FitInspection:
 
     def memory_bytes(self) -> dict[str, int]:
         """This rank's bytes of parameters, gradients and optimizer state, measured on the live tensors (each
-        storage counted once): module and optimizer parameters, gradient buckets and ``.grad``, optimizer state."""
+        storage counted once): module and optimizer parameters, gradient buckets and ``.grad``, optimizer state;
+        and what plugins report keeping besides (``on_collect_memory``, e.g. a sync mode's ``outer_state``)."""
         session = self._running()
         buckets = [b.buffer for b in session.engine.buckets] if session else []
-        return memory_bytes(self.model.parameters() if self.model is not None else [], self.optimizers, buckets)
+        measured = memory_bytes(self.model.parameters() if self.model is not None else [], self.optimizers, buckets)
+        if self._session is not None:  # what plugins keep besides (a sync mode's outer state)
+            for part in self._session.plugin_manager.hook.on_collect_memory():
+                for name, value in (part or {}).items():
+                    measured[name] = measured.get(name, 0) + value
+                    measured["total"] += value
+        return measured

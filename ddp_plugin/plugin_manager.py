@@ -31,10 +31,12 @@ def build_plugin_manager(
     zero_stage: int = 0,
     shard_scope: str = "global",
     auto_wrap_policy: Any = None,
+    sync: dict[str, Any] | None = None,
 ) -> pluggy.PluginManager:
     """Register, in order: the built-in defaults (``trylast``; the hierarchical or the flat reducer), the
     traffic accounting, the ZeRO sharder (``zero_stage`` 1-3), the built-in codec ``compression`` names
-    (constructed with ``compression_options`` as keyword arguments), installed plugins from entry points (a codec
+    (constructed with ``compression_options`` as keyword arguments), the sync mode (``sync["every"] > 1``; its
+    ``tryfirst`` hooks run ahead of the sharder's and the codec's), installed plugins from entry points (a codec
     only when ``compression`` names it), then the user's ``plugins=`` objects, which pluggy calls first.
     ``check_pending()`` makes a misspelled hook fail here. Installed codecs receive ``compression_options``
     through ``on_setup(options=...)``."""
@@ -51,6 +53,10 @@ def build_plugin_manager(
         builtins["zero_sharder"] = ZeroSharder(zero_stage, shard_scope, auto_wrap_policy)
     if compression in BUILTIN_CODECS:
         builtins[compression] = BUILTIN_CODECS[compression](**dict(compression_options or {}))
+    if sync is not None and sync["every"] > 1:
+        from ddp_plugin.sync import OuterSync
+
+        builtins["outer_sync"] = OuterSync(**sync)
     for name, plugin in builtins.items():
         pm.register(plugin, name=name)
     _load_installed(pm, compression, keep=set(builtins))
@@ -69,6 +75,8 @@ def build_for(config: StrategyConfig, hierarchical: bool) -> pluggy.PluginManage
     return build_plugin_manager(
         config.compression, config.plugins, hierarchical=hierarchical, compression_options=config.compression_options,
         zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
+        sync={"every": config.sync_every, "outer_optimizer": config.outer_optimizer,
+              "fragments": config.sync_fragments, "staleness": config.max_staleness},
     )
 
 

@@ -86,6 +86,15 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         process_group_backend: ``"nccl"``, ``"gloo"`` or ``"mpi"``; default by device and launcher.
         timeout: collective timeout, a ``timedelta`` or seconds; connecting waits at least 5 minutes.
         start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``, as ``DDPStrategy``.
+        sync_every: synchronize across nodes every this many optimizer steps (default 1: every step, as DDP);
+            inside a node ranks stay synchronous (docs/sync.md).
+        outer_optimizer: with ``sync_every > 1``: ``"nesterov"`` (DiLoCo: SGD, lr 0.7, Nesterov momentum 0.9, on
+            the averaged parameter change; default), ``"average"`` (local SGD), or a callable building a torch
+            optimizer over the outer parameters.
+        sync_fragments: split the parameters into this many fragments synchronized on staggered steps
+            (Streaming DiLoCo), so the link carries 1/F of them at a time; at most ``sync_every``.
+        max_staleness: apply an outer sync this many steps after it starts, the next inner steps running
+            meanwhile (0: wait for it); less than ``sync_every``.
     """
 
     strategy_name = "hierarchical_zero"
@@ -112,6 +121,10 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        sync_every: int = 1,
+        outer_optimizer: str | Callable[..., Any] = "nesterov",
+        sync_fragments: int = 1,
+        max_staleness: int = 0,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

@@ -25,12 +25,13 @@ from ddp_plugin.hookspecs.types import (  # noqa: E402
     DeferredStorage,
     DeferredTensor,
     Options,
+    ParameterShards,
     Topology,
     Traffic,
     completed_future,
 )
 
 __all__ = [
-    "PROJECT_NAME", "Bucket", "Communicator", "DeferredStorage", "DeferredTensor", "Options", "Topology", "Traffic",
-    "completed_future", "hookimpl", "hookspec",
+    "PROJECT_NAME", "Bucket", "Communicator", "DeferredStorage", "DeferredTensor", "Options", "ParameterShards",
+    "Topology", "Traffic", "completed_future", "hookimpl", "hookspec",
 ]

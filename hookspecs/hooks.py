@@ -14,7 +14,9 @@ first and marked ``trylast`` so any plugin of yours overrides them. For ``firstr
 implementation that returns something other than ``None`` answers and the rest are not called.
 
 Threads: ``on_bucket_ready`` and ``on_cross_node_reduce`` run on the engine's communication thread, one bucket
-at a time in bucket order, the same order on every rank. An implementation may therefore issue several
+at a time in bucket order, the same order on every rank (``on_cross_node_reduce`` of a sync mode's
+pseudo-gradients, ``bucket.kind == "pseudo_gradient"``, runs on the sync mode's own thread, over groups of its
+own, one at a time in the same order on every rank). An implementation may therefore issue several
 collectives one after the other, and even wait between them (PowerSGD's two all-reduces with an
 orthogonalization between), without any risk of ranks issuing collectives in different orders. It must not
 issue collectives from future callbacks (``.then``), which run on arbitrary threads: that is how torch's own
@@ -27,7 +29,8 @@ implementation may run collectives in it (through the :class:`~ddp_plugin.hooksp
 
 Built-in implementers named below: the engine's reducers (``FlatReducer``, ``HierarchicalReducer``), the
 default cross-node mean (``MeanAllReduce``), the codecs (``ddp_plugin.codecs``), the ZeRO sharder
-(``ddp_plugin.zero.ZeroSharder``) and the traffic accounting (``TrafficAccounting``).
+(``ddp_plugin.zero.ZeroSharder``), the sync modes (``ddp_plugin.sync.OuterSync``) and the traffic accounting
+(``TrafficAccounting``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     import torch
-    from ddp_plugin.hookspecs.types import Bucket, Communicator, Options, Topology
+    from ddp_plugin.hookspecs.types import Bucket, Communicator, Options, ParameterShards, Topology
     from pluggy import HookRelay
     from torch import Tensor
     from torch.distributed import ProcessGroup
@@ -94,6 +97,19 @@ def on_setup(
     :param comm: the collectives to use (:class:`~ddp_plugin.hookspecs.Communicator`): they count traffic
         and their groups honour the strategy's ``timeout``.
     :returns: nothing.
+    """
+
+
+@hookspec(firstresult=True)
+def on_parameter_shards() -> ParameterShards | None:
+    """This rank's part of every bucket's flat parameters, to read and write in place between optimizer steps
+    (:class:`~ddp_plugin.hookspecs.ParameterShards`).
+
+    Called after ``on_setup`` (by a sync mode, which keeps its outer state for this rank's part only). Local.
+    Stops at first non-None result. Implemented by the ZeRO sharder at node scope (its shards).
+
+    :returns: the parts; or ``None`` when no plugin shards the parameters inside a node (the module's
+        parameters are whole, and the caller splits them itself).
     """
 
 
@@ -298,6 +314,16 @@ def on_collect_metrics() -> dict[str, float] | None:
     """
 
 
+@hookspec
+def on_collect_memory() -> dict[str, int] | None:
+    """Bytes of state this plugin keeps on this rank beyond parameters, gradients and optimizer state (which the
+    strategy measures itself), by category, for ``HierarchicalZeroStrategy.memory_bytes()`` and the
+    ``memory/...`` metrics. Local. Implemented by the sync modes (``outer_state``).
+
+    :returns: ``{category: bytes}``; or ``None``.
+    """
+
+
 # -------------------------------------------------------------------------
 # Checkpoints
 # -------------------------------------------------------------------------
@@ -309,8 +335,10 @@ def on_save_state_dict() -> dict[str, Any] | None:
     iteration count, PowerSGD's shared Q matrices).
 
     Called on every rank when a checkpoint is saved, also after ``fit``; global rank 0's answer is written.
-    Local. Plugin state is declared, never scraped: whatever is not returned here or by
-    ``on_save_rank_state_dict`` is lost on resume. Implemented by the codecs.
+    Local; state held in parts on several ranks may be returned as :class:`~ddp_plugin.hookspecs.DeferredTensor`\ s,
+    whose producers gather it while rank 0 writes (every rank taking part returns the same structure). Plugin
+    state is declared, never scraped: whatever is not returned here or by ``on_save_rank_state_dict`` is lost on
+    resume. Implemented by the codecs and the sync modes.
 
     :returns: ``{key: state}``, keys unique across plugins (use the plugin's name; the strategy stores the
         merged dict under ``checkpoint["ddp_plugin"]`` and refuses duplicate keys); or ``None``.

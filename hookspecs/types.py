@@ -46,6 +46,10 @@ class Bucket:
     rank used gets ``.grad = None``, as in one process)."""
     state: dict[str, Any] = field(default_factory=dict)
     """Scratch space a plugin may use for per-bucket data that lives as long as the bucket."""
+    kind: str = "gradients"
+    """What the bucket's tensors are: ``"gradients"`` (the engine's buckets), or ``"pseudo_gradient"`` (a sync mode's
+    cross-node average of parameter changes, in the layout of the gradient bucket it comes from, with an
+    ``index`` of its own). A codec keeps its per-bucket state (error feedback) per ``(kind, index)``."""
 
     @property
     def numel(self) -> int:
@@ -148,6 +152,25 @@ class Options:
     bucket_size_mb: float = 25.0
     broadcast_buffers: bool = True
     devices_per_node: int | None = None
+
+
+@dataclass(eq=False)
+class ParameterShards:
+    """This rank's part of every bucket's flat parameters, where a plugin may read and write parameter values
+    between optimizer steps (a sync mode's outer optimizer does), answered by a ZeRO sharder at node scope.
+
+    Attributes:
+        parts: per bucket, in bucket order: ``(bucket, start, part)``, the 1-D tensor ``part`` holding elements
+            ``[start, start + part.numel())`` of the bucket's flat parameters (laid out as ``bucket.offsets``
+            says; padding past the last parameter). The ranks of a node hold disjoint parts that cover every
+            bucket, and every node holds the same parts in the same places.
+        publish: make the module's parameters hold the parts' values (a collective over the node's ranks, on
+            the training thread). Values written before the sharder's own ``on_after_optimizer_step`` reach the
+            module in that hook without it.
+    """
+
+    parts: list[tuple[Bucket, int, Tensor]]
+    publish: Callable[[], None]
 
 
 @dataclass

@@ -89,7 +89,7 @@ class Codec:
 
     def __init__(self, **options: Any) -> None:
         self.options = self.check_options(options)
-        self.states: dict[int, BucketState] = {}
+        self.states: dict[int | str, BucketState] = {}
         self.comm: Communicator | None = None
 
     @classmethod
@@ -125,18 +125,19 @@ class Codec:
         if n == 1:  # a group of one rank already holds its mean: nothing is sent or compressed
             return completed_future(tensor)
         assert self.comm is not None, "on_setup must run before the first reduction"
-        return self.reduce(tensor, group, n, bucket, offset, self.bucket_state(bucket.index, tensor))
+        return self.reduce(tensor, group, n, bucket, offset, self.bucket_state(state_key(bucket), tensor))
 
     def reduce(self, tensor: Tensor, group: dist.ProcessGroup, n: int, bucket: Bucket, offset: int,
                state: BucketState) -> torch.futures.Future:
         """Write the mean of ``tensor`` over the ``n`` ranks of ``group`` into it, in place."""
         raise NotImplementedError
 
-    def bucket_state(self, index: int, tensor: Tensor) -> BucketState:
-        """This bucket's state, on ``tensor``'s device; started afresh if it was saved for another size."""
+    def bucket_state(self, index: int | str, tensor: Tensor) -> BucketState:
+        """This bucket's state (``index``: :func:`state_key`), on ``tensor``'s device; started afresh if it was
+        saved for another size."""
         state = self.states.get(index)
         if state is not None and state.numel != tensor.numel():
-            log.warning("ddp_plugin %s codec: state of bucket %d was saved for %d values, the bucket now has %d;"
+            log.warning("ddp_plugin %s codec: state of bucket %s was saved for %d values, the bucket now has %d;"
                         " starting that bucket afresh.", self.name, index, state.numel, tensor.numel())
             state = None
         if state is None:
@@ -184,9 +185,19 @@ class Codec:
             numel = common.get("numel", own.get("numel"))
             if numel is None:
                 continue
-            restored = self.states[int(index)] = self.State(numel)
+            restored = self.states[_saved_key(index)] = self.State(numel)
             restored.load_state_dict(common)
             restored.load_rank_state_dict(own)
+
+
+def state_key(bucket: Bucket) -> int | str:
+    """Where a codec keeps a bucket's state: its index for gradient buckets (as checkpoints have always held it),
+    ``"<kind>/<index>"`` for others (a sync mode's pseudo-gradients: error feedback per fragment and bucket)."""
+    return bucket.index if bucket.kind == "gradients" else f"{bucket.kind}/{bucket.index}"
+
+
+def _saved_key(key: Any) -> int | str:
+    return int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else key
 
 
 def _legacy(saved: Mapping[str, Any]) -> tuple[dict[int, Any], dict[int, Any] | None]:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ddp_plugin.checks import check_bool, check_int, check_number
-from ddp_plugin.codecs.base import BucketState, Codec
+from ddp_plugin.codecs.base import BucketState, Codec, state_key
 from ddp_plugin.codecs.int8 import finite_or_zero
 from ddp_plugin.hookspecs import completed_future
 
@@ -124,8 +124,8 @@ class PowerSGDCodec(Codec):
         self.rank, self.start_iter, self.seed = o["rank"], o["start_iter"], o["seed"]
         self.min_compression_rate, self.epsilon = float(o["min_compression_rate"]), float(o["epsilon"])
         self.warm_start, self.error_feedback = o["warm_start"], o["error_feedback"]
-        self._segments: dict[int, list[tuple[int, int, int]]] = {}
-        self._rest: dict[int, Tensor] = {}  # per bucket: True where values travel uncompressed
+        self._segments: dict[int | str, list[tuple[int, int, int]]] = {}
+        self._rest: dict[int | str, Tensor] = {}  # per bucket: True where values travel uncompressed
 
     @classmethod
     def check_values(cls, o: dict[str, Any]) -> None:
@@ -145,7 +145,7 @@ class PowerSGDCodec(Codec):
 
     def segments(self, tensor: Tensor, bucket: Bucket, offset: int) -> list[tuple[int, int, int]]:
         """The compressed matrices of this bucket's tensor, as ``(offset, rows, cols)``, sorted by offset."""
-        found = self._segments.get(bucket.index)
+        found = self._segments.get(state_key(bucket))
         if found is not None:
             return found
         length = tensor.numel()
@@ -154,7 +154,7 @@ class PowerSGDCodec(Codec):
         else:
             cols = max(1, math.isqrt(length))
             shapes, offsets, start = [torch.Size((length // cols, cols))], [0], 0
-        found = self._segments[bucket.index] = matrix_segments(
+        found = self._segments[state_key(bucket)] = matrix_segments(
             shapes, offsets, start, length, self.rank, self.min_compression_rate
         )
         return found
@@ -172,12 +172,12 @@ class PowerSGDCodec(Codec):
             x = tensor + state.residual if state.residual is not None else tensor.clone()
 
         # The uncompressed rest first, averaged exactly; it travels while the matrix products run.
-        rest = self._rest.get(bucket.index)
+        rest = self._rest.get(state_key(bucket))
         if rest is None or rest.device != tensor.device:
             rest = torch.ones(tensor.numel(), dtype=torch.bool, device=tensor.device)
             for o, rows, cols in segments:
                 rest[o : o + rows * cols] = False
-            self._rest[bucket.index] = rest
+            self._rest[state_key(bucket)] = rest
         rest_values = x[rest].div_(n)
         rest_work = self.comm.all_reduce(rest_values, group=group, async_op=True)
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ddp_plugin.comm import gather_flat_to_root
 from ddp_plugin.hookspecs import DeferredStorage, DeferredTensor
 
 if TYPE_CHECKING:
@@ -20,27 +21,6 @@ if TYPE_CHECKING:
     from ddp_plugin.zero.optimizer import ShardedOptimizers
     from ddp_plugin.zero.shards import Shards
     from ddp_plugin.zero.units import Units
-
-GATHER_CHUNK = 1 << 18
-"""Elements per ``dist.gather`` when checkpoint state is gathered to rank 0 (1 MiB of fp32 per rank)."""
-
-
-def _gather_flat_to_root(local: Tensor, group: dist.ProcessGroup, index_of: list[int]) -> Tensor | None:
-    """Every rank's shard-sized ``local`` assembled in shard order on the group's first rank (else None),
-    received straight into one buffer, in chunks (gloo's gather stages its output in a buffer of its own:
-    chunks keep that small). Checkpoint bookkeeping, not training traffic: not counted."""
-    root = dist.get_global_rank(group, 0)
-    if dist.get_rank() != root:
-        for a in range(0, local.numel(), GATHER_CHUNK):
-            dist.gather(local[a : a + GATHER_CHUNK], None, dst=root, group=group)
-        return None
-    c = local.numel()
-    full = local.new_empty(c * len(index_of))
-    for a in range(0, c, GATHER_CHUNK):
-        z = min(a + GATHER_CHUNK, c)
-        dist.gather(local[a:z], [full[idx * c + a : idx * c + z] for idx in index_of], dst=root, group=group)
-    return full
-
 
 def _gather_state_entry(shards: Shards, optimizer: Optimizer, b: int, k: str) -> Tensor | None:
     """Optimizer state entry ``k`` of bucket ``b``, flat and whole, on global rank 0 (None elsewhere): the
@@ -52,7 +32,7 @@ def _gather_state_entry(shards: Shards, optimizer: Optimizer, b: int, k: str) ->
         if v is not None:
             buf[piece.at : piece.at + piece.param.numel()].copy_(v.reshape(-1))
     group, index_of = shards.layout.shard_group()
-    return _gather_flat_to_root(buf, group, index_of)
+    return gather_flat_to_root(buf, group, index_of)
 
 
 def consolidated_optimizer_state(shards: Shards, optimizers: ShardedOptimizers, optimizer: Optimizer

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from ddp_plugin.hookspecs import completed_future, hookimpl
+from ddp_plugin.hookspecs import ParameterShards, completed_future, hookimpl
 from ddp_plugin.zero import checkpoint, gradients
-from ddp_plugin.zero.layout import ShardLayout
+from ddp_plugin.zero.layout import Scope, ShardLayout
 from ddp_plugin.zero.optimizer import ShardedOptimizers
 from ddp_plugin.zero.reduce import ShardReducer
 from ddp_plugin.zero.shards import Shards
@@ -182,6 +182,11 @@ class ZeroSharder:
 
     @hookimpl
     def on_after_optimizer_step(self, optimizer: Optimizer) -> None:
+        self._publish()
+
+    def _publish(self) -> None:
+        """Make the module's parameters hold the shards' values: all-gathered into the flat parameters (stages
+        1-2, and the root unit), or freed where a stage 3 unit is gathered again when used."""
         for entry, bucket in zip(self.shards.entries, self.shards.buckets):
             unit = self.units.of_bucket.get(bucket.index) if self.units is not None else None
             if unit is not None and not unit.persistent:
@@ -189,6 +194,15 @@ class ZeroSharder:
                     self.units.free(unit)  # stale now; gathered again when the next forward needs it
                 continue
             self.shards.gather(entry.full, entry.shard.clone())
+
+    @hookimpl
+    def on_parameter_shards(self) -> ParameterShards | None:
+        if self.shards is None or self.shards.layout.scope is not Scope.NODE:
+            return None  # global shards: a node does not hold a whole copy
+        index = self.shards.layout.shard_index
+        parts = [(bucket, index * entry.shard.numel(), entry.shard)
+                 for bucket, entry in zip(self.shards.buckets, self.shards.entries)]
+        return ParameterShards(parts=parts, publish=self._publish)
 
     @hookimpl
     def on_gather_full_parameters(self, gather: bool) -> None:

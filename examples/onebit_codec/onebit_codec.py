@@ -51,7 +51,7 @@ class OneBitCodec:
 
     def __init__(self) -> None:
         self.block_size = 2048
-        self.residuals: dict[int, torch.Tensor] = {}
+        self.residuals: dict[str, torch.Tensor] = {}
         self.comm: Communicator | None = None
 
     @hookimpl
@@ -84,7 +84,8 @@ class OneBitCodec:
         width = 8 * math.ceil(math.ceil(numel / blocks) / 8)  # whole bytes per block
         x = tensor.new_zeros(blocks * width, dtype=torch.float32)
         x[:numel] = tensor
-        residual = self.residuals.get(bucket.index)
+        key = f"{bucket.kind}/{bucket.index}"  # gradient buckets, or a sync mode's pseudo-gradients
+        residual = self.residuals.get(key)
         if residual is not None and residual.numel() == numel:
             x[:numel] += residual.to(x.device)
         x = x.view(blocks, width)
@@ -92,7 +93,7 @@ class OneBitCodec:
         decoded = torch.where(x >= 0, scales[:, None], -scales[:, None])
         residual = (x - decoded).flatten()[:numel]
         # A non-finite gradient (a skipped fp16 step) must not stay in the residual forever.
-        self.residuals[bucket.index] = residual if torch.isfinite(residual).all() else torch.zeros_like(residual)
+        self.residuals[key] = residual if torch.isfinite(residual).all() else torch.zeros_like(residual)
 
         packed = pack_signs(x)
         all_packed = packed.new_empty(n * packed.numel())

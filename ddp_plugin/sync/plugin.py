@@ -1,0 +1,563 @@
+"""``OuterSync``: synchronizing nodes every ``sync_every`` optimizer steps instead of every step (local SGD,
+DiLoCo, Streaming DiLoCo), as a plugin on the hook contract.
+
+Inside a node the ranks stay synchronous: this plugin answers ``on_cross_node_reduce`` for gradient buckets by
+averaging over the node only (nothing crosses nodes), so the reducer's intra-node stages (or the node-scope
+sharder's) leave every rank of a node with the node's mean gradient, and a node is one replica.
+
+Across nodes, after the optimizer steps the schedule names (:class:`~ddp_plugin.sync.schedule.SyncSchedule`),
+a fragment of the parameters is synchronized:
+
+1. sent (after step ``t``): this rank's part of the fragment, ``s`` (the ranks of a node split every bucket's
+   flat parameters into k parts: the sharder's shards at ZeRO stages 1-3, else chunks of its own), and the
+   pseudo-gradient ``g = x - s`` against the global copy ``x`` (the outer parameters, kept for this rank's part
+   only); ``g`` is averaged over the ranks with this local rank on every node through ``on_cross_node_reduce``,
+   so a codec compresses it (error feedback per fragment and bucket: ``Bucket.kind == "pseudo_gradient"``), on
+   a thread of its own over process groups of its own;
+2. applied (after step ``t + max_staleness``): the outer optimizer steps ``x`` with the averaged ``g`` as its
+   gradient ("average": SGD with lr 1, so ``x`` becomes the mean of the replicas; "nesterov": SGD with
+   Nesterov momentum, DiLoCo), and the replica's part becomes ``x + (now - s)``: the global copy plus the
+   inner progress made while the average was in flight (none with ``max_staleness=0``, where every rank then
+   holds the same bits).
+
+Each rank sends 2(M-1)/M of its part of a fragment per sync: per node, S/F every H/F steps, S/H per step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ddp_plugin import health
+from ddp_plugin.comm import gather_flat_to_root
+from ddp_plugin.hookspecs import DeferredStorage, DeferredTensor, completed_future, hookimpl
+from ddp_plugin.sync.schedule import SyncSchedule, plan_fragments
+
+if TYPE_CHECKING:
+    from pluggy import HookRelay
+    from torch.optim import Optimizer
+
+    from ddp_plugin.hookspecs import Bucket, Communicator, Options, ParameterShards, Topology
+
+log = logging.getLogger(__name__)
+
+OUTER_OPTIMIZERS = ("average", "nesterov")
+NESTEROV = {"lr": 0.7, "momentum": 0.9}
+"""DiLoCo's outer optimizer (Douillard et al., 2023): SGD with Nesterov momentum."""
+STATE_KEY = "sync/outer"
+
+
+def build_outer_optimizer(spec: Any, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if spec == "average":
+        return torch.optim.SGD(params, lr=1.0)
+    if spec == "nesterov":
+        return torch.optim.SGD(params, lr=NESTEROV["lr"], momentum=NESTEROV["momentum"], nesterov=True)
+    optimizer = spec(params)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"`outer_optimizer` must return a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    return optimizer
+
+
+@dataclasses.dataclass(eq=False)
+class Piece:
+    """The part of fragment ``fragment`` in bucket ``bucket`` that this rank synchronizes: elements
+    ``[lo, hi)`` of the bucket's flat parameters."""
+
+    fragment: int
+    bucket: int
+    lo: int
+    hi: int
+    outer: nn.Parameter  # the global copy of these elements
+    pseudo: Bucket  # what the codec sees: the bucket's layout, kind "pseudo_gradient", its own index
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A fragment sent and not applied yet: its snapshot ``s`` per piece and the future of the averages."""
+
+    fragment: int
+    apply_after: int
+    snapshots: list[Tensor]
+    result: concurrent.futures.Future
+
+
+class ModuleChunks:
+    """The parameter parts of ZeRO stage 0, where the module's parameters are whole on every rank: the ranks of a
+    node split each bucket's flat parameters into k chunks (local rank l owns chunk l), read from and written to
+    the module; :meth:`publish` all-gathers them inside the node."""
+
+    def __init__(self, buckets: Sequence[Bucket], topology: Topology, comm: Communicator) -> None:
+        self.buckets, self.topology, self.comm = list(buckets), topology, comm
+        k, l = topology.ranks_per_node, topology.local_rank
+        self.chunk = [-(-b.numel // k) for b in self.buckets]
+        self.parts = [(l * c, min((l + 1) * c, b.numel)) for b, c in zip(self.buckets, self.chunk)]
+
+    def _slices(self, b: int, lo: int, hi: int):
+        bucket = self.buckets[b]
+        for i, p in enumerate(bucket.params):
+            a, z = max(lo, bucket.offsets[i]), min(hi, bucket.offsets[i] + p.numel())
+            if a < z:
+                yield p, a - bucket.offsets[i], z - bucket.offsets[i], a - lo
+
+    def read(self, b: int, lo: int, hi: int) -> Tensor:
+        out = torch.zeros(hi - lo, dtype=self.buckets[b].buffer.dtype, device=self.topology.device)
+        for p, a, z, at in self._slices(b, lo, hi):
+            out[at : at + z - a].copy_(p.detach().reshape(-1)[a:z])
+        return out
+
+    def write(self, b: int, lo: int, hi: int, values: Tensor) -> None:
+        with torch.no_grad():
+            for p, a, z, at in self._slices(b, lo, hi):
+                p.view(-1)[a:z].copy_(values[at : at + z - a])
+
+    def publish(self, buckets: Sequence[int]) -> None:
+        t = self.topology
+        if t.ranks_per_node == 1:
+            return
+        for b in buckets:
+            c = self.chunk[b]
+            mine = self.read(b, *self.parts[b])
+            mine = torch.cat([mine, mine.new_zeros(c - mine.numel())])
+            full = mine.new_empty(c * t.ranks_per_node)
+            self.comm.all_gather(full, mine, group=t.side_intra_node_group)
+            self.write(b, 0, self.buckets[b].numel, full[: self.buckets[b].numel])
+
+
+class ShardParts:
+    """The parameter parts of ZeRO stages 1-3 at node scope: the sharder's shards, written in place."""
+
+    def __init__(self, shards: ParameterShards) -> None:
+        self.shards = shards
+        self.parts = [(offset, offset + part.numel()) for _, offset, part in shards.parts]
+
+    def read(self, b: int, lo: int, hi: int) -> Tensor:
+        _, offset, part = self.shards.parts[b]
+        return part[lo - offset : hi - offset].clone()
+
+    def write(self, b: int, lo: int, hi: int, values: Tensor) -> None:
+        _, offset, part = self.shards.parts[b]
+        part[lo - offset : hi - offset].copy_(values)
+
+    def publish(self, buckets: Sequence[int]) -> None:
+        self.shards.publish()
+
+
+class OuterSync:
+    """Cross-node synchronization every ``every`` optimizer steps (see the module docstring)."""
+
+    def __init__(self, every: int, outer_optimizer: Any = "nesterov", fragments: int = 1, staleness: int = 0
+                 ) -> None:
+        self.schedule = SyncSchedule(every, fragments, staleness)
+        self.outer_spec = outer_optimizer
+        self.step = 0
+        self.pieces: list[Piece] = []
+        self.in_flight: list[InFlight] = []
+        self.outer: torch.optim.Optimizer | None = None
+        self.syncs = 0
+        self._syncs_logged = 0
+        self._wait_s = 0.0
+        self._drift: list[float] = []
+        self._pending_state: tuple[Mapping[str, Any], Mapping[str, Any] | None] | None = None
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self.access: ShardParts | ModuleChunks | None = None
+        self.optimizers: list[Optimizer] = []
+        self._inner_pending: list[Any] | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    @hookimpl
+    def on_setup(self, topology: Topology, buckets: Sequence[Bucket], hook: HookRelay, options: Options,
+                 module: nn.Module, comm: Communicator) -> None:
+        self.topology, self.hook, self.comm = topology, hook, comm
+        self.buckets = list(buckets)
+        t = topology
+        k, m = t.ranks_per_node, t.num_nodes
+        # Groups of this plugin's own, for the outer thread: collectives on one group must be issued in one
+        # order, and the training and communication threads use the topology's.
+        self.inter = self.intra = None
+        for l in range(k):
+            g = comm.new_group([n * k + l for n in range(m)])
+            if l == t.local_rank:
+                self.inter = g
+        for n in range(m):
+            g = comm.new_group([n * k + l for l in range(k)])
+            if n == t.node_rank:
+                self.intra = g
+        shards = hook.on_parameter_shards()
+        self.access = ShardParts(shards) if shards is not None else ModuleChunks(self.buckets, t, comm)
+        self.publish_after_step = shards is None  # the sharder gathers its shards after every step anyway
+        sizes = [p.numel() for b in self.buckets for p in b.params]
+        if self.schedule.fragments > len(sizes):
+            raise ValueError(
+                f"`sync_fragments={self.schedule.fragments}` is more than the {len(sizes)} trainable parameters"
+                " of this model: every fragment needs at least one parameter. Use at most that many fragments."
+            )
+        fragment_of = iter(plan_fragments(sizes, self.schedule.fragments))
+        self.pieces = []
+        self.fragment_buckets: dict[int, list[int]] = {}  # the same on every rank, whatever its parts hold
+        for b, bucket in enumerate(self.buckets):
+            part_lo, part_hi = self.access.parts[b]
+            runs: dict[int, list[int]] = {}
+            for i, p in enumerate(bucket.params):
+                f = next(fragment_of)
+                lo, hi = bucket.offsets[i], bucket.offsets[i] + p.numel()
+                run = runs.setdefault(f, [lo, hi])
+                run[0], run[1] = min(run[0], lo), max(run[1], hi)
+            for f, (lo, hi) in sorted(runs.items()):
+                self.fragment_buckets.setdefault(f, []).append(b)
+                lo, hi = max(lo, part_lo), min(hi, part_hi)
+                if lo >= hi:
+                    continue
+                outer = nn.Parameter(self.access.read(b, lo, hi), requires_grad=False)
+                pseudo = dataclasses.replace(bucket, index=f * len(self.buckets) + b, kind="pseudo_gradient",
+                                             state={}, grad_used=[])
+                self.pieces.append(Piece(f, b, lo, hi, outer, pseudo))
+        self.outer = build_outer_optimizer(self.outer_spec, [p.outer for p in self.pieces])
+        self.state_kinds, self.state_kinds_example = _state_kinds(self.outer_spec)
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp_plugin-outer")
+        if self._pending_state is not None:
+            self._restore(*self._pending_state)
+            self._pending_state = None
+
+    @hookimpl
+    def on_setup_optimizer(self, optimizer: Optimizer) -> None:
+        self.optimizers.append(optimizer)
+
+    @hookimpl
+    def on_teardown(self) -> None:
+        # The fit ends: a sync in flight is applied now rather than lost, so the model is the run's last word.
+        try:
+            applied = bool(self.in_flight)
+            for flight in list(self.in_flight):
+                self._apply(flight)
+            if applied and not self.publish_after_step:
+                self.access.publish([])  # the sharder's own gather of the last step has run already
+        except Exception as err:  # noqa: BLE001 - after a failed run; the original error is what matters
+            log.warning("ddp_plugin: could not apply the outer syncs in flight at the end of fit: %s", err)
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
+                self._thread = None
+
+    # ------------------------------------------------------------------ gradients: inside the node only
+
+    @hookimpl(tryfirst=True)
+    def on_cross_node_reduce(self, tensor: Tensor, group: dist.ProcessGroup, bucket: Bucket
+                             ) -> torch.futures.Future | None:
+        if bucket.kind != "gradients":
+            return None  # a pseudo-gradient of ours: the codec (or the plain mean) averages it across nodes
+        t = self.topology
+        if group is t.world_group and t.ranks_per_node > 1:
+            # The flat path (hierarchical=False): the node's mean instead of the world's.
+            tensor.div_(t.ranks_per_node)
+            self.comm.all_reduce(tensor, group=t.intra_node_group)
+        return completed_future(tensor)  # across nodes: nothing, this step
+
+    # ------------------------------------------------------------------ the outer step
+
+    @hookimpl(tryfirst=True)
+    def on_after_optimizer_step(self, optimizer: Optimizer) -> None:
+        # tryfirst: the sharder's own after-step gather (later) then spreads what is written here.
+        self.step += 1
+        for f in self.schedule.sent_after(self.step):
+            self._send(f)
+        for flight in [x for x in self.in_flight if x.apply_after == self.step]:
+            self._apply(flight)
+
+    def _send(self, fragment: int) -> None:
+        pieces = [p for p in self.pieces if p.fragment == fragment]
+        snapshots = [self.access.read(p.bucket, p.lo, p.hi) for p in pieces]
+        pseudo = [p.outer.detach() - s for p, s in zip(pieces, snapshots)]
+        result = self._thread.submit(self._average, pieces, pseudo)
+        self.in_flight.append(InFlight(fragment, self.step + self.schedule.staleness, snapshots, result))
+
+    def _average(self, pieces: list[Piece], pseudo: list[Tensor]) -> tuple[list[Tensor], float]:
+        """On the outer thread: the pseudo-gradients averaged over the nodes, and the node's drift (the norm of
+        its pseudo-gradient of this fragment)."""
+        local = torch.zeros((), dtype=torch.float64, device=self.topology.device)
+        for g in pseudo:
+            local += g.double().pow(2).sum()
+        if self.topology.ranks_per_node > 1:
+            self.comm.all_reduce(local, group=self.intra)
+        for piece, g in zip(pieces, pseudo):
+            self.hook.on_cross_node_reduce(tensor=g, group=self.inter, bucket=piece.pseudo, offset=piece.lo).wait()
+        return pseudo, float(local.sqrt())
+
+    def _apply(self, flight: InFlight) -> None:
+        started = time.perf_counter()
+        try:
+            averaged, drift = flight.result.result()
+        except Exception as err:
+            raise RuntimeError(health.diagnose(err, what="the outer (cross-node) sync")) from err
+        self._wait_s += time.perf_counter() - started
+        self.in_flight.remove(flight)
+        pieces = [p for p in self.pieces if p.fragment == flight.fragment]
+        for piece, g in zip(pieces, averaged):
+            piece.outer.grad = g
+        self.outer.step()
+        for piece, snapshot in zip(pieces, flight.snapshots):
+            piece.outer.grad = None
+            now = self.access.read(piece.bucket, piece.lo, piece.hi)
+            # The inner steps taken while the average was in flight are kept (none with max_staleness=0: then
+            # this is the global copy itself, bit for bit).
+            self.access.write(piece.bucket, piece.lo, piece.hi, piece.outer.detach() + (now - snapshot))
+        if self.publish_after_step:
+            self.access.publish(self.fragment_buckets[flight.fragment])
+        self.syncs += 1
+        self._drift.append(drift)
+
+    # ------------------------------------------------------------------ metrics and memory
+
+    @hookimpl
+    def on_collect_metrics(self) -> dict[str, float]:
+        # Per step: fragment syncs applied, the time the training thread waited for them, and (on steps that sent
+        # one) the node's drift from the global copy (the norm of its pseudo-gradient over what was sent).
+        metrics = {"sync/outer_syncs": float(self.syncs - self._syncs_logged), "sync/wait_ms": self._wait_s * 1e3}
+        if self._drift:
+            metrics["sync/drift"] = sum(d * d for d in self._drift) ** 0.5
+        self._wait_s, self._drift, self._syncs_logged = 0.0, [], self.syncs
+        return metrics
+
+    @hookimpl
+    def on_collect_memory(self) -> dict[str, int]:
+        tensors = [p.outer for p in self.pieces]
+        if self.outer is not None:
+            tensors += [v for st in self.outer.state.values() for v in st.values() if isinstance(v, Tensor)]
+        return {"outer_state": sum(t.numel() * t.element_size() for t in tensors)}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _drain(self) -> None:
+        """Wait for the averages in flight (they are saved; applying them early would change the run)."""
+        for flight in self.in_flight:
+            try:
+                flight.result.result()
+            except Exception as err:
+                raise RuntimeError(health.diagnose(err, what="the outer (cross-node) sync")) from err
+
+    def _names(self, piece: Piece) -> list[tuple[str, int, int, int]]:
+        """(parameter name, start in the parameter, end, start in the piece) of every parameter in the piece."""
+        bucket = self.buckets[piece.bucket]
+        out = []
+        for i, p in enumerate(bucket.params):
+            a, z = max(piece.lo, bucket.offsets[i]), min(piece.hi, bucket.offsets[i] + p.numel())
+            if a < z:
+                out.append((bucket.names[i], a - bucket.offsets[i], z - bucket.offsets[i], a - piece.lo))
+        return out
+
+    def _consolidated(self, values: Callable[[Piece], Tensor | None], dtype: torch.dtype | None = None
+                      ) -> dict[str, DeferredTensor]:
+        """``values`` of every piece, per parameter in its full shape, produced on global rank 0 while it writes:
+        every bucket's parts are gathered inside node 0 (the nodes hold the same values)."""
+        t = self.topology
+        out: dict[str, DeferredTensor] = {}
+        for b, bucket in enumerate(self.buckets):
+            part_lo, part_hi = self.access.parts[b]
+            width = -(-bucket.numel // t.ranks_per_node)
+            dtype_b = dtype or bucket.buffer.dtype
+            storage = DeferredStorage(dtype=dtype_b, numel=width * t.ranks_per_node,
+                                      device=str(t.device), produce=self._producer(b, values, width, part_lo, dtype_b))
+            for i, p in enumerate(bucket.params):
+                out[bucket.names[i]] = DeferredTensor(storage, bucket.offsets[i], tuple(p.shape))
+        return out
+
+    def _producer(self, b: int, values: Callable[[Piece], Tensor | None], width: int, part_lo: int,
+                  dtype: torch.dtype):
+        def produce() -> Tensor | None:
+            local = torch.zeros(width, dtype=dtype, device=self.topology.device)
+            for piece in self.pieces:
+                v = values(piece) if piece.bucket == b else None
+                if v is not None:
+                    local[piece.lo - part_lo : piece.hi - part_lo].copy_(v)
+            return gather_flat_to_root(local, self.topology.side_intra_node_group,
+                                       list(range(self.topology.ranks_per_node)))
+
+        return produce
+
+    @hookimpl
+    def on_save_state_dict(self) -> dict[str, Any] | None:
+        self._drain()
+        if self.topology.node_rank != 0:
+            return {}  # node 0 holds every value (the nodes share them); nothing of this node is written
+        in_flight = []
+        for flight in self.in_flight:
+            averaged = dict(zip((id(p) for p in self._pieces_of(flight.fragment)), flight.result.result()[0]))
+            in_flight.append({"fragment": flight.fragment, "apply_after": flight.apply_after,
+                              "averaged": self._consolidated(lambda p, a=averaged: a.get(id(p)))})
+        state = {
+            "step": self.step, "syncs": self.syncs, "every": self.schedule.every,
+            "fragments": self.schedule.fragments, "staleness": self.schedule.staleness,
+            "params": self._consolidated(lambda p: p.outer.detach()),
+            # Every state key of the outer optimizer per parameter, in its shape; a scalar (Adam's step) repeated
+            # over its elements, in float64; NaN where a piece has no state yet (its fragment never synced).
+            "optimizer": {"param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                           for g in self.outer.param_groups],
+                          "state": {k: self._consolidated(lambda p, k=k: self._opt_values(p, k),
+                                                          None if tensor else torch.float64)
+                                    for k, tensor in self.state_kinds.items()}},
+            "in_flight": in_flight,
+        }
+        return {STATE_KEY: state}
+
+    def _opt_values(self, piece: Piece, key: str) -> Tensor:
+        st = self.outer.state.get(piece.outer)
+        n = piece.hi - piece.lo
+        if not st or key not in st:
+            return torch.full((n,), float("nan"), dtype=torch.float64)
+        v = st[key]
+        if isinstance(v, Tensor) and v.dim() > 0:
+            return v.detach()
+        return torch.full((n,), float(v), dtype=torch.float64)
+
+    def _pieces_of(self, fragment: int) -> list[Piece]:
+        return [p for p in self.pieces if p.fragment == fragment]
+
+    @hookimpl
+    def on_save_rank_state_dict(self) -> dict[str, Any]:
+        # This node's replica (the nodes differ between syncs) and the snapshots of the syncs in flight.
+        self._drain()
+        layout = [(p.fragment, p.bucket, p.lo, p.hi) for p in self.pieces]
+        replica = [self.access.read(p.bucket, p.lo, p.hi).cpu() for p in self.pieces]
+        snapshots = [[s.cpu() for s in flight.snapshots] for flight in self.in_flight]
+        # The inner optimizers' state differs between nodes as the replicas do; the consolidated optimizer state
+        # of the checkpoint is node 0's, so the other nodes keep theirs here (as this rank holds it: whole at
+        # stage 0, its shard's pieces at stages 1-3).
+        inner = [_optimizer_state(o) for o in self.optimizers] if self.topology.node_rank > 0 else None
+        return {STATE_KEY: {"layout": layout, "replica": replica, "snapshots": snapshots, "inner": inner}}
+
+    @hookimpl(wrapper=True)
+    def on_load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: Mapping[str, Any]):
+        loaded = yield  # the sharder's (node 0's state, this rank's pieces), or None at stage 0
+        if optimizer not in self.optimizers or not self._inner_pending:
+            return loaded
+        if loaded is None:
+            optimizer.load_state_dict(state_dict)
+        own = self._inner_pending[self.optimizers.index(optimizer)]
+        if own is not None and not _load_optimizer_state(optimizer, own, self.topology.device):
+            log.warning("ddp_plugin: the checkpoint's inner optimizer state of node %d does not fit this"
+                        " optimizer; it resumes from node 0's.", self.topology.node_rank)
+        return True
+
+    @hookimpl
+    def on_load_state_dict(self, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None) -> None:
+        saved = state.get(STATE_KEY)
+        if saved is None:
+            return  # a synchronous run's checkpoint: the global copy starts from its parameters
+        if (saved["every"], saved["fragments"], saved["staleness"]) != (self.schedule.every, self.schedule.fragments,
+                                                                        self.schedule.staleness):
+            log.warning("ddp_plugin: the checkpoint's sync mode (sync_every=%d, sync_fragments=%d, max_staleness=%d)"
+                        " differs from this run's; the outer state is kept, the position in the cycle starts over.",
+                        saved["every"], saved["fragments"], saved["staleness"])
+            same_schedule = False
+        else:
+            same_schedule = True
+        device = self.topology.device
+
+        def piece_values(piece: Piece, full: Mapping[str, Tensor]) -> Tensor:
+            out = torch.empty(piece.hi - piece.lo, dtype=piece.outer.dtype, device=device)
+            for name, a, z, at in self._names(piece):
+                out[at : at + z - a].copy_(full[name].reshape(-1)[a:z])
+            return out
+
+        with torch.no_grad():
+            for piece in self.pieces:
+                piece.outer.copy_(piece_values(piece, saved["params"]))
+        opt = saved["optimizer"]
+        states = {}
+        for j, piece in enumerate(self.pieces):
+            st: dict[str, Any] = {}
+            for k, tensor in self.state_kinds.items():
+                full = opt["state"].get(k)
+                if full is None:
+                    continue
+                values = piece_values(piece, full) if tensor else _piece_of(self._names(piece), full, piece)
+                if values.numel() and not torch.isnan(values[0]):
+                    st[k] = values if tensor else _scalar_like(self.state_kinds_example[k], float(values[0]))
+            if st:
+                states[j] = st
+        groups = [{**g, "params": list(range(len(self.pieces)))} for g in opt["param_groups"]][:1]
+        self.outer.load_state_dict({"state": states, "param_groups": groups})
+        mine = (rank_state or {}).get(STATE_KEY)
+        layout = [(p.fragment, p.bucket, p.lo, p.hi) for p in self.pieces]
+        if mine is not None and [tuple(x) for x in mine["layout"]] != layout:
+            mine = None
+        self._inner_pending = mine.get("inner") if mine is not None else None
+        if mine is not None:
+            for piece, values in zip(self.pieces, mine["replica"]):
+                self.access.write(piece.bucket, piece.lo, piece.hi, values.to(device))
+            self.access.publish(range(len(self.buckets)))
+        elif self.topology.num_nodes > 1:
+            log.warning("ddp_plugin: the checkpoint holds no replica for this rank's layout (another number of"
+                        " ranks, another stage or bucket size); every node resumes from node 0's parameters.")
+        self.syncs = self._syncs_logged = saved["syncs"]
+        self.step = saved["step"] if same_schedule else 0
+        self.in_flight = []
+        for k, flight in enumerate(saved["in_flight"] if same_schedule else []):
+            pieces = self._pieces_of(flight["fragment"])
+            averaged = [piece_values(p, flight["averaged"]) for p in pieces]
+            if mine is not None:
+                snapshots = [s.to(device) for s in mine["snapshots"][k]]
+            else:
+                snapshots = [self.access.read(p.bucket, p.lo, p.hi) for p in pieces]
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result((averaged, 0.0))
+            self.in_flight.append(InFlight(flight["fragment"], flight["apply_after"], snapshots, done))
+
+
+def _optimizer_state(optimizer: Optimizer) -> list[list[dict[str, Any]]]:
+    """``optimizer``'s state by position (group, parameter), as this rank holds it, on the CPU."""
+    return [[{k: (v.detach().cpu().clone() if isinstance(v, Tensor) else v)
+              for k, v in optimizer.state.get(p, {}).items()} for p in group["params"]]
+            for group in optimizer.param_groups]
+
+
+def _load_optimizer_state(optimizer: Optimizer, saved: list[list[dict[str, Any]]], device: torch.device) -> bool:
+    """Put :func:`_optimizer_state`'s answer back; ``False`` (and nothing changed) when it does not fit."""
+    groups = [group["params"] for group in optimizer.param_groups]
+    if [len(g) for g in groups] != [len(g) for g in saved] or any(
+        isinstance(v, Tensor) and v.dim() > 0 and v.shape != p.shape
+        for g, sg in zip(groups, saved) for p, st in zip(g, sg) for v in st.values()
+    ):
+        return False
+    for g, sg in zip(groups, saved):
+        for p, st in zip(g, sg):
+            if st:
+                optimizer.state[p] = {k: (v.to(device) if isinstance(v, Tensor) and v.dim() > 0 else v)
+                                      for k, v in st.items()}
+            else:
+                optimizer.state.pop(p, None)
+    return True
+
+
+def _state_kinds(spec: Any) -> tuple[dict[str, bool], dict[str, Any]]:
+    """The state keys the outer optimizer keeps per parameter, each with whether it is a tensor of the
+    parameter's shape (else a scalar, e.g. Adam's step), found by stepping one on a one-element parameter: the
+    same on every rank, whether or not this rank holds a piece that has synchronized yet."""
+    probe = nn.Parameter(torch.zeros(2, dtype=torch.float64), requires_grad=False)
+    optimizer = build_outer_optimizer(spec, [probe])
+    probe.grad = torch.ones_like(probe)
+    optimizer.step()
+    state = optimizer.state.get(probe, {})
+    kinds = {k: isinstance(v, Tensor) and v.dim() > 0 for k, v in state.items()}
+    return kinds, dict(state)
+
+
+def _piece_of(names: list[tuple[str, int, int, int]], full: Mapping[str, Tensor], piece: Any) -> Tensor:
+    out = torch.empty(piece.hi - piece.lo, dtype=torch.float64)
+    for name, a, z, at in names:
+        out[at : at + z - a].copy_(full[name].reshape(-1)[a:z])
+    return out
+
+
+def _scalar_like(example: Any, value: float) -> Any:
+    if isinstance(example, Tensor):
+        return torch.tensor(value, dtype=example.dtype, device=example.device)
+    return type(example)(value)

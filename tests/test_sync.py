@@ -1,0 +1,201 @@
+"""Sync modes (``sync_every > 1``): local SGD, DiLoCo, streaming fragments, bounded staleness, against a reference
+written here in one process: M replicas, each a single-process model trained on its node's concatenated batch,
+synchronized across nodes as the docs define it.
+
+Definition (docs/sync.md): with ``sync_every=H``, ``sync_fragments=F``, ``max_staleness=d``, fragment f (a
+contiguous run of parameters in bucket order, about 1/F of them by size) is sent after the optimizer steps t
+with ``t % H == ((f + 1) * H // F) % H``: the pseudo-gradient ``x - s_n`` of every node n (``x``: the global copy,
+``s_n``: replica n's values then) is averaged over the nodes; after step ``t + d`` the outer optimizer steps ``x``
+with that average as its gradient, and every replica becomes ``x + (its values now - s_n)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.sync import SyncSchedule, plan_fragments
+from tests.support import run_python
+from tests.workers import sync_run
+
+NODES, RANKS_PER_NODE = 2, 2
+WORLD = NODES * RANKS_PER_NODE
+ATOL = 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- the reference
+
+
+def reference(steps: int, every: int, outer: str, fragments: int = 1, staleness: int = 0, inner: str = "sgd"
+              ) -> torch.Tensor:
+    """Every node's parameters after every step (steps x nodes x parameters), by the definition above."""
+    base = sync_run.model(inner)
+    replicas = [copy.deepcopy(base) for _ in range(NODES)]
+    optimizers = [r.configure_optimizers() for r in replicas]
+    params = [list(r.parameters()) for r in replicas]
+    # Bucket order: the reverse of registration (the engine's); fragments are runs of it.
+    order = list(range(len(params[0])))[::-1]
+    fragment_of = dict(zip(order, plan_fragments([params[0][i].numel() for i in order], fragments)))
+    x = [p.detach().clone().requires_grad_(False) for p in params[0]]
+    outer_opt = (torch.optim.SGD(x, lr=1.0) if outer == "average"
+                 else torch.optim.SGD(x, lr=0.7, momentum=0.9, nesterov=True))
+    loader = [list(sync_run.rank_loader(sync_run.dataset(), sync_run.GLOBAL_BATCH, WORLD, r)) for r in range(WORLD)]
+    pending: dict[int, tuple[int, list[torch.Tensor], list[list[torch.Tensor]]]] = {}
+    history = []
+    for t in range(1, steps + 1):
+        j = (t - 1) % sync_run.STEPS_PER_EPOCH
+        for n, (replica, opt) in enumerate(zip(replicas, optimizers)):
+            batches = [loader[n * RANKS_PER_NODE + r][j] for r in range(RANKS_PER_NODE)]
+            xb, yb = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+            opt.zero_grad()
+            replica.compute_loss((xb, yb)).backward()
+            opt.step()
+        for f in range(fragments):
+            if t % every == ((f + 1) * every // fragments) % every:
+                members = [i for i in range(len(x)) if fragment_of[i] == f]
+                snaps = [[params[n][i].detach().clone() for i in members] for n in range(NODES)]
+                mean = [sum(x[i] - snaps[n][k] for n in range(NODES)) / NODES for k, i in enumerate(members)]
+                pending[f] = (t + staleness, mean, snaps)
+        for f, (when, mean, snaps) in list(pending.items()):
+            if when != t:
+                continue
+            members = [i for i in range(len(x)) if fragment_of[i] == f]
+            for i in range(len(x)):
+                x[i].grad = mean[members.index(i)] if i in members else None
+            outer_opt.step()
+            with torch.no_grad():
+                for n in range(NODES):
+                    for k, i in enumerate(members):
+                        params[n][i].copy_(x[i] + (params[n][i] - snaps[n][k]))
+            del pending[f]
+        history.append(torch.stack([torch.cat([p.detach().reshape(-1) for p in ps]) for ps in params]))
+    return torch.stack(history)
+
+
+def distributed(tmp_path, name: str, flags: dict, inner: str = "sgd", steps: int = 12, *extra: str) -> dict:
+    out = tmp_path / f"{name}.pt"
+    run_python("-m", "tests.workers.sync_run", "--out", out, "--flags", json.dumps(flags), "--inner", inner,
+               "--steps", str(steps), *extra)
+    return torch.load(out, weights_only=False)
+
+
+VARIANTS = {
+    "local_sgd": ({"sync_every": 4, "outer_optimizer": "average"}, "sgd"),
+    "diloco": ({"sync_every": 4, "outer_optimizer": "nesterov"}, "sgd"),
+    "fragments": ({"sync_every": 4, "outer_optimizer": "nesterov", "sync_fragments": 2}, "sgd"),
+    "staleness": ({"sync_every": 4, "outer_optimizer": "nesterov", "sync_fragments": 2, "max_staleness": 1}, "sgd"),
+    "stage2_node": ({"sync_every": 4, "outer_optimizer": "nesterov", "zero_stage": 2, "shard_scope": "node"},
+                    "adamw"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("sync")
+    return {name: distributed(d, name, flags, inner) for name, (flags, inner) in VARIANTS.items()}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_three_outer_cycles_equal_the_one_process_reference(runs, name):
+    flags, inner = VARIANTS[name]
+    ref = reference(12, flags["sync_every"], flags["outer_optimizer"], flags.get("sync_fragments", 1),
+                    flags.get("max_staleness", 0), inner)
+    got = runs[name]["history"]  # steps x ranks x parameters
+    for rank in range(WORLD):
+        torch.testing.assert_close(got[:, rank], ref[:, rank // RANKS_PER_NODE], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_ranks_of_a_node_hold_the_same_bits_after_every_step(runs, name):
+    got = runs[name]["history"]
+    for node in range(NODES):
+        first = node * RANKS_PER_NODE
+        for rank in range(first + 1, first + RANKS_PER_NODE):
+            assert torch.equal(got[:, rank], got[:, first])
+
+
+@pytest.mark.parametrize("name", ["local_sgd", "diloco", "stage2_node"])
+def test_every_rank_holds_the_same_bits_right_after_a_full_sync(runs, name):
+    got = runs[name]["history"]
+    for t in (4, 8, 12):  # steps after which the single fragment was synced (staleness 0)
+        assert all(torch.equal(got[t - 1, r], got[t - 1, 0]) for r in range(WORLD))
+    assert not torch.equal(got[2, 0], got[2, RANKS_PER_NODE])  # in between, the nodes drift apart
+
+
+def test_replicas_drift_between_syncs_and_the_metrics_say_so(runs):
+    metrics = runs["diloco"]["metrics"]
+    assert metrics["sync/outer_syncs"] > 0 and metrics["sync/drift"] > 0
+    assert "sync/wait_ms" in metrics
+    assert runs["stage2_node"]["memory"]["outer_state"] > 0
+
+
+def test_sync_every_1_is_todays_synchronous_training(tmp_path):
+    today = distributed(tmp_path, "today", {})
+    one = distributed(tmp_path, "one", {"sync_every": 1, "outer_optimizer": "average"})
+    assert torch.equal(today["history"], one["history"])
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("name", ["staleness", "stage2_node"])
+def test_resume_mid_cycle_with_a_sync_in_flight_continues_exactly(runs, tmp_path, name):
+    flags, inner = VARIANTS[name]
+    ckpt = tmp_path / "mid.ckpt"
+    distributed(tmp_path, "first", flags, inner, 6, "--save-at", "6", "--ckpt", str(ckpt))
+    resumed = distributed(tmp_path, "resumed", flags, inner, 12, "--resume", str(ckpt))
+    torch.testing.assert_close(resumed["history"][-1], runs[name]["history"][-1], atol=0, rtol=0)
+
+
+def test_a_synchronous_checkpoint_resumes_in_a_sync_mode_and_back(tmp_path):
+    sync_ckpt, mode_ckpt = tmp_path / "sync.ckpt", tmp_path / "mode.ckpt"
+    distributed(tmp_path, "a", {}, "sgd", 6, "--save-at", "6", "--ckpt", str(sync_ckpt))
+    b = distributed(tmp_path, "b", VARIANTS["diloco"][0], "sgd", 12, "--resume", str(sync_ckpt),
+                    "--save-at", "12", "--ckpt", str(mode_ckpt))
+    assert torch.isfinite(b["history"]).all()
+    c = distributed(tmp_path, "c", {}, "sgd", 18, "--resume", str(mode_ckpt))
+    assert torch.isfinite(c["history"]).all() and c["history"].shape[0] == 6
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("flags", "pattern"),
+    [
+        ({"sync_every": 0}, r"`sync_every=0`.*positive integer"),
+        ({"sync_every": 2.5}, r"`sync_every=2.5`"),
+        ({"sync_every": 4, "outer_optimizer": "adam"}, r"`outer_optimizer='adam'`.*'average', 'nesterov'"),
+        ({"sync_every": 4, "max_staleness": 4}, r"`max_staleness=4`.*less than `sync_every=4`"),
+        ({"sync_every": 4, "max_staleness": -1}, r"`max_staleness=-1`"),
+        ({"sync_every": 4, "sync_fragments": 0}, r"`sync_fragments=0`"),
+        ({"sync_every": 4, "sync_fragments": 5}, r"`sync_fragments=5`.*at most `sync_every=4`"),
+        ({"sync_every": 4, "zero_stage": 2}, r"`shard_scope='global'`.*`sync_every=4`.*shard_scope='node'"),
+    ],
+)
+def test_bad_sync_flags_fail_at_construction_naming_the_flag(flags, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        HierarchicalZeroStrategy(**flags)
+
+
+def test_more_fragments_than_parameters_fail_at_setup_naming_the_flag(tmp_path):
+    proc = run_python("-m", "tests.workers.sync_run", "--out", tmp_path / "x.pt", "--steps", "2", "--flags",
+                      json.dumps({"sync_every": 8, "sync_fragments": 8}), check=False)
+    assert proc.returncode != 0
+    assert "`sync_fragments=8` is more than the 6 trainable parameters" in proc.stdout + proc.stderr
+
+
+def test_schedule_staggers_fragments_and_delays_by_the_staleness():
+    s = SyncSchedule(every=8, fragments=4, staleness=1)
+    assert [t for t in range(1, 17) if s.sent_after(t)] == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert s.sent_after(8) == [3] and s.applied_after(9) == [3]
+    assert SyncSchedule(every=4).sent_after(4) == [0] and not SyncSchedule(every=4).sent_after(3)
+
+
+def test_fragments_are_contiguous_runs_of_about_equal_size():
+    assert plan_fragments([5] * 8, 4) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert plan_fragments([100, 1, 1], 3) == [0, 1, 2]

@@ -1,0 +1,98 @@
+"""Worker for the sync-mode tests: 4 CPU ranks as 2 simulated nodes x 2, a tiny MLP on the sine task, every
+rank's parameters after every optimizer step.
+
+    python -m tests.workers.sync_run --out FILE --flags '{"sync_every": 4, "outer_optimizer": "nesterov"}'
+    python -m tests.workers.sync_run --out FILE --flags '{...}' --steps 6 --save-at 3 --ckpt DIR   # saves
+    python -m tests.workers.sync_run --out FILE --flags '{...}' --steps 12 --resume CKPT
+
+Rank r trains on samples r, r + 4, r + 8, ... of 96 (``rank_loader``; an epoch is 6 steps), so node n's batch
+at step j is the union of ranks 2n's and 2n+1's: what the tests' single-process reference feeds replica n. Rank 0 writes ``FILE``:
+``history`` (steps x ranks x parameters), ``metrics`` (the strategy's per-step means), ``memory``
+(``memory_bytes()``), ``traffic_MB`` (cross-node MB per step, amortized).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import lightning as L
+import torch
+from torch import nn
+
+from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.data import rank_loader, sine_dataset
+from ddp_plugin.testing.models import TinyModule, mlp
+from ddp_plugin.testing.ranks import gather_parameters
+
+FEATURES, HIDDEN, GLOBAL_BATCH, SEED = 8, 16, 16, 0
+STEPS_PER_EPOCH = 6
+"""Checkpoints are taken at the end of an epoch (``--save-at`` a multiple of it), where a resumed run sees exactly
+the batches the uninterrupted one saw (mid-epoch, Lightning's loops would not)."""
+INNER = {"sgd": {"lr": 0.05, "momentum": 0.9}, "adamw": {"lr": 1e-2, "weight_decay": 0.1}}
+
+
+def model(inner: str) -> TinyModule:
+    """The model every test builds, the reference included: seeded, so the same initial parameters."""
+    torch.manual_seed(SEED)
+    return TinyModule(mlp(FEATURES, HIDDEN, 1, layers=1, activation=nn.Tanh), optimizer=inner, **INNER[inner])
+
+
+def dataset():
+    return sine_dataset(GLOBAL_BATCH * STEPS_PER_EPOCH, FEATURES, seed=3)
+
+
+class EveryRank(L.Callback):
+    """After every optimizer step: every rank's parameters (an all-gather), kept on rank 0."""
+
+    def __init__(self) -> None:
+        self.history: list[torch.Tensor] = []
+        self.last = -1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.last:
+            return
+        self.last = trainer.global_step
+        self.history.append(gather_parameters(trainer.strategy, pl_module).cpu())
+
+
+class SaveAt(L.Callback):
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--flags", default="{}")
+    p.add_argument("--inner", default="sgd", choices=list(INNER))
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--save-at", type=int, default=0)
+    p.add_argument("--ckpt", default="")
+    p.add_argument("--resume", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    flags = {"devices_per_node": 2, "timeout": 300, **json.loads(args.flags)}
+    strategy = HierarchicalZeroStrategy(**flags)
+    net = model(args.inner)
+    record = EveryRank()
+    callbacks: list[L.Callback] = [record]
+    if args.save_at:
+        callbacks.append(SaveAt(args.save_at, args.ckpt))
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=args.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, callbacks=callbacks)
+    loader = rank_loader(dataset(), GLOBAL_BATCH, 4, int(os.environ.get("LOCAL_RANK", 0)))
+    trainer.fit(net, loader, ckpt_path=args.resume)
+    if trainer.is_global_zero:
+        torch.save({"history": torch.stack(record.history), "metrics": strategy.metric_means,
+                    "memory": strategy.memory_bytes()}, args.out)
+
+
+if __name__ == "__main__":
+    main()
