@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.sync import SyncSchedule, plan_fragments
-from tests.support import run_python
+from ddp_plugin.testing.processes import clean_env
+from ddp_plugin.testing.ranks import free_port
+from tests.support import ROOT, run_python
 from tests.workers import sync_run
 
 NODES, RANKS_PER_NODE = 2, 2
@@ -149,6 +154,35 @@ def test_resume_mid_cycle_with_a_sync_in_flight_continues_exactly(runs, tmp_path
     distributed(tmp_path, "first", flags, inner, 6, "--save-at", "6", "--ckpt", str(ckpt))
     resumed = distributed(tmp_path, "resumed", flags, inner, 12, "--resume", str(ckpt))
     torch.testing.assert_close(resumed["history"][-1], runs[name]["history"][-1], atol=0, rtol=0)
+
+
+KILL_TIMEOUT_S = 20
+
+
+def test_a_rank_dead_during_an_outer_sync_makes_the_others_fail_fast_naming_it_and_the_checkpoint_resumes(
+        runs, tmp_path):
+    # Staleness 1, fragments after steps 2, 4, 6, 8...: rank 3 dies right after step 8, its fragment's average in
+    # flight on every rank; the checkpoint of step 6 (an epoch's end) was written before.
+    flags, inner = VARIANTS["staleness"]
+    ckpt = tmp_path / "last.ckpt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
+           "-m", "tests.workers.sync_run", "--out", str(tmp_path / "x.pt"), "--flags", json.dumps(flags),
+           "--steps", "40", "--save-at", "6", "--ckpt", str(ckpt), "--kill-rank", "3", "--kill-after", "8",
+           "--timeout", str(KILL_TIMEOUT_S)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=clean_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    killed_at = float(re.search(r"rank 3 kills itself \(SIGKILL\) at ([\d.]+)", out).group(1))
+    exits = {int(r): float(at) for r, at in re.findall(r"rank (\d) exits after \S+ s \(at ([\d.]+)\)", out)}
+    assert set(exits) == {0, 1, 2}, out[-4000:]
+    # Each survivor raised within the timeout plus a small margin, and the ones that name a cause name rank 3.
+    assert all(at - killed_at < KILL_TIMEOUT_S + 10 for at in exits.values()), (exits, killed_at)
+    assert re.search(r"rank [012]: .*failed because .*rank 3 stopped responding", out), out[-4000:]
+    for because in re.findall(r"failed because (.*?)\. Original error", out):
+        assert because == "rank 3 stopped responding (killed, crashed or hung)", because
+    # The last checkpoint resumes as if nothing had happened.
+    resumed = distributed(tmp_path, "resumed", flags, inner, 12, "--resume", str(ckpt))
+    torch.testing.assert_close(resumed["history"][-1], runs["staleness"]["history"][-1], atol=0, rtol=0)
 
 
 def test_a_synchronous_checkpoint_resumes_in_a_sync_mode_and_back(tmp_path):

@@ -4,6 +4,7 @@ rank's parameters after every optimizer step.
     python -m tests.workers.sync_run --out FILE --flags '{"sync_every": 4, "outer_optimizer": "nesterov"}'
     python -m tests.workers.sync_run --out FILE --flags '{...}' --steps 6 --save-at 3 --ckpt DIR   # saves
     python -m tests.workers.sync_run --out FILE --flags '{...}' --steps 12 --resume CKPT
+    torchrun --nproc_per_node 4 -m tests.workers.sync_run ... --kill-rank 3 --kill-after 8 --timeout 20  # a dead rank
 
 Rank r trains on samples r, r + 4, r + 8, ... of 96 (``rank_loader``; an epoch is 6 steps), so node n's batch
 at step j is the union of ranks 2n's and 2n+1's: what the tests' single-process reference feeds replica n. Rank 0 writes ``FILE``:
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import lightning as L
 import torch
@@ -24,6 +26,7 @@ from torch import nn
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.data import rank_loader, sine_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
+from ddp_plugin.testing.processes import inject_fault
 from ddp_plugin.testing.ranks import gather_parameters
 
 FEATURES, HIDDEN, GLOBAL_BATCH, SEED = 8, 16, 16, 0
@@ -66,6 +69,19 @@ class SaveAt(L.Callback):
             trainer.save_checkpoint(self.path)
 
 
+class KillAfter(L.Callback):
+    """Rank ``rank`` kills itself (SIGKILL) right after optimizer step ``step``: with a schedule that sends a
+    fragment after that step, while its outer sync is in flight on every rank."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            print(f"rank {self.rank} kills itself (SIGKILL) at {time.time():.3f}", flush=True)
+            inject_fault("sigkill")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -75,20 +91,32 @@ def main() -> None:
     p.add_argument("--save-at", type=int, default=0)
     p.add_argument("--ckpt", default="")
     p.add_argument("--resume", default=None)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-after", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300)
     args = p.parse_args()
     torch.set_num_threads(1)
-    flags = {"devices_per_node": 2, "timeout": 300, **json.loads(args.flags)}
+    flags = {"devices_per_node": 2, "timeout": args.timeout, **json.loads(args.flags)}
     strategy = HierarchicalZeroStrategy(**flags)
     net = model(args.inner)
     record = EveryRank()
     callbacks: list[L.Callback] = [record]
     if args.save_at:
         callbacks.append(SaveAt(args.save_at, args.ckpt))
+    if args.kill_rank >= 0:
+        callbacks.append(KillAfter(args.kill_rank, args.kill_after))
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, callbacks=callbacks)
     loader = rank_loader(dataset(), GLOBAL_BATCH, 4, int(os.environ.get("LOCAL_RANK", 0)))
-    trainer.fit(net, loader, ckpt_path=args.resume)
+    start = time.time()
+    try:
+        trainer.fit(net, loader, ckpt_path=args.resume)
+    except BaseException as err:
+        now = time.time()
+        print(f"rank {trainer.global_rank} exits after {now - start:.1f} s (at {now:.3f}): {type(err).__name__}: {err}",
+              flush=True)
+        raise
     if trainer.is_global_zero:
         torch.save({"history": torch.stack(record.history), "metrics": strategy.metric_means,
                     "memory": strategy.memory_bytes()}, args.out)
