@@ -144,6 +144,21 @@ def test_sync_every_1_is_todays_synchronous_training(tmp_path):
     assert torch.equal(today["history"], one["history"])
 
 
+@pytest.mark.parametrize("stage", [{}, {"zero_stage": 2, "shard_scope": "node"}], ids=["stage0", "stage2_node"])
+def test_sync_modes_compose_with_accumulation_clipping_a_scheduler_and_bf16(tmp_path, stage):
+    trainer = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05, "precision": "bf16-mixed"}
+    run = distributed(tmp_path, "compose", {"sync_every": 4, **stage}, "adamw", 8, "--trainer", json.dumps(trainer),
+                      "--scheduler")
+    got = run["history"]
+    assert got.shape[0] == 8 and torch.isfinite(got).all()
+    for t in range(8):  # a node is one replica every step; the nodes agree right after each sync
+        for node in range(NODES):
+            assert torch.equal(got[t, node * RANKS_PER_NODE + 1], got[t, node * RANKS_PER_NODE])
+        synced = (t + 1) % 4 == 0
+        assert torch.equal(got[t, 0], got[t, RANKS_PER_NODE]) == synced, t
+    assert run["metrics"]["sync/outer_syncs"] == pytest.approx(2 / 8)
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 

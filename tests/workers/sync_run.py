@@ -54,7 +54,7 @@ class EveryRank(L.Callback):
         self.last = -1
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.last:
+        if trainer.global_step in (self.last, 0):  # 0: an accumulating batch before the first step
             return
         self.last = trainer.global_step
         self.history.append(gather_parameters(trainer.strategy, pl_module).cpu())
@@ -94,11 +94,22 @@ def main() -> None:
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-after", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--trainer", default="{}", help="more Trainer arguments, JSON (accumulation, clipping, precision)")
+    p.add_argument("--scheduler", action="store_true", help="halve the learning rate every 2 optimizer steps")
     args = p.parse_args()
     torch.set_num_threads(1)
     flags = {"devices_per_node": 2, "timeout": args.timeout, **json.loads(args.flags)}
     strategy = HierarchicalZeroStrategy(**flags)
     net = model(args.inner)
+    if args.scheduler:
+        plain = net.configure_optimizers
+
+        def with_scheduler():
+            optimizer = plain()
+            return {"optimizer": optimizer,
+                    "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)}
+
+        net.configure_optimizers = with_scheduler
     record = EveryRank()
     callbacks: list[L.Callback] = [record]
     if args.save_at:
@@ -107,7 +118,7 @@ def main() -> None:
         callbacks.append(KillAfter(args.kill_rank, args.kill_after))
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, callbacks=callbacks)
+                        use_distributed_sampler=False, callbacks=callbacks, **json.loads(args.trainer))
     loader = rank_loader(dataset(), GLOBAL_BATCH, 4, int(os.environ.get("LOCAL_RANK", 0)))
     start = time.time()
     try:
