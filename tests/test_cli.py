@@ -61,3 +61,17 @@ trainer:
     class_path: ddp_plugin.HierarchicalZeroStrategy
     init_args: {compression: zip}
 """)
+
+
+def test_sync_mode_flags_from_yaml(tmp_path):
+    cli = cli_from_yaml(tmp_path, """
+trainer:
+  accelerator: cpu
+  devices: 4
+  logger: false
+  strategy:
+    class_path: ddp_plugin.HierarchicalZeroStrategy
+    init_args: {devices_per_node: 2, sync_every: 16, outer_optimizer: average, sync_fragments: 4, max_staleness: 1}
+""")
+    c = cli.trainer.strategy.config
+    assert (c.sync_every, c.outer_optimizer, c.sync_fragments, c.max_staleness) == (16, "average", 4, 1)

@@ -162,13 +162,18 @@ def test_sync_modes_compose_with_accumulation_clipping_a_scheduler_and_bf16(tmp_
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 
-@pytest.mark.parametrize("name", ["staleness", "stage2_node"])
+SHARDED = ({"sync_every": 4, "sync_fragments": 2, "max_staleness": 1, "zero_stage": 2, "shard_scope": "node",
+            "checkpoint": "sharded"}, "adamw")
+
+
+@pytest.mark.parametrize("name", ["staleness", "stage2_node", "stage2_node_sharded_checkpoint"])
 def test_resume_mid_cycle_with_a_sync_in_flight_continues_exactly(runs, tmp_path, name):
-    flags, inner = VARIANTS[name]
+    flags, inner = VARIANTS.get(name, SHARDED)
+    whole = runs[name] if name in runs else distributed(tmp_path, "whole", flags, inner)
     ckpt = tmp_path / "mid.ckpt"
     distributed(tmp_path, "first", flags, inner, 6, "--save-at", "6", "--ckpt", str(ckpt))
     resumed = distributed(tmp_path, "resumed", flags, inner, 12, "--resume", str(ckpt))
-    torch.testing.assert_close(resumed["history"][-1], runs[name]["history"][-1], atol=0, rtol=0)
+    torch.testing.assert_close(resumed["history"][-1], whole["history"][-1], atol=0, rtol=0)
 
 
 KILL_TIMEOUT_S = 20

@@ -92,7 +92,7 @@ class InFlight:
 class ModuleChunks:
     """The parameter parts of ZeRO stage 0, where the module's parameters are whole on every rank: the ranks of a
     node split each bucket's flat parameters into k chunks (local rank l owns chunk l), read from and written to
-    the module; :meth:`publish` all-gathers them inside the node."""
+    the module; :meth:`publish` all-gathers ranges of them inside the node."""
 
     def __init__(self, buckets: Sequence[Bucket], topology: Topology, comm: Communicator) -> None:
         self.buckets, self.topology, self.comm = list(buckets), topology, comm
@@ -118,17 +118,28 @@ class ModuleChunks:
             for p, a, z, at in self._slices(b, lo, hi):
                 p.view(-1)[a:z].copy_(values[at : at + z - a])
 
-    def publish(self, buckets: Sequence[int]) -> None:
+    def publish(self, ranges: Sequence[tuple[int, int, int]]) -> None:
+        """Every rank of the node gets the elements ``[lo, hi)`` of bucket ``b`` (for each ``(b, lo, hi)``) from
+        the ranks whose chunks hold them: one all-gather of each range's largest chunk intersection, so a
+        fragment's sync moves the fragment inside the node, not its whole buckets."""
         t = self.topology
-        if t.ranks_per_node == 1:
+        k = t.ranks_per_node
+        if k == 1:
             return
-        for b in buckets:
+        for b, lo, hi in ranges:
             c = self.chunk[b]
-            mine = self.read(b, *self.parts[b])
-            mine = torch.cat([mine, mine.new_zeros(c - mine.numel())])
-            full = mine.new_empty(c * t.ranks_per_node)
+            spans = [(max(lo, l * c), max(max(lo, l * c), min(hi, (l + 1) * c))) for l in range(k)]
+            width = max(z - a for a, z in spans)
+            if width == 0:
+                continue
+            a, z = spans[t.local_rank]
+            mine = self.read(b, a, z)
+            mine = torch.cat([mine, mine.new_zeros(width - mine.numel())])
+            full = mine.new_empty(width * k)
             self.comm.all_gather(full, mine, group=t.side_intra_node_group)
-            self.write(b, 0, self.buckets[b].numel, full[: self.buckets[b].numel])
+            for l, (a, z) in enumerate(spans):
+                if z > a and l != t.local_rank:
+                    self.write(b, a, z, full[l * width : l * width + z - a])
 
 
 class ShardParts:
@@ -146,7 +157,7 @@ class ShardParts:
         _, offset, part = self.shards.parts[b]
         part[lo - offset : hi - offset].copy_(values)
 
-    def publish(self, buckets: Sequence[int]) -> None:
+    def publish(self, ranges: Sequence[tuple[int, int, int]]) -> None:
         self.shards.publish()
 
 
@@ -202,7 +213,8 @@ class OuterSync:
             )
         fragment_of = iter(plan_fragments(sizes, self.schedule.fragments))
         self.pieces = []
-        self.fragment_buckets: dict[int, list[int]] = {}  # the same on every rank, whatever its parts hold
+        # (bucket, start, end) of every fragment's run of parameters: the same on every rank, whatever its parts hold.
+        self.fragment_ranges: dict[int, list[tuple[int, int, int]]] = {}
         for b, bucket in enumerate(self.buckets):
             part_lo, part_hi = self.access.parts[b]
             runs: dict[int, list[int]] = {}
@@ -212,7 +224,7 @@ class OuterSync:
                 run = runs.setdefault(f, [lo, hi])
                 run[0], run[1] = min(run[0], lo), max(run[1], hi)
             for f, (lo, hi) in sorted(runs.items()):
-                self.fragment_buckets.setdefault(f, []).append(b)
+                self.fragment_ranges.setdefault(f, []).append((b, lo, hi))
                 lo, hi = max(lo, part_lo), min(hi, part_hi)
                 if lo >= hi:
                     continue
@@ -310,7 +322,7 @@ class OuterSync:
             # this is the global copy itself, bit for bit).
             self.access.write(piece.bucket, piece.lo, piece.hi, piece.outer.detach() + (now - snapshot))
         if self.publish_after_step:
-            self.access.publish(self.fragment_buckets[flight.fragment])
+            self.access.publish(self.fragment_ranges[flight.fragment])
         self.syncs += 1
         self._drift.append(drift)
 
@@ -493,7 +505,7 @@ class OuterSync:
         if mine is not None:
             for piece, values in zip(self.pieces, mine["replica"]):
                 self.access.write(piece.bucket, piece.lo, piece.hi, values.to(device))
-            self.access.publish(range(len(self.buckets)))
+            self.access.publish([(b, 0, bucket.numel) for b, bucket in enumerate(self.buckets)])
         elif self.topology.num_nodes > 1:
             log.warning("ddp_plugin: the checkpoint holds no replica for this rank's layout (another number of"
                         " ranks, another stage or bucket size); every node resumes from node 0's parameters.")

@@ -16,6 +16,9 @@ Import the module you need; this package imports none of them (and nothing impor
 - :mod:`ddp_plugin.testing.simcluster`: a simulated multi-node cluster on one Linux machine (network namespaces
   joined by rate-capped links), and the link counters its nodes read.
 - :mod:`ddp_plugin.testing.trees`: the leaves of a nested checkpoint.
+- :mod:`ddp_plugin.testing.text`: a character-level model (:class:`~ddp_plugin.testing.text.CharModel`), real
+  text without a download (the source of the stdlib's ``argparse``, or of 23 large stdlib modules), seeded
+  training and held-out windows, and a warmup-cosine learning-rate schedule.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ The text is the source of the standard library's ``argparse`` module (about 100k
 compresses the cross-node shard, over several buckets (a 0.1 MB bucket cap). Every configuration sees the same
 initial parameters and the same batches; the result for each is the loss on held-out text (the last 10% of the
 file) after the same number of steps, plus the mean training loss of the last 20 steps and the cross-node
-traffic per step as the strategy's accounting measured it.
+traffic per step as the strategy's accounting measured it. The model, the text and the data are
+:mod:`ddp_plugin.testing.text`'s.
 """
 
 from __future__ import annotations
@@ -17,21 +18,14 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_plugin import HierarchicalZeroStrategy
-from ddp_plugin.testing.data import rank_loader
 from ddp_plugin.testing.ranks import identical_on_all_ranks
-
-CONTEXT = 16
-GLOBAL_BATCH = 64
-HELD_OUT = 4096
+from ddp_plugin.testing.text import CharModel, corpus, text_data
 
 CONFIGS: dict[str, tuple[str | None, dict]] = {
     "none": (None, {}),
@@ -44,57 +38,9 @@ CONFIGS: dict[str, tuple[str | None, dict]] = {
 }
 
 
-def corpus() -> tuple[torch.Tensor, int]:
-    text = Path(argparse.__file__).read_text(encoding="utf-8")
-    vocab = sorted(set(text))
-    index = {c: i for i, c in enumerate(vocab)}
-    return torch.tensor([index[c] for c in text], dtype=torch.long), len(vocab)
-
-
-def windows(ids: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    offsets = starts[:, None] + torch.arange(CONTEXT + 1)
-    chunk = ids[offsets]
-    return chunk[:, :CONTEXT], chunk[:, CONTEXT]
-
-
-class CharModel(L.LightningModule):
-    """Predict the next character from the previous 16: embeddings, one hidden layer, logits. Its own class
-    (not :class:`~ddp_plugin.testing.models.TinyModule`): C3 needs a model of real text, its loss history and
-    its bucket count."""
-
-    def __init__(self, vocab: int, dataset: TensorDataset) -> None:
-        super().__init__()
-        self.dataset = dataset
-        self.embed = nn.Embedding(vocab, 24)
-        self.hidden = nn.Linear(CONTEXT * 24, 192)
-        self.out = nn.Linear(192, vocab)
-        self.losses: list[float] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(nn.functional.gelu(self.hidden(self.embed(x).flatten(1))))
-
-    def on_train_start(self) -> None:
-        self.num_buckets = len(self.trainer.strategy.engine.buckets)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
-        self.losses.append(loss.item())
-        return loss
-
-    def train_dataloader(self) -> DataLoader:
-        return rank_loader(self.dataset, GLOBAL_BATCH, self.trainer.world_size, self.trainer.global_rank)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
-
-
 def run(name: str, steps: int, ids: torch.Tensor, vocab: int, out_dir: str) -> dict:
     compression, options = CONFIGS[name]
-    split = int(len(ids) * 0.9)
-    g = torch.Generator().manual_seed(0)
-    train = TensorDataset(*windows(ids, torch.randint(0, split - CONTEXT - 1, (steps * GLOBAL_BATCH,), generator=g)))
-    held_x, held_y = windows(ids, torch.randint(split, len(ids) - CONTEXT - 1, (HELD_OUT,), generator=g))
+    train, held_x, held_y = text_data(ids, steps)
 
     L.seed_everything(1234, verbose=False)
     model = CharModel(vocab, train)
@@ -124,8 +70,7 @@ def run(name: str, steps: int, ids: torch.Tensor, vocab: int, out_dir: str) -> d
         saved = codec_state_by_rank(torch.load(path, weights_only=False), f"codec/{compression}")
 
     identical = identical_on_all_ranks(trainer.strategy, model)
-    with torch.no_grad():
-        held_out = nn.functional.cross_entropy(model(held_x), held_y).item()
+    held_out = model.loss(held_x, held_y)
     return {
         "codec": compression,
         "options": options,

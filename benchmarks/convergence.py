@@ -1,0 +1,515 @@
+"""Convergence benchmark: the sync modes (DiLoCo, streaming) against synchronous hierarchical training, on real
+text, to the end of training.
+
+    python benchmarks/convergence.py                                  # every run, ~15-20 minutes on 2 cores
+    python benchmarks/convergence.py --runs sync,diloco_h16 --steps 512 --out /tmp/convergence.md
+    python benchmarks/convergence.py --corpus argparse --schedule constant \
+        --out benchmarks/results/convergence_argparse_constant_lr.md  # the first setup (tiny corpus, constant lr)
+
+4 CPU ranks as 2 simulated nodes x 2 (``HierarchicalZeroStrategy(devices_per_node=2, bucket_size_mb=0.1)``),
+the character-level model of :mod:`ddp_plugin.testing.text`. Every run starts from the same initial parameters,
+sees the same batches in the same order, follows the same inner learning-rate schedule and takes the same number
+of optimizer steps; the runs differ only in the strategy's sync-mode flags (:data:`RUNS`).
+
+The default setup is closer to how DiLoCo is used (Douillard et al. 2023): the inner AdamW's learning rate warms
+up linearly over the first 5% of the steps, then decays along a cosine to 10% of its peak (``--schedule cosine``),
+and training sees less than one pass over its text: ``--corpus stdlib`` is the concatenated source of 23 large
+pure-Python standard-library modules (:data:`~ddp_plugin.testing.text.STDLIB_MODULES`, ~1.9M characters, no
+download), and the training windows start at distinct positions drawn without replacement (4096 steps x 64 =
+262k of ~1.7M), so no window is trained on twice. ``--corpus argparse --schedule constant`` is the first setup,
+unchanged: the source of ``argparse`` alone (~100k characters, so ~2.9 passes at 4096 steps, windows at random
+starts with replacement) at a constant learning rate, a regime where the final held-out loss mostly measures
+overfitting. Runs:
+
+- ``sync``: synchronous (every step's gradients averaged over all ranks);
+- ``diloco_h16``, ``diloco_h64``: nodes train alone and synchronize every 16 / 64 steps, DiLoCo's Nesterov outer
+  optimizer on the averaged pseudo-gradient; ``diloco_h16_int8``: the pseudo-gradients cross nodes int8-compressed;
+- ``localsgd_h16``: every 16 steps the replicas are simply averaged (``outer_optimizer="average"``): DiLoCo H=16
+  without its outer optimizer, which tells the sync period's effect from the outer optimizer's;
+- ``streaming_h16``: the same in 4 staggered fragments, each applied one step after it was sent, int8.
+
+Like ``tests/workers/compression_run.py``, the script is launched once and Lightning's default launcher
+re-executes it once per rank, so every run happens one after another inside the same 4 processes. Per run it
+records every step's training loss (the mean of the 4 ranks' batch losses), the held-out loss of the replica
+rank 0 holds every ``--eval-every`` steps and after training, the cross-node traffic per step from the strategy's
+own accounting, the outer syncs and the wall time. Rank 0 writes
+
+- a markdown table (``--out``, default ``benchmarks/results/convergence.md``): final held-out loss, its ratio to
+  ``sync``'s, cross-node MB per step, outer syncs, wall seconds; and the acceptance check: DiLoCo with H=16 ends
+  within 3% of synchronous training's held-out loss;
+- a PNG plot next to it (same name, ``.png``; needs ``pip install matplotlib``): held-out and smoothed training
+  loss against the step, for every run;
+- with ``--json FILE``, every number behind them (the loss curves included).
+
+A run that raises gets a "failed" row and the next run starts. This is a benchmark, not a test: it asserts
+nothing, and its wall times depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.ranks import identical_on_all_ranks
+from ddp_plugin.testing.text import (
+    CONTEXT,
+    GLOBAL_BATCH,
+    HELD_OUT,
+    STDLIB_MODULES,
+    CharModel,
+    WarmupCosine,
+    corpus,
+    stdlib_corpus,
+    stdlib_sources,
+    text_data,
+    train_positions,
+)
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "convergence.md"
+WORLD, PER_NODE = 4, 2
+BUCKET_MB = 0.1
+SEED = 1234
+LR = 3e-3
+WEIGHT_DECAY = 0.01
+WARMUP_FRACTION = 0.05  # --schedule cosine: linear warmup over this fraction of the steps,
+FINAL_LR_RATIO = 0.1  # then cosine decay to this fraction of the peak lr
+CORPORA = ("stdlib", "argparse")
+SCHEDULES = ("cosine", "constant")
+
+RUNS: dict[str, dict[str, Any]] = {
+    "sync": {},
+    "diloco_h16": {"sync_every": 16, "outer_optimizer": "nesterov"},
+    "diloco_h64": {"sync_every": 64, "outer_optimizer": "nesterov"},
+    "localsgd_h16": {"sync_every": 16, "outer_optimizer": "average"},
+    "diloco_h16_int8": {"sync_every": 16, "outer_optimizer": "nesterov", "compression": "int8"},
+    "streaming_h16": {"sync_every": 16, "outer_optimizer": "nesterov", "sync_fragments": 4, "max_staleness": 1,
+                      "compression": "int8"},
+}
+ACCEPTANCE = ("diloco_h16", 0.03)  # final held-out loss at most 3% above sync's
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of: {', '.join(RUNS)} (default: all,"
+                                                          " in this order)")
+    p.add_argument("--steps", type=int, default=4096,
+                   help="optimizer steps per run (default 4096, a multiple of every run's sync period)")
+    p.add_argument("--eval-every", type=int, default=64, help="held-out evaluation period in steps (default 64)")
+    p.add_argument("--corpus", choices=CORPORA, default="stdlib",
+                   help="stdlib (default): the source of 23 large stdlib modules, ~1.9M characters, training windows"
+                        " at distinct starts (no window twice; --steps at most ~26k); argparse: the source of argparse"
+                        " alone, ~100k characters, windows at random starts with replacement (the first setup)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+                   help=f"inner learning rate: cosine (default): linear warmup over {WARMUP_FRACTION:.0%} of the steps,"
+                        f" then cosine decay to {FINAL_LR_RATIO:g} x the peak --lr; constant: --lr throughout")
+    p.add_argument("--lr", type=float, default=LR,
+                   help=f"the inner AdamW (peak) learning rate of every run (default {LR:g})")
+    p.add_argument("--smooth", type=int, default=50, help="training loss moving-average window in the plot (steps)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown file; the plot goes next to it as .png")
+    p.add_argument("--json", type=Path, default=None, help="also write every number (loss curves included) here")
+    args = p.parse_args(argv)
+    args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = [r for r in args.runs if r not in RUNS]
+    if unknown:
+        p.error(f"unknown run(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}")
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def load_data(args: argparse.Namespace) -> tuple[tuple, int, int, dict[str, Any]]:
+    """``(train, held_x, held_y)``, the vocabulary size, the number of characters, and what the markdown says of
+    the data, for ``--corpus``."""
+    if args.corpus == "argparse":
+        ids, vocab = corpus()
+        data = text_data(ids, args.steps)  # random starts, with replacement: the first setup, unchanged
+        info = {"distinct": False, "held_out_from": "argparse"}
+    else:
+        sources = stdlib_sources(STDLIB_MODULES)
+        ids, vocab = stdlib_corpus(STDLIB_MODULES)
+        if args.steps * GLOBAL_BATCH > train_positions(ids):
+            raise SystemExit(f"--corpus stdlib: {args.steps} steps x {GLOBAL_BATCH} windows is more than the"
+                             f" {train_positions(ids):,} distinct training windows; use fewer --steps")
+        data = text_data(ids, args.steps, distinct=True)  # distinct starts: no window twice
+        split, at, held_from = int(len(ids) * 0.9), 0, []
+        for name, text in sources:
+            if at + len(text) > split:  # the held-out part holds the end of this module
+                part = min(1.0, (at + len(text) - split) / len(text))
+                held_from.append(f"`{name}`" if part == 1.0 else f"the last {part:.0%} of `{name}`")
+            at += len(text)
+        info = {"distinct": True, "held_out_from": " and ".join(held_from)}
+    x, y = data[0].tensors
+    info["positions"] = train_positions(ids)
+    info["unique_contents"] = len(torch.unique(torch.cat([x, y[:, None]], 1), dim=0))
+    return data, vocab, len(ids), info
+
+
+def lr_lambda(args: argparse.Namespace) -> WarmupCosine | None:
+    """The inner learning-rate multiplier of every run for ``--schedule``, ``None`` for constant."""
+    if args.schedule == "constant":
+        return None
+    return WarmupCosine(args.steps, WARMUP_FRACTION, FINAL_LR_RATIO)
+
+
+def schedule_text(args: argparse.Namespace) -> str:
+    sched = lr_lambda(args)
+    if sched is None:
+        return f"constant lr {args.lr:g}"
+    return (f"lr linear warmup over {sched.warmup} steps ({WARMUP_FRACTION:.0%}) to {args.lr:g}, then cosine decay to"
+            f" {FINAL_LR_RATIO * args.lr:g} ({FINAL_LR_RATIO:g} x) at step {args.steps}")
+
+
+def command_text(args: argparse.Namespace) -> str:
+    """The command line, with ``--corpus`` and ``--schedule`` spelled out where the defaults were used."""
+    argv = list(args.argv)
+    for flag, value in (("--schedule", args.schedule), ("--corpus", args.corpus)):  # prepended: corpus first
+        if not any(a == flag or a.startswith(flag + "=") for a in argv):
+            argv = [flag, value, *argv]
+    return "python benchmarks/convergence.py " + shlex.join(argv)
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+class HeldOut(L.Callback):
+    """On rank 0 only (no collective): the held-out loss of the replica rank 0 holds, before the first step and
+    after every ``every``-th optimizer step (after that step's outer sync, where one is applied then)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, every: int) -> None:
+        self.x, self.y, self.every = x, y, every
+        self.curve: list[tuple[int, float]] = []
+        self._last = -1
+        self.eval_s = 0.0
+        self.train_s = 0.0  # from the start of training to its end, the evaluations excluded
+
+    def _evaluate(self, step: int, pl_module) -> None:
+        start = time.perf_counter()
+        self.curve.append((step, pl_module.loss(self.x, self.y)))
+        self.eval_s += time.perf_counter() - start
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._start = time.perf_counter()
+        if trainer.is_global_zero:
+            self._evaluate(0, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.train_s = time.perf_counter() - self._start - self.eval_s
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self._last:
+            return
+        self._last = step
+        if trainer.is_global_zero and step % self.every == 0:
+            self._evaluate(step, pl_module)
+
+
+def run(name: str, args: argparse.Namespace, data: tuple, vocab: int) -> dict[str, Any]:
+    train, held_x, held_y = data
+    flags = RUNS[name]
+    L.seed_everything(SEED, verbose=False)  # the same initial parameters in every run
+    model = CharModel(vocab, train, lr=args.lr, weight_decay=WEIGHT_DECAY, lr_lambda=lr_lambda(args))
+    strategy = HierarchicalZeroStrategy(devices_per_node=PER_NODE, bucket_size_mb=BUCKET_MB, **flags)
+    held = HeldOut(held_x, held_y, args.eval_every)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=args.steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, callbacks=[held],
+    )
+    trainer.fit(model)
+
+    # Collectives: every rank takes part. After fit, every outer sync still in flight has been applied.
+    losses = strategy.all_gather(torch.tensor(model.losses, dtype=torch.float64))  # (ranks, steps)
+    final_by_rank = strategy.all_gather(torch.tensor([model.loss(held_x, held_y)], dtype=torch.float64)).flatten()
+    means = strategy.metric_means
+    cross_by_rank = strategy.all_gather(torch.tensor([means.get("comm/cross_node_MB", float("nan"))],
+                                                     dtype=torch.float64)).flatten()
+    identical = identical_on_all_ranks(strategy, model)
+    return {
+        "name": name,
+        "flags": flags,
+        "steps": trainer.global_step,
+        "train_loss": losses.mean(0).tolist(),
+        "train_loss_rank0": model.losses,
+        "held_out_curve": held.curve,
+        "held_out_final": final_by_rank[0].item(),  # the replica rank 0 holds
+        "held_out_final_by_rank": final_by_rank.tolist(),
+        "cross_node_MB_per_step": means.get("comm/cross_node_MB"),  # rank 0's
+        "cross_node_MB_per_step_by_rank": cross_by_rank.tolist(),
+        "outer_syncs": round(means.get("sync/outer_syncs", 0.0) * trainer.global_step),  # fragment syncs applied
+        "identical_on_all_ranks": identical,
+        "lr_after_training": trainer.optimizers[0].param_groups[0]["lr"],  # rank 0's inner lr, after the last step
+        "buckets": model.num_buckets,
+        "params": sum(p.numel() for p in model.parameters()),
+        "seconds": held.train_s,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+
+
+def _commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent, capture_output=True, text=True,
+                          check=False)
+    return proc.stdout.strip() if proc.returncode == 0 else "not a git checkout"
+
+
+def _flags_text(flags: dict[str, Any]) -> str:
+    return ", ".join(f"`{k}={v!r}`" for k, v in flags.items()) if flags else "(none: synchronous)"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _cell(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _data_text(args: argparse.Namespace, vocab: int, chars: int, info: dict[str, Any]) -> str:
+    windows = args.steps * GLOBAL_BATCH
+    batches = (f"{windows:,} windows = {args.steps} steps of {GLOBAL_BATCH}, {GLOBAL_BATCH // WORLD} per rank, in the"
+               " same order for every run")
+    if info["distinct"]:
+        source = (f"the concatenated source of {len(STDLIB_MODULES)} large pure-Python stdlib modules"
+                  f" ({', '.join(f'`{m}`' for m in STDLIB_MODULES)}; characters other than newline and printable ASCII"
+                  f" replaced by `?`), {chars:,} characters, {vocab} distinct")
+        positions, unique = info["positions"], info["unique_contents"]
+        sampling = (f"training windows at **distinct** random starts (without replacement) among the {positions:,}"
+                    f" of its first 90% ({batches}): **less than one pass** over the training text"
+                    f" ({windows / positions:.1%} of its windows, none twice; {unique:,} distinct window contents,"
+                    " as source code repeats itself)")
+        held = f"the last 10% ({info['held_out_from']}: text no training window comes from)"
+        call = f"`text_data(stdlib_corpus(), {args.steps}, distinct=True)`"
+    else:
+        source = f"the source of the stdlib's `argparse` ({chars:,} characters, {vocab} distinct)"
+        sampling = (f"training windows at random starts, with replacement, in its first 90% ({batches}):"
+                    f" {windows / info['positions']:.2f} passes' worth of the {info['positions']:,} training windows"
+                    f" ({info['unique_contents']:,} distinct window contents)")
+        held = "the last 10%"
+        call = f"`text_data(corpus(), {args.steps})`"
+    return (f"- data (`--corpus {args.corpus}`): {source}; {sampling}; held-out loss on {HELD_OUT:,} windows from"
+            f" {held} (`ddp_plugin.testing.text`: {call})")
+
+
+def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: int, chars: int,
+                   info: dict[str, Any], wall_s: float, png: Path | None) -> str:
+    import lightning
+
+    ok = [r for r in rows if "error" not in r]
+    ref = next((r for r in ok if r["name"] == "sync"), None)
+    params = ok[0]["params"] if ok else 0
+    buckets = ok[0]["buckets"] if ok else "?"
+    lines = [
+        f"# Convergence: sync modes vs synchronous training, {WORLD // PER_NODE} nodes x {PER_NODE} ranks, "
+        f"{args.steps} steps, {args.corpus} corpus, {args.schedule} lr",
+        "",
+        f"- command: `{command_text(args)}` (under `nice -n 10`)",
+        f"- torch {torch.__version__}, lightning {lightning.__version__}, Python {platform.python_version()},"
+        f" {platform.machine()}, {os.cpu_count()} CPU cores shared by all {WORLD} ranks (1 intra-op thread each)",
+        f"- ddp_plugin: commit {args.commit}",
+        f"- ranks: {WORLD} CPU ranks as {WORLD // PER_NODE} simulated nodes x {PER_NODE}, gloo over loopback:"
+        f" `HierarchicalZeroStrategy(devices_per_node={PER_NODE}, bucket_size_mb={BUCKET_MB:g}, <flags>)`, ZeRO"
+        f" stage 0; {buckets} gradient buckets",
+        f"- model: `ddp_plugin.testing.text.CharModel`: next character from the previous {CONTEXT}, Embedding({vocab},"
+        f" 24) -> Linear({CONTEXT * 24}, 192) -> GELU -> Linear(192, {vocab}), {params:,} parameters; inner optimizer"
+        f" AdamW(lr={args.lr:g}, weight_decay={WEIGHT_DECAY:g}) on every rank; initial parameters from"
+        f" `seed_everything({SEED})`, the same in every run",
+        f"- inner learning rate (`--schedule {args.schedule}`), the same in every run: {schedule_text(args)}"
+        + ("" if args.schedule == "constant" else
+           " (`CharModel(lr_lambda=WarmupCosine(...))`, a `LambdaLR` stepped after every optimizer step; the outer"
+           " optimizer's lr is fixed)"),
+        _data_text(args, vocab, chars, info),
+        "- training loss: every step, the mean over the 4 ranks of their batch losses (in a sync mode, each"
+        f" rank's loss is its own node's replica's); the plot smooths it with a {args.smooth}-step moving average",
+        f"- held-out loss: cross-entropy of the replica **rank 0 holds** (node 0's), before training, after every"
+        f" {args.eval_every}th step (after that step's outer sync, where one is applied at that step), and after"
+        " training, which is the *final* value. In a sync mode the nodes' replicas differ between outer syncs: after"
+        " the last step, the DiLoCo and local SGD runs (staleness 0, the last step a sync step) hold the same parameters on every"
+        " rank; the streaming run's fragments were synchronized at different steps (the last one applied when fit"
+        " ends), so its nodes still differ there; node 1's replica's final held-out loss is in the notes",
+        "- cross-node MB/step: `strategy.metric_means['comm/cross_node_MB']`, the strategy's own accounting of the"
+        " bytes rank 0 sent to the other node, mean over all steps (outer syncs amortized); a node sends"
+        f" {PER_NODE} x that. Outer syncs: `sync/outer_syncs` summed over the steps (fragment syncs for streaming;"
+        " its last one, sent after the last step and applied when fit ends, is after the last count)",
+        "- wall s: rank 0's time from the start of training to its end (setup, launch and the held-out evaluations not"
+        " included), on a shared machine, not a timing benchmark",
+        "",
+        "| run | flags | final held-out loss | ratio to sync | cross-node MB/step | outer syncs | wall s |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {_flags_text(RUNS[r['name']])} | failed: {_cell(r['error'])} | - | - | - | - |")
+            continue
+        ratio = r["held_out_final"] / ref["held_out_final"] if ref else None
+        lines.append(
+            f"| {r['name']} | {_flags_text(r['flags'])} | {r['held_out_final']:.4f} | {_fmt(ratio, '.4f')} |"
+            f" {_fmt(r['cross_node_MB_per_step'], '.4f')} | {r['outer_syncs']} | {r['seconds']:.0f} |"
+        )
+    lines.append("")
+    name, tol = ACCEPTANCE
+    target = next((r for r in ok if r["name"] == name), None)
+    if ref is not None and target is not None:
+        ratio = target["held_out_final"] / ref["held_out_final"]
+        verdict = "PASSES" if ratio <= 1 + tol else "MISSES"
+        lines.append(f"**Acceptance: DiLoCo H=16 final held-out loss / sync's = {target['held_out_final']:.4f} /"
+                     f" {ref['held_out_final']:.4f} = {ratio:.4f}** ({verdict} the <= {1 + tol:g} target: within"
+                     f" {tol:.0%} of synchronous training).")
+    else:
+        lines.append(f"Acceptance (DiLoCo H=16 within {tol:.0%} of sync): not measured, a run is missing.")
+    lines += ["", "Notes:", ""]
+    if ref is not None:
+        lines.append(f"- sync's held-out loss over the last 20% of the steps: {_tail_text(ref, args.steps)}")
+    for r in ok:
+        by_rank = r["held_out_final_by_rank"]
+        node1 = by_rank[PER_NODE] if len(by_rank) > PER_NODE else None
+        cross = r["cross_node_MB_per_step_by_rank"]
+        lines.append(
+            f"- {r['name']}: parameters identical on all ranks after training: {r['identical_on_all_ranks']};"
+            f" node 1's replica's final held-out loss {_fmt(node1, '.4f')}; held-out loss over the last 20% of the"
+            f" steps: mean {_tail_mean(r, args.steps):.4f}, best during training"
+            f" {min(v for _, v in r['held_out_curve']):.4f}; mean training loss of the last 100 steps"
+            f" {sum(r['train_loss'][-100:]) / len(r['train_loss'][-100:]):.4f}; inner lr after the last step"
+            f" {r['lr_after_training']:.3g}; cross-node MB/step by rank"
+            f" {', '.join(_fmt(c, '.4f') for c in cross)}"
+        )
+    if png is not None:
+        lines += ["", f"![held-out and training loss]({png.name})"]
+    lines += ["", f"_Total benchmark wall time {wall_s:.0f} s._", ""]
+    return "\n".join(lines)
+
+
+def _tail_text(r: dict[str, Any], steps: int) -> str:
+    tail = [(s, v) for s, v in r["held_out_curve"] if s >= 0.8 * steps] + [(steps, r["held_out_final"])]
+    values = [v for _, v in tail]
+    return (f"from step {tail[0][0]} to {steps}: min {min(values):.4f}, max {max(values):.4f}"
+            f" (spread {max(values) - min(values):.4f}, {(max(values) - min(values)) / min(values):.2%})")
+
+
+def _tail_mean(r: dict[str, Any], steps: int) -> float:
+    values = [v for s, v in r["held_out_curve"] if 0.8 * steps <= s < steps] + [r["held_out_final"]]
+    return sum(values) / len(values)
+
+
+def _smooth(values: list[float], window: int) -> tuple[list[int], list[float]]:
+    """Trailing moving average over ``window`` steps; x is the step (1-based) each average ends at."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return list(range(1, len(values) + 1)), out
+
+
+def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed, so no plot was written (pip install matplotlib)", file=sys.stderr)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    if not ok:
+        return False
+    fig, (ax_h, ax_t) = plt.subplots(1, 2, figsize=(13, 5))
+    ref = next((r for r in ok if r["name"] == "sync"), None)
+    for i, r in enumerate(ok):
+        color = f"C{i}"
+        curve = [(s, v) for s, v in r["held_out_curve"] if s < r["steps"]] + [(r["steps"], r["held_out_final"])]
+        ax_h.plot([s for s, _ in curve], [v for _, v in curve], color=color, lw=1.3,
+                  label=f"{r['name']} ({r['held_out_final']:.3f})")
+        x, y = _smooth(r["train_loss"], args.smooth)
+        ax_t.plot(x, y, color=color, lw=1.0, label=r["name"])
+    # Zoom in on the end of training, where the runs differ; the first steps fall off the top.
+    late = [v for r in ok for s, v in r["held_out_curve"] if s >= 0.1 * args.steps] + [r["held_out_final"] for r in ok]
+    lo, hi = min(late), max(late)
+    ax_h.set_ylim(lo - 0.05 * (hi - lo) - 0.01, hi + 0.1 * (hi - lo) + 0.01)
+    late_t = [v for r in ok for v in _smooth(r["train_loss"], args.smooth)[1][int(0.1 * args.steps):]]
+    lo_t, hi_t = min(late_t), max(late_t)
+    ax_t.set_ylim(lo_t - 0.05 * (hi_t - lo_t) - 0.01, hi_t + 0.1 * (hi_t - lo_t) + 0.01)
+    if ref is not None:
+        ax_h.axhline(ref["held_out_final"] * (1 + ACCEPTANCE[1]), color="k", ls=":", lw=1,
+                     label=f"sync final x {1 + ACCEPTANCE[1]:g}")
+    ax_h.set_title(f"held-out loss (rank 0's replica, every {args.eval_every} steps; final in legend)", fontsize=10)
+    ax_t.set_title(f"training loss (mean over ranks, {args.smooth}-step moving average)", fontsize=10)
+    for ax in (ax_h, ax_t):
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("cross-entropy (nats/char)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    text = "argparse.py" if args.corpus == "argparse" else f"{len(STDLIB_MODULES)} stdlib modules (< 1 pass)"
+    lr = (f"constant lr {args.lr:g}" if args.schedule == "constant" else
+          f"lr {args.lr:g}, {WARMUP_FRACTION:.0%} warmup + cosine to {FINAL_LR_RATIO:g}x")
+    fig.suptitle(f"char model on {text}, {WORLD // PER_NODE} nodes x {PER_NODE} CPU ranks, AdamW {lr},"
+                 f" {args.steps} steps", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_results(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: int, chars: int,
+                  info: dict[str, Any], wall_s: float, show: bool) -> None:
+    png = args.out.with_suffix(".png")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    plotted = write_plot(args, rows, png)
+    text = write_markdown(args, rows, vocab, chars, info, wall_s, png if plotted else None)
+    args.out.write_text(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
+                                                  for k, v in vars(args).items()}, "data": info, "runs": rows},
+                                        indent=1))
+    if show:
+        print(text, flush=True)
+    print(f"written to {args.out}" + (f" and {png}" if plotted else ""), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    args.commit = _commit()
+    data, vocab, chars, info = load_data(args)
+    rows: list[dict[str, Any]] = []
+    t_all = time.perf_counter()
+    for i, name in enumerate(args.runs):
+        try:
+            rows.append(run(name, args, data, vocab))
+        except Exception as err:  # noqa: BLE001 - a failed run gets its row; the next one starts
+            traceback.print_exc()
+            rows.append({"name": name, "error": f"{type(err).__name__}: {err}"})
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            r = rows[-1]
+            status = (f"failed ({r['error']})" if "error" in r else
+                      f"held-out {r['held_out_final']:.4f}, {r['cross_node_MB_per_step']:.4f} cross-node MB/step,"
+                      f" {r['outer_syncs']} outer syncs, {r['seconds']:.0f} s")
+            print(f"[{i + 1}/{len(args.runs)}] {name:<16} {status}", flush=True)
+            write_results(args, rows, vocab, chars, info, time.perf_counter() - t_all,  # after every run
+                          show=i == len(args.runs) - 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
