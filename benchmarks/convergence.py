@@ -318,7 +318,7 @@ def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: 
         f"# Convergence: sync modes vs synchronous training, {WORLD // PER_NODE} nodes x {PER_NODE} ranks, "
         f"{args.steps} steps, {args.corpus} corpus, {args.schedule} lr",
         "",
-        f"- command: `{command_text(args)}` (under `nice -n 10`)",
+        f"- command: `{command_text(args)}`",
         f"- torch {torch.__version__}, lightning {lightning.__version__}, Python {platform.python_version()},"
         f" {platform.machine()}, {os.cpu_count()} CPU cores shared by all {WORLD} ranks (1 intra-op thread each)",
         f"- ddp_plugin: commit {args.commit}",
