@@ -439,10 +439,11 @@ class OuterSync:
         layout = [(p.fragment, p.bucket, p.lo, p.hi) for p in self.pieces]
         replica = [self.access.read(p.bucket, p.lo, p.hi).cpu() for p in self.pieces]
         snapshots = [[s.cpu() for s in flight.snapshots] for flight in self.in_flight]
-        # The inner optimizers' state differs between nodes as the replicas do; the consolidated optimizer state
-        # of the checkpoint is node 0's, so the other nodes keep theirs here (as this rank holds it: whole at
-        # stage 0, its shard's pieces at stages 1-3).
-        inner = [_optimizer_state(o) for o in self.optimizers] if self.topology.node_rank > 0 else None
+        # The inner optimizers' state differs between nodes as the replicas do, and the checkpoint's optimizer
+        # state is one node's (node 0's in the consolidated layout; in the sharded layout, assembled from shards
+        # that every node holds, whichever was written last), so every rank keeps its own here (whole at stage 0,
+        # its shard's pieces at stages 1-3).
+        inner = [_optimizer_state(o) for o in self.optimizers] if self.topology.num_nodes > 1 else None
         return {STATE_KEY: {"layout": layout, "replica": replica, "snapshots": snapshots, "inner": inner}}
 
     @hookimpl(wrapper=True)
