@@ -28,7 +28,7 @@ def test_killed_rank_makes_every_other_rank_exit_naming_it_within_the_timeout():
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     killed_at = float(re.search(r"rank 2 kills itself \(SIGKILL\) at ([\d.]+)", out).group(1))
-    exits = {int(r): float(s) for r, s in re.findall(r"rank (\d) exits after ([\d.]+) s", out)}
+    exits = {int(r): float(at) for r, at in re.findall(r"rank (\d) exits after [\d.]+ s \(at ([\d.]+)\)", out)}
     assert set(exits) == {0, 1, 3}, out[-4000:]
     # Every survivor raised, and the ones whose synchronization failed say which rank is gone.
     assert re.search(r"rank [13]: gradient synchronization failed because .*rank 2 stopped responding \(killed,"
@@ -37,8 +37,9 @@ def test_killed_rank_makes_every_other_rank_exit_naming_it_within_the_timeout():
     # failing its own broadcast) is never named as a cause.
     for because in re.findall(r"gradient synchronization failed because (.*?)\. Original error", out):
         assert because == "rank 2 stopped responding (killed, crashed or hung)", because
-    # Within the timeout plus a small margin (the diagnosis watches heartbeats for 2 s).
-    assert time.time() - killed_at < TIMEOUT_S + 10
+    # Each survivor raised within the timeout plus a small margin (the diagnosis watches heartbeats for 2 s),
+    # measured from the survivors' own clocks: torchrun's teardown afterwards is slow on a loaded machine.
+    assert all(at - killed_at < TIMEOUT_S + 10 for at in exits.values()), (exits, killed_at)
     assert time.monotonic() - start < 180
 
 
