@@ -296,7 +296,7 @@ class OuterSync:
         its pseudo-gradient of this fragment)."""
         local = torch.zeros((), dtype=torch.float64, device=self.topology.device)
         for g in pseudo:
-            local += g.double().pow(2).sum()
+            local += torch.linalg.vector_norm(g, dtype=torch.float64).square()
         if self.topology.ranks_per_node > 1:
             self.comm.all_reduce(local, group=self.intra)
         for piece, g in zip(pieces, pseudo):
@@ -317,10 +317,12 @@ class OuterSync:
         self.outer.step()
         for piece, snapshot in zip(pieces, flight.snapshots):
             piece.outer.grad = None
-            now = self.access.read(piece.bucket, piece.lo, piece.hi)
-            # The inner steps taken while the average was in flight are kept (none with max_staleness=0: then
-            # this is the global copy itself, bit for bit).
-            self.access.write(piece.bucket, piece.lo, piece.hi, piece.outer.detach() + (now - snapshot))
+            values = piece.outer.detach()
+            if self.schedule.staleness:
+                # The inner steps taken while the average was in flight are kept (with max_staleness=0 there are
+                # none: the replica becomes the global copy itself, bit for bit, without reading it back).
+                values = values + (self.access.read(piece.bucket, piece.lo, piece.hi) - snapshot)
+            self.access.write(piece.bucket, piece.lo, piece.hi, values)
         if self.publish_after_step:
             self.access.publish(self.fragment_ranges[flight.fragment])
         self.syncs += 1
@@ -474,8 +476,9 @@ class OuterSync:
             same_schedule = True
         device = self.topology.device
 
-        def piece_values(piece: Piece, full: Mapping[str, Tensor]) -> Tensor:
-            out = torch.empty(piece.hi - piece.lo, dtype=piece.outer.dtype, device=device)
+        def piece_values(piece: Piece, full: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> Tensor:
+            """The piece's elements of ``full`` (saved per parameter, in its shape)."""
+            out = torch.empty(piece.hi - piece.lo, dtype=dtype or piece.outer.dtype, device=device)
             for name, a, z, at in self._names(piece):
                 out[at : at + z - a].copy_(full[name].reshape(-1)[a:z])
             return out
@@ -491,7 +494,7 @@ class OuterSync:
                 full = opt["state"].get(k)
                 if full is None:
                     continue
-                values = piece_values(piece, full) if tensor else _piece_of(self._names(piece), full, piece)
+                values = piece_values(piece, full, None if tensor else torch.float64)
                 if values.numel() and not torch.isnan(values[0]):
                     st[k] = values if tensor else _scalar_like(self.state_kinds_example[k], float(values[0]))
             if st:
@@ -561,13 +564,6 @@ def _state_kinds(spec: Any) -> tuple[dict[str, bool], dict[str, Any]]:
     state = optimizer.state.get(probe, {})
     kinds = {k: isinstance(v, Tensor) and v.dim() > 0 for k, v in state.items()}
     return kinds, dict(state)
-
-
-def _piece_of(names: list[tuple[str, int, int, int]], full: Mapping[str, Tensor], piece: Any) -> Tensor:
-    out = torch.empty(piece.hi - piece.lo, dtype=torch.float64)
-    for name, a, z, at in names:
-        out[at : at + z - a].copy_(full[name].reshape(-1)[a:z])
-    return out
 
 
 def _scalar_like(example: Any, value: float) -> Any:
