@@ -95,6 +95,8 @@ VARIANTS = {
     "staleness": ({"sync_every": 4, "outer_optimizer": "nesterov", "sync_fragments": 2, "max_staleness": 1}, "sgd"),
     "stage2_node": ({"sync_every": 4, "outer_optimizer": "nesterov", "zero_stage": 2, "shard_scope": "node"},
                     "adamw"),
+    "stage3_node": ({"sync_every": 4, "outer_optimizer": "nesterov", "zero_stage": 3, "shard_scope": "node",
+                     "sync_fragments": 2, "max_staleness": 1}, "adamw"),
 }
 
 

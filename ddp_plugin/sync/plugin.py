@@ -1,9 +1,10 @@
 """``OuterSync``: synchronizing nodes every ``sync_every`` optimizer steps instead of every step (local SGD,
 DiLoCo, Streaming DiLoCo), as a plugin on the hook contract.
 
-Inside a node the ranks stay synchronous: this plugin answers ``on_cross_node_reduce`` for gradient buckets by
-averaging over the node only (nothing crosses nodes), so the reducer's intra-node stages (or the node-scope
-sharder's) leave every rank of a node with the node's mean gradient, and a node is one replica.
+Inside a node the ranks stay synchronous: gradient buckets are averaged over the node only (nothing crosses
+nodes): at stage 0 this plugin all-reduces them over the node itself (``on_bucket_ready``), at ZeRO stages 1-3
+the sharder reduces them to its node-scope shards and this plugin answers ``on_cross_node_reduce`` with nothing
+to do. Every rank of a node gets the node's mean gradient, and a node is one replica.
 
 Across nodes, after the optimizer steps the schedule names (:class:`~ddp_plugin.sync.schedule.SyncSchedule`),
 a fragment of the parameters is synchronized:
@@ -13,12 +14,13 @@ a fragment of the parameters is synchronized:
    pseudo-gradient ``g = x - s`` against the global copy ``x`` (the outer parameters, kept for this rank's part
    only); ``g`` is averaged over the ranks with this local rank on every node through ``on_cross_node_reduce``,
    so a codec compresses it (error feedback per fragment and bucket: ``Bucket.kind == "pseudo_gradient"``), on
-   a thread of its own over process groups of its own;
-2. applied (after step ``t + max_staleness``): the outer optimizer steps ``x`` with the averaged ``g`` as its
-   gradient ("average": SGD with lr 1, so ``x`` becomes the mean of the replicas; "nesterov": SGD with
-   Nesterov momentum, DiLoCo), and the replica's part becomes ``x + (now - s)``: the global copy plus the
-   inner progress made while the average was in flight (none with ``max_staleness=0``, where every rank then
-   holds the same bits).
+   a thread of its own over process groups of its own. On that thread, as soon as the average is in, the outer
+   optimizer steps ``x`` with it as its gradient ("average": SGD with lr 1, so ``x`` becomes the mean of the
+   replicas; "nesterov": SGD with Nesterov momentum, DiLoCo), and (at stage 0) the ranks of the node
+   all-gather what their replicas take from it, so the training thread has no collective of its own to run;
+2. applied (after step ``t + max_staleness``): the replica's part becomes ``now + (x - s)``: the global copy
+   plus the inner progress made while the average was in flight (none with ``max_staleness=0``, where the
+   replica becomes ``x`` itself and every rank then holds the same bits).
 
 Each rank sends 2(M-1)/M of its part of a fragment per sync: per node, S/F every H/F steps, S/H per step.
 """
@@ -81,12 +83,24 @@ class Piece:
 
 @dataclasses.dataclass
 class InFlight:
-    """A fragment sent and not applied yet: its snapshot ``s`` per piece and the future of the averages."""
+    """A fragment sent and not applied yet: its snapshot ``s`` per piece and the future of its updates (the
+    outer thread's ``(updates, drift)``); ``spread``: the updates cover every rank's part of the fragment."""
 
     fragment: int
     apply_after: int
     snapshots: list[Tensor]
     result: concurrent.futures.Future
+    spread: bool = True
+
+
+@dataclasses.dataclass
+class Update:
+    """Elements ``[lo, hi)`` of bucket ``bucket``'s flat parameters: ``values`` to write, or to add."""
+
+    bucket: int
+    lo: int
+    hi: int
+    values: Tensor
 
 
 class ModuleChunks:
@@ -118,6 +132,42 @@ class ModuleChunks:
             for p, a, z, at in self._slices(b, lo, hi):
                 p.view(-1)[a:z].copy_(values[at : at + z - a])
 
+    def add(self, b: int, lo: int, hi: int, values: Tensor) -> None:
+        with torch.no_grad():
+            for p, a, z, at in self._slices(b, lo, hi):
+                p.view(-1)[a:z].add_(values[at : at + z - a])
+
+    def _spans(self, b: int, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Each local rank's part of ``[lo, hi)`` in bucket ``b`` (its chunk's intersection; empty ones at lo)."""
+        c = self.chunk[b]
+        return [(max(lo, l * c), max(max(lo, l * c), min(hi, (l + 1) * c))) for l in range(self.topology.ranks_per_node)]
+
+    def spread(self, ranges: Sequence[tuple[int, int, int]], mine: Mapping[int, Update],
+               group: dist.ProcessGroup) -> list[Update]:
+        """Every ``(b, lo, hi)`` range whole, from each rank's part of it (``mine``, by bucket: this rank's
+        chunk's intersection with the range): one all-gather per range over ``group``, a group of the node."""
+        t = self.topology
+        k = t.ranks_per_node
+        if k == 1:
+            return list(mine.values())
+        out = []
+        for b, lo, hi in ranges:
+            spans = self._spans(b, lo, hi)
+            width = max(z - a for a, z in spans)
+            if width == 0:
+                continue
+            part = torch.zeros(width, dtype=self.buckets[b].buffer.dtype, device=t.device)
+            a, z = spans[t.local_rank]
+            if z > a:
+                part[: z - a].copy_(mine[b].values)
+            full = part.new_empty(width * k)
+            self.comm.all_gather(full, part, group=group)
+            values = part.new_empty(hi - lo)
+            for l, (a, z) in enumerate(spans):
+                values[a - lo : z - lo].copy_(full[l * width : l * width + z - a])
+            out.append(Update(b, lo, hi, values))
+        return out
+
     def publish(self, ranges: Sequence[tuple[int, int, int]]) -> None:
         """Every rank of the node gets the elements ``[lo, hi)`` of bucket ``b`` (for each ``(b, lo, hi)``) from
         the ranks whose chunks hold them: one all-gather of each range's largest chunk intersection, so a
@@ -127,8 +177,7 @@ class ModuleChunks:
         if k == 1:
             return
         for b, lo, hi in ranges:
-            c = self.chunk[b]
-            spans = [(max(lo, l * c), max(max(lo, l * c), min(hi, (l + 1) * c))) for l in range(k)]
+            spans = self._spans(b, lo, hi)
             width = max(z - a for a, z in spans)
             if width == 0:
                 continue
@@ -157,6 +206,10 @@ class ShardParts:
         _, offset, part = self.shards.parts[b]
         part[lo - offset : hi - offset].copy_(values)
 
+    def add(self, b: int, lo: int, hi: int, values: Tensor) -> None:
+        _, offset, part = self.shards.parts[b]
+        part[lo - offset : hi - offset].add_(values)
+
     def publish(self, ranges: Sequence[tuple[int, int, int]]) -> None:
         self.shards.publish()
 
@@ -184,7 +237,7 @@ class OuterSync:
 
     # ------------------------------------------------------------------ setup
 
-    @hookimpl
+    @hookimpl(trylast=True)  # after the sharder's own setup, so its shards exist to be asked for
     def on_setup(self, topology: Topology, buckets: Sequence[Bucket], hook: HookRelay, options: Options,
                  module: nn.Module, comm: Communicator) -> None:
         self.topology, self.hook, self.comm = topology, hook, comm
@@ -262,6 +315,19 @@ class OuterSync:
     # ------------------------------------------------------------------ gradients: inside the node only
 
     @hookimpl(tryfirst=True)
+    def on_bucket_ready(self, bucket: Bucket) -> torch.futures.Future | None:
+        if not self.publish_after_step or bucket.kind != "gradients":
+            return None  # ZeRO stages 1-3: the sharder reduces to its node-scope shards
+        # Stage 0: the node's mean of the whole bucket in one all-reduce. The reducers' reduce-scatter and
+        # all-gather exist to cross nodes with 1/k of the bucket; with nothing crossing they only cost (measured
+        # on gloo, 2 x 2 ranks, 46 MB: 87 ms against 148 ms).
+        t = self.topology
+        if t.ranks_per_node == 1:
+            return completed_future(bucket.buffer)
+        bucket.buffer.div_(t.ranks_per_node)
+        return self.comm.all_reduce(bucket.buffer, group=t.intra_node_group, async_op=True).get_future()
+
+    @hookimpl(tryfirst=True)
     def on_cross_node_reduce(self, tensor: Tensor, group: dist.ProcessGroup, bucket: Bucket
                              ) -> torch.futures.Future | None:
         if bucket.kind != "gradients":
@@ -285,15 +351,18 @@ class OuterSync:
             self._apply(flight)
 
     def _send(self, fragment: int) -> None:
-        pieces = [p for p in self.pieces if p.fragment == fragment]
+        pieces = self._pieces_of(fragment)
         snapshots = [self.access.read(p.bucket, p.lo, p.hi) for p in pieces]
         pseudo = [p.outer.detach() - s for p, s in zip(pieces, snapshots)]
-        result = self._thread.submit(self._average, pieces, pseudo)
+        result = self._thread.submit(self._outer_step, fragment, pieces, pseudo, snapshots)
         self.in_flight.append(InFlight(fragment, self.step + self.schedule.staleness, snapshots, result))
 
-    def _average(self, pieces: list[Piece], pseudo: list[Tensor]) -> tuple[list[Tensor], float]:
-        """On the outer thread: the pseudo-gradients averaged over the nodes, and the node's drift (the norm of
-        its pseudo-gradient of this fragment)."""
+    def _outer_step(self, fragment: int, pieces: list[Piece], pseudo: list[Tensor], snapshots: list[Tensor]
+                    ) -> tuple[list[Update], float]:
+        """On the outer thread, behind the next inner steps: the pseudo-gradients averaged over the nodes, the
+        outer optimizer's step, and what the replica takes from it, spread over the ranks of the node (at stage
+        0; the sharder spreads its shards itself); plus the node's drift (the norm of its pseudo-gradient of
+        this fragment)."""
         local = torch.zeros((), dtype=torch.float64, device=self.topology.device)
         for g in pseudo:
             local += torch.linalg.vector_norm(g, dtype=torch.float64).square()
@@ -301,30 +370,41 @@ class OuterSync:
             self.comm.all_reduce(local, group=self.intra)
         for piece, g in zip(pieces, pseudo):
             self.hook.on_cross_node_reduce(tensor=g, group=self.inter, bucket=piece.pseudo, offset=piece.lo).wait()
-        return pseudo, float(local.sqrt())
+        # Only this fragment's pieces have a gradient, so the step moves only them (the training thread reads
+        # other fragments' global copies meanwhile, never these: a fragment is sent again only once applied).
+        for piece, g in zip(pieces, pseudo):
+            piece.outer.grad = g
+        self.outer.step()
+        for piece in pieces:
+            piece.outer.grad = None
+        return self._updates(fragment, pieces, snapshots, spread=True), float(local.sqrt())
+
+    def _updates(self, fragment: int, pieces: list[Piece], snapshots: list[Tensor], spread: bool) -> list[Update]:
+        """What the replica takes from the stepped global copy ``x``: ``x`` itself with ``max_staleness=0`` (every
+        rank then holds the same bits), else ``x - s``, added to the replica at apply time so the inner steps
+        taken while the average was in flight are kept. ``spread``: every range of the fragment, gathered
+        inside the node (stage 0), not only this rank's pieces."""
+        mine = {p.bucket: Update(p.bucket, p.lo, p.hi, p.outer.detach() if not self.schedule.staleness
+                                 else p.outer.detach() - s) for p, s in zip(pieces, snapshots)}
+        if spread and self.publish_after_step:
+            return self.access.spread(self.fragment_ranges[fragment], mine, self.intra)
+        return list(mine.values())
 
     def _apply(self, flight: InFlight) -> None:
         started = time.perf_counter()
         try:
-            averaged, drift = flight.result.result()
+            updates, drift = flight.result.result()
         except Exception as err:
             raise RuntimeError(health.diagnose(err, what="the outer (cross-node) sync")) from err
         self._wait_s += time.perf_counter() - started
         self.in_flight.remove(flight)
-        pieces = [p for p in self.pieces if p.fragment == flight.fragment]
-        for piece, g in zip(pieces, averaged):
-            piece.outer.grad = g
-        self.outer.step()
-        for piece, snapshot in zip(pieces, flight.snapshots):
-            piece.outer.grad = None
-            values = piece.outer.detach()
+        for u in updates:
             if self.schedule.staleness:
-                # The inner steps taken while the average was in flight are kept (with max_staleness=0 there are
-                # none: the replica becomes the global copy itself, bit for bit, without reading it back).
-                values = values + (self.access.read(piece.bucket, piece.lo, piece.hi) - snapshot)
-            self.access.write(piece.bucket, piece.lo, piece.hi, values)
-        if self.publish_after_step:
-            self.access.publish(self.fragment_ranges[flight.fragment])
+                self.access.add(u.bucket, u.lo, u.hi, u.values)
+            else:
+                self.access.write(u.bucket, u.lo, u.hi, u.values)
+        if self.publish_after_step and not flight.spread:
+            self.access.publish(self.fragment_ranges[flight.fragment])  # a resumed flight: this rank's pieces only
         self.syncs += 1
         self._drift.append(drift)
 
@@ -344,7 +424,9 @@ class OuterSync:
     def on_collect_memory(self) -> dict[str, int]:
         tensors = [p.outer for p in self.pieces]
         if self.outer is not None:
-            tensors += [v for st in self.outer.state.values() for v in st.values() if isinstance(v, Tensor)]
+            # list(): the outer thread may be stepping (and adding state) meanwhile.
+            tensors += [v for st in list(self.outer.state.values()) for v in list(st.values())
+                        if isinstance(v, Tensor)]
         return {"outer_state": sum(t.numel() * t.element_size() for t in tensors)}
 
     # ------------------------------------------------------------------ checkpoints
@@ -401,11 +483,9 @@ class OuterSync:
         self._drain()
         if self.topology.node_rank != 0:
             return {}  # node 0 holds every value (the nodes share them); nothing of this node is written
-        in_flight = []
-        for flight in self.in_flight:
-            averaged = dict(zip((id(p) for p in self._pieces_of(flight.fragment)), flight.result.result()[0]))
-            in_flight.append({"fragment": flight.fragment, "apply_after": flight.apply_after,
-                              "averaged": self._consolidated(lambda p, a=averaged: a.get(id(p)))})
+        # The outer thread has stepped the global copy of every fragment in flight (drained above): what is saved
+        # is that copy; each rank's snapshot (its rank state) gives what its replica takes when it is applied.
+        in_flight = [{"fragment": f.fragment, "apply_after": f.apply_after} for f in self.in_flight]
         state = {
             "step": self.step, "syncs": self.syncs, "every": self.schedule.every,
             "fragments": self.schedule.fragments, "staleness": self.schedule.staleness,
@@ -518,14 +598,13 @@ class OuterSync:
         self.in_flight = []
         for k, flight in enumerate(saved["in_flight"] if same_schedule else []):
             pieces = self._pieces_of(flight["fragment"])
-            averaged = [piece_values(p, flight["averaged"]) for p in pieces]
             if mine is not None:
                 snapshots = [s.to(device) for s in mine["snapshots"][k]]
             else:
                 snapshots = [self.access.read(p.bucket, p.lo, p.hi) for p in pieces]
             done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result((averaged, 0.0))
-            self.in_flight.append(InFlight(flight["fragment"], flight["apply_after"], snapshots, done))
+            done.set_result((self._updates(flight["fragment"], pieces, snapshots, spread=False), 0.0))
+            self.in_flight.append(InFlight(flight["fragment"], flight["apply_after"], snapshots, done, spread=False))
 
 
 def _optimizer_state(optimizer: Optimizer) -> list[list[dict[str, Any]]]:
