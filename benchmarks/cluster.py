@@ -464,9 +464,9 @@ def _sync_section(ok: list[dict[str, Any]]) -> list[str]:
                          f" (**{'holds' if x <= SYNC_FLOOR_RATIO else 'FAILS'}**)")
         ours = r.get("ours_mb")
         measured = ours if ours is not None else r["tx_mb"]
-        parts.append(f"; cross-node {r['tx_mb']:.2f} MB per node and step (kernel)"
-                     + (f", {ours:.2f} MB (our accounting)" if ours is not None else "")
-                     + f" against S/{ratio * every} = {bound:.2f} MB"
+        parts.append(f"; cross-node {r['tx_mb']:.3f} MB per node and step (kernel)"
+                     + (f", {ours:.4f} MB (our accounting)" if ours is not None else "")
+                     + f" against S/{ratio * every} = {bound:.4f} MB"
                      f" (**{'holds' if measured <= bound else 'FAILS'}**)")
         sync_twin = by_name.get("ours_hier_int8" if ratio == 4 else "ours_hier")
         if sync_twin is not None and sync_twin.get("ours_mb") and ours is not None:

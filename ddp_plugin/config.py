@@ -84,6 +84,7 @@ class StrategyConfig:
     outer_optimizer: Any = "nesterov"
     sync_fragments: int = 1
     max_staleness: int = 0
+    sync_warmup_steps: int = 0
     hpz_partition_size: int | None = None
     """From a DeepSpeed config's ``zero_hpz_partition_size``: must equal the ranks per node (checked at setup)."""
 
@@ -140,6 +141,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "outer_optimizer": _check_outer_optimizer,
         "sync_fragments": lambda v: check_int("sync_fragments", v, minimum=1),
         "max_staleness": lambda v: check_int("max_staleness", v, minimum=0),
+        "sync_warmup_steps": lambda v: check_int("sync_warmup_steps", v, minimum=0),
         "hpz_partition_size": lambda v: v,
     }
     for name, value in values.items():
@@ -180,6 +182,11 @@ def _check_sync_mode(c: dict[str, Any]) -> None:
         raise ValueError(
             f"`sync_fragments={fragments}` must be at most `sync_every={every}`: each fragment crosses nodes once"
             f" every `sync_every` steps, on a step of its own."
+        )
+    if c["sync_warmup_steps"] and every == 1:
+        raise ValueError(
+            f"`sync_warmup_steps={c['sync_warmup_steps']}` needs a sync mode (`sync_every` > 1): it is the number of"
+            " synchronous steps before the sync mode starts, and `sync_every=1` is synchronous throughout."
         )
     if every > 1 and c["zero_stage"] and c["shard_scope"] == "global":
         raise ValueError(

@@ -76,7 +76,8 @@ def build_for(config: StrategyConfig, hierarchical: bool) -> pluggy.PluginManage
         config.compression, config.plugins, hierarchical=hierarchical, compression_options=config.compression_options,
         zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
         sync={"every": config.sync_every, "outer_optimizer": config.outer_optimizer,
-              "fragments": config.sync_fragments, "staleness": config.max_staleness},
+              "fragments": config.sync_fragments, "staleness": config.max_staleness,
+              "warmup": config.sync_warmup_steps},
     )
 
 

@@ -95,6 +95,9 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             (Streaming DiLoCo), so the link carries 1/F of them at a time; at most ``sync_every``.
         max_staleness: apply an outer sync this many steps after it starts, the next inner steps running
             meanwhile (0: wait for it); less than ``sync_every``.
+        sync_warmup_steps: with ``sync_every > 1``: train the first this many optimizer steps synchronously,
+            then start the sync mode from the model they reached (post-local SGD; DiLoCo starts from a
+            synchronously trained model). Default 0.
     """
 
     strategy_name = "hierarchical_zero"
@@ -125,6 +128,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         outer_optimizer: str | Callable[..., Any] = "nesterov",
         sync_fragments: int = 1,
         max_staleness: int = 0,
+        sync_warmup_steps: int = 0,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

@@ -71,7 +71,9 @@ trainer:
   logger: false
   strategy:
     class_path: ddp_plugin.HierarchicalZeroStrategy
-    init_args: {devices_per_node: 2, sync_every: 16, outer_optimizer: average, sync_fragments: 4, max_staleness: 1}
+    init_args: {devices_per_node: 2, sync_every: 16, outer_optimizer: average, sync_fragments: 4, max_staleness: 1,
+                sync_warmup_steps: 100}
 """)
     c = cli.trainer.strategy.config
-    assert (c.sync_every, c.outer_optimizer, c.sync_fragments, c.max_staleness) == (16, "average", 4, 1)
+    assert (c.sync_every, c.outer_optimizer, c.sync_fragments, c.max_staleness, c.sync_warmup_steps) == (
+        16, "average", 4, 1, 100)

@@ -6,7 +6,9 @@ Definition (docs/sync.md): with ``sync_every=H``, ``sync_fragments=F``, ``max_st
 contiguous run of parameters in bucket order, about 1/F of them by size) is sent after the optimizer steps t
 with ``t % H == ((f + 1) * H // F) % H``: the pseudo-gradient ``x - s_n`` of every node n (``x``: the global copy,
 ``s_n``: replica n's values then) is averaged over the nodes; after step ``t + d`` the outer optimizer steps ``x``
-with that average as its gradient, and every replica becomes ``x + (its values now - s_n)``.
+with that average as its gradient, and every replica becomes ``x + (its values now - s_n)``. With
+``sync_warmup_steps=W`` the first W steps are synchronous (every replica steps with the mean gradient of all
+ranks), ``x`` starts from the parameters after step W, and the schedule counts the steps after it.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ ATOL = 1e-5
 # ---------------------------------------------------------------------------------------------- the reference
 
 
-def reference(steps: int, every: int, outer: str, fragments: int = 1, staleness: int = 0, inner: str = "sgd"
-              ) -> torch.Tensor:
+def reference(steps: int, every: int, outer: str, fragments: int = 1, staleness: int = 0, inner: str = "sgd",
+              warmup: int = 0) -> torch.Tensor:
     """Every node's parameters after every step (steps x nodes x parameters), by the definition above."""
     base = sync_run.model(inner)
     replicas = [copy.deepcopy(base) for _ in range(NODES)]
@@ -58,9 +60,22 @@ def reference(steps: int, every: int, outer: str, fragments: int = 1, staleness:
             xb, yb = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
             opt.zero_grad()
             replica.compute_loss((xb, yb)).backward()
+        if t <= warmup:  # synchronous: every node's mean gradient averaged over the nodes
+            for ps in zip(*params):
+                mean = sum(p.grad for p in ps) / NODES
+                for p in ps:
+                    p.grad = mean.clone()
+        for opt in optimizers:
             opt.step()
+        if t <= warmup:
+            if t == warmup:
+                with torch.no_grad():
+                    for xi, p in zip(x, params[0]):
+                        xi.copy_(p)
+            history.append(torch.stack([torch.cat([p.detach().reshape(-1) for p in ps]) for ps in params]))
+            continue
         for f in range(fragments):
-            if t % every == ((f + 1) * every // fragments) % every:
+            if (t - warmup) % every == ((f + 1) * every // fragments) % every:
                 members = [i for i in range(len(x)) if fragment_of[i] == f]
                 snaps = [[params[n][i].detach().clone() for i in members] for n in range(NODES)]
                 mean = [sum(x[i] - snaps[n][k] for n in range(NODES)) / NODES for k, i in enumerate(members)]
@@ -95,6 +110,8 @@ VARIANTS = {
     "staleness": ({"sync_every": 4, "outer_optimizer": "nesterov", "sync_fragments": 2, "max_staleness": 1}, "sgd"),
     "stage2_node": ({"sync_every": 4, "outer_optimizer": "nesterov", "zero_stage": 2, "shard_scope": "node"},
                     "adamw"),
+    "warmup": ({"sync_every": 4, "outer_optimizer": "nesterov", "sync_fragments": 2, "max_staleness": 1,
+                "sync_warmup_steps": 3}, "sgd"),
     "stage3_node": ({"sync_every": 4, "outer_optimizer": "nesterov", "zero_stage": 3, "shard_scope": "node",
                      "sync_fragments": 2, "max_staleness": 1}, "adamw"),
 }
@@ -110,7 +127,7 @@ def runs(tmp_path_factory) -> dict:
 def test_three_outer_cycles_equal_the_one_process_reference(runs, name):
     flags, inner = VARIANTS[name]
     ref = reference(12, flags["sync_every"], flags["outer_optimizer"], flags.get("sync_fragments", 1),
-                    flags.get("max_staleness", 0), inner)
+                    flags.get("max_staleness", 0), inner, flags.get("sync_warmup_steps", 0))
     got = runs[name]["history"]  # steps x ranks x parameters
     for rank in range(WORLD):
         torch.testing.assert_close(got[:, rank], ref[:, rank // RANKS_PER_NODE], atol=ATOL, rtol=0)
@@ -131,6 +148,13 @@ def test_every_rank_holds_the_same_bits_right_after_a_full_sync(runs, name):
     for t in (4, 8, 12):  # steps after which the single fragment was synced (staleness 0)
         assert all(torch.equal(got[t - 1, r], got[t - 1, 0]) for r in range(WORLD))
     assert not torch.equal(got[2, 0], got[2, RANKS_PER_NODE])  # in between, the nodes drift apart
+
+
+def test_warmup_steps_are_synchronous_and_the_sync_mode_starts_after_them(runs):
+    got = runs["warmup"]["history"]
+    for t in range(3):  # steps 1-3: gradients averaged over every rank, so every rank holds the same bits
+        assert all(torch.equal(got[t, r], got[t, 0]) for r in range(WORLD)), t
+    assert not torch.equal(got[3, 0], got[3, RANKS_PER_NODE])  # step 4: the nodes train alone
 
 
 def test_replicas_drift_between_syncs_and_the_metrics_say_so(runs):
@@ -231,6 +255,8 @@ def test_a_synchronous_checkpoint_resumes_in_a_sync_mode_and_back(tmp_path):
         ({"sync_every": 4, "sync_fragments": 0}, r"`sync_fragments=0`"),
         ({"sync_every": 4, "sync_fragments": 5}, r"`sync_fragments=5`.*at most `sync_every=4`"),
         ({"sync_every": 4, "zero_stage": 2}, r"`shard_scope='global'`.*`sync_every=4`.*shard_scope='node'"),
+        ({"sync_every": 4, "sync_warmup_steps": -1}, r"`sync_warmup_steps=-1`"),
+        ({"sync_warmup_steps": 100}, r"`sync_warmup_steps=100` needs a sync mode \(`sync_every` > 1\)"),
     ],
 )
 def test_bad_sync_flags_fail_at_construction_naming_the_flag(flags, pattern):
