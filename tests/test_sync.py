@@ -2,8 +2,8 @@
 written here in one process: M replicas, each a single-process model trained on its node's concatenated batch,
 synchronized across nodes as the docs define it.
 
-Definition (docs/sync.md): with ``sync_every=H``, ``sync_fragments=F``, ``max_staleness=d``, fragment f (a
-contiguous run of parameters in bucket order, about 1/F of them by size) is sent after the optimizer steps t
+Definition (docs/sync.md): with ``sync_every=H``, ``sync_fragments=F``, ``max_staleness=d``, fragment f (the
+elements ``[f N // F, (f + 1) N // F)`` of the N flat parameters in bucket order) is sent after the optimizer steps t
 with ``t % H == ((f + 1) * H // F) % H``: the pseudo-gradient ``x - s_n`` of every node n (``x``: the global copy,
 ``s_n``: replica n's values then) is averaged over the nodes; after step ``t + d`` the outer optimizer steps ``x``
 with that average as its gradient, and every replica becomes ``x + (its values now - s_n)``. With
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ddp_plugin import HierarchicalZeroStrategy
-from ddp_plugin.sync import SyncSchedule, plan_fragments
+from ddp_plugin.sync import SyncSchedule, fragment_bounds
 from ddp_plugin.testing.processes import clean_env
 from ddp_plugin.testing.ranks import free_port
 from tests.support import ROOT, run_python
@@ -44,10 +44,22 @@ def reference(steps: int, every: int, outer: str, fragments: int = 1, staleness:
     replicas = [copy.deepcopy(base) for _ in range(NODES)]
     optimizers = [r.configure_optimizers() for r in replicas]
     params = [list(r.parameters()) for r in replicas]
-    # Bucket order: the reverse of registration (the engine's); fragments are runs of it.
+    # Bucket order: the reverse of registration (the engine's); fragments are equal ranges of it, flattened.
     order = list(range(len(params[0])))[::-1]
-    fragment_of = dict(zip(order, plan_fragments([params[0][i].numel() for i in order], fragments)))
-    x = [p.detach().clone().requires_grad_(False) for p in params[0]]
+
+    def flat(n: int) -> torch.Tensor:
+        return torch.cat([params[n][i].detach().reshape(-1) for i in order])
+
+    def unflat(n: int, values: torch.Tensor) -> None:
+        at = 0
+        with torch.no_grad():
+            for i in order:
+                p = params[n][i]
+                p.copy_(values[at : at + p.numel()].view_as(p))
+                at += p.numel()
+
+    bounds = fragment_bounds(flat(0).numel(), fragments)
+    x = [flat(0)[bounds[f] : bounds[f + 1]].clone() for f in range(fragments)]
     outer_opt = (torch.optim.SGD(x, lr=1.0) if outer == "average"
                  else torch.optim.SGD(x, lr=0.7, momentum=0.9, nesterov=True))
     loader = [list(sync_run.rank_loader(sync_run.dataset(), sync_run.GLOBAL_BATCH, WORLD, r)) for r in range(WORLD)]
@@ -69,28 +81,25 @@ def reference(steps: int, every: int, outer: str, fragments: int = 1, staleness:
             opt.step()
         if t <= warmup:
             if t == warmup:
-                with torch.no_grad():
-                    for xi, p in zip(x, params[0]):
-                        xi.copy_(p)
+                x = [flat(0)[bounds[f] : bounds[f + 1]].clone() for f in range(fragments)]
+                outer_opt = (torch.optim.SGD(x, lr=1.0) if outer == "average"
+                             else torch.optim.SGD(x, lr=0.7, momentum=0.9, nesterov=True))
             history.append(torch.stack([torch.cat([p.detach().reshape(-1) for p in ps]) for ps in params]))
             continue
         for f in range(fragments):
             if (t - warmup) % every == ((f + 1) * every // fragments) % every:
-                members = [i for i in range(len(x)) if fragment_of[i] == f]
-                snaps = [[params[n][i].detach().clone() for i in members] for n in range(NODES)]
-                mean = [sum(x[i] - snaps[n][k] for n in range(NODES)) / NODES for k, i in enumerate(members)]
-                pending[f] = (t + staleness, mean, snaps)
+                snaps = [flat(n)[bounds[f] : bounds[f + 1]].clone() for n in range(NODES)]
+                pending[f] = (t + staleness, sum(x[f] - s for s in snaps) / NODES, snaps)
         for f, (when, mean, snaps) in list(pending.items()):
             if when != t:
                 continue
-            members = [i for i in range(len(x)) if fragment_of[i] == f]
-            for i in range(len(x)):
-                x[i].grad = mean[members.index(i)] if i in members else None
+            for g in range(fragments):
+                x[g].grad = mean if g == f else None
             outer_opt.step()
-            with torch.no_grad():
-                for n in range(NODES):
-                    for k, i in enumerate(members):
-                        params[n][i].copy_(x[i] + (params[n][i] - snaps[n][k]))
+            for n in range(NODES):
+                values = flat(n)
+                values[bounds[f] : bounds[f + 1]] = x[f] + (values[bounds[f] : bounds[f + 1]] - snaps[n])
+                unflat(n, values)
             del pending[f]
         history.append(torch.stack([torch.cat([p.detach().reshape(-1) for p in ps]) for ps in params]))
     return torch.stack(history)
@@ -278,6 +287,9 @@ def test_schedule_staggers_fragments_and_delays_by_the_staleness():
     assert SyncSchedule(every=4).sent_after(4) == [0] and not SyncSchedule(every=4).sent_after(3)
 
 
-def test_fragments_are_contiguous_runs_of_about_equal_size():
-    assert plan_fragments([5] * 8, 4) == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert plan_fragments([100, 1, 1], 3) == [0, 1, 2]
+def test_fragments_are_contiguous_ranges_of_equal_size():
+    assert fragment_bounds(40, 4) == [0, 10, 20, 30, 40]
+    assert fragment_bounds(102, 3) == [0, 34, 68, 102]  # across parameters: sizes 100, 1, 1 make no difference
+    assert fragment_bounds(10, 3) == [0, 3, 6, 10]
+    with pytest.raises(ValueError):
+        fragment_bounds(3, 4)

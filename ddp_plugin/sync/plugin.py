@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from ddp_plugin import health
 from ddp_plugin.comm import gather_flat_to_root
 from ddp_plugin.hookspecs import DeferredStorage, DeferredTensor, completed_future, hookimpl
-from ddp_plugin.sync.schedule import SyncSchedule, plan_fragments
+from ddp_plugin.sync.schedule import SyncSchedule, fragment_bounds
 
 if TYPE_CHECKING:
     from pluggy import HookRelay
@@ -263,21 +263,23 @@ class OuterSync:
         if self.schedule.fragments > len(sizes):
             raise ValueError(
                 f"`sync_fragments={self.schedule.fragments}` is more than the {len(sizes)} trainable parameters"
-                " of this model: every fragment needs at least one parameter. Use at most that many fragments."
+                " of this model: a fragment smaller than a parameter only adds collectives. Use at most that many"
+                " fragments."
             )
-        fragment_of = iter(plan_fragments(sizes, self.schedule.fragments))
+        # The parameters' elements of each bucket (its buffer may be padded at the end, to split evenly).
+        used = [b.offsets[-1] + b.params[-1].numel() for b in self.buckets]
+        bounds = fragment_bounds(sum(used), self.schedule.fragments)
         self.pieces = []
-        # (bucket, start, end) of every fragment's run of parameters: the same on every rank, whatever its parts hold.
+        # (bucket, start, end) of every fragment's elements in each bucket: the same on every rank, whatever its
+        # parts hold.
         self.fragment_ranges: dict[int, list[tuple[int, int, int]]] = {}
+        start = 0  # of the bucket in the flat parameters
         for b, bucket in enumerate(self.buckets):
             part_lo, part_hi = self.access.parts[b]
-            runs: dict[int, list[int]] = {}
-            for i, p in enumerate(bucket.params):
-                f = next(fragment_of)
-                lo, hi = bucket.offsets[i], bucket.offsets[i] + p.numel()
-                run = runs.setdefault(f, [lo, hi])
-                run[0], run[1] = min(run[0], lo), max(run[1], hi)
-            for f, (lo, hi) in sorted(runs.items()):
+            for f in range(self.schedule.fragments):
+                lo, hi = max(bounds[f] - start, 0), min(bounds[f + 1] - start, used[b])
+                if lo >= hi:
+                    continue
                 self.fragment_ranges.setdefault(f, []).append((b, lo, hi))
                 lo, hi = max(lo, part_lo), min(hi, part_hi)
                 if lo >= hi:
@@ -286,6 +288,7 @@ class OuterSync:
                 pseudo = dataclasses.replace(bucket, index=f * len(self.buckets) + b, kind="pseudo_gradient",
                                              state={}, grad_used=[])
                 self.pieces.append(Piece(f, b, lo, hi, outer, pseudo))
+            start += used[b]
         self.outer = build_outer_optimizer(self.outer_spec, [p.outer for p in self.pieces])
         self.state_kinds, self.state_kinds_example = _state_kinds(self.outer_spec)
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp_plugin-outer")

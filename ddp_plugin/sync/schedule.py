@@ -1,4 +1,4 @@
-"""When each fragment of the parameters crosses nodes, and which parameters make up each fragment. Pure
+"""When each fragment of the parameters crosses nodes, and which elements make up each fragment. Pure
 arithmetic, no torch: testable without processes.
 
 Steps are counted from 1 (step ``t`` is the ``t``-th optimizer step of the run, resumed runs included). With
@@ -33,20 +33,12 @@ class SyncSchedule:
         return self.sent_after(step - self.staleness)
 
 
-def plan_fragments(sizes: list[int], fragments: int) -> list[int]:
-    """Assign parameters (given by their sizes, in order) to ``fragments`` contiguous runs of about equal size;
-    returns the fragment of each parameter. Every fragment gets at least one parameter."""
-    n = len(sizes)
-    if not 1 <= fragments <= n:
-        raise ValueError(f"cannot make {fragments} fragments of {n} parameters")
-    total = sum(sizes)
-    out: list[int] = []
-    f, acc = 0, 0
-    for i, size in enumerate(sizes):
-        # Move to the next fragment when this parameter's middle passes the fragment's share, and leave one
-        # parameter for each fragment still to come.
-        if out and f < fragments - 1 and (acc + size / 2 >= total * (f + 1) / fragments or n - i == fragments - 1 - f):
-            f += 1
-        out.append(f)
-        acc += size
-    return out
+def fragment_bounds(total: int, fragments: int) -> list[int]:
+    """The ``fragments + 1`` boundaries of ``fragments`` contiguous ranges of equal size (to one element) over the
+    ``total`` elements of the flat parameters (the buckets' in order): fragment ``f`` is
+    ``[bounds[f], bounds[f + 1])``, cutting across parameters where it falls, so every sync carries the same bytes
+    (fragments made of whole parameters are as uneven as the parameters: one large matrix is a fragment of its
+    own, and its sync the one that cannot hide behind a step)."""
+    if not 1 <= fragments <= total:
+        raise ValueError(f"cannot make {fragments} fragments of {total} elements")
+    return [f * total // fragments for f in range(fragments + 1)]
