@@ -84,13 +84,12 @@ class Piece:
 @dataclasses.dataclass
 class InFlight:
     """A fragment sent and not applied yet: its snapshot ``s`` per piece and the future of its updates (the
-    outer thread's ``(updates, drift)``); ``spread``: the updates cover every rank's part of the fragment."""
+    outer thread's ``(updates, drift)``)."""
 
     fragment: int
     apply_after: int
     snapshots: list[Tensor]
     result: concurrent.futures.Future
-    spread: bool = True
 
 
 @dataclasses.dataclass
@@ -142,15 +141,13 @@ class ModuleChunks:
         c = self.chunk[b]
         return [(max(lo, l * c), max(max(lo, l * c), min(hi, (l + 1) * c))) for l in range(self.topology.ranks_per_node)]
 
-    def spread(self, ranges: Sequence[tuple[int, int, int]], mine: Mapping[int, Update],
-               group: dist.ProcessGroup) -> list[Update]:
-        """Every ``(b, lo, hi)`` range whole, from each rank's part of it (``mine``, by bucket: this rank's
-        chunk's intersection with the range): one all-gather per range over ``group``, a group of the node."""
+    def _gathered(self, ranges: Sequence[tuple[int, int, int]], mine: Callable[[int, int, int], Tensor],
+                  group: dist.ProcessGroup):
+        """For each ``(b, lo, hi)`` range, ``(b, lo, hi, spans, full, width)``: every local rank's part of it (``mine(b, a, z)``
+        on this rank, for its span ``[a, z)``) all-gathered over ``group`` (a group of the node), rank l's
+        part at ``full[l * width:]``, with width the largest part: one all-gather per range, so a fragment's
+        sync moves the fragment inside the node, not its whole buckets."""
         t = self.topology
-        k = t.ranks_per_node
-        if k == 1:
-            return list(mine.values())
-        out = []
         for b, lo, hi in ranges:
             spans = self._spans(b, lo, hi)
             width = max(z - a for a, z in spans)
@@ -159,10 +156,20 @@ class ModuleChunks:
             part = torch.zeros(width, dtype=self.buckets[b].buffer.dtype, device=t.device)
             a, z = spans[t.local_rank]
             if z > a:
-                part[: z - a].copy_(mine[b].values)
-            full = part.new_empty(width * k)
+                part[: z - a].copy_(mine(b, a, z))
+            full = part.new_empty(width * t.ranks_per_node)
             self.comm.all_gather(full, part, group=group)
-            values = part.new_empty(hi - lo)
+            yield b, lo, hi, spans, full, width
+
+    def spread(self, ranges: Sequence[tuple[int, int, int]], mine: Mapping[int, Update],
+               group: dist.ProcessGroup) -> list[Update]:
+        """Every ``(b, lo, hi)`` range whole, from each rank's part of it (``mine``, by bucket: this rank's
+        chunk's intersection with the range)."""
+        if self.topology.ranks_per_node == 1:
+            return list(mine.values())
+        out = []
+        for b, lo, hi, spans, full, width in self._gathered(ranges, lambda b, a, z: mine[b].values, group):
+            values = full.new_empty(hi - lo)
             for l, (a, z) in enumerate(spans):
                 values[a - lo : z - lo].copy_(full[l * width : l * width + z - a])
             out.append(Update(b, lo, hi, values))
@@ -170,22 +177,11 @@ class ModuleChunks:
 
     def publish(self, ranges: Sequence[tuple[int, int, int]]) -> None:
         """Every rank of the node gets the elements ``[lo, hi)`` of bucket ``b`` (for each ``(b, lo, hi)``) from
-        the ranks whose chunks hold them: one all-gather of each range's largest chunk intersection, so a
-        fragment's sync moves the fragment inside the node, not its whole buckets."""
+        the ranks whose chunks hold them (on the training thread's side group)."""
         t = self.topology
-        k = t.ranks_per_node
-        if k == 1:
+        if t.ranks_per_node == 1:
             return
-        for b, lo, hi in ranges:
-            spans = self._spans(b, lo, hi)
-            width = max(z - a for a, z in spans)
-            if width == 0:
-                continue
-            a, z = spans[t.local_rank]
-            mine = self.read(b, a, z)
-            mine = torch.cat([mine, mine.new_zeros(width - mine.numel())])
-            full = mine.new_empty(width * k)
-            self.comm.all_gather(full, mine, group=t.side_intra_node_group)
+        for b, _, _, spans, full, width in self._gathered(ranges, self.read, t.side_intra_node_group):
             for l, (a, z) in enumerate(spans):
                 if z > a and l != t.local_rank:
                     self.write(b, a, z, full[l * width : l * width + z - a])
@@ -258,7 +254,6 @@ class OuterSync:
                 self.intra = g
         shards = hook.on_parameter_shards()
         self.access = ShardParts(shards) if shards is not None else ModuleChunks(self.buckets, t, comm)
-        self.publish_after_step = shards is None  # the sharder gathers its shards after every step anyway
         sizes = [p.numel() for b in self.buckets for p in b.params]
         if self.schedule.fragments > len(sizes):
             raise ValueError(
@@ -307,7 +302,7 @@ class OuterSync:
             applied = bool(self.in_flight)
             for flight in list(self.in_flight):
                 self._apply(flight)
-            if applied and not self.publish_after_step:
+            if applied and not self.spreads:
                 self.access.publish([])  # the sharder's own gather of the last step has run already
         except Exception as err:  # noqa: BLE001 - after a failed run; the original error is what matters
             log.warning("ddp_plugin: could not apply the outer syncs in flight at the end of fit: %s", err)
@@ -315,6 +310,12 @@ class OuterSync:
             if self._thread is not None:
                 self._thread.shutdown(wait=True)
                 self._thread = None
+
+    @property
+    def spreads(self) -> bool:
+        """Stage 0: this plugin spreads what it writes over the ranks of the node (at stages 1-3 the sharder's
+        after-step all-gather does)."""
+        return isinstance(self.access, ModuleChunks)
 
     # ------------------------------------------------------------------ gradients: inside the node only
 
@@ -325,7 +326,7 @@ class OuterSync:
 
     @hookimpl(tryfirst=True)
     def on_bucket_ready(self, bucket: Bucket) -> torch.futures.Future | None:
-        if not self.publish_after_step or bucket.kind != "gradients" or self.synchronous:
+        if not self.spreads or bucket.kind != "gradients" or self.synchronous:
             return None  # ZeRO stages 1-3: the sharder reduces to its node-scope shards; or a synchronous step
         # Stage 0: the node's mean of the whole bucket in one all-reduce. The reducers' reduce-scatter and
         # all-gather exist to cross nodes with 1/k of the bucket; with nothing crossing they only cost (measured
@@ -395,16 +396,16 @@ class OuterSync:
         self.outer.step()
         for piece in pieces:
             piece.outer.grad = None
-        return self._updates(fragment, pieces, snapshots, spread=True), float(local.sqrt())
+        return self._updates(fragment, pieces, snapshots), float(local.sqrt())
 
-    def _updates(self, fragment: int, pieces: list[Piece], snapshots: list[Tensor], spread: bool) -> list[Update]:
+    def _updates(self, fragment: int, pieces: list[Piece], snapshots: list[Tensor]) -> list[Update]:
         """What the replica takes from the stepped global copy ``x``: ``x`` itself with ``max_staleness=0`` (every
         rank then holds the same bits), else ``x - s``, added to the replica at apply time so the inner steps
-        taken while the average was in flight are kept. ``spread``: every range of the fragment, gathered
-        inside the node (stage 0), not only this rank's pieces."""
+        taken while the average was in flight are kept. At stage 0 every range of the fragment, gathered inside
+        the node (a collective over the node); at stages 1-3 this rank's pieces (the sharder spreads them)."""
         mine = {p.bucket: Update(p.bucket, p.lo, p.hi, p.outer.detach() if not self.schedule.staleness
                                  else p.outer.detach() - s) for p, s in zip(pieces, snapshots)}
-        if spread and self.publish_after_step:
+        if self.spreads:
             return self.access.spread(self.fragment_ranges[fragment], mine, self.intra)
         return list(mine.values())
 
@@ -421,8 +422,6 @@ class OuterSync:
                 self.access.add(u.bucket, u.lo, u.hi, u.values)
             else:
                 self.access.write(u.bucket, u.lo, u.hi, u.values)
-        if self.publish_after_step and not flight.spread:
-            self.access.publish(self.fragment_ranges[flight.fragment])  # a resumed flight: this rank's pieces only
         self.syncs += 1
         self._drift.append(drift)
 
@@ -621,8 +620,8 @@ class OuterSync:
             else:
                 snapshots = [self.access.read(p.bucket, p.lo, p.hi) for p in pieces]
             done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result((self._updates(flight["fragment"], pieces, snapshots, spread=False), 0.0))
-            self.in_flight.append(InFlight(flight["fragment"], flight["apply_after"], snapshots, done, spread=False))
+            done.set_result((self._updates(flight["fragment"], pieces, snapshots), 0.0))  # every rank of the node
+            self.in_flight.append(InFlight(flight["fragment"], flight["apply_after"], snapshots, done))
 
 
 def _optimizer_state(optimizer: Optimizer) -> list[list[dict[str, Any]]]:
