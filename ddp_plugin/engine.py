@@ -147,9 +147,11 @@ class GradientEngine:
         """After a synchronizing backward with ``check_finite``: whether any rank had a NaN/Inf gradient."""
         self._local_nonfinite = False
         self._hook = hook
-        # Bookkeeping (which parameters got a gradient) runs on a group of its own, so gloo moves it alongside the
-        # last bucket instead of queueing it behind, and it never interleaves with the plugins' collectives.
-        self._flags_group = flags_group
+        self.flags_group: dist.ProcessGroup | None = flags_group
+        """Bookkeeping (which parameters got a gradient) runs on a group of its own, so gloo moves it alongside the
+        last bucket instead of queueing it behind, and it never interleaves with the plugins' collectives. The
+        ranks the step's gradients are averaged over: the session points it at a node's group for the steps whose
+        gradients stay inside the node; ``None``: this rank alone."""
         self._comm = comm
         self._views: list[list[Tensor]] = [[b.grad_view(i) for i in range(len(b.params))] for b in self.buckets]
         self._params: list[Parameter] = [p for b in self.buckets for p in b.params]
@@ -249,13 +251,15 @@ class GradientEngine:
         # branch cannot hang.
         flags.append(self._local_nonfinite)
         counts = torch.tensor(flags, dtype=torch.int32, device=self.buckets[0].buffer.device)
-        flags_work = self._comm.all_reduce(counts, group=self._flags_group, async_op=True)
+        flags_work = (self._comm.all_reduce(counts, group=self.flags_group, async_op=True)
+                      if self.flags_group is not None else None)
 
         waiting_since = time.perf_counter()
         try:
             for submitted in self._in_flight:
                 submitted.result().wait()
-            flags_work.wait()
+            if flags_work is not None:
+                flags_work.wait()
         except Exception as err:
             # A peer died or hung: say which one, rather than gloo's "Connection closed by peer [ip]:port".
             raise RuntimeError(health.diagnose(err)) from err

@@ -1,7 +1,7 @@
 """The lifetime of the strategy's process groups.
 
 Every ``fit`` needs the ``(node, local)`` mesh's groups (:class:`~ddp_plugin.hookspecs.Topology`) and a
-world-sized group for the engine's bookkeeping. They are created once per process, default group, layout and
+world-sized group for the engine's bookkeeping (a sync mode also one per node). They are created once per process, default group, layout and
 timeout, and shared by every ``fit`` of the process: gloo groups destroyed mid-run abort at exit. Every one
 fails its collectives after the strategy's ``timeout`` (torch gives a new group 30 minutes, and a hung rank
 hung every other rank on such a group).
@@ -46,9 +46,27 @@ class ProcessGroups:
     _users: ClassVar[weakref.WeakSet] = weakref.WeakSet()
     _atexit_registered: ClassVar[bool] = False
 
-    def __init__(self, topology: Topology, bookkeeping: dist.ProcessGroup) -> None:
+    def __init__(self, topology: Topology, bookkeeping: dist.ProcessGroup, backend: str | None = None) -> None:
         self.topology = topology
         self.bookkeeping = bookkeeping
+        self._backend = backend
+        self._node_bookkeeping: dist.ProcessGroup | None = None
+
+    def node_bookkeeping(self) -> dist.ProcessGroup | None:
+        """A bookkeeping group of this rank's node, for the steps whose gradients stay inside the node (a sync
+        mode's); ``None`` with one rank per node (nothing to agree on). Created on first use: collective, every
+        rank calls it at the same point."""
+        t = self.topology
+        if t.ranks_per_node == 1:
+            return None
+        if self._node_bookkeeping is None:
+            k = t.ranks_per_node
+            for node in range(t.num_nodes):  # every rank takes part in creating every node's group
+                group = new_group([node * k + local for local in range(k)], backend=self._backend,
+                                  timeout=t.timeout)
+                if node == t.node_rank:
+                    self._node_bookkeeping = group
+        return self._node_bookkeeping
 
     @classmethod
     def get(cls, layout: Layout, device: torch.device, backend: str, timeout: timedelta | None) -> ProcessGroups:
@@ -60,7 +78,7 @@ class ProcessGroups:
                 atexit.register(cls.release_all)
                 cls._atexit_registered = True
             groups = cls._made[key] = cls(build_topology(layout, device, timeout),
-                                          new_group(backend=backend, timeout=timeout))
+                                          new_group(backend=backend, timeout=timeout), backend)
         return groups
 
     @classmethod
@@ -75,7 +93,7 @@ class ProcessGroups:
         for f in dataclasses.fields(self.topology):
             if f.name == "mesh" or f.name.endswith("group"):
                 object.__setattr__(self.topology, f.name, None)
-        self.bookkeeping = None  # type: ignore[assignment]
+        self.bookkeeping = self._node_bookkeeping = None  # type: ignore[assignment]
 
     @classmethod
     def release_all(cls) -> None:

@@ -40,7 +40,8 @@ class FitSession:
 
     def __init__(self, config: StrategyConfig, module: pl.LightningModule, topology: Topology,
                  flags_group: dist.ProcessGroup, device: torch.device, hierarchical: bool,
-                 measure_memory: Callable[[], dict[str, int]]) -> None:
+                 measure_memory: Callable[[], dict[str, int]],
+                 node_flags_group: Callable[[], dist.ProcessGroup | None] | None = None) -> None:
         if config.hpz_partition_size is not None and config.hpz_partition_size != topology.ranks_per_node:
             raise ValueError(
                 f"The DeepSpeed config's `zero_optimization.zero_hpz_partition_size={config.hpz_partition_size}`"
@@ -66,6 +67,12 @@ class FitSession:
         )
         self.engine.check_finite = config.skip_nonfinite
         self.flags_group = flags_group
+        # The node's bookkeeping group, for the steps whose gradients stay inside the node (a sync mode's, whose
+        # plugin answers ``on_gradient_scope``). Made here, where every rank is (making a group is collective).
+        self._node_flags_group = (node_flags_group() if node_flags_group is not None and config.sync_every > 1
+                                  else None)
+        self._step_group: dist.ProcessGroup | None = flags_group
+        self._step_size = topology.world_size
         self.module = module
         self.measure_memory = measure_memory
         self.heartbeat = health.Heartbeat()
@@ -73,7 +80,7 @@ class FitSession:
         self.skipped_steps = 0
         self.metric_sums: dict[str, float] = {}
         self.metric_steps = 0
-        self._sample_weight: tuple[Any, Tensor, int] | None = None
+        self._sample_weight: tuple[Any, Tensor, int, int] | None = None
         hook.on_setup(topology=topology, buckets=self.engine.buckets, hook=hook, options=self.options,
                       module=module, comm=self.comm)
 
@@ -95,32 +102,50 @@ class FitSession:
         """Buffers from rank 0 (as DDP), and with ``weighting="sample"`` the all-reduce of the batch sizes,
         overlapping the forward pass."""
         health.shield_sigterm_handler()  # (the Trainer installs its handlers after the strategy's setup)
-        world = self.topology.world_size
-        if self.config.broadcast_buffers and world > 1:
+        self._choose_step_group()
+        group, size = self._step_group, self._step_size
+        if self.config.broadcast_buffers and size > 1:
             buffers = list(module.buffers())
             if buffers:
-                dist._broadcast_coalesced(dist.group.WORLD, buffers, 250 * 2**20, 0)
+                # From the first rank of the group (rank 0 of the world, or of the node).
+                dist._broadcast_coalesced(group if size < self.topology.world_size else dist.group.WORLD,
+                                          buffers, 250 * 2**20, 0)
         if self.config.weighting == "sample" and batch is not None:
             count = torch.tensor([float(extract_batch_size(batch))], dtype=torch.float64, device=self.device)
             total = count.clone()
-            work = self.comm.all_reduce(total, group=self.flags_group, async_op=True)
-            self._sample_weight = (work, total, int(count.item()))
+            work = self.comm.all_reduce(total, group=group, async_op=True) if size > 1 else None
+            self._sample_weight = (work, total, int(count.item()), size)
+
+    def _choose_step_group(self) -> None:
+        """The ranks the coming step averages its gradients over (the world, or with a sync mode between its
+        syncs the node): its bookkeeping agrees over those only, so such a step sends nothing across nodes.
+        With ``skip_nonfinite`` every rank must skip the same steps (the sync schedule counts them), so the
+        bookkeeping stays world-wide."""
+        scope = self.plugin_manager.hook.on_gradient_scope()
+        k = self.topology.ranks_per_node
+        if scope == "node" and not self.config.skip_nonfinite and (self._node_flags_group is not None or k == 1):
+            self._step_group, self._step_size = self._node_flags_group, k
+        else:
+            self._step_group, self._step_size = self.flags_group, self.topology.world_size
+        self.engine.flags_group = self._step_group if self._step_size > 1 else None
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Sample weighting scales the gradient that flows into the loss (``backward`` stays Lightning's)."""
         if self._sample_weight is None:
             return
-        work, total, count = self._sample_weight
+        work, total, count, size = self._sample_weight
         self._sample_weight = None
-        try:
-            work.wait()
-        except Exception as err:
-            raise RuntimeError(health.diagnose(err)) from err
+        if work is not None:
+            try:
+                work.wait()
+            except Exception as err:
+                raise RuntimeError(health.diagnose(err)) from err
         if closure_loss.requires_grad:
-            # Each rank's loss is a mean over its own samples; scaled by N * n_r / sum(n), the average over ranks
-            # the reducers compute becomes the mean over every sample of the step. A hook on the loss scales its
-            # gradient, so every hook and logger still sees the loss the user returned.
-            weight = self.topology.world_size * count / total.item()
+            # Each rank's loss is a mean over its own samples; scaled by N * n_r / sum(n) (N ranks: the world, or
+            # the node when the gradients stay inside it), the average over ranks the reducers compute becomes
+            # the mean over every sample of the step. A hook on the loss scales its gradient, so every hook and
+            # logger still sees the loss the user returned.
+            weight = size * count / total.item()
             closure_loss.register_hook(lambda grad: grad * weight)
 
     @contextmanager

@@ -138,6 +138,23 @@ def on_teardown() -> None:
     """
 
 
+@hookspec(firstresult=True)
+def on_gradient_scope() -> str | None:
+    """Over which ranks the coming training step averages its gradients, when that is not every rank.
+
+    ``"node"``: the step's gradients stay inside the node, each node a replica of its own (a sync mode's steps
+    between its cross-node syncs). The strategy then keeps the step's own bookkeeping inside the node as well,
+    so that nothing crosses nodes on such a step: which parameters got a gradient anywhere, the batch sizes of
+    ``weighting="sample"``, and the buffers broadcast from the node's first rank. (With ``skip_nonfinite`` the
+    bookkeeping still spans every rank, so that every replica skips the same steps.)
+
+    Called on the training thread before each training step (each micro-batch of gradient accumulation).
+    Local. Stops at first non-None result. Implemented by the sync modes' ``OuterSync``.
+
+    :returns: ``"node"``; or ``None`` when the step's gradients are averaged over every rank (the default).
+    """
+
+
 # -------------------------------------------------------------------------
 # Backward: gradient synchronization
 # -------------------------------------------------------------------------

@@ -38,7 +38,7 @@ ATOL = 1e-5
 
 
 def reference(steps: int, every: int, outer: str, fragments: int = 1, staleness: int = 0, inner: str = "sgd",
-              warmup: int = 0) -> torch.Tensor:
+              warmup: int = 0, batch_sizes: str = "") -> torch.Tensor:
     """Every node's parameters after every step (steps x nodes x parameters), by the definition above."""
     base = sync_run.model(inner)
     replicas = [copy.deepcopy(base) for _ in range(NODES)]
@@ -62,7 +62,7 @@ def reference(steps: int, every: int, outer: str, fragments: int = 1, staleness:
     x = [flat(0)[bounds[f] : bounds[f + 1]].clone() for f in range(fragments)]
     outer_opt = (torch.optim.SGD(x, lr=1.0) if outer == "average"
                  else torch.optim.SGD(x, lr=0.7, momentum=0.9, nesterov=True))
-    loader = [list(sync_run.rank_loader(sync_run.dataset(), sync_run.GLOBAL_BATCH, WORLD, r)) for r in range(WORLD)]
+    loader = [sync_run.rank_batches(r, batch_sizes) for r in range(WORLD)]
     pending: dict[int, tuple[int, list[torch.Tensor], list[list[torch.Tensor]]]] = {}
     history = []
     for t in range(1, steps + 1):
@@ -159,6 +159,25 @@ def test_every_rank_holds_the_same_bits_right_after_a_full_sync(runs, name):
     assert not torch.equal(got[2, 0], got[2, RANKS_PER_NODE])  # in between, the nodes drift apart
 
 
+@pytest.mark.parametrize("name", ["local_sgd", "diloco", "fragments", "staleness", "stage2_node", "stage3_node"])
+def test_nothing_crosses_nodes_but_the_outer_syncs(runs, name):
+    """Between syncs a node is a replica of its own: a step's bookkeeping (which parameters got a gradient)
+    agrees inside the node, so no rank sends a byte across nodes until the first sync; and every sync carries
+    exactly its fragment's bytes."""
+    flags, _ = VARIANTS[name]
+    schedule = SyncSchedule(flags["sync_every"], flags.get("sync_fragments", 1), flags.get("max_staleness", 0))
+    first = min(t for t in range(1, 13) if schedule.sent_after(t))
+    sent = runs[name]["cross_node_MB"] * 1e6  # steps x ranks, bytes so far
+    assert sent.shape == (12, WORLD)
+    assert (sent[:first] == 0).all(), sent[:first]  # (the first sync is sent after step `first`)
+    assert (sent[-1] > 0).all()
+    if schedule.fragments == 1:
+        whole = sum(p.numel() * 4 for p in sync_run.model("sgd").parameters())  # S, fp32
+        for node in range(NODES):
+            total = float(sent[-1, node * RANKS_PER_NODE : (node + 1) * RANKS_PER_NODE].sum())
+            assert total == pytest.approx(round(total / whole) * whole, abs=1e-3), (node, total, whole)
+
+
 def test_warmup_steps_are_synchronous_and_the_sync_mode_starts_after_them(runs):
     got = runs["warmup"]["history"]
     for t in range(3):  # steps 1-3: gradients averaged over every rank, so every rank holds the same bits
@@ -171,6 +190,17 @@ def test_replicas_drift_between_syncs_and_the_metrics_say_so(runs):
     assert metrics["sync/outer_syncs"] > 0 and metrics["sync/drift"] > 0
     assert "sync/wait_ms" in metrics
     assert runs["stage2_node"]["memory"]["outer_state"] > 0
+
+
+def test_sample_weighting_weighs_the_samples_of_the_node(tmp_path):
+    """With ``weighting="sample"`` and uneven batches, a replica's step is the mean over its node's samples (the
+    reference trains each replica on its node's concatenated batch), not scaled by the node's share of the
+    world's samples."""
+    sizes = "4,4,2,1"  # node 0: 8 samples a step, node 1: 3
+    run = distributed(tmp_path, "uneven", {"sync_every": 4, "weighting": "sample"}, "sgd", 8, "--batch-sizes", sizes)
+    ref = reference(8, 4, "nesterov", batch_sizes=sizes)
+    for rank in range(WORLD):
+        torch.testing.assert_close(run["history"][:, rank], ref[:, rank // RANKS_PER_NODE], atol=ATOL, rtol=0)
 
 
 def test_sync_every_1_is_todays_synchronous_training(tmp_path):

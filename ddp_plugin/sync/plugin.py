@@ -324,6 +324,12 @@ class OuterSync:
         """Whether the step under way is one of the first ``warmup`` steps, whose gradients cross nodes."""
         return self.step < self.warmup
 
+    @hookimpl
+    def on_gradient_scope(self) -> str | None:
+        # Between syncs a node is a replica of its own: the step's bookkeeping stays inside it too, so that
+        # nothing crosses nodes but the outer syncs.
+        return None if self.synchronous else "node"
+
     @hookimpl(tryfirst=True)
     def on_bucket_ready(self, bucket: Bucket) -> torch.futures.Future | None:
         if not self.spreads or bucket.kind != "gradients" or self.synchronous:

@@ -8,8 +8,8 @@ rank's parameters after every optimizer step.
 
 Rank r trains on samples r, r + 4, r + 8, ... of 96 (``rank_loader``; an epoch is 6 steps), so node n's batch
 at step j is the union of ranks 2n's and 2n+1's: what the tests' single-process reference feeds replica n. Rank 0 writes ``FILE``:
-``history`` (steps x ranks x parameters), ``metrics`` (the strategy's per-step means), ``memory``
-(``memory_bytes()``), ``traffic_MB`` (cross-node MB per step, amortized).
+``history`` (steps x ranks x parameters), ``cross_node_MB`` (steps x ranks: what each rank's accounting
+counted as sent across nodes so far), ``metrics`` (the strategy's per-step means), ``memory`` (``memory_bytes()``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 import lightning as L
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.data import rank_loader, sine_dataset
@@ -46,11 +47,21 @@ def dataset():
     return sine_dataset(GLOBAL_BATCH * STEPS_PER_EPOCH, FEATURES, seed=3)
 
 
+def rank_batches(rank: int, batch_sizes: str = "") -> list:
+    """Rank ``rank``'s batches of an epoch; with ``batch_sizes`` ("4,4,2,1") each cut to the rank's size."""
+    batches = list(rank_loader(dataset(), GLOBAL_BATCH, 4, rank))
+    if batch_sizes:
+        size = int(batch_sizes.split(",")[rank])
+        batches = [(x[:size], y[:size]) for x, y in batches]
+    return batches
+
+
 class EveryRank(L.Callback):
     """After every optimizer step: every rank's parameters (an all-gather), kept on rank 0."""
 
     def __init__(self) -> None:
         self.history: list[torch.Tensor] = []
+        self.cross_node_mb: list[torch.Tensor] = []
         self.last = -1
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -58,6 +69,9 @@ class EveryRank(L.Callback):
             return
         self.last = trainer.global_step
         self.history.append(gather_parameters(trainer.strategy, pl_module).cpu())
+        # (Lightning's all_gather, not the strategy's counted collectives: this adds nothing to the count.)
+        sent = trainer.strategy.metric_totals.get("comm/cross_node_MB", 0.0)
+        self.cross_node_mb.append(trainer.strategy.all_gather(torch.tensor([sent], dtype=torch.float64)).reshape(-1))
 
 
 class SaveAt(L.Callback):
@@ -96,6 +110,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--trainer", default="{}", help="more Trainer arguments, JSON (accumulation, clipping, precision)")
     p.add_argument("--scheduler", action="store_true", help="halve the learning rate every 2 optimizer steps")
+    p.add_argument("--batch-sizes", default="", help="comma-separated per-rank batch sizes (each a prefix of the"
+                   " rank's batch; default: the whole batch)")
     args = p.parse_args()
     torch.set_num_threads(1)
     flags = {"devices_per_node": 2, "timeout": args.timeout, **json.loads(args.flags)}
@@ -119,7 +135,7 @@ def main() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, callbacks=callbacks, **json.loads(args.trainer))
-    loader = rank_loader(dataset(), GLOBAL_BATCH, 4, int(os.environ.get("LOCAL_RANK", 0)))
+    loader = DataLoader(rank_batches(int(os.environ.get("LOCAL_RANK", 0)), args.batch_sizes), batch_size=None)
     start = time.time()
     try:
         trainer.fit(net, loader, ckpt_path=args.resume)
@@ -129,7 +145,8 @@ def main() -> None:
               flush=True)
         raise
     if trainer.is_global_zero:
-        torch.save({"history": torch.stack(record.history), "metrics": strategy.metric_means,
+        torch.save({"history": torch.stack(record.history), "cross_node_MB": torch.stack(record.cross_node_mb),
+                    "metrics": strategy.metric_means,
                     "memory": strategy.memory_bytes()}, args.out)
 
 
