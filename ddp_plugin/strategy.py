@@ -90,7 +90,8 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             inside a node ranks stay synchronous (docs/sync.md).
         outer_optimizer: with ``sync_every > 1``: ``"nesterov"`` (DiLoCo: SGD, lr 0.7, Nesterov momentum 0.9, on
             the averaged parameter change; default), ``"average"`` (local SGD), or a callable building a torch
-            optimizer over the outer parameters.
+            optimizer over the outer parameters (in LightningCLI YAML a ``class_path`` with ``init_args``, as
+            for the model's optimizer).
         sync_fragments: split the parameters into this many fragments synchronized on staggered steps
             (Streaming DiLoCo), so the link carries 1/F of them at a time; at most ``sync_every``.
         max_staleness: apply an outer sync this many steps after it starts, the next inner steps running
@@ -125,7 +126,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         timeout: timedelta | float | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         sync_every: int = 1,
-        outer_optimizer: str | Callable[..., Any] = "nesterov",
+        outer_optimizer: str | Callable[[Iterable], Optimizer] = "nesterov",
         sync_fragments: int = 1,
         max_staleness: int = 0,
         sync_warmup_steps: int = 0,

@@ -9,6 +9,7 @@ from lightning.pytorch.cli import LightningCLI
 
 import ddp_plugin  # noqa: F401
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.sync.plugin import build_outer_optimizer
 
 
 class Model(L.LightningModule):
@@ -77,3 +78,25 @@ trainer:
     c = cli.trainer.strategy.config
     assert (c.sync_every, c.outer_optimizer, c.sync_fragments, c.max_staleness, c.sync_warmup_steps) == (
         16, "average", 4, 1, 100)
+
+
+def test_outer_optimizer_from_yaml_is_a_class_path_with_init_args(tmp_path):
+    """As for the model's optimizer in LightningCLI: the class and its arguments, ``params`` left out."""
+    cli = cli_from_yaml(tmp_path, """
+trainer:
+  accelerator: cpu
+  devices: 4
+  logger: false
+  strategy:
+    class_path: ddp_plugin.HierarchicalZeroStrategy
+    init_args:
+      devices_per_node: 2
+      sync_every: 16
+      outer_optimizer:
+        class_path: torch.optim.SGD
+        init_args: {lr: 0.7, momentum: 0.5, nesterov: true}
+""")
+    outer = build_outer_optimizer(cli.trainer.strategy.config.outer_optimizer, [torch.nn.Parameter(torch.zeros(3))])
+    assert type(outer) is torch.optim.SGD
+    group = outer.param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.5, True)
