@@ -352,7 +352,7 @@ def on_save_state_dict() -> dict[str, Any] | None:
     iteration count, PowerSGD's shared Q matrices).
 
     Called on every rank when a checkpoint is saved, also after ``fit``; global rank 0's answer is written.
-    Local; state held in parts on several ranks may be returned as :class:`~ddp_plugin.hookspecs.DeferredTensor`\ s,
+    Local; state held in parts on several ranks may be returned as :class:`~ddp_plugin.hookspecs.DeferredTensor`\\ s,
     whose producers gather it while rank 0 writes (every rank taking part returns the same structure). Plugin
     state is declared, never scraped: whatever is not returned here or by ``on_save_rank_state_dict`` is lost on
     resume. Implemented by the codecs and the sync modes.
