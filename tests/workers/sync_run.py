@@ -135,7 +135,7 @@ def main() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, callbacks=callbacks, **json.loads(args.trainer))
-    loader = DataLoader(rank_batches(int(os.environ.get("LOCAL_RANK", 0)), args.batch_sizes), batch_size=None)
+    loader = DataLoader(rank_batches(int(os.environ.get("LOCAL_RANK", "0")), args.batch_sizes), batch_size=None)
     start = time.time()
     try:
         trainer.fit(net, loader, ckpt_path=args.resume)
