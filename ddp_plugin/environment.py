@@ -156,9 +156,26 @@ class DistributedEnvironment(ParallelStrategy):
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        try:
+            dist.broadcast_object_list(box, src, group=_group.WORLD)
+        except Exception as err:
+            raise RuntimeError(health.diagnose(err, what="a broadcast")) from err
         return box[0]
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
+        if not isinstance(tensor, Tensor):
+            return tensor
+        try:
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        except Exception as err:
+            raise RuntimeError(health.diagnose(err, what="a reduce")) from err
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        # Between a sync mode's syncs no collective of ours crosses nodes, so a dead rank on another node is
+        # often first met here (a callback's all_gather): name it, as the gradient synchronization does.
+        try:
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        except Exception as err:
+            raise RuntimeError(health.diagnose(err, what="an all_gather")) from err
