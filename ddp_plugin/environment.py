@@ -142,40 +142,32 @@ class DistributedEnvironment(ParallelStrategy):
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        try:
+        # E.g. rank 0 died while writing a checkpoint: say which rank, not only gloo's "connection reset".
+        with health.diagnosed(f"the barrier {name or ''}".rstrip()):
             if dist.get_backend() == "nccl":
                 dist.barrier(device_ids=[self.root_device.index])
             else:
                 dist.barrier()
-        except Exception as err:
-            # E.g. rank 0 died while writing a checkpoint: say which rank, not only gloo's "connection reset".
-            raise RuntimeError(health.diagnose(err, what=f"the barrier {name or ''}".rstrip())) from err
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        try:
+        with health.diagnosed("a broadcast"):
             dist.broadcast_object_list(box, src, group=_group.WORLD)
-        except Exception as err:
-            raise RuntimeError(health.diagnose(err, what="a broadcast")) from err
         return box[0]
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         if not isinstance(tensor, Tensor):
             return tensor
-        try:
+        with health.diagnosed("a reduce"):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        except Exception as err:
-            raise RuntimeError(health.diagnose(err, what="a reduce")) from err
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         # Between a sync mode's syncs no collective of ours crosses nodes, so a dead rank on another node is
         # often first met here (a callback's all_gather): name it, as the gradient synchronization does.
-        try:
+        with health.diagnosed("an all_gather"):
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-        except Exception as err:
-            raise RuntimeError(health.diagnose(err, what="an all_gather")) from err

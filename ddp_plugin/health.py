@@ -15,7 +15,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TypeVar
 
@@ -174,6 +175,16 @@ def _within(seconds: float, fn: Callable[[], _T]) -> _T:
 def _read(store: dist.Store, kind: str, rank: int) -> str | None:
     key = f"{_PREFIX}/{kind}/{rank}"
     return store.get(key).decode() if store.check([key]) else None
+
+
+@contextmanager
+def diagnosed(what: str = "gradient synchronization") -> Iterator[None]:
+    """Re-raise an error of the collective ``what`` inside as a ``RuntimeError`` that names the ranks that failed,
+    died or are stuck (:func:`diagnose`), the original chained."""
+    try:
+        yield
+    except Exception as err:
+        raise RuntimeError(diagnose(err, what=what)) from err
 
 
 def diagnose(error: BaseException, watch_s: float = WATCH_S, what: str = "gradient synchronization") -> str:

@@ -136,10 +136,8 @@ class FitSession:
         work, total, count, size = self._sample_weight
         self._sample_weight = None
         if work is not None:
-            try:
+            with health.diagnosed():
                 work.wait()
-            except Exception as err:
-                raise RuntimeError(health.diagnose(err)) from err
         if closure_loss.requires_grad:
             # Each rank's loss is a mean over its own samples; scaled by N * n_r / sum(n) (N ranks: the world, or
             # the node when the gradients stay inside it), the average over ranks the reducers compute becomes

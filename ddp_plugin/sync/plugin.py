@@ -57,6 +57,10 @@ NESTEROV = {"lr": 0.7, "momentum": 0.9}
 STATE_KEY = "sync/outer"
 
 
+OUTER_SYNC = "the outer (cross-node) sync"
+"""What a failed sync's error says failed."""
+
+
 def build_outer_optimizer(spec: Any, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     if spec == "average":
         return torch.optim.SGD(params, lr=1.0)
@@ -417,10 +421,8 @@ class OuterSync:
 
     def _apply(self, flight: InFlight) -> None:
         started = time.perf_counter()
-        try:
+        with health.diagnosed(OUTER_SYNC):
             updates, drift = flight.result.result()
-        except Exception as err:
-            raise RuntimeError(health.diagnose(err, what="the outer (cross-node) sync")) from err
         self._wait_s += time.perf_counter() - started
         self.in_flight.remove(flight)
         for u in updates:
@@ -456,11 +458,9 @@ class OuterSync:
 
     def _drain(self) -> None:
         """Wait for the averages in flight (they are saved; applying them early would change the run)."""
-        for flight in self.in_flight:
-            try:
+        with health.diagnosed(OUTER_SYNC):
+            for flight in self.in_flight:
                 flight.result.result()
-            except Exception as err:
-                raise RuntimeError(health.diagnose(err, what="the outer (cross-node) sync")) from err
 
     def _names(self, piece: Piece) -> list[tuple[str, int, int, int]]:
         """(parameter name, start in the parameter, end, start in the piece) of every parameter in the piece."""
