@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import lightning as L
 import pytest
 import torch
@@ -24,8 +26,7 @@ def cli_from_yaml(tmp_path, text: str) -> LightningCLI:
     return LightningCLI(Model, run=False, save_config_callback=None, args=["--config", str(config)])
 
 
-def test_flags_from_yaml_init_args(tmp_path):
-    cli = cli_from_yaml(tmp_path, """
+STRATEGY_YAML = """\
 trainer:
   accelerator: cpu
   devices: 4
@@ -33,13 +34,23 @@ trainer:
   strategy:
     class_path: ddp_plugin.HierarchicalZeroStrategy
     init_args:
-      devices_per_node: 2
-      hierarchical: false
-      compression: int8
-      compression_options: {block_size: 256}
-      skip_nonfinite: true
-      timeout: 120
-""")
+"""
+
+
+def cli_with_strategy(tmp_path, init_args: str) -> LightningCLI:
+    """Our strategy on 4 CPU devices, ``init_args`` the YAML lines under ``trainer.strategy.init_args``."""
+    return cli_from_yaml(tmp_path, STRATEGY_YAML + textwrap.indent(textwrap.dedent(init_args).strip(), " " * 6) + "\n")
+
+
+def test_flags_from_yaml_init_args(tmp_path):
+    cli = cli_with_strategy(tmp_path, """
+        devices_per_node: 2
+        hierarchical: false
+        compression: int8
+        compression_options: {block_size: 256}
+        skip_nonfinite: true
+        timeout: 120
+    """)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, HierarchicalZeroStrategy)
     assert (strategy.devices_per_node, strategy.hierarchical, strategy.compression) == (2, False, "int8")
@@ -65,16 +76,14 @@ trainer:
 
 
 def test_sync_mode_flags_from_yaml(tmp_path):
-    cli = cli_from_yaml(tmp_path, """
-trainer:
-  accelerator: cpu
-  devices: 4
-  logger: false
-  strategy:
-    class_path: ddp_plugin.HierarchicalZeroStrategy
-    init_args: {devices_per_node: 2, sync_every: 16, outer_optimizer: average, sync_fragments: 4, max_staleness: 1,
-                sync_warmup_steps: 100}
-""")
+    cli = cli_with_strategy(tmp_path, """
+        devices_per_node: 2
+        sync_every: 16
+        outer_optimizer: average
+        sync_fragments: 4
+        max_staleness: 1
+        sync_warmup_steps: 100
+    """)
     c = cli.trainer.strategy.config
     assert (c.sync_every, c.outer_optimizer, c.sync_fragments, c.max_staleness, c.sync_warmup_steps) == (
         16, "average", 4, 1, 100)
@@ -82,20 +91,13 @@ trainer:
 
 def test_outer_optimizer_from_yaml_is_a_class_path_with_init_args(tmp_path):
     """As for the model's optimizer in LightningCLI: the class and its arguments, ``params`` left out."""
-    cli = cli_from_yaml(tmp_path, """
-trainer:
-  accelerator: cpu
-  devices: 4
-  logger: false
-  strategy:
-    class_path: ddp_plugin.HierarchicalZeroStrategy
-    init_args:
-      devices_per_node: 2
-      sync_every: 16
-      outer_optimizer:
-        class_path: torch.optim.SGD
-        init_args: {lr: 0.7, momentum: 0.5, nesterov: true}
-""")
+    cli = cli_with_strategy(tmp_path, """
+        devices_per_node: 2
+        sync_every: 16
+        outer_optimizer:
+          class_path: torch.optim.SGD
+          init_args: {lr: 0.7, momentum: 0.5, nesterov: true}
+    """)
     outer = build_outer_optimizer(cli.trainer.strategy.config.outer_optimizer, [torch.nn.Parameter(torch.zeros(3))])
     assert type(outer) is torch.optim.SGD
     group = outer.param_groups[0]
