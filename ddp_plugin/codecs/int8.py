@@ -19,14 +19,29 @@ INT8_MAX = 127
 def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     """Rows of ``x`` (one block each) to int8 with one float32 scale per row: ``q = round(x / s)``,
     ``s = max|row| / 127``; the rounding error is at most ``s / 2`` per value."""
-    scales = x.abs().amax(dim=1) / INT8_MAX
+    q, scales, _ = quantize_rows(x.float(), residual=False)
+    return q, scales
+
+
+def quantize_rows(x: Tensor, residual: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`quantize_int8` of the float32 rows ``x``, plus (``residual=True``) what rounding took,
+    ``x - q * s``; ``None`` instead when a block holds a non-finite value, which makes its scale non-finite
+    (see :func:`finite_or_zero`; checking the scales is one value per block, not one per value). One scratch
+    buffer, rounded and then turned into the residual in place: the codec runs on every bucket of every
+    step, and on the outer thread of every sync (measured on one core, 362k values with error feedback:
+    1.5 ms a reduce against 3.4 ms with a fresh tensor per operation)."""
+    scales = x.abs().amax(dim=1).div_(INT8_MAX)  # NaN and inf propagate
     # An all-zero block has scale 0; divide by the smallest normal float instead (q stays 0).
-    q = torch.round(x / scales.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
-    return q.clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scales.float()
+    tiny = torch.finfo(torch.float32).tiny
+    y = torch.div(x, scales.clamp_min(tiny).unsqueeze(1)).round_().clamp_(-INT8_MAX, INT8_MAX)
+    q = y.to(torch.int8)
+    if not residual or not torch.isfinite(scales).all():
+        return q, scales, None
+    return q, scales, torch.addcmul(x, y, scales.unsqueeze(1), value=-1, out=y)
 
 
 def dequantize_int8(q: Tensor, scales: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    return q.to(dtype) * scales.to(dtype).unsqueeze(-1)
+    return q.to(dtype).mul_(scales.to(dtype).unsqueeze(-1))
 
 
 def finite_or_zero(residual: Tensor) -> Tensor:
@@ -36,12 +51,6 @@ def finite_or_zero(residual: Tensor) -> Tensor:
     if not torch.isfinite(residual).all():
         return torch.zeros_like(residual)
     return residual
-
-
-def padded_copy(tensor: Tensor, length: int) -> Tensor:
-    out = tensor.new_zeros(length)
-    out[: tensor.numel()].copy_(tensor)
-    return out
 
 
 class Int8State(BucketState):
@@ -96,13 +105,16 @@ class Int8Codec(Codec):
     def reduce(self, tensor, group, n, bucket, offset, state):
         numel = tensor.numel()
         blocks, width = self.layout(numel, n)
-        x = padded_copy(tensor, n * blocks * width).float()
+        x = torch.empty(n * blocks * width, dtype=torch.float32, device=tensor.device)
         if self.error_feedback and state.residual is not None:
-            x[:numel] += state.residual
+            torch.add(tensor, state.residual, out=x[:numel])
+        else:
+            x[:numel].copy_(tensor)
+        x[numel:].zero_()
         x = x.view(n * blocks, width)
-        q, scales = quantize_int8(x)
+        q, scales, residual = quantize_rows(x, residual=self.error_feedback)
         if self.error_feedback:
-            state.residual = finite_or_zero((x - dequantize_int8(q, scales)).view(-1)[:numel])
+            state.residual = torch.zeros(numel, device=x.device) if residual is None else residual.view(-1)[:numel]
 
         # Shot 1: chunk j (blocks j*blocks ... ) to rank j.
         q_in, s_in = torch.empty_like(q), torch.empty_like(scales)
@@ -115,9 +127,9 @@ class Int8Codec(Codec):
         chunk = dequantize_int8(q_in.view(n, blocks, width), s_in.view(n, blocks)).sum(dim=0).div_(n)
         if self.error_feedback and state.chunk_residual is not None:
             chunk += state.chunk_residual
-        q2, s2 = quantize_int8(chunk)
+        q2, s2, chunk_residual = quantize_rows(chunk, residual=self.error_feedback)
         if self.error_feedback:
-            state.chunk_residual = finite_or_zero(chunk - dequantize_int8(q2, s2))
+            state.chunk_residual = torch.zeros_like(chunk) if chunk_residual is None else chunk_residual
 
         # Shot 2: everyone gets every rank's quantized chunk of the mean.
         q_all = q2.new_empty(n * blocks, width)
