@@ -394,14 +394,16 @@ class OuterSync:
         this fragment)."""
         local = torch.zeros((), dtype=torch.float64, device=self.topology.device)
         for g in pseudo:
-            local += torch.linalg.vector_norm(g).double().square()  # a metric: float32's norm is 3x faster
+            # A metric: float32's norm is 3x faster than float64's (and bf16 parameters get a float32 one).
+            local += torch.linalg.vector_norm(g, dtype=torch.float32).double().square()
         # The node's sum runs beside the cross-node average (a local rank that starts late does not hold up the
         # others' sends); it is waited for once the average is in.
-        drift = self.comm.all_reduce(local, group=self.intra, async_op=True) if self.topology.ranks_per_node > 1 else None
+        node_sum = (self.comm.all_reduce(local, group=self.intra, async_op=True)
+                    if self.topology.ranks_per_node > 1 else None)
         for piece, g in zip(pieces, pseudo):
             self.hook.on_cross_node_reduce(tensor=g, group=self.inter, bucket=piece.pseudo, offset=piece.lo).wait()
-        if drift is not None:
-            drift.wait()
+        if node_sum is not None:
+            node_sum.wait()
         # Only this fragment's pieces have a gradient, so the step moves only them (the training thread reads
         # other fragments' global copies meanwhile, never these: a fragment is sent again only once applied).
         for piece, g in zip(pieces, pseudo):
