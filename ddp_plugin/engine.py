@@ -256,13 +256,12 @@ class GradientEngine:
 
         waiting_since = time.perf_counter()
         try:
-            for submitted in self._in_flight:
-                submitted.result().wait()
-            if flags_work is not None:
-                flags_work.wait()
-        except Exception as err:
             # A peer died or hung: say which one, rather than gloo's "Connection closed by peer [ip]:port".
-            raise RuntimeError(health.diagnose(err)) from err
+            with health.diagnosed():
+                for submitted in self._in_flight:
+                    submitted.result().wait()
+                if flags_work is not None:
+                    flags_work.wait()
         finally:
             self._in_flight = []
         sync_wait_s = time.perf_counter() - waiting_since
