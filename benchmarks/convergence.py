@@ -126,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         " at distinct starts (no window twice; --steps at most ~26k); argparse: the source of argparse"
                         " alone, ~100k characters, windows at random starts with replacement (the first setup)")
     p.add_argument("--schedule", choices=SCHEDULES, default="cosine",
-                   help=f"inner learning rate: cosine (default): linear warmup over {WARMUP_FRACTION:.0%} of the steps,"
+                   help=f"inner learning rate: cosine (default): linear warmup over {WARMUP_FRACTION * 100:g}%% of the steps,"
                         f" then cosine decay to {FINAL_LR_RATIO:g} x the peak --lr; constant: --lr throughout")
     p.add_argument("--lr", type=float, default=LR,
                    help=f"the inner AdamW (peak) learning rate of every run (default {LR:g})")

@@ -19,9 +19,9 @@ that injects a fault writes ``DIR/fault`` (the time, then what it did) just befo
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import time
 
 
@@ -31,7 +31,9 @@ def _mark_fault(out: str, what: str) -> None:
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[sys.argv.index("--spec") + 1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, type=json.loads, help="the run, as JSON (keys above)")
+    spec = parser.parse_args().spec
     out = spec["out"]
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
     # Written before any import of Lightning (ddp_plugin.testing.processes.write_pid_file would import it): the

@@ -1,0 +1,26 @@
+"""The benchmark scripts' command lines: every script under benchmarks/ answers ``--help`` with its usage and
+exits 0 (argparse formats help strings with ``%``, so a literal percent sign in one breaks ``--help`` only)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
+
+
+def test_every_benchmark_script_is_listed() -> None:
+    assert {p.name for p in SCRIPTS} >= {"cluster.py", "convergence.py", "faults.py", "fault_worker.py"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
+def test_help(script: Path) -> None:
+    proc = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT, capture_output=True, text=True, check=False,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage:"), proc.stdout[:500]
+    assert script.name in proc.stdout.splitlines()[0]
