@@ -128,8 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedule", choices=SCHEDULES, default="cosine",
                    help=f"inner learning rate: cosine (default): linear warmup over {WARMUP_FRACTION * 100:g}%% of the steps,"
                         f" then cosine decay to {FINAL_LR_RATIO:g} x the peak --lr; constant: --lr throughout")
-    p.add_argument("--lr", type=float, default=LR,
-                   help=f"the inner AdamW (peak) learning rate of every run (default {LR:g})")
+    p.add_argument("--lr", type=_lr_grid, default=[LR],
+                   help=f"the inner AdamW (peak) learning rate of every run (default {LR:g}), or a comma-separated"
+                        " grid (--lr 1e-3,2e-3,3e-3): every run is trained at every value, and the acceptance"
+                        " compares each run at its best one (each tuned on the same grid)")
     p.add_argument("--smooth", type=int, default=50, help="training loss moving-average window in the plot (steps)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown file; the plot goes next to it as .png")
     p.add_argument("--json", type=Path, default=None, help="also write every number (loss curves included) here")
@@ -140,6 +142,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown run(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
+
+
+def _lr_grid(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lr takes positive numbers separated by commas, got {text!r}") from None
+    if not values or any(not v > 0 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"--lr takes distinct positive numbers separated by commas, got {text!r}")
+    return values
 
 
 def load_data(args: argparse.Namespace) -> tuple[tuple, int, int, dict[str, Any]]:
@@ -176,12 +188,17 @@ def lr_lambda(args: argparse.Namespace) -> WarmupCosine | None:
     return WarmupCosine(args.steps, WARMUP_FRACTION, FINAL_LR_RATIO)
 
 
+def _lrs_text(args: argparse.Namespace) -> str:
+    return "/".join(f"{lr:g}" for lr in args.lr)
+
+
 def schedule_text(args: argparse.Namespace) -> str:
     sched = lr_lambda(args)
+    peak = f"the peak lr ({_lrs_text(args)}, one per training)" if len(args.lr) > 1 else f"{args.lr[0]:g}"
     if sched is None:
-        return f"constant lr {args.lr:g}"
-    return (f"lr linear warmup over {sched.warmup} steps ({WARMUP_FRACTION:.0%}) to {args.lr:g}, then cosine decay to"
-            f" {FINAL_LR_RATIO * args.lr:g} ({FINAL_LR_RATIO:g} x) at step {args.steps}")
+        return f"constant lr {peak}"
+    return (f"lr linear warmup over {sched.warmup} steps ({WARMUP_FRACTION:.0%}) to {peak}, then cosine decay to"
+            f" {FINAL_LR_RATIO:g} x the peak at step {args.steps}")
 
 
 def command_text(args: argparse.Namespace) -> str:
@@ -229,11 +246,11 @@ class HeldOut(L.Callback):
             self._evaluate(step, pl_module)
 
 
-def run(name: str, args: argparse.Namespace, data: tuple, vocab: int) -> dict[str, Any]:
+def run(name: str, lr: float, args: argparse.Namespace, data: tuple, vocab: int) -> dict[str, Any]:
     train, held_x, held_y = data
     flags = RUNS[name]
     L.seed_everything(SEED, verbose=False)  # the same initial parameters in every run
-    model = CharModel(vocab, train, lr=args.lr, weight_decay=WEIGHT_DECAY, lr_lambda=lr_lambda(args))
+    model = CharModel(vocab, train, lr=lr, weight_decay=WEIGHT_DECAY, lr_lambda=lr_lambda(args))
     strategy = HierarchicalZeroStrategy(devices_per_node=PER_NODE, bucket_size_mb=BUCKET_MB, **flags)
     held = HeldOut(held_x, held_y, args.eval_every)
     trainer = L.Trainer(
@@ -252,6 +269,7 @@ def run(name: str, args: argparse.Namespace, data: tuple, vocab: int) -> dict[st
     identical = identical_on_all_ranks(strategy, model)
     return {
         "name": name,
+        "lr": lr,  # the inner AdamW's peak learning rate
         "flags": flags,
         "steps": trainer.global_step,
         "train_loss": losses.mean(0).tolist(),
@@ -327,7 +345,9 @@ def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: 
     import lightning
 
     ok = [r for r in rows if "error" not in r]
-    ref = next((r for r in ok if r["name"] == "sync"), None)
+    best = best_rows(rows)
+    ref = best.get("sync")  # synchronous training at its best inner lr of the grid
+    grid = len(args.lr) > 1
     params = ok[0]["params"] if ok else 0
     buckets = ok[0]["buckets"] if ok else "?"
     lines = [
@@ -343,9 +363,11 @@ def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: 
         f" stage 0; {buckets} gradient buckets",
         f"- model: `ddp_plugin.testing.text.CharModel`: next character from the previous {CONTEXT}, Embedding({vocab},"
         f" 24) -> Linear({CONTEXT * 24}, 192) -> GELU -> Linear(192, {vocab}), {params:,} parameters; inner optimizer"
-        f" AdamW(lr={args.lr:g}, weight_decay={WEIGHT_DECAY:g}) on every rank; initial parameters from"
+        f" AdamW(lr={_lrs_text(args)}, weight_decay={WEIGHT_DECAY:g}) on every rank; initial parameters from"
         f" `seed_everything({SEED})`, the same in every run",
         f"- inner learning rate (`--schedule {args.schedule}`), the same in every run: {schedule_text(args)}"
+        + (f"; every run trained once at each peak lr of the grid (`--lr {','.join(f'{v:g}' for v in args.lr)}`)"
+           if grid else "")
         + ("" if args.schedule == "constant" else
            " (`CharModel(lr_lambda=WarmupCosine(...))`, a `LambdaLR` stepped after every optimizer step; the outer"
            " optimizer's lr is fixed)"),
@@ -365,39 +387,54 @@ def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: 
         "- wall s: rank 0's time from the start of training to its end (setup, launch and the held-out evaluations not"
         " included), on a shared machine, not a timing benchmark",
         "",
-        "| run | flags | final held-out loss | ratio to sync | cross-node MB/step | outer syncs | wall s |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| run | flags | inner lr | final held-out loss | ratio to sync (same lr) | cross-node MB/step | outer syncs"
+        " | wall s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | {_flags_text(RUNS[r['name']])} | failed: {_cell(r['error'])} | - | - | - | - |")
+            lines.append(f"| {r['name']} | {_flags_text(RUNS[r['name']])} | {r['lr']:g} | failed: {_cell(r['error'])}"
+                         " | - | - | - | - |")
             continue
-        ratio = r["held_out_final"] / ref["held_out_final"] if ref else None
+        same = next((s for s in ok if s["name"] == "sync" and s["lr"] == r["lr"]), None)
+        ratio = r["held_out_final"] / same["held_out_final"] if same else None
+        mark = "**" if grid and best.get(r["name"]) is r else ""
         lines.append(
-            f"| {r['name']} | {_flags_text(r['flags'])} | {r['held_out_final']:.4f} | {_fmt(ratio, '.4f')} |"
-            f" {_fmt(r['cross_node_MB_per_step'], '.4f')} | {r['outer_syncs']} | {r['seconds']:.0f} |"
+            f"| {r['name']} | {_flags_text(r['flags'])} | {mark}{r['lr']:g}{mark} | {r['held_out_final']:.4f} |"
+            f" {_fmt(ratio, '.4f')} | {_fmt(r['cross_node_MB_per_step'], '.4f')} | {r['outer_syncs']} |"
+            f" {r['seconds']:.0f} |"
         )
+    if grid:
+        lines += ["", "Each run at its best inner lr of the grid (bold above), against synchronous training at its best:",
+                  "", "| run | best inner lr | final held-out loss | ratio to sync (each tuned) |", "|---|---:|---:|---:|"]
+        for name, r in best.items():
+            ratio = r["held_out_final"] / ref["held_out_final"] if ref else None
+            lines.append(f"| {name} | {r['lr']:g} | {r['held_out_final']:.4f} | {_fmt(ratio, '.4f')} |")
     lines.append("")
     names, tol = ACCEPTANCE
+    tuned = ", each at its best inner lr of the grid" if grid else ""
     for name in names:
-        target = next((r for r in ok if r["name"] == name), None)
+        target = best.get(name)
         if ref is not None and target is not None:
             ratio = target["held_out_final"] / ref["held_out_final"]
             verdict = "PASSES" if ratio <= 1 + tol else "MISSES"
-            lines.append(f"- **Acceptance, DiLoCo H=16 ({name}): final held-out loss / sync's ="
+            lines.append(f"- **Acceptance, DiLoCo H=16 ({name}{tuned}): final held-out loss / sync's ="
                          f" {target['held_out_final']:.4f} / {ref['held_out_final']:.4f} = {ratio:.4f}** ({verdict}"
-                         f" the <= {1 + tol:g} target: within {tol:.0%} of synchronous training).")
+                         f" the <= {1 + tol:g} target: within {tol:.0%} of synchronous training)"
+                         + (f"; inner lr {target['lr']:g} against sync's {ref['lr']:g}." if grid else "."))
         else:
             lines.append(f"- Acceptance ({name} within {tol:.0%} of sync): not measured, a run is missing.")
     lines += ["", "Notes:", ""]
     if ref is not None:
-        lines.append(f"- sync's held-out loss over the last 20% of the steps: {_tail_text(ref, args.steps)}")
+        lines.append(f"- sync's held-out loss over the last 20% of the steps (inner lr {ref['lr']:g}):"
+                     f" {_tail_text(ref, args.steps)}")
     for r in ok:
         by_rank = r["held_out_final_by_rank"]
         node1 = by_rank[PER_NODE] if len(by_rank) > PER_NODE else None
         cross = r["cross_node_MB_per_step_by_rank"]
+        at = f" at lr {r['lr']:g}" if grid else ""
         lines.append(
-            f"- {r['name']}: parameters identical on all ranks after training: {r['identical_on_all_ranks']};"
+            f"- {r['name']}{at}: parameters identical on all ranks after training: {r['identical_on_all_ranks']};"
             f" node 1's replica's final held-out loss {_fmt(node1, '.4f')}; held-out loss over the last 20% of the"
             f" steps: mean {_tail_mean(r, args.steps):.4f}, best during training"
             f" {min(v for _, v in r['held_out_curve']):.4f}; mean training loss of the last 100 steps"
@@ -409,6 +446,16 @@ def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: 
         lines += ["", f"![held-out and training loss]({png.name})"]
     lines += ["", f"_Total benchmark wall time {wall_s:.0f} s._", ""]
     return "\n".join(lines)
+
+
+def best_rows(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each run's training with the lowest final held-out loss over the ``--lr`` grid (its only one without a
+    grid), by run name, in the order the runs were first trained."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if "error" not in r and (r["name"] not in best or r["held_out_final"] < best[r["name"]]["held_out_final"]):
+            best[r["name"]] = r
+    return best
 
 
 def _tail_text(r: dict[str, Any], steps: int) -> str:
@@ -443,18 +490,20 @@ def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if "error" not in r]
+    grid = len(args.lr) > 1
+    ok = list(best_rows(rows).values())  # with an --lr grid, each run at its best lr
     if not ok:
         return False
     fig, (ax_h, ax_t) = plt.subplots(1, 2, figsize=(13, 5))
     ref = next((r for r in ok if r["name"] == "sync"), None)
     for i, r in enumerate(ok):
         color = f"C{i}"
+        label = f"{r['name']}, lr {r['lr']:g}" if grid else r["name"]
         curve = [(s, v) for s, v in r["held_out_curve"] if s < r["steps"]] + [(r["steps"], r["held_out_final"])]
         ax_h.plot([s for s, _ in curve], [v for _, v in curve], color=color, lw=1.3,
-                  label=f"{r['name']} ({r['held_out_final']:.3f})")
+                  label=f"{label} ({r['held_out_final']:.3f})")
         x, y = _smooth(r["train_loss"], args.smooth)
-        ax_t.plot(x, y, color=color, lw=1.0, label=r["name"])
+        ax_t.plot(x, y, color=color, lw=1.0, label=label)
     # Zoom in on the end of training, where the runs differ; the first steps fall off the top.
     late = [v for r in ok for s, v in r["held_out_curve"] if s >= 0.1 * args.steps] + [r["held_out_final"] for r in ok]
     lo, hi = min(late), max(late)
@@ -473,8 +522,9 @@ def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     text = "argparse.py" if args.corpus == "argparse" else f"{len(STDLIB_MODULES)} stdlib modules (< 1 pass)"
-    lr = (f"constant lr {args.lr:g}" if args.schedule == "constant" else
-          f"lr {args.lr:g}, {WARMUP_FRACTION:.0%} warmup + cosine to {FINAL_LR_RATIO:g}x")
+    peak = f"best lr of {_lrs_text(args)}" if grid else f"lr {args.lr[0]:g}"
+    lr = (f"constant {peak}" if args.schedule == "constant" else
+          f"{peak}, {WARMUP_FRACTION:.0%} warmup + cosine to {FINAL_LR_RATIO:g}x")
     fig.suptitle(f"char model on {text}, {WORLD // PER_NODE} nodes x {PER_NODE} CPU ranks, AdamW {lr},"
                  f" {args.steps} steps", fontsize=11)
     fig.tight_layout()
@@ -511,20 +561,21 @@ def main(argv: list[str] | None = None) -> int:
     data, vocab, chars, info = load_data(args)
     rows: list[dict[str, Any]] = []
     t_all = time.perf_counter()
-    for i, name in enumerate(args.runs):
+    trainings = [(name, lr) for lr in args.lr for name in args.runs]  # a grid: every run at one lr, then the next
+    for i, (name, lr) in enumerate(trainings):
         try:
-            rows.append(run(name, args, data, vocab))
+            rows.append(run(name, lr, args, data, vocab))
         except Exception as err:  # noqa: BLE001 - a failed run gets its row; the next one starts
             traceback.print_exc()
-            rows.append({"name": name, "error": f"{type(err).__name__}: {err}"})
+            rows.append({"name": name, "lr": lr, "error": f"{type(err).__name__}: {err}"})
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             r = rows[-1]
             status = (f"failed ({r['error']})" if "error" in r else
                       f"held-out {r['held_out_final']:.4f}, {r['cross_node_MB_per_step']:.4f} cross-node MB/step,"
                       f" {r['outer_syncs']} outer syncs, {r['seconds']:.0f} s")
-            print(f"[{i + 1}/{len(args.runs)}] {name:<16} {status}", flush=True)
+            print(f"[{i + 1}/{len(trainings)}] {name:<16} lr {lr:<8g} {status}", flush=True)
             write_results(args, rows, vocab, chars, info, time.perf_counter() - t_all,  # after every run
-                          show=i == len(args.runs) - 1)
+                          show=i == len(trainings) - 1)
     return 0
 
 

@@ -24,3 +24,11 @@ def test_help(script: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage:"), proc.stdout[:500]
     assert script.name in proc.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize("grid", ["1e-3,abc", "1e-3,0", "1e-3,1e-3"])
+def test_convergence_lr_grid_refuses_bad_values(grid: str) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--lr", grid], cwd=ROOT,
+                          capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--lr takes" in proc.stderr and repr(grid) in proc.stderr
