@@ -3,6 +3,9 @@ text, to the end of training.
 
     python benchmarks/convergence.py                                  # every run, ~15-20 minutes on 2 cores
     python benchmarks/convergence.py --runs sync,diloco_h16 --steps 512 --out /tmp/convergence.md
+    python benchmarks/convergence.py --runs sync,diloco_h16,diloco_h64,diloco_h16_int8,streaming_h16,localsgd_h16,\
+diloco_h16_m05 --lr 1e-3,2e-3,3e-3                                    # each run tuned on an lr grid, ~40 minutes
+    python benchmarks/convergence.py --runs sync@3e-3,diloco_h16@1e-3 --steps 8192 --eval-every 128  # each at its own lr
     python benchmarks/convergence.py --corpus argparse --schedule constant \
         --out benchmarks/results/convergence_argparse_constant_lr.md  # the first setup (tiny corpus, constant lr)
 
@@ -44,6 +47,12 @@ own accounting, the outer syncs and the wall time. Rank 0 writes
 - a PNG plot next to it (same name, ``.png``; needs ``pip install matplotlib``): held-out and smoothed training
   loss against the step, for every run;
 - with ``--json FILE``, every number behind them (the loss curves included).
+
+``--lr`` takes one inner learning rate or a grid of them. With a grid every run is trained once at every value, and
+the acceptance compares each run at its best value against synchronous training at its own best, each tuned on
+the same grid. DiLoCo's outer step extrapolates the averaged pseudo-gradient (with the paper's Nesterov lr 0.7 and
+momentum 0.9, a steady pseudo-gradient moves the parameters 0.7 x (1 + 0.9 / (1 - 0.9)) = 7 times its size a
+sync), so its best inner learning rate need not be synchronous training's.
 
 A run that raises gets a "failed" row and the next run starts. This is a benchmark, not a test: it asserts
 nothing, and its wall times depend on the machine.
@@ -117,7 +126,8 @@ ACCEPTANCE = (("diloco_h16", "diloco_h16_m05", "diloco_h16_warmup"), 0.03)  # he
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of: {', '.join(RUNS)} (default: all,"
-                                                          " in this order)")
+                                                          " in this order); name@lr trains that run at its own inner"
+                                                          " lr only, instead of every --lr")
     p.add_argument("--steps", type=int, default=4096,
                    help="optimizer steps per run (default 4096, a multiple of every run's sync period)")
     p.add_argument("--eval-every", type=int, default=64, help="held-out evaluation period in steps (default 64)")
@@ -136,10 +146,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown file; the plot goes next to it as .png")
     p.add_argument("--json", type=Path, default=None, help="also write every number (loss curves included) here")
     args = p.parse_args(argv)
-    args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    unknown = [r for r in args.runs if r not in RUNS]
+    own: dict[str, float] = {}  # run -> its own inner lr (``--runs name@lr``), instead of the --lr grid
+    names = []
+    for item in (r.strip() for r in args.runs.split(",")):
+        name, _, lr = item.partition("@")
+        if lr:
+            try:
+                own[name] = _lr_grid(lr)[0]
+            except argparse.ArgumentTypeError:
+                p.error(f"--runs: {item!r}: the inner lr after @ must be a positive number")
+        if name:
+            names.append(name)
+    unknown = [r for r in names if r not in RUNS]
     if unknown:
         p.error(f"unknown run(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}")
+    args.runs = names
+    # a grid: every run at the first lr, then every run at the next; a run with its own lr once, in the first pass
+    args.trainings = [(n, own[n]) if n in own else (n, lr)
+                      for i, lr in enumerate(args.lr) for n in names if n not in own or i == 0]
+    args.lrs = sorted({lr for _, lr in args.trainings})
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
 
@@ -189,12 +214,12 @@ def lr_lambda(args: argparse.Namespace) -> WarmupCosine | None:
 
 
 def _lrs_text(args: argparse.Namespace) -> str:
-    return "/".join(f"{lr:g}" for lr in args.lr)
+    return "/".join(f"{lr:g}" for lr in args.lrs)
 
 
 def schedule_text(args: argparse.Namespace) -> str:
     sched = lr_lambda(args)
-    peak = f"the peak lr ({_lrs_text(args)}, one per training)" if len(args.lr) > 1 else f"{args.lr[0]:g}"
+    peak = f"the peak lr ({_lrs_text(args)}, one per training)" if len(args.lrs) > 1 else f"{args.lrs[0]:g}"
     if sched is None:
         return f"constant lr {peak}"
     return (f"lr linear warmup over {sched.warmup} steps ({WARMUP_FRACTION:.0%}) to {peak}, then cosine decay to"
@@ -347,7 +372,7 @@ def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: 
     ok = [r for r in rows if "error" not in r]
     best = best_rows(rows)
     ref = best.get("sync")  # synchronous training at its best inner lr of the grid
-    grid = len(args.lr) > 1
+    grid = len(args.lrs) > 1
     params = ok[0]["params"] if ok else 0
     buckets = ok[0]["buckets"] if ok else "?"
     lines = [
@@ -366,7 +391,7 @@ def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: 
         f" AdamW(lr={_lrs_text(args)}, weight_decay={WEIGHT_DECAY:g}) on every rank; initial parameters from"
         f" `seed_everything({SEED})`, the same in every run",
         f"- inner learning rate (`--schedule {args.schedule}`), the same in every run: {schedule_text(args)}"
-        + (f"; every run trained once at each peak lr of the grid (`--lr {','.join(f'{v:g}' for v in args.lr)}`)"
+        + (f"; each run trained once at each of its peak lrs (`--lr`, or its own with `--runs name@lr`)"
            if grid else "")
         + ("" if args.schedule == "constant" else
            " (`CharModel(lr_lambda=WarmupCosine(...))`, a `LambdaLR` stepped after every optimizer step; the outer"
@@ -405,14 +430,14 @@ def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: 
             f" {r['seconds']:.0f} |"
         )
     if grid:
-        lines += ["", "Each run at its best inner lr of the grid (bold above), against synchronous training at its best:",
+        lines += ["", "Each run at its best inner lr (bold above), against synchronous training at its best:",
                   "", "| run | best inner lr | final held-out loss | ratio to sync (each tuned) |", "|---|---:|---:|---:|"]
         for name, r in best.items():
             ratio = r["held_out_final"] / ref["held_out_final"] if ref else None
             lines.append(f"| {name} | {r['lr']:g} | {r['held_out_final']:.4f} | {_fmt(ratio, '.4f')} |")
     lines.append("")
     names, tol = ACCEPTANCE
-    tuned = ", each at its best inner lr of the grid" if grid else ""
+    tuned = ", each at its best inner lr" if grid else ""
     for name in names:
         target = best.get(name)
         if ref is not None and target is not None:
@@ -490,7 +515,7 @@ def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grid = len(args.lr) > 1
+    grid = len(args.lrs) > 1
     ok = list(best_rows(rows).values())  # with an --lr grid, each run at its best lr
     if not ok:
         return False
@@ -522,7 +547,7 @@ def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     text = "argparse.py" if args.corpus == "argparse" else f"{len(STDLIB_MODULES)} stdlib modules (< 1 pass)"
-    peak = f"best lr of {_lrs_text(args)}" if grid else f"lr {args.lr[0]:g}"
+    peak = f"best lr of {_lrs_text(args)}" if grid else f"lr {args.lrs[0]:g}"
     lr = (f"constant {peak}" if args.schedule == "constant" else
           f"{peak}, {WARMUP_FRACTION:.0%} warmup + cosine to {FINAL_LR_RATIO:g}x")
     fig.suptitle(f"char model on {text}, {WORLD // PER_NODE} nodes x {PER_NODE} CPU ranks, AdamW {lr},"
@@ -561,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     data, vocab, chars, info = load_data(args)
     rows: list[dict[str, Any]] = []
     t_all = time.perf_counter()
-    trainings = [(name, lr) for lr in args.lr for name in args.runs]  # a grid: every run at one lr, then the next
+    trainings = args.trainings
     for i, (name, lr) in enumerate(trainings):
         try:
             rows.append(run(name, lr, args, data, vocab))

@@ -32,3 +32,10 @@ def test_convergence_lr_grid_refuses_bad_values(grid: str) -> None:
                           capture_output=True, text=True, check=False, timeout=600)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--lr takes" in proc.stderr and repr(grid) in proc.stderr
+
+
+def test_convergence_run_with_its_own_lr_refuses_a_bad_value() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--runs", "sync@fast"],
+                          cwd=ROOT, capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--runs: 'sync@fast'" in proc.stderr
