@@ -165,6 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.trainings = [(n, own[n]) if n in own else (n, lr)
                       for i, lr in enumerate(args.lr) for n in names if n not in own or i == 0]
     args.lrs = sorted({lr for _, lr in args.trainings})
+    args.grid = len(args.lrs) > 1  # runs trained at different lrs: each is compared at its best
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
 
@@ -219,7 +220,7 @@ def _lrs_text(args: argparse.Namespace) -> str:
 
 def schedule_text(args: argparse.Namespace) -> str:
     sched = lr_lambda(args)
-    peak = f"the peak lr ({_lrs_text(args)}, one per training)" if len(args.lrs) > 1 else f"{args.lrs[0]:g}"
+    peak = f"the peak lr ({_lrs_text(args)}, one per training)" if args.grid else f"{args.lrs[0]:g}"
     if sched is None:
         return f"constant lr {peak}"
     return (f"lr linear warmup over {sched.warmup} steps ({WARMUP_FRACTION:.0%}) to {peak}, then cosine decay to"
@@ -372,7 +373,7 @@ def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: 
     ok = [r for r in rows if "error" not in r]
     best = best_rows(rows)
     ref = best.get("sync")  # synchronous training at its best inner lr of the grid
-    grid = len(args.lrs) > 1
+    grid = args.grid
     params = ok[0]["params"] if ok else 0
     buckets = ok[0]["buckets"] if ok else "?"
     lines = [
@@ -515,7 +516,7 @@ def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grid = len(args.lrs) > 1
+    grid = args.grid
     ok = list(best_rows(rows).values())  # with an --lr grid, each run at its best lr
     if not ok:
         return False
@@ -586,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     data, vocab, chars, info = load_data(args)
     rows: list[dict[str, Any]] = []
     t_all = time.perf_counter()
-    trainings = args.trainings
+    trainings = args.trainings  # a grid: every run at one lr, then the next
     for i, (name, lr) in enumerate(trainings):
         try:
             rows.append(run(name, lr, args, data, vocab))
