@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ddp_plugin.checkpoint_io import _umask
-from ddp_plugin.testing.processes import clean_env, end_run
+from ddp_plugin.testing.processes import clean_env, end_run, runs_argument
 from ddp_plugin.testing.trees import leaves
 from tests.filesystems import in_tmpfs, tmpfs_unavailable
 from tests.support import ROOT, WORKERS, run_python
@@ -31,53 +31,70 @@ ATOL_OTHER_WORLD = 1e-5
 
 
 def train(out, name: str, devices: int, *extra: str, steps: int = 12, timeout: float = 300) -> dict:
-    run_python(WORKERS / "checkpoint_run.py", "--devices", str(devices), "--steps", str(steps), "--out", out,
-               "--name", name, *extra, timeout=timeout)
+    run_python(WORKERS / "checkpoint_run.py", *run_args(out, name, devices, *extra, steps=steps), timeout=timeout)
     return torch.load(out / f"{name}.pt")
+
+
+def run_args(out, name: str, devices: int, *extra: str, steps: int = 12) -> list:
+    return ["--devices", str(devices), "--steps", str(steps), "--out", out, "--name", name, *extra]
+
+
+def train_in_one_launch(out, *runs: tuple) -> dict:
+    """Each run ``(name, devices, *extra)`` or ``(name, devices, *extra, {"steps": n})``, one after another in the
+    same processes (one launch: its ranks' start costs seconds, a run's fit a fraction of one); a run may resume
+    from a checkpoint an earlier one wrote. Every run of a launch has the same ``devices``."""
+    args = [run_args(out, *run[:-1], **run[-1]) if isinstance(run[-1], dict) else run_args(out, *run) for run in runs]
+    assert len({run[1] for run in runs}) == 1, "one launch, one number of ranks"
+    run_python(WORKERS / "checkpoint_run.py", *runs_argument(args), timeout=300 + 60 * len(runs))
+    return {run[0]: torch.load(out / f"{run[0]}.pt") for run in runs}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ckpt")
     r: dict = {"dir": out}
-    r["reference"] = train(out, "reference", 4, "--no-save")  # stage 0, no checkpoint at all
-    # Same setup (2 nodes x 2, stage 2, hierarchical), resumed by the same setup and by stage 0. After `fit`
-    # (then `validate` and `test`), the stage 1-3 runs save once more: z2-after-fit.ckpt, ...
-    after_fit = ("--save-after-fit", "--validate-after-fit")
-    r["z2"] = train(out, "z2", 4, "--devices-per-node", "2", "--stage", "2", *after_fit)
     two_nodes = ("--devices-per-node", "2")
-    r["z2_same"] = train(out, "z2_same", 4, *two_nodes, "--stage", "2", "--resume", out / "z2-step=6.ckpt")
-    r["z2_to_z0"] = train(out, "z2_to_z0", 4, *two_nodes, "--stage", "0", "--resume", out / "z2-step=6.ckpt")
-    # 4 ranks stage 3 -> 2 ranks stage 1, and -> plain Lightning in one process.
-    r["z3"] = train(out, "z3", 4, "--stage", "3", *after_fit)
-    r["z3_to_z1"] = train(out, "z3_to_z1", 2, "--stage", "1", "--resume", out / "z3-step=6.ckpt")
-    r["z3_to_plain"] = train(out, "z3_to_plain", 0, "--resume", out / "z3-step=6.ckpt")
-    # A plain Lightning checkpoint (one process, Lightning's strategy) resumed by 4 ranks at stage 3.
-    r["plain"] = train(out, "plain", 0, "--save-after-fit")
-    r["plain_to_z3"] = train(out, "plain_to_z3", 4, "--stage", "3", "--resume", out / "plain-step=6.ckpt")
-    # Node scope (a replica per node: only node 0's ranks send shards) through Lightning's own TorchCheckpointIO
-    # (the optimizer state is gathered whole before it writes), resumed at stage 3 over every rank.
-    r["z2n"] = train(out, "z2n", 4, *two_nodes, "--stage", "2", "--scope", "node", "--lightning-io")
-    r["z2n_to_z3"] = train(out, "z2n_to_z3", 4, "--stage", "3", "--resume", out / "z2n-step=6.ckpt")
-    # A codec with error feedback: the residuals must come back.
-    r["int8"] = train(out, "int8", 4, "--devices-per-node", "2", "--stage", "1", "--compression", "int8",
-                      "--save-after-fit")
-    r["int8_same"] = train(out, "int8_same", 4, "--devices-per-node", "2", "--stage", "1", "--compression", "int8",
-                           "--resume", out / "int8-step=6.ckpt")
-    # checkpoint="sharded": every rank writes its part through torch.distributed.checkpoint.
-    r["z3s"] = train(out, "z3s", 4, "--devices-per-node", "2", "--stage", "3", "--checkpoint", "sharded")
-    r["z3s_same"] = train(out, "z3s_same", 4, "--devices-per-node", "2", "--stage", "3", "--checkpoint", "sharded",
-                          "--resume", out / "z3s-step=6.ckpt")
-    r["z3s_to_z1"] = train(out, "z3s_to_z1", 2, "--stage", "1", "--resume", out / "z3s-step=6.ckpt")
-    r["z2s_to_z0"] = train(out, "z2s_to_z0", 4, "--stage", "0", "--checkpoint", "sharded",
-                           "--resume", out / "z2-step=6.ckpt")
-    # The saves after `fit` resume for 6 more steps at stage 0, and on 2 ranks, as plain Lightning resumes its own.
-    r["plain_after_resumed"] = train(out, "plain_after_resumed", 0, "--resume", out / "plain-after-fit.ckpt",
-                                     steps=18)
-    r["z2_after_to_z0"] = train(out, "z2_after_to_z0", 4, *two_nodes, "--stage", "0", steps=18,
-                                *("--resume", out / "z2-after-fit.ckpt"))
-    r["z3_after_to_z1"] = train(out, "z3_after_to_z1", 2, "--stage", "1", "--resume", out / "z3-after-fit.ckpt",
-                                steps=18)
+    after_fit = ("--save-after-fit", "--validate-after-fit")
+    # A plain Lightning checkpoint (one process, Lightning's strategy), resumed below by 4 ranks at stage 3.
+    r |= train_in_one_launch(out, ("plain", 0, "--save-after-fit"))
+    r |= train_in_one_launch(
+        out,
+        ("reference", 4, "--no-save"),  # stage 0, no checkpoint at all
+        # Same setup (2 nodes x 2, stage 2, hierarchical), resumed by the same setup and by stage 0. After `fit`
+        # (then `validate` and `test`), the stage 1-3 runs save once more: z2-after-fit.ckpt, ...
+        ("z2", 4, *two_nodes, "--stage", "2", *after_fit),
+        ("z2_same", 4, *two_nodes, "--stage", "2", "--resume", out / "z2-step=6.ckpt"),
+        ("z2_to_z0", 4, *two_nodes, "--stage", "0", "--resume", out / "z2-step=6.ckpt"),
+        # 4 ranks stage 3, resumed below on 2 ranks at stage 1 and in plain Lightning in one process.
+        ("z3", 4, "--stage", "3", *after_fit),
+        ("plain_to_z3", 4, "--stage", "3", "--resume", out / "plain-step=6.ckpt"),
+        # Node scope (a replica per node: only node 0's ranks send shards) through Lightning's own
+        # TorchCheckpointIO (the optimizer state is gathered whole before it writes), resumed at stage 3 over
+        # every rank.
+        ("z2n", 4, *two_nodes, "--stage", "2", "--scope", "node", "--lightning-io"),
+        ("z2n_to_z3", 4, "--stage", "3", "--resume", out / "z2n-step=6.ckpt"),
+        # A codec with error feedback: the residuals must come back.
+        ("int8", 4, *two_nodes, "--stage", "1", "--compression", "int8", "--save-after-fit"),
+        ("int8_same", 4, *two_nodes, "--stage", "1", "--compression", "int8", "--resume", out / "int8-step=6.ckpt"),
+        # checkpoint="sharded": every rank writes its part through torch.distributed.checkpoint.
+        ("z3s", 4, *two_nodes, "--stage", "3", "--checkpoint", "sharded"),
+        ("z3s_same", 4, *two_nodes, "--stage", "3", "--checkpoint", "sharded", "--resume", out / "z3s-step=6.ckpt"),
+        ("z2s_to_z0", 4, "--stage", "0", "--checkpoint", "sharded", "--resume", out / "z2-step=6.ckpt"),
+        # The saves after `fit` resume for 6 more steps at stage 0, and on 2 ranks, as plain Lightning resumes its
+        # own.
+        ("z2_after_to_z0", 4, *two_nodes, "--stage", "0", "--resume", out / "z2-after-fit.ckpt", {"steps": 18}),
+    )
+    r |= train_in_one_launch(
+        out,
+        ("z3_to_z1", 2, "--stage", "1", "--resume", out / "z3-step=6.ckpt"),
+        ("z3s_to_z1", 2, "--stage", "1", "--resume", out / "z3s-step=6.ckpt"),
+        ("z3_after_to_z1", 2, "--stage", "1", "--resume", out / "z3-after-fit.ckpt", {"steps": 18}),
+    )
+    r |= train_in_one_launch(
+        out,
+        ("z3_to_plain", 0, "--resume", out / "z3-step=6.ckpt"),
+        ("plain_after_resumed", 0, "--resume", out / "plain-after-fit.ckpt", {"steps": 18}),
+    )
     return r
 
 
@@ -415,15 +432,17 @@ ON_TWO_RANKS = {1: ("--stage", "2"), 2: ("--stage", "1"), 3: ("--stage", "3")}
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("sharded")
-    r: dict = {"dir": out}
+    saved_and_same, two_ranks = [], []
     for stage in (1, 2, 3):
         setup = (*UNEVEN, "--devices-per-node", "2", "--stage", str(stage), *WRAP[stage])
         after_fit = ("--save-after-fit",) + (("--validate-after-fit",) if stage > 1 else ())
-        r[stage] = train(out, f"s{stage}", 4, *setup, *after_fit)
         first = out / f"s{stage}-step=6.ckpt"
-        r[stage, "same"] = train(out, f"s{stage}_same", 4, *setup, "--resume", first)
-        r[stage, "two ranks"] = train(out, f"s{stage}_two", 2, *UNEVEN, *ON_TWO_RANKS[stage], *WRAP[stage],
-                                      "--resume", first)
+        saved_and_same += [(f"s{stage}", 4, *setup, *after_fit), (f"s{stage}_same", 4, *setup, "--resume", first)]
+        two_ranks.append((f"s{stage}_two", 2, *UNEVEN, *ON_TWO_RANKS[stage], *WRAP[stage], "--resume", first))
+    done = train_in_one_launch(out, *saved_and_same) | train_in_one_launch(out, *two_ranks)
+    r: dict = {"dir": out}
+    for stage in (1, 2, 3):
+        r[stage], r[stage, "same"], r[stage, "two ranks"] = (done[f"s{stage}{s}"] for s in ("", "_same", "_two"))
     return r
 
 

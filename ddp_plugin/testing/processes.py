@@ -12,15 +12,20 @@ leave nothing running afterwards. A rank that breaks itself on purpose uses :fun
     finally:
         end_run(proc, folder)                 # SIGKILL every rank and the launcher's process group
 
+A worker script that several tests launch can run several trainings in one launch (:func:`run_each`): starting the
+ranks of a launch costs seconds of imports each, a short fit a fraction of one.
+
 Linux only for :func:`process_state` (it reads ``/proc``). Nothing here imports torch or pytest.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 __all__ = [
@@ -32,6 +37,8 @@ __all__ = [
     "kill_quietly",
     "pid_files",
     "process_state",
+    "run_each",
+    "runs_argument",
     "signal_group_quietly",
     "stopped",
     "write_pid_file",
@@ -126,3 +133,26 @@ def inject_fault(kind: str) -> None:
         raise ValueError("the user's training_step broke on purpose")
     else:
         raise ValueError(f"kind={kind!r}: one of {', '.join(FAULT_KINDS)}")
+
+
+def runs_argument(runs: Sequence[Sequence[str | os.PathLike]]) -> list[str]:
+    """The command-line arguments that make a worker's :func:`run_each` run each of ``runs`` (argument lists), one
+    after another, in the same processes."""
+    return ["--runs", json.dumps([[str(a) for a in run] for run in runs])]
+
+
+def run_each(main: Callable[[list[str]], None], argv: Sequence[str] | None = None) -> None:
+    """A worker's entry point: ``main(args)`` once per run the command line asks for, in order, in these processes.
+
+    ``--runs JSON`` (:func:`runs_argument`) holds a list of argument lists; without it, ``main`` runs once with the
+    command line itself. Under Lightning's launcher every rank re-executes the same command line, so every rank
+    runs the same fits in the same order, each with its own Trainer; a later run may resume from a checkpoint an
+    earlier one wrote."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["--runs"]:
+        main(argv)
+        return
+    if len(argv) != 2:
+        raise SystemExit(f"--runs takes one JSON list of argument lists and nothing beside it, not {argv[1:]}")
+    for run in json.loads(argv[1]):
+        main(run)

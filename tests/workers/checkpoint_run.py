@@ -18,6 +18,9 @@ from ``on_train_batch_end`` of the epoch's last batch: resumed from it, Lightnin
 exactly the batches the uninterrupted run saw. (Lightning's own per-epoch checkpoint, written from
 ``on_train_epoch_end``, makes a resumed run repeat one batch, with any strategy: not what C4 is about.)
 Saves DIR/<name>.pt on rank 0: the final parameters and the loss history.
+
+    python tests/workers/checkpoint_run.py --runs '[["--devices", "4", ...], ["--devices", "4", ...]]'
+        # several runs one after another in the same 4 processes (every run with the same --devices)
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from torch import nn
 import ddp_plugin.checkpoint_io
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.data import rank_loader, sine_dataset
-from ddp_plugin.testing.processes import write_pid_file
+from ddp_plugin.testing.processes import run_each, write_pid_file
 
 GLOBAL_BATCH = 16
 STEPS_PER_EPOCH = 6
@@ -128,7 +131,7 @@ def stall_second_save(marker: str) -> None:
     ddp_plugin.checkpoint_io.stream_save = save  # the checkpoint writer's serializer
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--devices-per-node", type=int, default=None)
@@ -152,7 +155,7 @@ def main() -> None:
     p.add_argument("--wrap", default="Linear", help="auto_wrap_policy: comma-separated class names")
     p.add_argument("--save-after-fit", action="store_true", help="trainer.save_checkpoint after fit")
     p.add_argument("--validate-after-fit", action="store_true", help="trainer.validate and .test before that")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
     L.seed_everything(11, verbose=False)
     model = Net(width=args.width)
@@ -201,4 +204,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_each(main)
