@@ -24,7 +24,7 @@ import torch
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.sync import SyncSchedule, fragment_bounds
-from ddp_plugin.testing.processes import clean_env
+from ddp_plugin.testing.processes import clean_env, runs_argument
 from ddp_plugin.testing.ranks import free_port
 from tests.support import ROOT, run_python
 from tests.workers import sync_run
@@ -105,11 +105,13 @@ def reference(steps: int, every: int, outer: str, fragments: int = 1, staleness:
     return torch.stack(history)
 
 
+def run_args(d, name: str, flags: dict, inner: str = "sgd", steps: int = 12, *extra: str) -> list:
+    return ["--out", d / f"{name}.pt", "--flags", json.dumps(flags), "--inner", inner, "--steps", str(steps), *extra]
+
+
 def distributed(tmp_path, name: str, flags: dict, inner: str = "sgd", steps: int = 12, *extra: str) -> dict:
-    out = tmp_path / f"{name}.pt"
-    run_python("-m", "tests.workers.sync_run", "--out", out, "--flags", json.dumps(flags), "--inner", inner,
-               "--steps", str(steps), *extra)
-    return torch.load(out, weights_only=False)
+    run_python("-m", "tests.workers.sync_run", *run_args(tmp_path, name, flags, inner, steps, *extra))
+    return torch.load(tmp_path / f"{name}.pt", weights_only=False)
 
 
 VARIANTS = {
@@ -126,10 +128,42 @@ VARIANTS = {
 }
 
 
+SHARDED = ({"sync_every": 4, "sync_fragments": 2, "max_staleness": 1, "zero_stage": 2, "shard_scope": "node",
+            "checkpoint": "sharded"}, "adamw")
+UNEVEN_SIZES = "4,4,2,1"  # node 0: 8 samples a step, node 1: 3
+COMPOSE_TRAINER = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05, "precision": "bf16-mixed"}
+COMPOSE_STAGES = {"stage0": {}, "stage2_node": {"zero_stage": 2, "shard_scope": "node"}}
+RESUMED = ("staleness", "stage2_node", "stage2_node_sharded_checkpoint")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
+    """Every training run of this module but the dead-rank one, one after another in one launch of 4 ranks (a
+    launch costs seconds, a run's fit a fraction of one); later runs resume from checkpoints earlier ones wrote."""
     d = tmp_path_factory.mktemp("sync")
-    return {name: distributed(d, name, flags, inner) for name, (flags, inner) in VARIANTS.items()}
+    todo = {name: run_args(d, name, flags, inner) for name, (flags, inner) in VARIANTS.items()}
+    todo["uneven"] = run_args(d, "uneven", {"sync_every": 4, "weighting": "sample"}, "sgd", 8,
+                              "--batch-sizes", UNEVEN_SIZES)
+    todo["today"] = run_args(d, "today", {})
+    todo["one"] = run_args(d, "one", {"sync_every": 1, "outer_optimizer": "average"})
+    for stage, flags in COMPOSE_STAGES.items():
+        todo[f"compose_{stage}"] = run_args(d, f"compose_{stage}", {"sync_every": 4, **flags}, "adamw", 8,
+                                            "--trainer", json.dumps(COMPOSE_TRAINER), "--scheduler")
+    # Resumed mid-cycle with a sync in flight: the first 6 steps save, the resumed run goes on to 12.
+    todo["stage2_node_sharded_checkpoint"] = run_args(d, "stage2_node_sharded_checkpoint", *SHARDED)
+    for name in RESUMED:
+        flags, inner = VARIANTS.get(name, SHARDED)
+        ckpt = d / f"{name}-mid.ckpt"
+        todo[f"{name}/first"] = run_args(d, f"{name}-first", flags, inner, 6, "--save-at", "6", "--ckpt", ckpt)
+        todo[f"{name}/resumed"] = run_args(d, f"{name}-resumed", flags, inner, 12, "--resume", ckpt)
+    # A synchronous checkpoint resumed in a sync mode, and that one resumed synchronously.
+    sync_ckpt, mode_ckpt = d / "sync.ckpt", d / "mode.ckpt"
+    todo["sync_a"] = run_args(d, "sync_a", {}, "sgd", 6, "--save-at", "6", "--ckpt", sync_ckpt)
+    todo["sync_b"] = run_args(d, "sync_b", VARIANTS["diloco"][0], "sgd", 12, "--resume", sync_ckpt,
+                              "--save-at", "12", "--ckpt", mode_ckpt)
+    todo["sync_c"] = run_args(d, "sync_c", {}, "sgd", 18, "--resume", mode_ckpt)
+    run_python("-m", "tests.workers.sync_run", *runs_argument(todo.values()), timeout=300 + 30 * len(todo))
+    return {name: torch.load(args[1], weights_only=False) for name, args in todo.items()}
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -192,28 +226,23 @@ def test_replicas_drift_between_syncs_and_the_metrics_say_so(runs):
     assert runs["stage2_node"]["memory"]["outer_state"] > 0
 
 
-def test_sample_weighting_weighs_the_samples_of_the_node(tmp_path):
+def test_sample_weighting_weighs_the_samples_of_the_node(runs):
     """With ``weighting="sample"`` and uneven batches, a replica's step is the mean over its node's samples (the
     reference trains each replica on its node's concatenated batch), not scaled by the node's share of the
     world's samples."""
-    sizes = "4,4,2,1"  # node 0: 8 samples a step, node 1: 3
-    run = distributed(tmp_path, "uneven", {"sync_every": 4, "weighting": "sample"}, "sgd", 8, "--batch-sizes", sizes)
-    ref = reference(8, 4, "nesterov", batch_sizes=sizes)
+    ref = reference(8, 4, "nesterov", batch_sizes=UNEVEN_SIZES)
     for rank in range(WORLD):
-        torch.testing.assert_close(run["history"][:, rank], ref[:, rank // RANKS_PER_NODE], atol=ATOL, rtol=0)
+        torch.testing.assert_close(runs["uneven"]["history"][:, rank], ref[:, rank // RANKS_PER_NODE], atol=ATOL,
+                                   rtol=0)
 
 
-def test_sync_every_1_is_todays_synchronous_training(tmp_path):
-    today = distributed(tmp_path, "today", {})
-    one = distributed(tmp_path, "one", {"sync_every": 1, "outer_optimizer": "average"})
-    assert torch.equal(today["history"], one["history"])
+def test_sync_every_1_is_todays_synchronous_training(runs):
+    assert torch.equal(runs["today"]["history"], runs["one"]["history"])
 
 
-@pytest.mark.parametrize("stage", [{}, {"zero_stage": 2, "shard_scope": "node"}], ids=["stage0", "stage2_node"])
-def test_sync_modes_compose_with_accumulation_clipping_a_scheduler_and_bf16(tmp_path, stage):
-    trainer = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05, "precision": "bf16-mixed"}
-    run = distributed(tmp_path, "compose", {"sync_every": 4, **stage}, "adamw", 8, "--trainer", json.dumps(trainer),
-                      "--scheduler")
+@pytest.mark.parametrize("stage", list(COMPOSE_STAGES))
+def test_sync_modes_compose_with_accumulation_clipping_a_scheduler_and_bf16(runs, stage):
+    run = runs[f"compose_{stage}"]
     got = run["history"]
     assert got.shape[0] == 8 and torch.isfinite(got).all()
     for t in range(8):  # a node is one replica every step; the nodes agree right after each sync
@@ -227,18 +256,9 @@ def test_sync_modes_compose_with_accumulation_clipping_a_scheduler_and_bf16(tmp_
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 
-SHARDED = ({"sync_every": 4, "sync_fragments": 2, "max_staleness": 1, "zero_stage": 2, "shard_scope": "node",
-            "checkpoint": "sharded"}, "adamw")
-
-
-@pytest.mark.parametrize("name", ["staleness", "stage2_node", "stage2_node_sharded_checkpoint"])
-def test_resume_mid_cycle_with_a_sync_in_flight_continues_exactly(runs, tmp_path, name):
-    flags, inner = VARIANTS.get(name, SHARDED)
-    whole = runs[name] if name in runs else distributed(tmp_path, "whole", flags, inner)
-    ckpt = tmp_path / "mid.ckpt"
-    distributed(tmp_path, "first", flags, inner, 6, "--save-at", "6", "--ckpt", str(ckpt))
-    resumed = distributed(tmp_path, "resumed", flags, inner, 12, "--resume", str(ckpt))
-    torch.testing.assert_close(resumed["history"][-1], whole["history"][-1], atol=0, rtol=0)
+@pytest.mark.parametrize("name", RESUMED)
+def test_resume_mid_cycle_with_a_sync_in_flight_continues_exactly(runs, name):
+    torch.testing.assert_close(runs[f"{name}/resumed"]["history"][-1], runs[name]["history"][-1], atol=0, rtol=0)
 
 
 KILL_TIMEOUT_S = 20
@@ -270,14 +290,10 @@ def test_a_rank_dead_during_an_outer_sync_makes_the_others_fail_fast_naming_it_a
     torch.testing.assert_close(resumed["history"][-1], runs["staleness"]["history"][-1], atol=0, rtol=0)
 
 
-def test_a_synchronous_checkpoint_resumes_in_a_sync_mode_and_back(tmp_path):
-    sync_ckpt, mode_ckpt = tmp_path / "sync.ckpt", tmp_path / "mode.ckpt"
-    distributed(tmp_path, "a", {}, "sgd", 6, "--save-at", "6", "--ckpt", str(sync_ckpt))
-    b = distributed(tmp_path, "b", VARIANTS["diloco"][0], "sgd", 12, "--resume", str(sync_ckpt),
-                    "--save-at", "12", "--ckpt", str(mode_ckpt))
-    assert torch.isfinite(b["history"]).all()
-    c = distributed(tmp_path, "c", {}, "sgd", 18, "--resume", str(mode_ckpt))
-    assert torch.isfinite(c["history"]).all() and c["history"].shape[0] == 6
+def test_a_synchronous_checkpoint_resumes_in_a_sync_mode_and_back(runs):
+    assert torch.isfinite(runs["sync_b"]["history"]).all()
+    c = runs["sync_c"]["history"]
+    assert torch.isfinite(c).all() and c.shape[0] == 6
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -5,6 +5,7 @@ rank's parameters after every optimizer step.
     python -m tests.workers.sync_run --out FILE --flags '{...}' --steps 6 --save-at 3 --ckpt DIR   # saves
     python -m tests.workers.sync_run --out FILE --flags '{...}' --steps 12 --resume CKPT
     torchrun --nproc_per_node 4 -m tests.workers.sync_run ... --kill-rank 3 --kill-after 8 --timeout 20  # a dead rank
+    python -m tests.workers.sync_run --runs '[["--out", "FILE1", ...], ["--out", "FILE2", ...]]'  # in one launch
 
 Rank r trains on samples r, r + 4, r + 8, ... of 96 (``rank_loader``; an epoch is 6 steps), so node n's batch
 at step j is the union of ranks 2n's and 2n+1's: what the tests' single-process reference feeds replica n. Rank 0 writes ``FILE``:
@@ -27,7 +28,7 @@ from torch.utils.data import DataLoader
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.data import rank_loader, sine_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
-from ddp_plugin.testing.processes import inject_fault
+from ddp_plugin.testing.processes import inject_fault, run_each
 from ddp_plugin.testing.ranks import gather_parameters
 
 FEATURES, HIDDEN, GLOBAL_BATCH, SEED = 8, 16, 16, 0
@@ -96,7 +97,7 @@ class KillAfter(L.Callback):
             inject_fault("sigkill")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--flags", default="{}")
@@ -112,7 +113,7 @@ def main() -> None:
     p.add_argument("--scheduler", action="store_true", help="halve the learning rate every 2 optimizer steps")
     p.add_argument("--batch-sizes", default="", help="comma-separated per-rank batch sizes (each a prefix of the"
                    " rank's batch; default: the whole batch)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
     flags = {"devices_per_node": 2, "timeout": args.timeout, **json.loads(args.flags)}
     strategy = HierarchicalZeroStrategy(**flags)
@@ -151,4 +152,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_each(main)
