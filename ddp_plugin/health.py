@@ -4,9 +4,12 @@ When a rank dies (killed, crashed, out of memory) its peers' next collective fai
 closed by peer") or, for ranks not talking to it directly, after the process group's timeout; when a rank hangs
 (stopped, deadlocked), every peer's collective fails after the timeout. Neither error says which rank. So every
 rank keeps a heartbeat on the rendezvous store (a counter a background thread bumps twice a second, with the
-rank's step), and a rank that raises an exception of its own leaves it there. On a failure,
-:func:`diagnose` watches the counters for a moment: ranks whose counter stopped are gone; if every rank is alive,
-the ranks furthest behind in steps are the stuck ones. Counters, not clocks, so hosts need not agree on the time.
+rank's step), and a rank that raises an exception of its own leaves it there. On a failure, :func:`diagnose`
+watches the counters: a rank whose counter has not moved for two beat intervals is gone; the watch ends sooner
+when every rank is accounted for (seen beating, diagnosing a failure itself, or having reported its own error), or
+as soon as another rank has reported an error or already found the gone ranks (then its finding is taken: a
+failure spreads from rank to rank, and each would otherwise watch again). If every rank is alive, the ranks
+furthest behind in steps are the stuck ones. Counters, not clocks, so hosts need not agree on the time.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ _T = TypeVar("_T")
 
 _PREFIX = "ddp_plugin/health"
 BEAT_INTERVAL_S = 0.5
-WATCH_S = 2.0
+# A rank whose counter has not moved for this long is gone: two beats missed, so one late beat (a busy machine)
+# names nobody.
+MISSED_BEATS_S = 2 * BEAT_INTERVAL_S
+POLL_S = 0.1
 STORE_TIMEOUT_S = 3.0
 
 
@@ -139,9 +145,15 @@ def report_exception(exc: BaseException) -> None:
     try:
         if dist.is_initialized():
             key, value = f"{_PREFIX}/failed/{dist.get_rank()}", f"{type(exc).__name__}: {exc}"[:500]
-            _within(STORE_TIMEOUT_S + 1, lambda: _store().set(key, value))
+            _within(STORE_TIMEOUT_S + 1, lambda: _tell(_store(), key, value))
     except Exception:  # noqa: BLE001 - the store may be gone too; the original error is what matters
         pass
+
+
+def _tell(store: dist.Store, key: str, value: str) -> None:
+    """Set ``key`` and bump the news counter, which a watching :func:`diagnose` polls instead of every key."""
+    store.set(key, value)
+    store.add(f"{_PREFIX}/news", 1)
 
 
 def _within(seconds: float, fn: Callable[[], _T]) -> _T:
@@ -187,45 +199,68 @@ def diagnosed(what: str = "gradient synchronization") -> Iterator[None]:
         raise RuntimeError(diagnose(err, what=what)) from err
 
 
-def diagnose(error: BaseException, watch_s: float = WATCH_S, what: str = "gradient synchronization") -> str:
+class _News:
+    """What the other ranks left on the store: their errors, who is diagnosing, who was found gone."""
+
+    def __init__(self, store: dist.Store, world: int) -> None:
+        self.count = store.add(f"{_PREFIX}/news", 0)
+        self.failed = {r: msg for r in range(world) if (msg := _read(store, "failed", r)) is not None}
+        self.victims = {r for r in range(world) if _read(store, "victim", r) is not None}
+        gone_key = f"{_PREFIX}/gone"
+        self.gone = [int(r) for r in store.get(gone_key).decode().split(",")] if store.check([gone_key]) else []
+
+
+def _sleep(seconds: float) -> None:
+    try:
+        time.sleep(seconds)
+    except Exception:  # noqa: BLE001 - e.g. Lightning's SIGTERM handler failing its own collective
+        pass
+
+
+def diagnose(error: BaseException, what: str = "gradient synchronization") -> str:
     """A sentence naming the ranks that failed, died or are stuck, for the error this rank raises when ``what``
-    (a collective) failed."""
+    (a collective) failed. Takes at most ``MISSED_BEATS_S`` (and the store's round trips); less when every rank is
+    accounted for, or another rank already knows the cause."""
     global _diagnosed, _store_unreachable
     _diagnosed = True
     me, world = dist.get_rank(), dist.get_world_size()
 
-    def first_look() -> tuple[dist.Store, list[int]]:
+    def first_look() -> tuple[dist.Store, list[int], _News]:
         store = _store()
         # Said before watching: a rank that sees this one's heartbeat stop (it exits after its own watch) reads
         # this key after that, and does not name a rank that only gave up after a peer failed.
-        store.set(f"{_PREFIX}/victim/{me}", "1")
-        return store, [store.add(f"{_PREFIX}/beat/{r}", 0) for r in range(world)]
+        _tell(store, f"{_PREFIX}/victim/{me}", "1")
+        return store, [store.add(f"{_PREFIX}/beat/{r}", 0) for r in range(world)], _News(store, world)
 
-    def second_look(store: dist.Store) -> tuple[list[int], dict[int, str], dict[int, int], set[int]]:
-        after = [store.add(f"{_PREFIX}/beat/{r}", 0) for r in range(world)]
-        failed = {r: msg for r in range(world) if (msg := _read(store, "failed", r)) is not None}
-        steps = {r: int(s) for r in range(world) if (s := _read(store, "step", r)) is not None}
-        victims = {r for r in range(world) if _read(store, "victim", r) is not None}
-        return after, failed, steps, victims
+    def beating(store: dist.Store, ranks: list[int], before: list[int]) -> set[int]:
+        return {r for r in ranks if store.add(f"{_PREFIX}/beat/{r}", 0) != before[r]}
 
     try:
         # Store calls are bounded here (_within): a client of a stopped store host would wait forever.
-        store, before = _within(STORE_TIMEOUT_S + 1, first_look)
-        deadline = time.monotonic() + watch_s
-        while time.monotonic() < deadline:
-            try:
-                time.sleep(0.1)
-            except Exception:  # noqa: BLE001 - e.g. Lightning's SIGTERM handler failing its own collective
-                pass
-        after, failed, steps, victims = _within(STORE_TIMEOUT_S + 1, lambda: second_look(store))
+        store, before, news = _within(STORE_TIMEOUT_S + 1, first_look)
+        alive: set[int] = set()
+        deadline = time.monotonic() + MISSED_BEATS_S
+        while not news.failed and not news.gone and time.monotonic() < deadline:
+            unknown = [r for r in range(world) if r not in alive and r not in news.victims]
+            if not unknown:
+                break  # every rank is alive: a link failed, a collective timed out, or a rank is stuck
+            _sleep(POLL_S)
+            alive |= _within(STORE_TIMEOUT_S + 1, lambda: beating(store, unknown, before))
+            if _within(STORE_TIMEOUT_S + 1, lambda: store.add(f"{_PREFIX}/news", 0)) != news.count:
+                news = _within(STORE_TIMEOUT_S + 1, lambda: _News(store, world))
+        steps = _within(STORE_TIMEOUT_S + 1, lambda: {
+            r: int(s) for r in range(world) if (s := _read(store, "step", r)) is not None})
+        gone = news.gone or [r for r in range(world) if r not in alive and r not in news.failed
+                             and r not in news.victims and not news.failed]
+        if gone and not news.gone:
+            _within(STORE_TIMEOUT_S + 1, lambda: _tell(store, f"{_PREFIX}/gone", ",".join(map(str, gone))))
     except Exception:  # noqa: BLE001
         _store_unreachable = True
         return (
             f"rank {me}: {what} failed and the rendezvous store is unreachable, so the process"
             f" hosting it (rank 0 under Lightning's launcher) is gone or hung. Original error: {error}"
         )
-    parts = [f"rank {r} failed with {msg}" for r, msg in sorted(failed.items())]
-    gone = [r for r in range(world) if after[r] == before[r] and r not in failed and r not in victims]
+    parts = [f"rank {r} failed with {msg}" for r, msg in sorted(news.failed.items())]
     if gone:
         # A hung process (SIGSTOP, a deadlock outside Python, an unreachable host) looks the same as a dead one.
         parts.append(f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} stopped responding (killed,"

@@ -1,0 +1,100 @@
+"""The diagnosis of a failed collective (ddp_plugin.health), on 3 real gloo ranks and their rendezvous store:
+which rank it names for a silent heartbeat, a reported error, or none, and that a finding made by one rank is
+taken by the next instead of watched for again. (Whole runs with killed, stopped and raising ranks are in
+test_reliability.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from ddp_plugin import health
+from ddp_plugin.testing.ranks import RankPool
+
+WORLD = 3
+ERROR = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(WORLD) as ranks:
+        yield ranks
+
+
+@pytest.fixture(autouse=True)
+def fresh_store(pool):
+    """Every test starts from a store without the health keys of the one before."""
+    pool.run(_forget)
+
+
+def _forget(rank: int, world_size: int) -> None:
+    dist.barrier()
+    if rank == 0:
+        store = dist.distributed_c10d._get_default_store()
+        for key in ["gone", "news", *(f"{kind}/{r}" for kind in ("beat", "step", "failed", "victim")
+                                      for r in range(world_size))]:
+            store.delete_key(f"ddp_plugin/health/{key}")
+    health._diagnosed = health._store_unreachable = False
+    dist.barrier()
+
+
+def _diagnose_on(rank: int, diagnosing: set[int], beating: set[int], reports: dict[int, str]) -> str | None:
+    """Heartbeats on the ranks ``beating``, errors reported by the ranks in ``reports``, then a diagnosis on the
+    ranks ``diagnosing`` (the others wait until it is done, as ranks blocked in a collective do)."""
+    heartbeat = health.Heartbeat() if rank in beating else None
+    try:
+        if rank in reports:
+            health.report_exception(ValueError(reports[rank]))
+        dist.barrier()
+        return health.diagnose(ERROR) if rank in diagnosing else None
+    finally:
+        dist.barrier()  # beating until every diagnosis is done, as a rank blocked in a collective does
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def _silent_rank_2(rank, world_size):
+    return _diagnose_on(rank, diagnosing={0, 1}, beating={0, 1}, reports={})
+
+
+def _silent_rank_2_then_a_late_diagnosis(rank, world_size):
+    first = _diagnose_on(rank, diagnosing={0}, beating={0, 1}, reports={})
+    # Rank 1 meets the failure later (its peer, rank 0, gave up): rank 2 is silent by now for too short a time to
+    # be seen so again, so it must take rank 0's finding; rank 2 beats again here, yet is still the one named.
+    later = _diagnose_on(rank, diagnosing={1}, beating={0, 1, 2}, reports={})
+    return first, later
+
+
+def _rank_2_reports_an_error(rank, world_size):
+    return _diagnose_on(rank, diagnosing={0, 1}, beating={0, 1, 2}, reports={2: "the user's step broke"})
+
+
+def _every_rank_beating(rank, world_size):
+    return _diagnose_on(rank, diagnosing={0, 1}, beating={0, 1, 2}, reports={})
+
+
+def test_a_rank_whose_heartbeat_stopped_is_named_by_every_diagnosing_rank(pool):
+    messages = pool.run(_silent_rank_2)
+    for rank in (0, 1):
+        assert messages[rank].startswith(f"rank {rank}: gradient synchronization failed because rank 2 stopped"
+                                         " responding (killed, crashed or hung). Original error:"), messages[rank]
+
+
+def test_a_later_diagnosis_takes_the_gone_ranks_another_rank_found(pool):
+    (first, _), (_, later), _ = pool.run(_silent_rank_2_then_a_late_diagnosis)
+    assert "because rank 2 stopped responding" in first, first
+    assert later.startswith("rank 1: gradient synchronization failed because rank 2 stopped responding"), later
+
+
+def test_a_reported_error_is_quoted_and_its_rank_not_called_gone(pool):
+    messages = pool.run(_rank_2_reports_an_error)
+    for rank in (0, 1):
+        assert messages[rank].startswith(f"rank {rank}: gradient synchronization failed because rank 2 failed with"
+                                         " ValueError: the user's step broke. Original error:"), messages[rank]
+
+
+def test_every_rank_beating_names_nobody(pool):
+    messages = pool.run(_every_rank_beating)
+    for rank in (0, 1):
+        assert "every rank is alive" in messages[rank], messages[rank]
+        assert "stopped responding" not in messages[rank], messages[rank]
