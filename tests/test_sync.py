@@ -261,7 +261,7 @@ def test_resume_mid_cycle_with_a_sync_in_flight_continues_exactly(runs, name):
     torch.testing.assert_close(runs[f"{name}/resumed"]["history"][-1], runs[name]["history"][-1], atol=0, rtol=0)
 
 
-KILL_TIMEOUT_S = 20
+KILL_TIMEOUT_S = 8  # short: under torchrun every survivor waits it out (see the test)
 
 
 def test_a_rank_dead_during_an_outer_sync_makes_the_others_fail_fast_naming_it_and_the_checkpoint_resumes(
@@ -280,7 +280,9 @@ def test_a_rank_dead_during_an_outer_sync_makes_the_others_fail_fast_naming_it_a
     killed_at = float(re.search(r"rank 3 kills itself \(SIGKILL\) at ([\d.]+)", out).group(1))
     exits = {int(r): float(at) for r, at in re.findall(r"rank (\d) exits after \S+ s \(at ([\d.]+)\)", out)}
     assert set(exits) == {0, 1, 2}, out[-4000:]
-    # Each survivor raised within the timeout plus a small margin, and the ones that name a cause name rank 3.
+    # Each survivor raised within the timeout plus a small margin, and the ones that name a cause name rank 3. (Not
+    # sooner: torchrun SIGTERMs the survivors, and Lightning's SIGTERM handler broadcasts over every rank, which
+    # waits out the timeout with rank 3 gone.)
     assert all(at - killed_at < KILL_TIMEOUT_S + 10 for at in exits.values()), (exits, killed_at)
     assert re.search(r"rank [012]: .*failed because .*rank 3 stopped responding", out), out[-4000:]
     for because in re.findall(r"failed because (.*?)\. Original error", out):

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.data import sine_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
-from ddp_plugin.testing.processes import inject_fault, write_pid_file
+from ddp_plugin.testing.processes import inject_fault, run_each, write_pid_file
 from ddp_plugin.testing.ranks import flat_parameters
 
 SIZES = (2, 3, 5, 6)  # uneven per-rank batch sizes; their union is one reference batch of 16
@@ -93,7 +93,7 @@ def uneven_batches(rank: int, world: int) -> list[list[int]]:
     return [list(range(16 * j + start, 16 * j + start + SIZES[rank])) for j in range(STEPS)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", required=True, choices=["die", "raise", "stop", "late", "nonfinite", "weighting"])
     parser.add_argument("--out", default=".")
@@ -108,7 +108,7 @@ def main() -> None:
                         choices=["hierarchical_zero", "ddp", "ddp_patient_start"],
                         help="ddp: Lightning's DDPStrategy with the same timeout, to compare (ddp_patient_start:"
                              " the timeout on its collectives only)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if int(os.environ.get("LOCAL_RANK", 0)) == args.late_rank:
         time.sleep(args.late_s)  # as a slow import on a loaded machine: the others are waiting at the rendezvous
@@ -155,4 +155,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_each(main)
