@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddp_plugin.testing.processes import runs_argument
 from tests.support import WORKERS, run_python
 
 CONFIGS = ["plain", "accumulate", "clip_and_schedule", "everything"]
@@ -31,11 +32,18 @@ def results(tmp_path_factory) -> dict:
     ref_dir = tmp_path_factory.mktemp("reference")
     run_python(WORKERS / "equivalence.py", "--out", ref_dir, "--devices", "0")
     out["reference"] = {c: torch.load(ref_dir / f"{c}-0.pt") for c in CONFIGS}
+    # Runs on the same number of ranks share a launch (one after another in the same processes).
+    by_devices: dict[int, list[list]] = {}
+    where: dict[str, tuple] = {}
     for label, devices, per_node, hierarchical in LAUNCHES:
         d = tmp_path_factory.mktemp(f"ranks{devices}-{per_node}-{hierarchical}")
         args = ["--out", d, "--devices", str(devices), "--hierarchical", hierarchical]
         args += ["--devices-per-node", str(per_node)] if per_node else []
-        run_python(WORKERS / "equivalence.py", *args)
+        by_devices.setdefault(devices, []).append(args)
+        where[label] = (d, devices)
+    for runs in by_devices.values():
+        run_python(WORKERS / "equivalence.py", *runs_argument(runs))
+    for label, (d, devices) in where.items():
         out[label] = {c: torch.load(d / f"{c}-{devices}.pt") for c in CONFIGS}
     return out
 

@@ -8,17 +8,18 @@ import json
 
 import pytest
 
+from ddp_plugin.testing.processes import runs_argument
 from tests.support import WORKERS, run_python
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    out = {}
-    for name, flags in (("hierarchical", []), ("flat", ["--flat"]), ("int8", ["--compression", "int8"])):
-        d = tmp_path_factory.mktemp(name)
-        run_python(WORKERS / "traffic_run.py", "--out", d, "--devices-per-node", "2", *flags)
-        out[name] = json.loads((d / "traffic.json").read_text()) | {"dir": d}
-    return out
+    variants = {"hierarchical": [], "flat": ["--flat"], "int8": ["--compression", "int8"]}
+    dirs = {name: tmp_path_factory.mktemp(name) for name in variants}
+    # The three runs one after another in one launch of 4 ranks.
+    run_python(WORKERS / "traffic_run.py", *runs_argument(
+        [["--out", dirs[name], "--devices-per-node", "2", *flags] for name, flags in variants.items()]))
+    return {name: json.loads((d / "traffic.json").read_text()) | {"dir": d} for name, d in dirs.items()}
 
 
 def per_node_cross_bytes(run: dict) -> list[float]:

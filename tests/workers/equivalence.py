@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.callbacks import ParameterHistory
 from ddp_plugin.testing.data import rank_loader
+from ddp_plugin.testing.processes import run_each
 
 GLOBAL_BATCH = 16
 STEPS = 20
@@ -145,7 +146,7 @@ def run(name: str, devices: int, devices_per_node: int | None, hierarchical: boo
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, required=True)
@@ -159,7 +160,7 @@ def main() -> None:
     parser.add_argument("--wrap", default="Linear", help="stage 3 auto_wrap_policy: module class names, comma-separated")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--accelerator", default="cpu", help="cpu, or gpu for the CUDA/NCCL tests")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     for variant in args.variants.split(","):
         stage, scope, hier = variant.split(":")
@@ -176,4 +177,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_each(main)

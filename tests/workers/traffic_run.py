@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.models import TinyModule, mlp
 from ddp_plugin.testing.simcluster import link_bytes
+from ddp_plugin.testing.processes import run_each
 
 
 class KernelCounters(L.Callback):
@@ -43,7 +44,7 @@ class KernelCounters(L.Callback):
         self.ours = ours - self._start[1]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--flat", action="store_true")
@@ -54,7 +55,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compression", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     strategy = HierarchicalZeroStrategy(devices_per_node=args.devices_per_node, hierarchical=False if args.flat else None,
@@ -91,4 +92,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_each(main)
