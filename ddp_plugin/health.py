@@ -5,7 +5,9 @@ closed by peer") or, for ranks not talking to it directly, after the process gro
 (stopped, deadlocked), every peer's collective fails after the timeout. Neither error says which rank. So every
 rank keeps a heartbeat on the rendezvous store (a counter a background thread bumps twice a second, with the
 rank's step), and a rank that raises an exception of its own leaves it there. On a failure, :func:`diagnose`
-watches the counters: a rank whose counter has not moved for two beat intervals is gone; the watch ends sooner
+watches the counters: a rank whose counter has not moved for two beat intervals is gone. A rank on the same
+machine (the same boot and process namespace) whose process has ended is known gone at once: every rank leaves
+its process id and start time on the store too, and its peers on that machine look it up. The watch ends sooner
 when every rank is accounted for (seen beating, diagnosing a failure itself, or having reported its own error), or
 as soon as another rank has reported an error or already found the gone ranks (then its finding is taken: a
 failure spreads from rank to rank, and each would otherwise watch again). If every rank is alive, the ranks
@@ -21,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import cache
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -73,6 +76,8 @@ class Heartbeat(threading.Thread):
         # made processes abort at exit now and then (~1 in 8 runs on the simulated cluster).
         try:
             store = _store()
+            if (me := process_id()) is not None:
+                store.set(f"{_PREFIX}/process/{self._rank}", me)
         except Exception:  # noqa: BLE001 - no store, no heartbeat; diagnose() will say the store is gone
             return
         while not self._stopping.wait(BEAT_INTERVAL_S) and self._group_alive():
@@ -89,6 +94,45 @@ class Heartbeat(threading.Thread):
         # be unreachable, when it may be stuck in one for good (its host stopped).
         if self is not threading.current_thread():
             self.join(timeout=0 if _store_unreachable else 5)
+
+
+def _start_time(pid: int) -> str | None:
+    """Process ``pid``'s start time (clock ticks since boot, from ``/proc/<pid>/stat``), or None if it has ended
+    (no such process, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+@cache
+def _machine() -> str | None:
+    """This machine's boot and process namespace: processes with the same one see each other's process ids."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None  # not Linux: peers are only ever judged by their heartbeats
+
+
+def process_id(pid: int | None = None) -> str | None:
+    """``"<machine> <pid> <start time>"`` for process ``pid`` (this one by default), which :func:`process_gone`
+    reads back on any process of the same machine; None where ``/proc`` is missing."""
+    pid = os.getpid() if pid is None else pid
+    start = _start_time(pid)
+    return None if _machine() is None or start is None else f"{_machine()} {pid} {start}"
+
+
+def process_gone(entry: str | None) -> bool:
+    """Whether the process :func:`process_id` described as ``entry`` has ended: only known for a process of this
+    machine (the same boot and process namespace; its id is not reused while the start time differs), else
+    False."""
+    if entry is None or _machine() is None:
+        return False
+    machine, pid, start = entry.split()
+    return machine == _machine() and _start_time(int(pid)) != start
 
 
 _diagnosed = False
@@ -208,6 +252,13 @@ class _News:
         self.victims = {r for r in range(world) if _read(store, "victim", r) is not None}
         gone_key = f"{_PREFIX}/gone"
         self.gone = [int(r) for r in store.get(gone_key).decode().split(",")] if store.check([gone_key]) else []
+        self.processes = {r: _read(store, "process", r) for r in range(world)}
+
+    def ended(self) -> list[int]:
+        """Ranks of this machine whose process has ended, but for those that reported an error or gave up after
+        a peer failed (their exit is a consequence)."""
+        return [r for r, entry in self.processes.items()
+                if r not in self.victims and r not in self.failed and process_gone(entry)]
 
 
 def _sleep(seconds: float) -> None:
@@ -240,7 +291,7 @@ def diagnose(error: BaseException, what: str = "gradient synchronization") -> st
         store, before, news = _within(STORE_TIMEOUT_S + 1, first_look)
         alive: set[int] = set()
         deadline = time.monotonic() + MISSED_BEATS_S
-        while not news.failed and not news.gone and time.monotonic() < deadline:
+        while not news.failed and not news.gone and not news.ended() and time.monotonic() < deadline:
             unknown = [r for r in range(world) if r not in alive and r not in news.victims]
             if not unknown:
                 break  # every rank is alive: a link failed, a collective timed out, or a rank is stuck
@@ -250,8 +301,8 @@ def diagnose(error: BaseException, what: str = "gradient synchronization") -> st
                 news = _within(STORE_TIMEOUT_S + 1, lambda: _News(store, world))
         steps = _within(STORE_TIMEOUT_S + 1, lambda: {
             r: int(s) for r in range(world) if (s := _read(store, "step", r)) is not None})
-        gone = news.gone or [r for r in range(world) if r not in alive and r not in news.failed
-                             and r not in news.victims and not news.failed]
+        gone = news.gone or news.ended() or [r for r in range(world) if r not in alive and r not in news.victims
+                                           and not news.failed]
         if gone and not news.gone:
             _within(STORE_TIMEOUT_S + 1, lambda: _tell(store, f"{_PREFIX}/gone", ",".join(map(str, gone))))
     except Exception:  # noqa: BLE001

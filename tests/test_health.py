@@ -5,6 +5,10 @@ test_reliability.py.)"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 import torch.distributed as dist
 
@@ -31,18 +35,26 @@ def _forget(rank: int, world_size: int) -> None:
     dist.barrier()
     if rank == 0:
         store = dist.distributed_c10d._get_default_store()
-        for key in ["gone", "news", *(f"{kind}/{r}" for kind in ("beat", "step", "failed", "victim")
+        for key in ["gone", "news", *(f"{kind}/{r}" for kind in ("beat", "step", "failed", "victim", "process")
                                       for r in range(world_size))]:
             store.delete_key(f"ddp_plugin/health/{key}")
     health._diagnosed = health._store_unreachable = False
     dist.barrier()
 
 
-def _diagnose_on(rank: int, diagnosing: set[int], beating: set[int], reports: dict[int, str]) -> str | None:
-    """Heartbeats on the ranks ``beating``, errors reported by the ranks in ``reports``, then a diagnosis on the
-    ranks ``diagnosing`` (the others wait until it is done, as ranks blocked in a collective do)."""
+def _diagnose_on(rank: int, diagnosing: set[int], beating: set[int], reports: dict[int, str],
+                 ended: set[int] = frozenset()) -> str | None:
+    """Heartbeats on the ranks ``beating``, errors reported by the ranks in ``reports``, the ranks ``ended``
+    registered as a process of this machine that has ended, then a diagnosis on the ranks ``diagnosing`` (the
+    others wait until it is done, as ranks blocked in a collective do)."""
     heartbeat = health.Heartbeat() if rank in beating else None
     try:
+        if rank in ended:
+            store = dist.distributed_c10d._get_default_store()
+            key = f"ddp_plugin/health/process/{rank}"
+            while rank in beating and not store.check([key]):  # the heartbeat registers this process first
+                time.sleep(0.01)
+            store.set(key, _an_ended_process())
         if rank in reports:
             health.report_exception(ValueError(reports[rank]))
         dist.barrier()
@@ -65,6 +77,19 @@ def _silent_rank_2_then_a_late_diagnosis(rank, world_size):
     return first, later
 
 
+def _an_ended_process() -> str:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    entry = health.process_id(child.pid)
+    child.kill()
+    child.wait()
+    return entry
+
+
+def _rank_2_process_ended(rank, world_size):
+    # Rank 2's heartbeat goes on (as if its thread outlived the rest): only its process being gone can name it.
+    return _diagnose_on(rank, diagnosing={0, 1}, beating={0, 1, 2}, reports={}, ended={2})
+
+
 def _rank_2_reports_an_error(rank, world_size):
     return _diagnose_on(rank, diagnosing={0, 1}, beating={0, 1, 2}, reports={2: "the user's step broke"})
 
@@ -78,6 +103,27 @@ def test_a_rank_whose_heartbeat_stopped_is_named_by_every_diagnosing_rank(pool):
     for rank in (0, 1):
         assert messages[rank].startswith(f"rank {rank}: gradient synchronization failed because rank 2 stopped"
                                          " responding (killed, crashed or hung). Original error:"), messages[rank]
+
+
+@pytest.mark.skipif(health.process_id() is None, reason="needs /proc to look up a process")
+def test_a_rank_whose_process_ended_on_this_machine_is_named_without_a_heartbeat_watch(pool):
+    messages = pool.run(_rank_2_process_ended)
+    for rank in (0, 1):
+        assert messages[rank].startswith(f"rank {rank}: gradient synchronization failed because rank 2 stopped"
+                                         " responding (killed, crashed or hung)."), messages[rank]
+
+
+@pytest.mark.skipif(health.process_id() is None, reason="needs /proc to look up a process")
+def test_process_gone_tells_an_ended_process_of_this_machine_from_a_running_one():
+    assert not health.process_gone(health.process_id())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    entry = health.process_id(child.pid)
+    assert not health.process_gone(entry)
+    child.kill()
+    child.wait()
+    assert health.process_gone(entry)
+    # A process of another machine (or pid namespace) is never judged by its id.
+    assert not health.process_gone(entry.replace(entry.split()[0], "another-boot/1"))
 
 
 def test_a_later_diagnosis_takes_the_gone_ranks_another_rank_found(pool):
