@@ -57,7 +57,9 @@ def set_collective_timeout(group: dist.ProcessGroup | None, timeout: timedelta |
     if timeout is None or group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
         return
     if dist.get_backend(group) in ("gloo", "nccl"):
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+        # torch 2.15 made this public as dist.set_timeout and deprecated the private name.
+        set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+        set_timeout(timeout, group)
 
 
 def new_group(

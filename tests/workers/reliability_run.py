@@ -82,7 +82,8 @@ class DDPPatientStart(DDPStrategy):
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        torch.distributed.distributed_c10d._set_pg_timeout(self._collective_timeout)
+        set_timeout = getattr(torch.distributed, "set_timeout", None)  # torch 2.15: the private name is deprecated
+        (set_timeout or torch.distributed.distributed_c10d._set_pg_timeout)(self._collective_timeout)
 
 
 def uneven_batches(rank: int, world: int) -> list[list[int]]:
