@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,13 +40,16 @@ POLL_S = 0.1
 STORE_TIMEOUT_S = 3.0
 
 
-def _store() -> dist.Store:
+def _store(probe: bool = False) -> dist.Store:
     """A client of its own to the rendezvous store (MASTER_ADDR:MASTER_PORT, which every launcher Lightning
     supports sets); the default group's client is not shared with the heartbeat's thread. Falls back to the
-    default group's store where those variables are missing."""
+    default group's store where those variables are missing. ``probe``: connect a plain socket first, so a store
+    whose process is gone (the connection refused) raises at once instead of after the client's retries."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         return dist.distributed_c10d._get_default_store()
+    if probe:
+        socket.create_connection((addr, int(port)), timeout=STORE_TIMEOUT_S).close()
     # A short timeout: a client to a dead host retries its connection until the timeout, and every survivor
     # of a dead rank 0 (which hosts the store under Lightning's launcher) would wait that long to say so.
     return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S),
@@ -80,10 +84,25 @@ class Heartbeat(threading.Thread):
                 store.set(f"{_PREFIX}/process/{self._rank}", me)
         except Exception:  # noqa: BLE001 - no store, no heartbeat; diagnose() will say the store is gone
             return
-        while not self._stopping.wait(BEAT_INTERVAL_S) and self._group_alive():
+        world = dist.get_world_size() if me is not None else 0
+        _peer_processes.clear()
+        next_beat = time.monotonic() + BEAT_INTERVAL_S
+        while self._group_alive():
             try:
-                store.add(f"{_PREFIX}/beat/{self._rank}", 1)
-                store.set(f"{_PREFIX}/step/{self._rank}", str(self.step))
+                # The peers' process ids, kept here: when the store's host dies they cannot be read any more. Looked
+                # for every POLL_S until all are known, since a rank may die in its first second.
+                for r in range(world):
+                    if r not in _peer_processes and (entry := _read(store, "process", r)) is not None:
+                        _peer_processes[r] = entry
+                wait = next_beat - time.monotonic()
+                if len(_peer_processes) < world:
+                    wait = min(wait, POLL_S)
+                if self._stopping.wait(max(wait, 0.0)) or not self._group_alive():
+                    break
+                if time.monotonic() >= next_beat:
+                    store.add(f"{_PREFIX}/beat/{self._rank}", 1)
+                    store.set(f"{_PREFIX}/step/{self._rank}", str(self.step))
+                    next_beat = time.monotonic() + BEAT_INTERVAL_S
             except Exception:  # noqa: BLE001 - the store's host is gone; diagnose() will say so
                 break
         del store
@@ -135,8 +154,23 @@ def process_gone(entry: str | None) -> bool:
     return machine == _machine() and _start_time(int(pid)) != start
 
 
+def _ended_peers(me: int, settle_s: float = 1.0) -> list[int]:
+    """The peers of this machine whose processes have ended (as read by this rank's heartbeat). A killed process
+    closes its sockets before it becomes a zombie, so a peer's connection may fail while it still looks alive: when
+    rank 0 (the store's host under Lightning's launcher) is on this machine, this waits up to ``settle_s`` for it."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        ended = [r for r, entry in sorted(_peer_processes.items()) if r != me and process_gone(entry)]
+        rank_0 = _peer_processes.get(0)
+        if (0 in ended or me == 0 or rank_0 is None or rank_0.split()[0] != _machine()
+                or time.monotonic() >= deadline):
+            return ended
+        time.sleep(0.02)
+
+
 _diagnosed = False
 _store_unreachable = False  # found by diagnose(): a heartbeat may be stuck in a store call, not worth waiting for
+_peer_processes: dict[int, str] = {}  # rank -> process_id(), read by this rank's heartbeat
 
 # What gloo and NCCL say when a peer is gone or a collective timed out; such an error is a consequence.
 _COMM_ERROR_MARKS = ("gloo", "NCCL", "pair closure", "Connection closed", "Connection reset", "Timed out waiting",
@@ -275,9 +309,11 @@ def diagnose(error: BaseException, what: str = "gradient synchronization") -> st
     global _diagnosed, _store_unreachable
     _diagnosed = True
     me, world = dist.get_rank(), dist.get_world_size()
+    # Known without the store, which may be gone with its host.
+    ended_here = [r for r, entry in sorted(_peer_processes.items()) if r != me and process_gone(entry)]
 
     def first_look() -> tuple[dist.Store, list[int], _News]:
-        store = _store()
+        store = _store(probe=True)
         # Said before watching: a rank that sees this one's heartbeat stop (it exits after its own watch) reads
         # this key after that, and does not name a rank that only gave up after a peer failed.
         _tell(store, f"{_PREFIX}/victim/{me}", "1")
@@ -307,6 +343,16 @@ def diagnose(error: BaseException, what: str = "gradient synchronization") -> st
             _within(STORE_TIMEOUT_S + 1, lambda: _tell(store, f"{_PREFIX}/gone", ",".join(map(str, gone))))
     except Exception:  # noqa: BLE001
         _store_unreachable = True
+        ended_here = sorted(set(ended_here) | set(_ended_peers(me)))
+        if ended_here:
+            # Under Lightning's launcher rank 0 hosts the store: when its process has ended it is the cause, and
+            # the others whose processes ended since may have given up after it.
+            ended = [0] if 0 in ended_here else ended_here
+            return (
+                f"rank {me}: {what} failed because rank{'s' if len(ended) > 1 else ''} {', '.join(map(str, ended))}"
+                " stopped responding (killed, crashed or hung); its process on this machine has ended, and the"
+                f" rendezvous store is unreachable. Original error: {error}"
+            )
         return (
             f"rank {me}: {what} failed and the rendezvous store is unreachable, so the process"
             f" hosting it (rank 0 under Lightning's launcher) is gone or hung. Original error: {error}"
