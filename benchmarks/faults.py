@@ -31,6 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import lightning
+import torch
+
 from ddp_plugin.testing.processes import alive, clean_env, end_run, kill_quietly, pid_files
 
 HERE = Path(__file__).resolve().parent
@@ -119,6 +122,7 @@ class Fault:
     kill_rank_0_at_fault: bool = False
     needs_mount: bool = False
     prepare: Callable[[dict, Path], dict] | None = None  # (spec, scratch) -> spec, before the run
+    repeat: int = 1  # runs per contender; the row shows the median run and every run's seconds
 
 
 def _crash_outcome(r: Run, contender: str) -> str:
@@ -161,17 +165,17 @@ def faults() -> list[Fault]:
               {**_base(**OURS_2x2), **stop2}, {**_base(), **stop2}, _crash_outcome),
         Fault("sigkill", "`kill -9` of rank 2",
               {**_base(**OURS_2x2), "fault": {"kind": "sigkill", "rank": 2, "step": 5}},
-              {**_base(), "fault": {"kind": "sigkill", "rank": 2, "step": 5}}, _crash_outcome),
+              {**_base(), "fault": {"kind": "sigkill", "rank": 2, "step": 5}}, _crash_outcome, repeat=3),
         Fault("raise", "an exception in rank 2's `training_step`",
               {**_base(**OURS_2x2), "fault": {"kind": "raise", "rank": 2, "step": 5}},
-              {**_base(), "fault": {"kind": "raise", "rank": 2, "step": 5}}, _crash_outcome),
+              {**_base(), "fault": {"kind": "raise", "rank": 2, "step": 5}}, _crash_outcome, repeat=3),
         Fault("nan", "a NaN loss on rank 1 at step 5 (ours: `skip_nonfinite=True`)",
               {**_base(**OURS_2x2, skip_nonfinite=True), "fault": {"kind": "nan", "rank": 1, "step": 5}},
               {**_base(), "fault": {"kind": "nan", "rank": 1, "step": 5}}, _nan_outcome),
         Fault("kill rank 0 mid-save", "`kill -9` of rank 0 in the middle of its second checkpoint write (ours: stage 2)",
               {**_base(**OURS_2x2, zero_stage=2), "save_every": 3, "stall_save": True},
               {**_base(), "save_every": 3, "stall_save": True}, _with_checkpoint(_crash_outcome),
-              kill_rank_0_at_fault=True, prepare=_ckpt_in_scratch),
+              kill_rank_0_at_fault=True, prepare=_ckpt_in_scratch, repeat=3),
         Fault("full disk", "the checkpoint's filesystem fills up on the second save (ours: stage 2)",
               {**_base(**OURS_2x2, zero_stage=2), "save_every": 3, "width": 256},
               {**_base(), "save_every": 3, "width": 256}, _with_checkpoint(_crash_outcome),
@@ -318,6 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     words = [w for w in args.only.split(",") if w]
     mount_ok, mount_reason = _can_mount()
     rows = []
+    load_at_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     started = time.time()
     for fault in faults():
         if words and not any(w in fault.name for w in words):
@@ -330,13 +335,21 @@ def main(argv: list[str] | None = None) -> None:
             if fault.needs_mount and not mount_ok:
                 cells.append(f"skipped: {mount_reason}")
                 continue
-            r = run_fault(fault, contender, spec)
-            cells.append(r.outcome)  # type: ignore[attr-defined]
-            print(f"[{time.time() - started:6.0f} s] {fault.name} / {contender}: {r.outcome}", flush=True)
-            if args.keep:
-                print(f"    {r.workdir}")
+            runs = []
+            for _ in range(fault.repeat):
+                r = run_fault(fault, contender, spec)
+                runs.append(r)
+                print(f"[{time.time() - started:6.0f} s] {fault.name} / {contender}: {r.outcome}", flush=True)
+                if args.keep:
+                    print(f"    {r.workdir}")
+                else:
+                    shutil.rmtree(r.workdir, ignore_errors=True)
+            seconds = [r.seconds for r in runs]
+            if len(runs) > 1 and None not in seconds:
+                median = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+                cells.append(f"{median.outcome} ({len(runs)} runs: {', '.join(f'{t:.1f}' for t in seconds)} s)")
             else:
-                shutil.rmtree(r.workdir, ignore_errors=True)
+                cells.append(runs[0].outcome)  # type: ignore[attr-defined]
         rows.append(f"| {fault.what} | {cells[0]} | {cells[1]} |")
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     text = "\n".join([
@@ -345,7 +358,9 @@ def main(argv: list[str] | None = None) -> None:
         f"`python benchmarks/faults.py` at {rev or 'an unknown revision'}: 4 CPU ranks over gloo under Lightning's"
         " launcher (ours as 2 simulated nodes x 2 unless the row says one node), a small MLP with AdamW,"
         f" `timeout={TIMEOUT_S}` s for both. Times are from the fault until the last other rank exited (where a fault is"
-        f" injected), else the run's wall time. {os.cpu_count()} cores, {platform.platform()}.",
+        f" injected), else the run's wall time; rows with several runs show the median run. torch {torch.__version__},"
+        f" lightning {lightning.__version__}, {os.cpu_count()} cores, {platform.platform()}, load average {load_at_start:.2f}"
+        " at the start (the 1-minute average; nothing but this script should be running).",
         "",
         "| fault | ddp_plugin (`hierarchical_zero`) | Lightning `ddp` |",
         "|---|---|---|",
