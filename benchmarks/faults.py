@@ -251,7 +251,6 @@ def _with_checkpoint(outcome: Callable[[Run, str], str]) -> Callable[[Run, str],
         if not ckpt.exists():
             return f"{text}; no checkpoint file"
         try:
-            import torch
 
             step = torch.load(ckpt, weights_only=False, map_location="cpu")["global_step"]
             return f"{text}; the checkpoint loads (step {step})"
