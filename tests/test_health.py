@@ -98,19 +98,19 @@ def _every_rank_beating(rank, world_size):
     return _diagnose_on(rank, diagnosing={0, 1}, beating={0, 1, 2}, reports={})
 
 
-def test_a_rank_whose_heartbeat_stopped_is_named_by_every_diagnosing_rank(pool):
-    messages = pool.run(_silent_rank_2)
+def _rank_2_named_by_ranks_0_and_1(messages):
     for rank in (0, 1):
         assert messages[rank].startswith(f"rank {rank}: gradient synchronization failed because rank 2 stopped"
                                          " responding (killed, crashed or hung). Original error:"), messages[rank]
 
 
+def test_a_rank_whose_heartbeat_stopped_is_named_by_every_diagnosing_rank(pool):
+    _rank_2_named_by_ranks_0_and_1(pool.run(_silent_rank_2))
+
+
 @pytest.mark.skipif(health.process_id() is None, reason="needs /proc to look up a process")
 def test_a_rank_whose_process_ended_on_this_machine_is_named_without_a_heartbeat_watch(pool):
-    messages = pool.run(_rank_2_process_ended)
-    for rank in (0, 1):
-        assert messages[rank].startswith(f"rank {rank}: gradient synchronization failed because rank 2 stopped"
-                                         " responding (killed, crashed or hung)."), messages[rank]
+    _rank_2_named_by_ranks_0_and_1(pool.run(_rank_2_process_ended))
 
 
 @pytest.mark.skipif(health.process_id() is None, reason="needs /proc to look up a process")
