@@ -1,5 +1,7 @@
 """Lightning callbacks that record what training did, for a test to compare afterwards.
 
+- :class:`ExitReport`: the line ``rank R exits after S s (at T): Error: message`` when ``fit`` fails, printed from
+  the Trainer's ``on_exception``, which a fault test reads to learn when each survivor gave up.
 - :class:`ParameterHistory`: after every optimizer step, the whole parameter vector (C2: compare it with a
   single-process run's) and the largest difference between ranks (C1: it must stay 0.0)::
 
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import lightning as L
@@ -19,7 +22,7 @@ import torch
 
 from ddp_plugin.testing.ranks import flat_parameters, max_rank_difference
 
-__all__ = ["ParameterHistory"]
+__all__ = ["ExitReport", "ParameterHistory"]
 
 
 class ParameterHistory(L.Callback):
@@ -47,3 +50,27 @@ class ParameterHistory(L.Callback):
         self.history.append(flat.cpu())
         if trainer.world_size > 1:
             self.max_rank_diff = max(self.max_rank_diff, max_rank_difference(trainer.strategy, flat))
+
+
+class ExitReport(L.Callback):
+    """Print ``rank R exits after S s (at T): Error: message`` when ``fit`` fails (``S`` from construction).
+
+    Printed in ``on_exception``, which Lightning calls before its teardown: the teardown puts back the signal
+    handlers of before ``fit`` (the default action for SIGTERM), so a launcher's SIGTERM to the survivors of a dead
+    rank, arriving right after, would end a rank before a line printed after ``fit`` raised."""
+
+    def __init__(self) -> None:
+        self.start = time.time()
+        self.reported = False
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.report(trainer.global_rank, exception)
+
+    def report(self, rank: int, err: BaseException) -> None:
+        """Print the line once (also for an error raised outside the Trainer's handling)."""
+        if self.reported:
+            return
+        self.reported = True
+        now = time.time()
+        print(f"rank {rank} exits after {now - self.start:.1f} s (at {now:.3f}): {type(err).__name__}: {err}",
+              flush=True)

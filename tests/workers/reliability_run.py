@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.callbacks import ExitReport
 from ddp_plugin.testing.data import sine_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
 from ddp_plugin.testing.processes import inject_fault, run_each, write_pid_file
@@ -128,8 +129,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         strategy = "auto"
+    exit_report = ExitReport()
     trainer = L.Trainer(
-        accelerator="cpu", devices=max(args.devices, 1), strategy=strategy,
+        accelerator="cpu", devices=max(args.devices, 1), strategy=strategy, callbacks=[exit_report],
         max_steps=500 if args.mode in ("die", "raise", "stop") else STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=args.mode != "weighting",
     )
@@ -139,13 +141,10 @@ def main(argv: list[str] | None = None) -> None:
         loader = DataLoader(sine_dataset(16 * STEPS, 8, seed=3), batch_sampler=uneven_batches(rank, world))
     else:
         loader = DataLoader(sine_dataset(4096, 8, seed=3), batch_size=8)
-    start = time.time()
     try:
         trainer.fit(model, loader)
     except BaseException as err:
-        now = time.time()
-        print(f"rank {trainer.global_rank} exits after {now - start:.1f} s (at {now:.3f}): {type(err).__name__}: {err}",
-              flush=True)
+        exit_report.report(trainer.global_rank, err)
         raise
     history = torch.stack(model.history)
     every_rank = trainer.strategy.all_gather(history) if trainer.world_size > 1 else history[None]

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.callbacks import ExitReport
 from ddp_plugin.testing.data import rank_loader, sine_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
 from ddp_plugin.testing.processes import inject_fault, run_each
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
 
         net.configure_optimizers = with_scheduler
     record = EveryRank()
-    callbacks: list[L.Callback] = [record]
+    exit_report = ExitReport()
+    callbacks: list[L.Callback] = [record, exit_report]
     if args.save_at:
         callbacks.append(SaveAt(args.save_at, args.ckpt))
     if args.kill_rank >= 0:
@@ -137,13 +139,10 @@ def main(argv: list[str] | None = None) -> None:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, callbacks=callbacks, **json.loads(args.trainer))
     loader = DataLoader(rank_batches(int(os.environ.get("LOCAL_RANK", "0")), args.batch_sizes), batch_size=None)
-    start = time.time()
     try:
         trainer.fit(net, loader, ckpt_path=args.resume)
     except BaseException as err:
-        now = time.time()
-        print(f"rank {trainer.global_rank} exits after {now - start:.1f} s (at {now:.3f}): {type(err).__name__}: {err}",
-              flush=True)
+        exit_report.report(trainer.global_rank, err)
         raise
     if trainer.is_global_zero:
         torch.save({"history": torch.stack(record.history), "cross_node_MB": torch.stack(record.cross_node_mb),
