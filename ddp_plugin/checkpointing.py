@@ -27,7 +27,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch import Tensor
 from typing_extensions import override
 
-from ddp_plugin import sharded_checkpoint
+from ddp_plugin import sharded_checkpoint, tensor_parallel
 from ddp_plugin.checkpoint_io import (
     AtomicCheckpointIO,
     agree_with_rank_0,
@@ -62,9 +62,35 @@ class CheckpointRouting:
 
     # ------------------------------------------------------------------ what goes in
 
+    def _has_tensor_parallel_model(self) -> bool:
+        module = self.lightning_module
+        return module is not None and tensor_parallel.has_tensor_parallel_parameters(module)
+
+    def _check_tensor_parallel_checkpoint(self) -> None:
+        if not self._has_tensor_parallel_model():
+            return
+        if self.config.checkpoint != "master" or self.config.sync_every > 1:
+            raise NotImplementedError(
+                "Checkpoints of a tensor-parallel model are written with `checkpoint='master'` and `sync_every=1`"
+                f" in this release; this run has `checkpoint={self.config.checkpoint!r}`,"
+                f" `sync_every={self.config.sync_every}`. Train with those settings to save (or pass"
+                " `enable_checkpointing=False` to the Trainer to train without saving)."
+            )
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         pm = self._state_plugins()
+        self._check_tensor_parallel_checkpoint()
+        if self._has_tensor_parallel_model():
+            # Whole, plain tensors under the unsplit model's names (an all-gather per split tensor, every rank;
+            # at ZeRO stage 3 inside `full_parameters()`, copied before its units are freed again): loadable into
+            # the unsplit model in one process, and into any other split.
+            with diagnosed("the checkpoint's gather of the tensor-parallel model"), self.full_parameters():
+                state = super().lightning_module_state_dict()
+                whole = tensor_parallel.full_state_dict(state)
+                if self.config.zero_stage == 3:  # (a replicated DTensor's whole value is its local tensor)
+                    whole = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in whole.items()}
+                return whole
         if self.config.checkpoint == "sharded":
             state = pm.hook.on_local_module_state_dict(module=self.lightning_module) if pm is not None else None
             return state if state is not None else self.lightning_module.state_dict()
@@ -79,6 +105,11 @@ class CheckpointRouting:
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         pm = self._state_plugins()
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
+        if self._has_tensor_parallel_model():
+            self._check_tensor_parallel_checkpoint()
+            with diagnosed("the checkpoint's gather of the tensor-parallel optimizer state"):
+                state = pm.hook.on_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
+                return tensor_parallel.full_state_dict(state if state is not None else optimizer.state_dict())
         if self.config.checkpoint == "sharded":
             local = pm.hook.on_local_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
             if local is None:
@@ -214,6 +245,8 @@ class CheckpointRouting:
                 f"The checkpoint does not fit {type(self.lightning_module).__name__}: {'; '.join(details)}. Was it"
                 " saved from another model (or other hyperparameters)?"
             )
+        if self._has_tensor_parallel_model():
+            state = tensor_parallel.distribute_state_dict(state, self.lightning_module)  # each rank its part
         self.lightning_module.load_state_dict(state, strict=strict)
 
     @override
@@ -223,6 +256,8 @@ class CheckpointRouting:
         pm = self._session.plugin_manager
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             if not pm.hook.on_load_optimizer_state_dict(optimizer=optimizer, state_dict=state):
+                if self._has_tensor_parallel_model():  # whole tensors in the file: each rank takes its part
+                    state = tensor_parallel.distribute_optimizer_state(state, optimizer)
                 optimizer.load_state_dict(state)
             _optimizers_to_device([optimizer], self.root_device)
         return None

@@ -85,6 +85,8 @@ class StrategyConfig:
     sync_fragments: int = 1
     max_staleness: int = 0
     sync_warmup_steps: int = 0
+    tensor_parallel_size: int | str = 1
+    """A positive int, or ``"auto"``: the ranks per node (``ModelParallelStrategy``'s default)."""
     hpz_partition_size: int | None = None
     """From a DeepSpeed config's ``zero_hpz_partition_size``: must equal the ranks per node (checked at setup)."""
 
@@ -142,6 +144,8 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "sync_fragments": lambda v: check_int("sync_fragments", v, minimum=1),
         "max_staleness": lambda v: check_int("max_staleness", v, minimum=0),
         "sync_warmup_steps": lambda v: check_int("sync_warmup_steps", v, minimum=0),
+        "tensor_parallel_size": lambda v: v if v == "auto" else check_int("tensor_parallel_size", v, minimum=1,
+            expected="a positive integer that divides the ranks per node (`devices_per_node`), or 'auto'"),
         "hpz_partition_size": lambda v: v,
     }
     for name, value in values.items():
@@ -155,8 +159,21 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
     check_plugins(plugins, compression, options)
     if "compression" in values:
         out["compression"] = compression
-    _check_sync_mode({**{f.name: f.default for f in fields(StrategyConfig) if f.default is not MISSING}, **out})
+    every_flag = {**{f.name: f.default for f in fields(StrategyConfig) if f.default is not MISSING}, **out}
+    _check_sync_mode(every_flag)
+    _check_tensor_parallel(every_flag)
     return out
+
+
+def _check_tensor_parallel(c: dict[str, Any]) -> None:
+    """What can be checked before the layout is known (the rest is :class:`~ddp_plugin.topology.Layout`'s)."""
+    tp, per_node = c["tensor_parallel_size"], c["devices_per_node"]
+    if per_node is not None and tp != "auto" and per_node % tp:
+        raise ValueError(
+            f"`tensor_parallel_size={tp}` must divide `devices_per_node={per_node}`: a tensor-parallel group is"
+            " consecutive ranks inside one node. Allowed values:"
+            f" {', '.join(str(d) for d in range(1, per_node + 1) if per_node % d == 0)}."
+        )
 
 
 def _check_outer_optimizer(value: Any) -> Any:

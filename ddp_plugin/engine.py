@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_plugin import health
-from ddp_plugin.hookspecs import Bucket
+from ddp_plugin.hookspecs import Bucket, is_tensor_parallel_shard, local_tensor, set_local_grad
 
 if TYPE_CHECKING:
     from pluggy import HookRelay
@@ -35,7 +35,9 @@ def pack(
     named_params: Iterable[tuple[str, Parameter]], cap_bytes: int, first_cap_bytes: int | None = None
 ) -> list[list[tuple[str, Parameter]]]:
     """Group parameters into buckets of at most ``cap_bytes`` (a single larger parameter gets its own bucket),
-    in the order given, never mixing dtypes or devices.
+    in the order given, never mixing dtypes or devices, nor tensor-parallel shards with replicated parameters:
+    a replicated parameter's bucket is then the same on every rank of a tensor-parallel group, and a codec that
+    codes a bucket as a whole (int8's block scales) gives them the same bits, so the copies stay identical.
 
     ``first_cap_bytes`` caps the first bucket only. DDP uses 1 MiB there: the first bucket is the first one
     ready in backward, and a small one starts communication early instead of after a quarter of backward."""
@@ -43,10 +45,10 @@ def pack(
     current: list[tuple[str, Parameter]] = []
     current_bytes = 0
     for name, p in named_params:
-        nbytes = p.numel() * p.element_size()
+        nbytes = local_tensor(p).numel() * p.element_size()
         cap = cap_bytes if groups or first_cap_bytes is None else min(first_cap_bytes, cap_bytes)
         if current and (
-            (p.dtype, p.device) != (current[0][1].dtype, current[0][1].device) or current_bytes + nbytes > cap
+            _kind(p) != _kind(current[0][1]) or current_bytes + nbytes > cap
         ):
             groups.append(current)
             current, current_bytes = [], 0
@@ -55,6 +57,10 @@ def pack(
     if current:
         groups.append(current)
     return groups
+
+
+def _kind(p: Parameter) -> tuple[torch.dtype, torch.device, bool]:
+    return p.dtype, p.device, is_tensor_parallel_shard(p)
 
 
 def build_buckets(
@@ -78,7 +84,7 @@ def build_buckets(
         offsets, total = [], 0
         for _, p in group:
             offsets.append(total)
-            total += p.numel()
+            total += local_tensor(p).numel()
         first = group[0][1]
         buffer = torch.zeros(-(-total // pad_multiple) * pad_multiple, dtype=first.dtype, device=first.device)
         bucket = Bucket(
@@ -91,8 +97,8 @@ def build_buckets(
         for i, p in enumerate(bucket.params):
             if p.grad is not None:
                 view = bucket.grad_view(i)
-                view.copy_(p.grad)
-                p.grad = view
+                view.copy_(local_tensor(p.grad))
+                set_local_grad(p, view)
         buckets.append(bucket)
     return buckets
 
@@ -182,10 +188,11 @@ class GradientEngine:
 
         def on_grad_accumulated(p: Parameter) -> None:
             bucket.materialize()  # a sharder may have released the buffer after the last step
-            if p.grad.data_ptr() != view.data_ptr():
+            grad = local_tensor(p.grad)
+            if grad.data_ptr() != view.data_ptr():
                 # The first backward after zero_grad(set_to_none=True) allocated a fresh gradient.
-                view.copy_(p.grad)
-                p.grad = view
+                view.copy_(grad)
+                set_local_grad(p, view)
             if not self.require_sync:
                 return
             if not self._armed:
@@ -240,9 +247,9 @@ class GradientEngine:
                     view = self._views[bucket.index][i]
                     if p.grad is None:
                         view.zero_()
-                    elif p.grad.data_ptr() != view.data_ptr():
-                        view.copy_(p.grad)
-                        p.grad = view
+                    elif local_tensor(p.grad).data_ptr() != view.data_ptr():
+                        view.copy_(local_tensor(p.grad))
+                        set_local_grad(p, view)
             self._launch(bucket)
 
         # Agree with the other ranks on which parameters got a gradient anywhere (and, with check_finite, whether
@@ -276,7 +283,10 @@ class GradientEngine:
             start += len(bucket.params)
         for p, view, count in zip(self._params, self._flat_views, used):
             # A plugin that released a bucket (a ZeRO sharder keeps only its shard) owns those gradients now.
-            p.grad = view if count and view.untyped_storage().nbytes() else None
+            if not (count and view.untyped_storage().nbytes()):
+                p.grad = None
+            elif p.grad is None or local_tensor(p.grad).data_ptr() != view.data_ptr():
+                set_local_grad(p, view)
         self._hook.on_after_backward(buckets=self.buckets, sync_wait_s=sync_wait_s)
 
     # ------------------------------------------------------------------ lifecycle

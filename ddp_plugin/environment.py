@@ -77,7 +77,9 @@ class DistributedEnvironment(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        # The ranks of a tensor-parallel group read the same batch: the sampler splits over data-parallel ranks.
+        tp = self._layout().tensor_parallel_size
+        return {"num_replicas": self.num_nodes * self.num_processes // tp, "rank": self.global_rank // tp}
 
     @property
     def process_group_backend(self) -> str | None:
@@ -98,8 +100,10 @@ class DistributedEnvironment(ParallelStrategy):
             self._launcher = _MultiProcessingLauncher(self, start_method=self.config.start_method)
 
     def _layout(self) -> Layout:
-        return Layout(world_size=self.num_nodes * self.num_processes,
-                      ranks_per_node=self.config.devices_per_node or self.num_processes)
+        per_node = self.config.devices_per_node or self.num_processes
+        tp = self.config.tensor_parallel_size
+        return Layout(world_size=self.num_nodes * self.num_processes, ranks_per_node=per_node,
+                      tensor_parallel_size=per_node if tp == "auto" else tp)
 
     @override
     def setup_environment(self) -> None:

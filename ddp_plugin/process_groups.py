@@ -1,7 +1,10 @@
 """The lifetime of the strategy's process groups.
 
-Every ``fit`` needs the ``(node, local)`` mesh's groups (:class:`~ddp_plugin.hookspecs.Topology`) and a
-world-sized group for the engine's bookkeeping (a sync mode also one per node). They are created once per process, default group, layout and
+Every ``fit`` needs the data-parallel ``(node, local)`` mesh's groups (:class:`~ddp_plugin.hookspecs.Topology`),
+a world-sized group for the engine's bookkeeping (a sync mode also one per node), and, for a module that
+parallelizes itself in ``configure_model``, Lightning's ``("data_parallel", "tensor_parallel")`` device mesh. One
+:class:`ProcessGroups` per validated :class:`~ddp_plugin.topology.Layout` builds them all, once, and every part
+of the strategy asks it. They are created once per process, default group, layout and
 timeout, and shared by every ``fit`` of the process: gloo groups destroyed mid-run abort at exit. Every one
 fails its collectives after the strategy's ``timeout`` (torch gives a new group 30 minutes, and a hung rank
 hung every other rank on such a group).
@@ -26,10 +29,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 import torch.distributed as dist
 
-from ddp_plugin.topology import Layout, build_topology, new_group
+from ddp_plugin.topology import Layout, build_device_mesh, build_topology, new_group
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
+    from torch.distributed.device_mesh import DeviceMesh
 
     from ddp_plugin.hookspecs import Topology
 
@@ -40,31 +44,46 @@ class UsesProcessGroups(Protocol):
 
 
 class ProcessGroups:
-    """The mesh (``topology``) and the bookkeeping group of one layout over the current default group."""
+    """The data-parallel mesh (``topology``), the bookkeeping groups and the device mesh of one layout over the
+    current default group.
+
+    The bookkeeping groups join every rank of the world (or of a node), tensor-parallel peers included: a step is
+    skipped, and a batch's samples are counted, by every rank together."""
 
     _made: ClassVar[dict[tuple[Any, ...], ProcessGroups]] = {}
     _users: ClassVar[weakref.WeakSet] = weakref.WeakSet()
     _atexit_registered: ClassVar[bool] = False
 
-    def __init__(self, topology: Topology, bookkeeping: dist.ProcessGroup, backend: str | None = None) -> None:
+    def __init__(self, layout: Layout, topology: Topology, bookkeeping: dist.ProcessGroup,
+                 backend: str | None = None) -> None:
+        self.layout = layout
         self.topology = topology
         self.bookkeeping = bookkeeping
         self._backend = backend
         self._node_bookkeeping: dist.ProcessGroup | None = None
+        self._device_mesh: DeviceMesh | None = None
+
+    def device_mesh(self) -> DeviceMesh:
+        """Lightning's ``("data_parallel", "tensor_parallel")`` mesh (``ModelParallelStrategy``'s dimension names),
+        tensor innermost. Created on first use: collective, every rank calls it at the same point."""
+        if self._device_mesh is None:
+            self._device_mesh = build_device_mesh(self.layout, self.topology.device, self.topology.timeout)
+        return self._device_mesh
 
     def node_bookkeeping(self) -> dist.ProcessGroup | None:
         """A bookkeeping group of this rank's node, for the steps whose gradients stay inside the node (a sync
         mode's); ``None`` with one rank per node (nothing to agree on). Created on first use: collective, every
         rank calls it at the same point."""
-        t = self.topology
-        if t.ranks_per_node == 1:
+        layout = self.layout
+        k = layout.ranks_per_node
+        if k == 1:
             return None
         if self._node_bookkeeping is None:
-            k = t.ranks_per_node
-            for node in range(t.num_nodes):  # every rank takes part in creating every node's group
+            mine = dist.get_rank() // k
+            for node in range(layout.num_nodes):  # every rank takes part in creating every node's group
                 group = new_group([node * k + local for local in range(k)], backend=self._backend,
-                                  timeout=t.timeout)
-                if node == t.node_rank:
+                                  timeout=self.topology.timeout)
+                if node == mine:
                     self._node_bookkeeping = group
         return self._node_bookkeeping
 
@@ -77,7 +96,7 @@ class ProcessGroups:
             if not cls._atexit_registered:
                 atexit.register(cls.release_all)
                 cls._atexit_registered = True
-            groups = cls._made[key] = cls(build_topology(layout, device, timeout),
+            groups = cls._made[key] = cls(layout, build_topology(layout, device, timeout),
                                           new_group(backend=backend, timeout=timeout), backend)
         return groups
 
@@ -93,7 +112,7 @@ class ProcessGroups:
         for f in dataclasses.fields(self.topology):
             if f.name == "mesh" or f.name.endswith("group"):
                 object.__setattr__(self.topology, f.name, None)
-        self.bookkeeping = self._node_bookkeeping = None  # type: ignore[assignment]
+        self.bookkeeping = self._node_bookkeeping = self._device_mesh = None  # type: ignore[assignment]
 
     @classmethod
     def release_all(cls) -> None:

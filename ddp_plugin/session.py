@@ -17,11 +17,12 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from ddp_plugin import health
+from ddp_plugin import health, tensor_parallel
 from ddp_plugin.comm import TracedCommunicator
 from ddp_plugin.engine import GradientEngine
-from ddp_plugin.hookspecs import Options
+from ddp_plugin.hookspecs import Options, local_tensor
 from ddp_plugin.plugin_manager import build_for, cross_node_codec
+from ddp_plugin.topology import Layout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -41,7 +42,8 @@ class FitSession:
     def __init__(self, config: StrategyConfig, module: pl.LightningModule, topology: Topology,
                  flags_group: dist.ProcessGroup, device: torch.device, hierarchical: bool,
                  measure_memory: Callable[[], dict[str, int]],
-                 node_flags_group: Callable[[], dist.ProcessGroup | None] | None = None) -> None:
+                 node_flags_group: Callable[[], dist.ProcessGroup | None] | None = None,
+                 layout: Layout | None = None) -> None:
         if config.hpz_partition_size is not None and config.hpz_partition_size != topology.ranks_per_node:
             raise ValueError(
                 f"The DeepSpeed config's `zero_optimization.zero_hpz_partition_size={config.hpz_partition_size}`"
@@ -50,8 +52,11 @@ class FitSession:
             )
         self.config = config
         self.topology = topology
+        # Every rank, tensor-parallel peers included (the topology's sizes are the data-parallel ones): the
+        # bookkeeping groups join them all, and a node's traffic stays inside it by physical ranks.
+        self.layout = layout if layout is not None else Layout(topology.world_size, topology.ranks_per_node)
         self.device = device
-        self.comm = TracedCommunicator(topology.ranks_per_node, config.timeout)
+        self.comm = TracedCommunicator(self.layout.ranks_per_node, config.timeout)
         self.plugin_manager: pluggy.PluginManager = build_for(config, hierarchical)
         self.options = Options(
             zero_stage=config.zero_stage, shard_scope=config.shard_scope, hierarchical=hierarchical,  # type: ignore[arg-type]
@@ -72,7 +77,7 @@ class FitSession:
         self._node_flags_group = (node_flags_group() if node_flags_group is not None and config.sync_every > 1
                                   else None)
         self._step_group: dist.ProcessGroup | None = flags_group
-        self._step_size = topology.world_size
+        self._step_size = self.layout.world_size
         self.module = module
         self.measure_memory = measure_memory
         self.heartbeat = health.Heartbeat()
@@ -105,10 +110,11 @@ class FitSession:
         self._choose_step_group()
         group, size = self._step_group, self._step_size
         if self.config.broadcast_buffers and size > 1:
-            buffers = list(module.buffers())
+            # (A DTensor buffer, split by tensor parallelism, is left alone: its shards differ by design.)
+            buffers = [b for b in module.buffers() if local_tensor(b) is b]
             if buffers:
                 # From the first rank of the group (rank 0 of the world, or of the node).
-                dist._broadcast_coalesced(group if size < self.topology.world_size else dist.group.WORLD,
+                dist._broadcast_coalesced(group if size < self.layout.world_size else dist.group.WORLD,
                                           buffers, 250 * 2**20, 0)
         if self.config.weighting == "sample" and batch is not None:
             count = torch.tensor([float(extract_batch_size(batch))], dtype=torch.float64, device=self.device)
@@ -122,11 +128,11 @@ class FitSession:
         With ``skip_nonfinite`` every rank must skip the same steps (the sync schedule counts them), so the
         bookkeeping stays world-wide."""
         scope = self.plugin_manager.hook.on_gradient_scope()
-        k = self.topology.ranks_per_node
+        k = self.layout.ranks_per_node
         if scope == "node" and not self.config.skip_nonfinite and (self._node_flags_group is not None or k == 1):
             self._step_group, self._step_size = self._node_flags_group, k
         else:
-            self._step_group, self._step_size = self.flags_group, self.topology.world_size
+            self._step_group, self._step_size = self.flags_group, self.layout.world_size
         self.engine.flags_group = self._step_group if self._step_size > 1 else None
 
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -191,7 +197,13 @@ class FitSession:
         norm = self.plugin_manager.hook.on_clip_grad_norm(optimizer=optimizer, max_norm=max_norm)
         if norm is None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            if self.topology.tensor_parallel_group is not None:
+                # torch's clip_grad_norm_ cannot stack the norms of DTensors and plain tensors (Lightning's
+                # ModelParallelStrategy crashes there), and would count a replicated parameter T times over.
+                norm = tensor_parallel.global_grad_norm(params, self.topology.tensor_parallel_group, self.device)
+                tensor_parallel.scale_grads(params, max_norm, norm)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm
 
     @contextmanager
@@ -253,7 +265,7 @@ def memory_bytes(module_params: Iterable[Tensor], optimizers: Iterable[Optimizer
         for t in tensors:
             if t is None:
                 continue
-            storage = t.untyped_storage()
+            storage = local_tensor(t).untyped_storage()  # (a DTensor's: its local shard's)
             if storage.nbytes() == 0 or storage.data_ptr() in seen:
                 continue
             seen.add(storage.data_ptr())

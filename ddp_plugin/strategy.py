@@ -21,11 +21,12 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ddp_plugin import cpu_memory
+from ddp_plugin import cpu_memory, tensor_parallel
 from ddp_plugin.checkpoint_io import AtomicCheckpointIO
 from ddp_plugin.checkpointing import CheckpointRouting
 from ddp_plugin.config import CONFIG_FLAGS, UNSET, StrategyConfig, flag_names
@@ -38,6 +39,7 @@ from ddp_plugin.session import FitSession
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     import pluggy
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.nn import Module
 
     from ddp_plugin.engine import GradientEngine
@@ -99,6 +101,11 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         sync_warmup_steps: with ``sync_every > 1``: train the first this many optimizer steps synchronously,
             then start the sync mode from the model they reached (post-local SGD; DiLoCo starts from a
             synchronously trained model). Default 0.
+        tensor_parallel_size: ranks of a node that split each layer between them (default 1: none; ``"auto"``: all
+            the ranks of a node, as ``ModelParallelStrategy``'s default). The module's
+            ``configure_model`` parallelizes itself on ``self.device_mesh["tensor_parallel"]`` as for Lightning's
+            ``ModelParallelStrategy``; every data-parallel feature above then runs over the
+            ``"data_parallel"`` dimension, on the local shards (docs/tensor_parallel.md).
     """
 
     strategy_name = "hierarchical_zero"
@@ -130,6 +137,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         sync_fragments: int = 1,
         max_staleness: int = 0,
         sync_warmup_steps: int = 0,
+        tensor_parallel_size: int | Literal["auto"] = 1,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -142,6 +150,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         self._session: FitSession | None = None
         self._groups: ProcessGroups | None = None
         self._pending_plugin_state = None
+        self._ties: list[tuple[str, ...]] = []
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -181,6 +190,18 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         self._precision_plugin = None if plugin is None else with_sharded_clipping(plugin, self)
 
     @property
+    def device_mesh(self) -> DeviceMesh:
+        """Lightning's ``("data_parallel", "tensor_parallel")`` mesh, as ``ModelParallelStrategy`` has it; the
+        LightningModule reads it as ``self.device_mesh`` in ``configure_model``. Made when the processes connect,
+        for a module that overrides ``configure_model`` or a ``tensor_parallel_size`` above 1."""
+        if self._groups is None or self._groups._device_mesh is None:
+            raise RuntimeError(
+                "The device mesh exists once the processes have connected, for a LightningModule that overrides"
+                " `configure_model` (or with `tensor_parallel_size` > 1); read it in `configure_model`."
+            )
+        return self._groups.device_mesh()
+
+    @property
     def topology(self) -> Topology | None:
         return self._groups.topology if self._groups is not None else None
 
@@ -199,26 +220,71 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         """Whether gradients are reduced in node, cross-node and gather stages (decided once the layout is known)."""
         if self.config.hierarchical is not None:
             return self.config.hierarchical
-        layout = self._layout()
+        layout = self._layout().data_parallel_layout
         return layout.num_nodes > 1 and layout.ranks_per_node > 1
 
     # ------------------------------------------------------------------ setup / teardown
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None and self.model is not None
-        # Collectives, so here rather than in `setup_environment`, which (as DDPStrategy's) only creates the
-        # process group: code that mocks its creation, as Lightning's tests do, must not reach a collective.
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._groups = None
+        module = self.lightning_module
+        tp = self._layout().tensor_parallel_size
+        if tp > 1 and (module is None or not is_overridden("configure_model", module)):
+            raise TypeError(
+                f"`tensor_parallel_size={tp}` needs a LightningModule that overrides `configure_model` and splits its"
+                " layers there on `self.device_mesh['tensor_parallel']` (`parallelize_module`, as for Lightning's"
+                " ModelParallelStrategy); without it every rank would hold the whole model. Add `configure_model`,"
+                " or set `tensor_parallel_size=1`."
+            )
+        self._ties = []
+        if module is not None and is_overridden("configure_model", module):
+            # `configure_model` runs between this and `setup`, and reads the mesh; the ties it may break are
+            # taken note of before (tensor_parallel.restore_ties).
+            self._ties = tensor_parallel.shared_parameters(module)
+            self._connect()
+            module._device_mesh = self._groups.device_mesh()
+
+    def _connect(self) -> None:
+        """The process groups and meshes of the layout. Collectives, so not in `setup_environment` for a module
+        that needs no device mesh: that (as DDPStrategy's) only creates the process group, and code that mocks its
+        creation, as Lightning's tests do, must not reach a collective."""
         if self.config.devices_per_node is None:  # simulated nodes: the user chose the layout on purpose
             check_ranks_per_node(self.cluster_environment, self.num_processes, self.world_size)
         self._groups = ProcessGroups.get(self._layout(), self.root_device, self._backend, self.config.timeout)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        if self._groups is None:
+            self._connect()
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        topology = self._groups.topology
+        codec = self.config.compression
+        if topology.tensor_parallel_size > 1 and self.config.zero_stage == 3 and codec not in (None, "fp16", "bf16"):
+            # A stage 3 unit's bucket mixes a block's split and replicated parameters, and a codec that codes the
+            # bucket as a whole would give a replicated parameter other bits on each tensor-parallel rank.
+            raise ValueError(
+                f"`compression={codec!r}` with `zero_stage=3` and `tensor_parallel_size={topology.tensor_parallel_size}`"
+                " is not supported: a stage 3 unit codes a block's split and replicated parameters together, and"
+                " the replicated ones would drift apart between tensor-parallel ranks. Use `zero_stage` 0-2 with"
+                " this codec, or `compression` None, 'fp16' or 'bf16' at stage 3."
+            )
+        tensor_parallel.check_module(self.model, self._groups.device_mesh()["tensor_parallel"]
+                                     if self._groups._device_mesh is not None else None)
+        for group in tensor_parallel.restore_ties(self.model, self._ties):
+            log.info("ddp_plugin: %s tied again after `configure_model`", " = ".join(group))
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        _sync_module_states(self.model)  # every rank starts from rank 0's parameters and buffers
+        if tensor_parallel.has_tensor_parallel_parameters(self.model):
+            # Each shard from data-parallel rank 0 of its tensor-parallel position, plain tensors from rank 0.
+            tensor_parallel.sync_module_states(self.model, topology.world_group)
+        else:
+            _sync_module_states(self.model)  # every rank starts from rank 0's parameters and buffers
         if fitting:
             self._start_session()
             self.setup_optimizers(trainer)
@@ -237,7 +303,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             log.info("ddp_plugin: glibc's mmap threshold fixed at 1 MiB (release_cpu_memory)")
         self._session = FitSession(self.config, self.model, self._groups.topology, self._groups.bookkeeping,
                                    self.root_device, self.uses_hierarchical_reducer, self.memory_bytes,
-                                   node_flags_group=self._groups.node_bookkeeping)
+                                   node_flags_group=self._groups.node_bookkeeping, layout=self._groups.layout)
         if self._pending_plugin_state is not None:
             self._session.load_plugin_state(*self._pending_plugin_state)
             self._pending_plugin_state = None

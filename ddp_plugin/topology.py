@@ -1,10 +1,11 @@
-"""The 2-D layout of ranks: nodes x ranks per node, with its device mesh and process groups."""
+"""The layout of ranks: nodes x ranks per node, and inside a node, tensor-parallel groups of consecutive ranks;
+the data-parallel device mesh and process groups over it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from ddp_plugin.hookspecs import Topology
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Backend as C10dBackend
+    from torch.distributed.device_mesh import DeviceMesh
 
 CONNECT_TIMEOUT_FLOOR = timedelta(minutes=5)
 """Creating a group (and the first rendezvous) waits at least this long for every member, whatever ``timeout``
@@ -22,10 +24,15 @@ is: a rank still importing on a loaded machine is late, not dead."""
 
 @dataclass(frozen=True)
 class Layout:
-    """World size and ranks per node, validated up front; everything after trusts these numbers."""
+    """World size, ranks per node and tensor-parallel size, validated up front; everything after trusts these
+    numbers (torchtitan's ``ParallelDims``, for the two dimensions this strategy has).
+
+    Global rank = data-parallel rank * T + tensor-parallel rank (tensor innermost), and data-parallel rank = node *
+    (ranks per node / T) + its index in the node: a tensor-parallel group is T consecutive ranks of one node."""
 
     world_size: int
     ranks_per_node: int
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node != 0:
@@ -35,10 +42,33 @@ class Layout:
                 f" ({', '.join(str(d) for d in _divisors(self.world_size))}), or leave it None to use the"
                 " launcher's ranks per node."
             )
+        t, k = self.tensor_parallel_size, self.ranks_per_node
+        if t < 1 or k % t != 0:
+            raise ValueError(
+                f"`tensor_parallel_size={t}` must divide the ranks per node, {k} (`devices_per_node`, or the"
+                " launcher's devices per node): a tensor-parallel group is consecutive ranks inside one node, whose"
+                " per-layer collectives need the fast links. Allowed values:"
+                f" {', '.join(str(d) for d in _divisors(k))}."
+            )
 
     @property
     def num_nodes(self) -> int:
         return self.world_size // self.ranks_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tensor_parallel_size
+
+    @property
+    def data_parallel_layout(self) -> Layout:
+        """The data-parallel ranks that hold one tensor-parallel shard, as a layout of their own."""
+        return Layout(self.data_parallel_size, self.ranks_per_node // self.tensor_parallel_size)
+
+    def global_rank(self, node: int, local: int, tensor_parallel_rank: int = 0) -> int:
+        """The rank of the ``local``-th data-parallel rank of ``node`` in tensor-parallel position
+        ``tensor_parallel_rank``."""
+        return (node * (self.ranks_per_node // self.tensor_parallel_size) + local) * self.tensor_parallel_size \
+            + tensor_parallel_rank
 
 
 def _divisors(n: int) -> list[int]:
@@ -88,47 +118,77 @@ def _mesh_dim_options(backend: str, timeout: timedelta) -> C10dBackend.Options |
 
 
 def build_topology(layout: Layout, device: torch.device, timeout: timedelta | None = None) -> Topology:
-    """Build the ``(node, local)`` device mesh over the initialized default process group.
+    """Build the data-parallel ``(node, local)`` device mesh over the initialized default process group.
 
     Ranks are laid out row-major (global rank = node * ranks_per_node + local rank), as Lightning, torchrun and
-    SLURM number them. Every rank must call this (creating subgroups is collective). Every group created here
-    fails its collectives after ``timeout`` (the strategy's, which it also gives the default group when it creates
-    that), so a hung rank cannot hang the others past it on any group.
+    SLURM number them. With tensor parallelism the mesh is ``(node, local, tensor_parallel)`` and the topology
+    describes this rank's data-parallel ranks, those holding the same tensor-parallel shard (see
+    :class:`~ddp_plugin.hookspecs.Topology`). Every rank must call this (creating subgroups is collective). Every
+    group created here fails its collectives after ``timeout`` (the strategy's, which it also gives the default
+    group when it creates that), so a hung rank cannot hang the others past it on any group.
     """
     rank = dist.get_rank()
+    dp = layout.data_parallel_layout
+    m, k, tp = dp.num_nodes, dp.ranks_per_node, layout.tensor_parallel_size
     # A dimension spanning every rank reuses the default group, whose timeout the strategy has set; the others
     # get new groups, created with the connect timeout (torch's default is 30 minutes, whatever `timeout` is).
-    options = None if timeout is None else _mesh_dim_options(dist.get_backend(), connect_timeout(timeout))
-    sizes = {"node": layout.num_nodes, "local": layout.ranks_per_node}
-    override = {dim: options for dim, size in sizes.items() if size < layout.world_size} if options else None
-    mesh = init_device_mesh(
-        device.type, (layout.num_nodes, layout.ranks_per_node), mesh_dim_names=("node", "local"),
-        backend_override=override or None,
-    )
+    sizes = {"node": m, "local": k} | ({"tensor_parallel": tp} if tp > 1 else {})
+    mesh = init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes),
+                            backend_override=_overrides(sizes, layout.world_size, timeout))
     intra, inter = mesh.get_group("local"), mesh.get_group("node")
-    k, m = layout.ranks_per_node, layout.num_nodes
-    side_intra, _ = dist.new_subgroups_by_enumeration(
-        [[n * k + l for l in range(k)] for n in range(m)], timeout=connect_timeout(timeout)
-    )
-    side_inter, _ = dist.new_subgroups_by_enumeration(
-        [[n * k + l for n in range(m)] for l in range(k)], timeout=connect_timeout(timeout)
-    )
-    for group in (intra, inter, side_intra, side_inter):
-        if group is not dist.group.WORLD:  # the default group's timeout is its creator's business
+
+    def enumerate_groups(groups: list[list[int]]) -> dist.ProcessGroup:
+        mine, _ = dist.new_subgroups_by_enumeration(groups, timeout=connect_timeout(timeout))
+        return mine
+
+    at = layout.global_rank
+    side_intra = enumerate_groups([[at(n, l, t) for l in range(k)] for n in range(m) for t in range(tp)])
+    side_inter = enumerate_groups([[at(n, l, t) for n in range(m)] for l in range(k) for t in range(tp)])
+    if tp == 1:
+        world, side_world, tp_group, dp_mesh = dist.group.WORLD, new_group(timeout=timeout), None, mesh
+    else:
+        replicas = [[d * tp + t for d in range(dp.world_size)] for t in range(tp)]
+        world, side_world = enumerate_groups(replicas), enumerate_groups(replicas)
+        tp_group, dp_mesh = mesh.get_group("tensor_parallel"), mesh["node", "local"]
+    for group in (intra, inter, side_intra, side_inter, world, side_world, tp_group):
+        if group is not None and group is not dist.group.WORLD:  # the default group's timeout is its creator's
             set_collective_timeout(group, timeout)
     return Topology(
-        world_size=layout.world_size,
-        rank=rank,
-        num_nodes=layout.num_nodes,
-        ranks_per_node=layout.ranks_per_node,
+        world_size=dp.world_size,
+        rank=rank // tp,
+        num_nodes=m,
+        ranks_per_node=k,
         backend=dist.get_backend(),
         device=device,
-        world_group=dist.group.WORLD,
+        world_group=world,
         intra_node_group=intra,
         inter_node_group=inter,
-        mesh=mesh,
-        side_world_group=new_group(timeout=timeout),
+        mesh=dp_mesh,
+        side_world_group=side_world,
         side_intra_node_group=side_intra,
         side_inter_node_group=side_inter,
         timeout=timeout,
+        tensor_parallel_size=tp,
+        tensor_parallel_group=tp_group,
     )
+
+
+def _overrides(sizes: dict[str, int], world_size: int, timeout: timedelta | None) -> dict[str, Any] | None:
+    """``init_device_mesh``'s ``backend_override`` that creates every dimension's groups with the connect timeout
+    (a dimension spanning every rank reuses the default group)."""
+    options = None if timeout is None else _mesh_dim_options(dist.get_backend(), connect_timeout(timeout))
+    override = {dim: options for dim, size in sizes.items() if size < world_size} if options else None
+    return override or None
+
+
+def build_device_mesh(layout: Layout, device: torch.device, timeout: timedelta | None = None) -> DeviceMesh:
+    """The ``("data_parallel", "tensor_parallel")`` device mesh of Lightning's ``ModelParallelStrategy``, which a
+    module's ``configure_model`` reads as ``self.device_mesh``. Collective."""
+    sizes = {"data_parallel": layout.data_parallel_size, "tensor_parallel": layout.tensor_parallel_size}
+    mesh = init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes),
+                            backend_override=_overrides(sizes, layout.world_size, timeout))
+    for dim in sizes:
+        group = mesh.get_group(dim)
+        if group is not dist.group.WORLD:
+            set_collective_timeout(group, timeout)
+    return mesh

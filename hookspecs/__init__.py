@@ -28,10 +28,17 @@ from ddp_plugin.hookspecs.types import (  # noqa: E402
     ParameterShards,
     Topology,
     Traffic,
+    as_parameter_layout,
     completed_future,
+    is_tensor_parallel_shard,
+    local_part_of_whole,
+    local_tensor,
+    set_local_data,
+    set_local_grad,
 )
 
 __all__ = [
     "PROJECT_NAME", "Bucket", "Communicator", "DeferredStorage", "DeferredTensor", "Options", "ParameterShards",
-    "Topology", "Traffic", "completed_future", "hookimpl", "hookspec",
+    "Topology", "Traffic", "as_parameter_layout", "completed_future", "hookimpl", "hookspec",
+    "is_tensor_parallel_shard", "local_part_of_whole", "local_tensor", "set_local_data", "set_local_grad",
 ]

@@ -78,14 +78,84 @@ class Bucket:
             self.buffer.zero_()
 
     def grad_view(self, i: int) -> Tensor:
-        """The slice of ``buffer`` that holds the gradient of ``params[i]``, shaped like the parameter."""
-        p = self.params[i]
+        """The slice of ``buffer`` that holds the gradient of ``params[i]``, shaped like this rank's part of the
+        parameter (:func:`local_tensor`)."""
+        p = local_tensor(self.params[i])
         return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+
+# Tensor parallelism: a module parallelized with ``torch.distributed.tensor.parallel`` has DTensor parameters, each
+# rank holding a local shard (or a replica) of the tensor-parallel group's parameter. Data-parallel plugins work on
+# those local tensors only: buckets hold local elements, ``offsets`` count them, and a plugin that reads or moves a
+# parameter's values goes through the three functions below instead of ``p.numel()``, ``p.data`` and ``p.grad =``.
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's elements of a parameter, gradient or optimizer state: a DTensor's local shard (tensor
+    parallelism), any other tensor itself. Writing into it in place writes the parameter."""
+    if _is_dtensor(t):
+        # The DTensor's own local tensor, not `to_local()`, which returns a new view: `set_local_data` must reach
+        # the tensor the DTensor computes with (as FSDP2 does).
+        return t._local_tensor
+    return t
+
+
+def set_local_data(p: Parameter, value: Tensor) -> None:
+    """Make ``p`` hold ``value`` (shaped like :func:`local_tensor` of ``p``) as its data, sharing its memory: a
+    sharder moves parameters into flat buffers this way."""
+    if _is_dtensor(p):
+        local_tensor(p).data = value  # the DTensor keeps its local tensor object, now over ``value``'s memory
+    else:
+        p.data = value
+
+
+def set_local_grad(p: Parameter, grad: Tensor | None) -> None:
+    """Set ``p.grad`` from a local gradient ``grad`` (shaped like :func:`local_tensor` of ``p``, whose memory the
+    gradient then shares), wrapped as a DTensor of ``p``'s mesh and placements where ``p`` is one."""
+    p.grad = grad if grad is None else as_parameter_layout(grad, p)
+
+
+def as_parameter_layout(value: Tensor, p: Parameter) -> Tensor:
+    """``value``, this rank's elements of a tensor shaped like :func:`local_tensor` of ``p`` (a gradient, an
+    optimizer state), as a DTensor of ``p``'s mesh and placements where ``p`` is one (so that it can be made whole
+    or redistributed), else ``value`` itself."""
+    if not _is_dtensor(p):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def local_part_of_whole(value: Tensor, p: Parameter) -> Tensor:
+    """This rank's part of ``value``, a whole tensor shaped like ``p`` (a checkpoint's optimizer state, say): the
+    local shard ``p``'s placements give this rank where ``p`` is a DTensor (no communication), else ``value``. A
+    DTensor ``value`` gives its local tensor."""
+    if _is_dtensor(value):
+        return value._local_tensor
+    if not _is_dtensor(p):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(local_tensor(p).device), p.device_mesh, p.placements,
+                             src_data_rank=None)._local_tensor
+
+
+def is_tensor_parallel_shard(p: Tensor) -> bool:
+    """Whether ``p`` is split over the tensor-parallel group (a DTensor with a ``Shard`` placement): its norm sums
+    over the group's ranks, where a replicated parameter's is the same on every rank and counts once."""
+    return _is_dtensor(p) and any(placement.is_shard() for placement in p.placements)
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Where this rank sits: ``num_nodes`` nodes of ``ranks_per_node`` ranks, global rank = node * k + local.
+    """Where this rank sits: ``num_nodes`` nodes of ``ranks_per_node`` ranks, global rank = node * k + local
+    (with tensor parallelism, of the data-parallel ranks: see ``tensor_parallel_size``).
 
     ``intra_node_group`` joins the ranks of this rank's node (fast links), ``inter_node_group`` joins the ranks
     with the same local rank on every node (the slow link); ``world_group`` joins everyone. ``mesh`` is the
@@ -113,6 +183,16 @@ class Topology:
     timeout: timedelta | None = None
     """The strategy's collective timeout, which every group above honours; a plugin that creates groups of its own
     gets the same through ``comm.new_group(...)`` (:class:`Communicator`). ``None``: torch's."""
+    tensor_parallel_size: int = 1
+    """Ranks in a tensor-parallel group (``tensor_parallel_size``). Above 1, every field above describes the
+    data-parallel ranks that hold the same tensor-parallel shard: ``world_size`` is the data-parallel size,
+    ``rank`` this rank's data-parallel rank, ``ranks_per_node`` the data-parallel ranks of a node, and the groups
+    join those ranks only, so a data-parallel plugin synchronizes local shards with their replicas and never
+    mixes two shards. Global rank = data-parallel rank * ``tensor_parallel_size`` + tensor-parallel rank."""
+    tensor_parallel_group: ProcessGroup | None = None
+    """The ranks that hold the other shards of this rank's tensor-parallel parameters (consecutive ranks inside
+    one node), for collectives on the training thread (a global gradient norm); the module's own tensor-parallel
+    collectives run on the device mesh's group, not this one. ``None`` without tensor parallelism."""
 
     @property
     def node_rank(self) -> int:

@@ -34,6 +34,10 @@ from ddp_plugin import HierarchicalZeroStrategy
         ({"gradient_clip_norm": -1.0}, r"`gradient_clip_norm=-1.0` must be a positive number"),
         ({"checkpoint": "dcp"}, r"`checkpoint='dcp'`.*allowed values: 'master', 'sharded'"),
         ({"release_cpu_memory": 1}, r"`release_cpu_memory=1`.*allowed values: None, True, False"),
+        ({"tensor_parallel_size": 0}, r"`tensor_parallel_size=0`.*positive integer that divides the ranks per node"),
+        ({"tensor_parallel_size": 2.0}, r"`tensor_parallel_size=2.0`"),
+        ({"tensor_parallel_size": 3, "devices_per_node": 4},
+         r"`tensor_parallel_size=3` must divide `devices_per_node=4`.*Allowed values: 1, 2, 4"),
     ],
 )
 def test_bad_flag_fails_at_construction_naming_flag_and_allowed_values(kwargs, pattern):
@@ -71,6 +75,18 @@ def test_plugin_authors_import_the_marker_from_the_package():
     from ddp_plugin.hookspecs import hookimpl
 
     assert ddp_plugin.hookimpl is hookimpl
+
+
+def test_tensor_parallel_size_that_does_not_divide_the_ranks_per_node_fails_before_launch():
+    with pytest.raises(ValueError, match=r"`tensor_parallel_size=4` must divide the ranks per node, 2.*1, 2\."):
+        L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=HierarchicalZeroStrategy(tensor_parallel_size=4),
+                  logger=False)
+
+
+def test_tensor_parallel_sampler_splits_over_data_parallel_ranks():
+    trainer = L.Trainer(accelerator="cpu", devices=4, logger=False,
+                        strategy=HierarchicalZeroStrategy(tensor_parallel_size=2))
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
 
 
 def test_devices_per_node_that_does_not_divide_the_world_fails_before_launch():

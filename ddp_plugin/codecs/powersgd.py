@@ -10,7 +10,7 @@ import torch
 from ddp_plugin.checks import check_bool, check_int, check_number
 from ddp_plugin.codecs.base import BucketState, Codec, state_key
 from ddp_plugin.codecs.int8 import finite_or_zero
-from ddp_plugin.hookspecs import completed_future
+from ddp_plugin.hookspecs import completed_future, local_tensor
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -150,7 +150,8 @@ class PowerSGDCodec(Codec):
             return found
         length = tensor.numel()
         if bucket.params:
-            shapes, offsets, start = [p.shape for p in bucket.params], list(bucket.offsets), offset
+            # (a tensor-parallel parameter's local shard: that is what the bucket holds)
+            shapes, offsets, start = [local_tensor(p).shape for p in bucket.params], list(bucket.offsets), offset
         else:
             cols = max(1, math.isqrt(length))
             shapes, offsets, start = [torch.Size((length // cols, cols))], [0], 0

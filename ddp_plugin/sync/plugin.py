@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from ddp_plugin import health
 from ddp_plugin.comm import gather_flat_to_root
-from ddp_plugin.hookspecs import DeferredStorage, DeferredTensor, completed_future, hookimpl
+from ddp_plugin.hookspecs import DeferredStorage, DeferredTensor, completed_future, hookimpl, local_tensor
 from ddp_plugin.sync.schedule import SyncSchedule, fragment_bounds
 
 if TYPE_CHECKING:
@@ -120,6 +120,7 @@ class ModuleChunks:
     def _slices(self, b: int, lo: int, hi: int):
         bucket = self.buckets[b]
         for i, p in enumerate(bucket.params):
+            p = local_tensor(p)  # (a tensor-parallel parameter's local shard)
             a, z = max(lo, bucket.offsets[i]), min(hi, bucket.offsets[i] + p.numel())
             if a < z:
                 yield p, a - bucket.offsets[i], z - bucket.offsets[i], a - lo
@@ -258,7 +259,7 @@ class OuterSync:
                 self.intra = g
         shards = hook.on_parameter_shards()
         self.access = ShardParts(shards) if shards is not None else ModuleChunks(self.buckets, t, comm)
-        sizes = [p.numel() for b in self.buckets for p in b.params]
+        sizes = [local_tensor(p).numel() for b in self.buckets for p in b.params]
         if self.schedule.fragments > len(sizes):
             raise ValueError(
                 f"`sync_fragments={self.schedule.fragments}` is more than the {len(sizes)} trainable parameters"
@@ -266,7 +267,7 @@ class OuterSync:
                 " fragments."
             )
         # The parameters' elements of each bucket (its buffer may be padded at the end, to split evenly).
-        used = [b.offsets[-1] + b.params[-1].numel() for b in self.buckets]
+        used = [b.offsets[-1] + local_tensor(b.params[-1]).numel() for b in self.buckets]
         bounds = fragment_bounds(sum(used), self.schedule.fragments)
         self.pieces = []
         # (bucket, start, end) of every fragment's elements in each bucket: the same on every rank, whatever its
@@ -472,7 +473,7 @@ class OuterSync:
         bucket = self.buckets[piece.bucket]
         out = []
         for i, p in enumerate(bucket.params):
-            a, z = max(piece.lo, bucket.offsets[i]), min(piece.hi, bucket.offsets[i] + p.numel())
+            a, z = max(piece.lo, bucket.offsets[i]), min(piece.hi, bucket.offsets[i] + local_tensor(p).numel())
             if a < z:
                 out.append((bucket.names[i], a - bucket.offsets[i], z - bucket.offsets[i], a - piece.lo))
         return out

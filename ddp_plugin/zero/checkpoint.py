@@ -13,7 +13,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddp_plugin.comm import gather_flat_to_root
-from ddp_plugin.hookspecs import DeferredStorage, DeferredTensor
+from ddp_plugin.hookspecs import (
+    DeferredStorage,
+    DeferredTensor,
+    as_parameter_layout,
+    local_part_of_whole,
+    local_tensor,
+)
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -93,6 +99,60 @@ def consolidated_optimizer_state(shards: Shards, optimizers: ShardedOptimizers, 
     return {"state": state, "param_groups": groups}
 
 
+def gathered_optimizer_state(shards: Shards, optimizers: ShardedOptimizers, optimizer: Optimizer
+                             ) -> dict[str, Any]:
+    """The sharded optimizer state in the unsharded optimizer's layout, as :func:`consolidated_optimizer_state`,
+    but whole on every rank (one all-gather per bucket and state entry) and with the entries of a tensor-parallel
+    parameter as DTensors of its mesh and placements: with tensor parallelism each tensor-parallel position's
+    data-parallel ranks hold other shards, which the strategy then makes whole over the tensor-parallel group.
+    Collective."""
+    group, _ = shards.layout.shard_group()
+    local: dict[tuple[int, int], dict[str, Any]] = {}
+    for b, entry in enumerate(shards.entries):
+        for piece in entry.pieces:
+            st = optimizer.state.get(piece.param)
+            if st:
+                local.setdefault((b, piece.index), {}).update({
+                    k: ("flat" if isinstance(v, Tensor) and v.dim() > 0 and v.numel() == piece.param.numel() else v)
+                    for k, v in st.items()
+                })
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, local, group=group)
+    meta: dict[tuple[int, int], dict[str, Any]] = {}
+    for part in everyone:
+        for key, entries in part.items():
+            meta.setdefault(key, {}).update(entries)
+    full_state: dict[tuple[int, int], dict[str, Any]] = {key: {} for key in meta}
+    for b, (bucket, entry) in enumerate(zip(shards.buckets, shards.entries)):
+        for k in sorted({k for (bb, _), e in meta.items() if bb == b for k, v in e.items() if v == "flat"}):
+            buf = torch.zeros_like(entry.shard)
+            for piece in entry.pieces:
+                v = optimizer.state.get(piece.param, {}).get(k)
+                if v is not None:
+                    buf[piece.at : piece.at + piece.param.numel()].copy_(v.reshape(-1))
+            whole = buf.new_empty(bucket.numel)
+            shards.gather(whole, buf)
+            for (bb, i), e in meta.items():
+                if bb == b and e.get(k) == "flat":
+                    p = bucket.params[i]
+                    shape = local_tensor(p).shape
+                    value = whole[bucket.offsets[i] : bucket.offsets[i] + shape.numel()].view(shape)
+                    full_state[(b, i)][k] = as_parameter_layout(value, p)
+        for (bb, i), e in meta.items():
+            if bb == b:
+                full_state[(b, i)].update({k: v for k, v in e.items() if v != "flat"})
+    where = {id(p): (b, i) for b, bucket in enumerate(shards.buckets) for i, p in enumerate(bucket.params)}
+    state: dict[int, dict[str, Any]] = {}
+    numbered, groups = optimizers.unsharded_numbering(optimizer)
+    for index, p in numbered:
+        if id(p) in where:
+            if full_state.get(where[id(p)]):
+                state[index] = full_state[where[id(p)]]
+        elif optimizer.state.get(p):
+            state[index] = optimizer.state[p]
+    return {"state": state, "param_groups": groups}
+
+
 def load_consolidated_optimizer_state(shards: Shards, optimizers: ShardedOptimizers, optimizer: Optimizer,
                                       state_dict: Mapping[str, Any]) -> None:
     """Take this rank's pieces of an unsharded optimizer state dict (any world size, stage or scope wrote it)."""
@@ -123,6 +183,9 @@ def load_consolidated_optimizer_state(shards: Shards, optimizers: ShardedOptimiz
             if pieces is None:
                 optimizer.state[p] = {k: (v.to(p.device) if isinstance(v, Tensor) else v) for k, v in st.items()}
                 continue
+            # A tensor-parallel parameter's pieces are slices of this rank's local part of each entry.
+            st = {k: (local_part_of_whole(v, p) if isinstance(v, Tensor) and v.dim() > 0 else v)
+                  for k, v in st.items()}
             for piece in pieces:
                 start = starts[id(piece)]
                 optimizer.state[piece] = {

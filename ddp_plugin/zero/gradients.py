@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ddp_plugin.hookspecs import is_tensor_parallel_shard, local_tensor, set_local_grad
+
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
@@ -63,28 +65,36 @@ def grad_norms(shards: Shards, module: nn.Module, norm_type: float) -> dict[str,
 def clip_grad_norm(shards: Shards, optimizer: Optimizer, max_norm: float, whole_buckets: bool) -> Tensor:
     """Scale the gradients ``optimizer`` applies so that their global 2-norm is at most ``max_norm``; return the
     norm before clipping. Sharded gradients are summed over the shard group (one all-reduce), gradients of
-    parameters that are not sharded are the same on every rank and counted once. ``whole_buckets`` (stage 1,
-    where the pieces' gradients are slices of the buckets and the module's ``.grad`` views all of them): scale
-    the whole buckets, so that ``.grad`` shows what the optimizer applies, the same on every rank."""
+    parameters that are not sharded are the same on every rank and counted once. With tensor parallelism, the
+    parts of parameters split over the tensor-parallel group are summed over it too (one more scalar
+    all-reduce), and replicated ones counted once. ``whole_buckets`` (stage 1, where the pieces' gradients are
+    slices of the buckets and the module's ``.grad`` views all of them): scale the whole buckets, so that
+    ``.grad`` shows what the optimizer applies, the same on every rank."""
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    sharded = {id(piece.param.grad) for entry in shards.entries for piece in entry.pieces
+    # id(piece gradient) -> whether its parameter is split over the tensor-parallel group
+    sharded = {id(piece.param.grad): is_tensor_parallel_shard(bucket.params[piece.index])
+               for bucket, entry in zip(shards.buckets, shards.entries) for piece in entry.pieces
                if piece.param.grad is not None}
-    device = shards.layout.topology.device
-    local = torch.zeros((), dtype=torch.float64, device=device)
-    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    topology = shards.layout.topology
+    pieces = torch.zeros(2, dtype=torch.float64, device=topology.device)  # [split, replicated] over the shards
+    whole = torch.zeros(2, dtype=torch.float64, device=topology.device)  # [split, replicated], not ZeRO-sharded
     for g in grads:
-        sq = g.detach().double().pow(2).sum()
+        sq = local_tensor(g).detach().double().pow(2).sum()
         if id(g) in sharded:
-            local += sq
+            pieces[0 if sharded[id(g)] else 1] += sq
         else:
-            replicated += sq
-    shards.comm.all_reduce(local, group=shards.layout.shard_group()[0])
-    total = (local + replicated).sqrt().to(torch.float32)
+            whole[0 if is_tensor_parallel_shard(g) else 1] += sq
+    shards.comm.all_reduce(pieces, group=shards.layout.shard_group()[0])
+    split = pieces[0] + whole[0]
+    if topology.tensor_parallel_group is not None:
+        shards.comm.all_reduce(split, group=topology.tensor_parallel_group)
+    total = (split + pieces[1] + whole[1]).sqrt().to(torch.float32)
     clamped = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    tensors = [local_tensor(g) for g in grads]
     if whole_buckets:
-        grads = [g for g in grads if id(g) not in sharded] + [b.buffer for b in shards.buckets]
-    for g in grads:
-        g.mul_(clamped.to(g.dtype))
+        tensors = [t for g, t in zip(grads, tensors) if id(g) not in sharded] + [b.buffer for b in shards.buckets]
+    for t in tensors:
+        t.mul_(clamped.to(t.dtype))
     return total
 
 
@@ -119,7 +129,8 @@ class LentGradients:
             for i, p in enumerate(bucket.params):
                 if flags[i]:
                     self._lent.append((p, p.grad))
-                    p.grad = full[bucket.offsets[i] : bucket.offsets[i] + p.numel()].view_as(p)
+                    local = local_tensor(p)
+                    set_local_grad(p, full[bucket.offsets[i] : bucket.offsets[i] + local.numel()].view_as(local))
 
     def take_back(self) -> None:
         self._depth = max(self._depth - 1, 0)

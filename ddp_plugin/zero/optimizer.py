@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ddp_plugin.hookspecs import local_tensor
+
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
@@ -105,7 +107,7 @@ class ShardedOptimizers:
             start = starts[id(piece)]
             optimizer.state[piece] = {
                 k: (v.detach().reshape(-1)[start : start + piece.numel()].clone()
-                    if isinstance(v, Tensor) and v.numel() == p.numel() and v.dim() > 0 else
+                    if isinstance(v, Tensor) and v.numel() == local_tensor(p).numel() and v.dim() > 0 else
                     (v.clone() if isinstance(v, Tensor) else v))
                 for k, v in state.items()
             }

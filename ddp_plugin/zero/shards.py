@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ddp_plugin.hookspecs import local_tensor, set_local_data
 from ddp_plugin.zero.layout import Scope
 
 if TYPE_CHECKING:
@@ -67,13 +68,14 @@ class Shards:
             c = bucket.numel // p_count
             full = torch.zeros_like(bucket.buffer)
             for i, p in enumerate(bucket.params):
-                view = full[bucket.offsets[i] : bucket.offsets[i] + p.numel()].view_as(p)
-                view.copy_(p.detach())
-                p.data = view
+                local = local_tensor(p)  # (a tensor-parallel parameter's local shard)
+                view = full[bucket.offsets[i] : bucket.offsets[i] + local.numel()].view_as(local)
+                view.copy_(local.detach())
+                set_local_data(p, view)
             lo = idx * c
             entry = FlatShard(full=full, shard=full[lo : lo + c])
             for i, p in enumerate(bucket.params):
-                start, stop = max(bucket.offsets[i], lo), min(bucket.offsets[i] + p.numel(), lo + c)
+                start, stop = max(bucket.offsets[i], lo), min(bucket.offsets[i] + local_tensor(p).numel(), lo + c)
                 if start < stop:
                     entry.pieces.append(Piece(None, i, start - bucket.offsets[i], start - lo))  # type: ignore[arg-type]
             self.entries.append(entry)
@@ -90,7 +92,7 @@ class Shards:
         pieces_of: dict[int, list[nn.Parameter]] = {id(p): [] for bucket in self.buckets for p in bucket.params}
         for bucket, entry in zip(self.buckets, self.entries):
             for piece in entry.pieces:
-                n = min(bucket.params[piece.index].numel() - piece.start, entry.shard.numel() - piece.at)
+                n = min(local_tensor(bucket.params[piece.index]).numel() - piece.start, entry.shard.numel() - piece.at)
                 piece.param = nn.Parameter(entry.shard[piece.at : piece.at + n], requires_grad=True)
                 pieces_of[id(bucket.params[piece.index])].append(piece.param)
         return pieces_of

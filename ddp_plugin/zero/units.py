@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from ddp_plugin.hookspecs import local_tensor
+
 if TYPE_CHECKING:
     from ddp_plugin.zero.shards import Shards
 
@@ -147,7 +149,7 @@ def _units_by_count(module: nn.Module, size: int) -> list[list[str]]:
     assigned: set[int] = set()
 
     def own(m: nn.Module) -> int:
-        return sum(p.numel() for p in m._parameters.values()
+        return sum(local_tensor(p).numel() for p in m._parameters.values()
                    if p is not None and p.requires_grad and id(p) not in assigned)
 
     def claim(names: list[str], modules: list[nn.Module]) -> None:

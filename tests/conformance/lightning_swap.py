@@ -20,6 +20,7 @@ Options (environment variables, so that the processes Lightning's launchers star
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import json
 import os
 import re
@@ -75,6 +76,7 @@ def _install() -> None:
 
     if os.environ.get("DDP_PLUGIN_CONFORMANCE_SWAP", "1") != "0":  # "0": Lightning's own DDP, for comparison
         DDPStrategy.__new__ = staticmethod(__new__)
+        _install_model_parallel_swap(HierarchicalZeroStrategy)
 
     connector = connector_module._AcceleratorConnector
     init_strategy = connector._init_strategy
@@ -119,6 +121,26 @@ def _install() -> None:
         return call_and_handle_interrupt(trainer, trainer_fn, *args, **kwargs)
 
     call_module._call_and_handle_interrupt = noting_call
+
+
+def _install_model_parallel_swap(ours: type) -> None:
+    """``ModelParallelStrategy(data_parallel_size, tensor_parallel_size, ...)`` builds ours with the same
+    ``tensor_parallel_size`` (``"auto"``: the ranks of a node, its default); the data-parallel size follows from the
+    world size, and a module's ``fully_shard`` is refused by ours (data parallelism is the strategy's)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    signature = inspect.signature(ModelParallelStrategy.__init__)
+
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if cls is not ModelParallelStrategy:
+            return object.__new__(cls)
+        given = signature.bind(None, *args, **kwargs).arguments
+        strategy = ours(tensor_parallel_size=given.get("tensor_parallel_size", "auto"), zero_stage=STAGE,
+                        **{k: given[k] for k in ("process_group_backend", "timeout") if k in given})
+        _swapped.append(_current_test())
+        return strategy
+
+    ModelParallelStrategy.__new__ = staticmethod(__new__)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,0 +1,227 @@
+"""Tensor parallelism inside a node, the strategy's side of it.
+
+The module parallelizes itself in ``configure_model`` on ``self.device_mesh["tensor_parallel"]`` (Lightning's
+``ModelParallelStrategy`` contract: ``torch.distributed.tensor.parallel.parallelize_module``), so its split
+parameters are DTensors whose local shards live on each rank of a tensor-parallel group. Data parallelism is the
+strategy's own: the gradient engine and every data-parallel plugin work on local shards over the data-parallel
+groups of :class:`~ddp_plugin.hookspecs.Topology`. This module holds what is specific to the split:
+
+- :func:`check_module`: a module that also applies FSDP (the other half of Lightning's recipe) is refused, and so
+  is a DTensor parameter on any other mesh than the tensor-parallel one;
+- :func:`sync_module_states`: every rank starts from rank 0's model (each shard from its data-parallel rank 0);
+- :func:`global_grad_norm`: the 2-norm of every gradient, a split parameter counted once over its shards and a
+  replicated one once, not once per tensor-parallel rank;
+- :func:`full_state_dict` / :func:`distribute_state_dict`: checkpoints hold whole, plain tensors, loadable into the
+  unsplit model in one process, and load back into any split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from itertools import chain
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ddp_plugin.hookspecs import is_tensor_parallel_shard, local_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.nn import Module
+
+BROADCAST_BUCKET_BYTES = 250 * 2**20  # as DDP's module-state sync
+
+
+def _fsdp_types() -> tuple[type, ...]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
+    except ImportError:  # pragma: no cover - older torch
+        from torch.distributed._composable.fsdp import FSDPModule
+    return FSDPModule, FullyShardedDataParallel
+
+
+def check_module(module: Module, tensor_parallel_mesh: DeviceMesh | None) -> None:
+    """Refuse what ``configure_model`` must not have done with this strategy: FSDP (``fully_shard`` or the
+    ``FullyShardedDataParallel`` wrapper) and DTensor parameters on another mesh than the tensor-parallel one."""
+    wrapped = [name or "the module" for name, m in module.named_modules() if isinstance(m, _fsdp_types())]
+    if wrapped:
+        raise TypeError(
+            f"`configure_model` applied FSDP (`fully_shard` or `FullyShardedDataParallel`) to {', '.join(wrapped[:5])}"
+            f"{' ...' if len(wrapped) > 5 else ''}. With HierarchicalZeroStrategy data parallelism is the strategy's:"
+            " drop the `fully_shard` calls on `self.device_mesh['data_parallel']` and keep the tensor-parallel"
+            " `parallelize_module` ones; to shard parameters, gradients or optimizer state over the data-parallel"
+            " ranks, set `zero_stage` (1, 2 or 3) and `shard_scope`."
+        )
+    for name, p in module.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        if tensor_parallel_mesh is None or p.device_mesh != tensor_parallel_mesh:
+            names = p.device_mesh.mesh_dim_names
+            raise TypeError(
+                f"Parameter {name!r} is a DTensor on the mesh {names or tuple(p.device_mesh.shape)}; with"
+                " HierarchicalZeroStrategy a parameter may be split over `self.device_mesh['tensor_parallel']` only"
+                " (`parallelize_module(module, self.device_mesh['tensor_parallel'], plan)`), and data parallelism"
+                " is the strategy's (`zero_stage`, `shard_scope`)."
+            )
+
+
+def shared_parameters(module: Module) -> list[tuple[str, ...]]:
+    """The names of every parameter that is one tensor under several names (a tied weight), each group in
+    registration order."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [tuple(group) for group in names.values() if len(group) > 1]
+
+
+def restore_ties(module: Module, ties: Iterable[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """Tie again what ``configure_model`` untied: ``parallelize_module`` gives each module it splits parameters of
+    its own, so an output head tied to the embedding ends up a second, separate parameter. Each name of a group
+    of ``ties`` (from :func:`shared_parameters` before ``configure_model``) is made to hold the group's first
+    parameter again, when they are split alike (the same mesh and placements, or both whole). Returns the groups
+    it tied again."""
+    restored = []
+    for group in ties:
+        params = [module.get_parameter(name) for name in group]
+        first = params[0]
+        if all(p is first for p in params):
+            continue
+        for name, p in zip(group[1:], params[1:]):
+            if p is not first and _split(p) != _split(first):
+                raise TypeError(
+                    f"{group[0]!r} and {name!r} were one parameter (tied) before `configure_model`, which split them"
+                    f" differently: {_describe(first)} and {_describe(p)}. Split both alike (an embedding and its tied"
+                    " output head both by vocabulary: `RowwiseParallel(input_layouts=Replicate())` on the embedding,"
+                    " `ColwiseParallel(...)` on the head, both `Shard(0)`), or leave both whole, and tie them again"
+                    f" at the end of `configure_model` (`module.{name} = module.{group[0]}`)."
+                )
+        for name in group[1:]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, first)
+        restored.append(group)
+    return restored
+
+
+def _split(p: Tensor) -> Any:
+    return (p.device_mesh, tuple(p.placements), tuple(p.shape)) if isinstance(p, DTensor) else tuple(p.shape)
+
+
+def _describe(p: Tensor) -> str:
+    if isinstance(p, DTensor):
+        return f"a DTensor with placements {tuple(p.placements)}"
+    return "a whole (plain) tensor"
+
+
+def sync_module_states(module: Module, data_parallel_group: dist.ProcessGroup | None) -> None:
+    """Every rank starts from rank 0's parameters and buffers, as DDP: plain tensors from global rank 0 over the
+    world, and a DTensor's local shard from data-parallel rank 0 over ``data_parallel_group`` (the ranks that
+    hold the same shard; the shards of a tensor-parallel group already come from one model, as
+    ``parallelize_module`` distributes them from its rank 0). Collective."""
+    ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+    plain: list[Tensor] = []
+    split: list[Tensor] = []
+    for name, t in chain(module.named_parameters(), module.named_buffers()):
+        if name in ignore:
+            continue
+        (split if isinstance(t, DTensor) else plain).append(local_tensor(t).detach())
+    if plain:
+        dist._broadcast_coalesced(dist.group.WORLD, plain, BROADCAST_BUCKET_BYTES, 0)
+    if split and data_parallel_group is not None and dist.get_world_size(data_parallel_group) > 1:
+        dist._broadcast_coalesced(data_parallel_group, split, BROADCAST_BUCKET_BYTES, 0)
+
+
+def squared_norms(grads: Iterable[tuple[Tensor, bool]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(split, whole)``: the float64 sums of squares of the local ``grads`` that are tensor-parallel shards
+    (``True``) and of the others."""
+    split = torch.zeros((), dtype=torch.float64, device=device)
+    whole = torch.zeros((), dtype=torch.float64, device=device)
+    for g, is_shard in grads:
+        sq = local_tensor(g).detach().double().pow(2).sum()
+        if is_shard:
+            split += sq
+        else:
+            whole += sq
+    return split, whole
+
+
+def global_grad_norm(params: Iterable[Tensor], tensor_parallel_group: dist.ProcessGroup | None,
+                     device: torch.device) -> Tensor:
+    """The 2-norm of the gradients of ``params`` (whole on every data-parallel rank, as at ZeRO stage 0): a
+    split parameter's shards summed over the tensor-parallel group, a replicated one counted once. Collective
+    over the tensor-parallel group (one scalar all-reduce)."""
+    grads = [(p.grad, is_tensor_parallel_shard(p)) for p in params if p.grad is not None]
+    split, whole = squared_norms(grads, device)
+    if tensor_parallel_group is not None:
+        dist.all_reduce(split, group=tensor_parallel_group)
+    return (split + whole).sqrt()
+
+
+def scale_grads(params: Iterable[Tensor], max_norm: float, total_norm: Tensor) -> None:
+    """Scale every gradient by ``max_norm / (total_norm + 1e-6)`` where that is below 1, as torch's
+    ``clip_grad_norm_`` does (on the local shards: one factor for all)."""
+    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        if p.grad is not None:
+            g = local_tensor(p.grad)
+            g.mul_(coef.to(g.dtype))
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def full_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with every DTensor replaced by its whole value as a plain tensor (an all-gather over its mesh:
+    collective, every rank calls it with the same keys in the same order), nested dicts and lists included."""
+
+    def full(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            return value.full_tensor()
+        if isinstance(value, Mapping):
+            return {k: full(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(full(v) for v in value)
+        return value
+
+    return {k: full(v) for k, v in state.items()}
+
+
+def distribute_like(value: Tensor, like: DTensor) -> DTensor:
+    """The whole tensor ``value`` split as ``like`` is (its mesh and placements), each rank keeping its own part
+    (no communication: every rank holds ``value``)."""
+    value = value.to(device=local_tensor(like).device, dtype=like.dtype)
+    return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def distribute_state_dict(state: Mapping[str, Any], module: Module) -> dict[str, Any]:
+    """A whole ``state_dict`` of the unsplit model, with the entries of the module's DTensor parameters and
+    buffers split as they are, ready for ``module.load_state_dict``."""
+    live = module.state_dict(keep_vars=True)
+    out = dict(state)
+    for name, current in live.items():
+        if isinstance(current, DTensor) and name in out and isinstance(out[name], Tensor) \
+                and not isinstance(out[name], DTensor):
+            out[name] = distribute_like(out[name], current)
+    return out
+
+
+def distribute_optimizer_state(state: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A whole ``optimizer.state_dict()`` (parameters numbered across groups, as torch numbers them) with each
+    state tensor of a DTensor parameter's shape split as that parameter is, ready for ``load_state_dict``."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out_state = {}
+    for index, entries in state.get("state", {}).items():
+        p = params[index] if isinstance(index, int) and index < len(params) else None
+        if isinstance(p, DTensor):
+            entries = {k: (distribute_like(v, p) if isinstance(v, Tensor) and not isinstance(v, DTensor)
+                           and tuple(v.shape) == tuple(p.shape) else v) for k, v in entries.items()}
+        out_state[index] = entries
+    return {**state, "state": out_state}
+
+
+def has_tensor_parallel_parameters(module: Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())

@@ -1,0 +1,149 @@
+"""Worker for the tensor-parallel tests: trains the tiny tied-embedding GPT (``ddp_plugin.testing.gpt``) and saves
+the whole parameters at the end, how far the data-parallel replicas (and the copies a tensor-parallel group
+shares) ever were apart, and what the run looked like.
+
+    python tests/workers/tp_run.py --out DIR --devices 2 --reference          # Lightning ddp, 2 ranks
+    python tests/workers/tp_run.py --out DIR --devices 4 --devices-per-node 2 --tp 2 --variants 0,1,2,3
+    python tests/workers/tp_run.py ... --variants 0:vocab --save-at 10     # also writes DIR/0-vocab-step10.ckpt
+    python tests/workers/tp_run.py ... --tp 1 --variants 0:vocab --resume CKPT --tag resumed
+
+Every run sees the same global batch per step: data-parallel rank r of N gets samples r, r + N, ... in order
+(the ranks of a tensor-parallel group read the same ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.hookspecs import local_tensor
+from ddp_plugin.tensor_parallel import full_state_dict
+from ddp_plugin.testing.data import rank_loader
+from ddp_plugin.testing.gpt import GPTModule, token_dataset
+from ddp_plugin.testing.processes import run_each
+
+GLOBAL_BATCH = 8
+STEPS = 20
+EPOCH = 5  # steps per epoch: checkpoints are saved at an epoch's end
+CLIP = 0.5  # the gradient norm starts near 3 and stays above 0.5 for most of the 20 steps: clipping binds
+
+
+class ReplicaCheck(L.Callback):
+    """After every optimizer step: the largest difference of each rank's local parameters from data-parallel
+    rank 0's (the replicas of a shard) and, for parameters not split by tensor parallelism, from global rank 0's
+    (every rank holds them). Also the reference's gradient norms before clipping, to show that clipping binds."""
+
+    def __init__(self) -> None:
+        self.max_replica_diff = 0.0
+        self.grad_norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not isinstance(trainer.strategy, HierarchicalZeroStrategy):
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            self.grad_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not isinstance(trainer.strategy, HierarchicalZeroStrategy):
+            return
+        strategy = trainer.strategy
+        dp_group = strategy.device_mesh.get_group("data_parallel")
+        with strategy.full_parameters():
+            for p in pl_module.parameters():
+                mine = local_tensor(p).detach().clone()
+                split = local_tensor(p) is not p
+                group = dp_group if split else None
+                every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(every, mine, group=group)
+                diff = max(float((t - every[0]).abs().max()) for t in every)
+                self.max_replica_diff = max(self.max_replica_diff, diff)
+
+
+class SaveAt(L.Callback):
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # After an epoch's last batch (the steps given are multiples of EPOCH): a resumed run starts the next
+        # epoch, whose batches are the uninterrupted run's (an interrupted epoch would restart from its first).
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def run(out: str, devices: int, devices_per_node: int | None, tp: int, stage: int, tie: str, retie: bool,
+        reference: bool, tag: str, save_at: int = 0, resume: str | None = None, flags: dict | None = None) -> None:
+    L.seed_everything(1234, verbose=False)
+    model = GPTModule(tie=tie, retie=retie)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if reference:
+        strategy: object = "ddp"
+    else:
+        strategy = HierarchicalZeroStrategy(tensor_parallel_size=tp, devices_per_node=devices_per_node,
+                                            zero_stage=stage, bucket_size_mb=1 / 256,
+                                            auto_wrap_policy=["Block"] if stage == 3 else None, **(flags or {}))
+    check = ReplicaCheck()
+    callbacks: list[L.Callback] = [check]
+    if save_at:
+        callbacks.append(SaveAt(save_at, os.path.join(out, f"{tag}-step{save_at}.ckpt")))
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS,
+                        gradient_clip_val=CLIP, callbacks=callbacks, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    data = token_dataset(GLOBAL_BATCH * EPOCH)
+
+    class Data(L.LightningDataModule):
+        def train_dataloader(self):
+            kwargs = trainer.strategy.distributed_sampler_kwargs
+            return rank_loader(data, GLOBAL_BATCH, kwargs["num_replicas"], kwargs["rank"])
+
+    trainer.fit(model, datamodule=Data(), ckpt_path=resume)
+    with (trainer.strategy.full_parameters() if not reference else torch.no_grad()):
+        state = full_state_dict({n: p.detach() for n, p in model.named_parameters()})
+    if trainer.is_global_zero:
+        torch.save({
+            "params": {n: v.clone() for n, v in state.items()},
+            "initial": initial,
+            "max_replica_diff": check.max_replica_diff,
+            "grad_norms": check.grad_norms,
+            "head_is_tok": model.model.head.weight is model.model.tok.weight,
+            "types": {n: type(p).__name__ for n, p in model.named_parameters()},
+            "sampler": trainer.strategy.distributed_sampler_kwargs,
+            "hierarchical": getattr(trainer.strategy, "uses_hierarchical_reducer", False),
+            "metrics": getattr(trainer.strategy, "metric_means", {}),
+        }, os.path.join(out, f"{tag}.pt"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--devices-per-node", type=int, default=None)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--variants", default="0",
+                        help="comma-separated stage[:tie[:noretie|CODEC]] runs (tie: replicated or vocab)")
+    parser.add_argument("--reference", action="store_true", help="Lightning ddp, the whole model on every rank")
+    parser.add_argument("--save-at", type=int, default=0, help="save a checkpoint after this step")
+    parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
+    parser.add_argument("--tag", default="", help="appended to the output files' names")
+    parser.add_argument("--flags", default="{}", help="more strategy flags, as JSON")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.reference:
+        run(args.out, args.devices, None, 1, 0, "replicated", True, True, "reference")
+        return
+    for variant in args.variants.split(","):
+        stage, tie, *rest = variant.split(":") + ([] if ":" in variant else ["replicated"])
+        flags = json.loads(args.flags)
+        codecs = [word for word in rest if word != "noretie"]
+        if codecs:
+            flags["compression"] = codecs[0]
+        run(args.out, args.devices, args.devices_per_node, args.tp, int(stage), tie, "noretie" not in rest, False,
+            variant.replace(":", "-") + args.tag, args.save_at, args.resume, flags)
+
+
+if __name__ == "__main__":
+    run_each(main)
