@@ -1,11 +1,12 @@
 """Smoke test of an installed ddp_plugin, run by ``.ci/wheel_smoke`` from a folder outside the checkout.
 
-    python wheel_smoke.py            # sync, int8, zero3, one after another in the same 4 processes
+    python wheel_smoke.py            # sync, int8, zero3, tp, one after another in the same 4 processes
     python wheel_smoke.py int8       # one of them
 
 Short 4-rank CPU fits under Lightning's own launcher (2 simulated nodes of 2 ranks), with ``sync_every=4``, with
-``compression="int8"`` and with ``zero_stage=3``, each followed by a check that every rank ends with the same
-parameters. Written as a user would write it: nothing from the repository, only the installed package.
+``compression="int8"``, with ``zero_stage=3`` and with ``tensor_parallel_size=2`` at ``zero_stage=2`` (the layers
+split over the 2 ranks of each node in ``configure_model``), each followed by a check that every rank ends with
+the same whole parameters. Written as a user would write it: nothing from the repository, only the installed package.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import ddp_plugin  # noqa: F401  (registers the strategies)
 from ddp_plugin import HierarchicalZeroStrategy
 
-FLAGS = {"sync": {"sync_every": 4}, "int8": {"compression": "int8"}, "zero3": {"zero_stage": 3}}
+FLAGS = {"sync": {"sync_every": 4}, "int8": {"compression": "int8"}, "zero3": {"zero_stage": 3},
+         "tp": {"tensor_parallel_size": 2, "zero_stage": 2}}
 STEPS = 12
 
 
@@ -28,6 +30,13 @@ class Net(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def configure_model(self):
+        mesh = self.device_mesh  # the strategy's (data_parallel, tensor_parallel) mesh
+        if mesh["tensor_parallel"].size() > 1:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            parallelize_module(self.net, mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -62,8 +71,11 @@ class SameOnEveryRank(L.Callback):
 
     @staticmethod
     def _whole(trainer, pl_module):
-        with trainer.strategy.full_parameters():
-            return [p.detach().clone() for p in pl_module.parameters()]
+        from torch.distributed.tensor import DTensor
+
+        with trainer.strategy.full_parameters():  # (a tensor-parallel parameter made whole from its shards)
+            return [p.detach().full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+                    for p in pl_module.parameters()]
 
 
 def fit(name: str) -> None:

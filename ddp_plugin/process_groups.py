@@ -63,6 +63,10 @@ class ProcessGroups:
         self._node_bookkeeping: dist.ProcessGroup | None = None
         self._device_mesh: DeviceMesh | None = None
 
+    @property
+    def has_device_mesh(self) -> bool:
+        return self._device_mesh is not None
+
     def device_mesh(self) -> DeviceMesh:
         """Lightning's ``("data_parallel", "tensor_parallel")`` mesh (``ModelParallelStrategy``'s dimension names),
         tensor innermost. Created on first use: collective, every rank calls it at the same point."""

@@ -194,7 +194,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         """Lightning's ``("data_parallel", "tensor_parallel")`` mesh, as ``ModelParallelStrategy`` has it; the
         LightningModule reads it as ``self.device_mesh`` in ``configure_model``. Made when the processes connect,
         for a module that overrides ``configure_model`` or a ``tensor_parallel_size`` above 1."""
-        if self._groups is None or self._groups._device_mesh is None:
+        if self._groups is None or not self._groups.has_device_mesh:
             raise RuntimeError(
                 "The device mesh exists once the processes have connected, for a LightningModule that overrides"
                 " `configure_model` (or with `tensor_parallel_size` > 1); read it in `configure_model`."
@@ -262,18 +262,9 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         topology = self._groups.topology
-        codec = self.config.compression
-        if topology.tensor_parallel_size > 1 and self.config.zero_stage == 3 and codec not in (None, "fp16", "bf16"):
-            # A stage 3 unit's bucket mixes a block's split and replicated parameters, and a codec that codes the
-            # bucket as a whole would give a replicated parameter other bits on each tensor-parallel rank.
-            raise ValueError(
-                f"`compression={codec!r}` with `zero_stage=3` and `tensor_parallel_size={topology.tensor_parallel_size}`"
-                " is not supported: a stage 3 unit codes a block's split and replicated parameters together, and"
-                " the replicated ones would drift apart between tensor-parallel ranks. Use `zero_stage` 0-2 with"
-                " this codec, or `compression` None, 'fp16' or 'bf16' at stage 3."
-            )
+        tensor_parallel.check_flags(topology.tensor_parallel_size, self.config.zero_stage, self.config.compression)
         tensor_parallel.check_module(self.model, self._groups.device_mesh()["tensor_parallel"]
-                                     if self._groups._device_mesh is not None else None)
+                                     if self._groups.has_device_mesh else None)
         for group in tensor_parallel.restore_ties(self.model, self._ties):
             log.info("ddp_plugin: %s tied again after `configure_model`", " = ".join(group))
         if fitting and self._layer_sync:

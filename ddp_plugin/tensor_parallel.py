@@ -6,6 +6,7 @@ parameters are DTensors whose local shards live on each rank of a tensor-paralle
 strategy's own: the gradient engine and every data-parallel plugin work on local shards over the data-parallel
 groups of :class:`~ddp_plugin.hookspecs.Topology`. This module holds what is specific to the split:
 
+- :func:`check_flags`: a codec that would let replicated parameters drift apart at stage 3 is refused;
 - :func:`check_module`: a module that also applies FSDP (the other half of Lightning's recipe) is refused, and so
   is a DTensor parameter on any other mesh than the tensor-parallel one;
 - :func:`sync_module_states`: every rank starts from rank 0's model (each shard from its data-parallel rank 0);
@@ -43,6 +44,23 @@ def _fsdp_types() -> tuple[type, ...]:
     except ImportError:  # pragma: no cover - older torch
         from torch.distributed._composable.fsdp import FSDPModule
     return FSDPModule, FullyShardedDataParallel
+
+
+LOSSLESS_AT_STAGE_3 = (None, "fp16", "bf16")
+
+
+def check_flags(tensor_parallel_size: int, zero_stage: int, compression: str | None) -> None:
+    """What the flags cannot do together once the tensor-parallel size is known (``"auto"`` is resolved at setup).
+    A codec that codes a bucket as a whole (int8's block scales, top-k's selection, PowerSGD) on a stage 3 unit,
+    whose bucket holds a block's split and replicated parameters together, would give a replicated parameter
+    other bits on each tensor-parallel rank; fp16 and bf16 cast each element alone."""
+    if tensor_parallel_size > 1 and zero_stage == 3 and compression not in LOSSLESS_AT_STAGE_3:
+        raise ValueError(
+            f"`compression={compression!r}` with `zero_stage=3` and `tensor_parallel_size={tensor_parallel_size}`"
+            " is not supported: a stage 3 unit codes a block's split and replicated parameters together, and the"
+            " replicated ones would drift apart between tensor-parallel ranks. Use `zero_stage` 0-2 with this codec,"
+            " or `compression` None, 'fp16' or 'bf16' at stage 3."
+        )
 
 
 def check_module(module: Module, tensor_parallel_mesh: DeviceMesh | None) -> None:

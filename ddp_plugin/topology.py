@@ -169,6 +169,7 @@ def build_topology(layout: Layout, device: torch.device, timeout: timedelta | No
         side_inter_node_group=side_inter,
         timeout=timeout,
         tensor_parallel_size=tp,
+        tensor_parallel_rank=rank % tp,
         tensor_parallel_group=tp_group,
     )
 

@@ -189,6 +189,9 @@ class Topology:
     ``rank`` this rank's data-parallel rank, ``ranks_per_node`` the data-parallel ranks of a node, and the groups
     join those ranks only, so a data-parallel plugin synchronizes local shards with their replicas and never
     mixes two shards. Global rank = data-parallel rank * ``tensor_parallel_size`` + tensor-parallel rank."""
+    tensor_parallel_rank: int = 0
+    """This rank's position in its tensor-parallel group (global rank = ``rank`` * ``tensor_parallel_size`` +
+    this)."""
     tensor_parallel_group: ProcessGroup | None = None
     """The ranks that hold the other shards of this rank's tensor-parallel parameters (consecutive ranks inside
     one node), for collectives on the training thread (a global gradient norm); the module's own tensor-parallel
@@ -201,6 +204,14 @@ class Topology:
     @property
     def local_rank(self) -> int:
         return self.rank % self.ranks_per_node
+
+    def global_rank(self, rank: int, tensor_parallel_rank: int | None = None) -> int:
+        """The global rank (what ``dist.new_group`` takes) of data-parallel rank ``rank`` in tensor-parallel
+        position ``tensor_parallel_rank`` (default: this rank's). Without tensor parallelism, ``rank`` itself. A
+        plugin that makes groups of its own makes them for every tensor-parallel position (creating a group is
+        collective over the world) and keeps its own position's."""
+        t = self.tensor_parallel_rank if tensor_parallel_rank is None else tensor_parallel_rank
+        return rank * self.tensor_parallel_size + t
 
 
 @dataclass(frozen=True)

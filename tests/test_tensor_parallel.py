@@ -141,3 +141,25 @@ def test_codecs_compress_the_local_shards_and_replicas_stay_identical(eight, run
     # Lossy, with error feedback: near the uncompressed run, far nearer than training moved the parameters.
     moved = relative_difference(runs["reference"]["params"], runs["reference"]["initial"])
     assert relative_difference(run["params"], runs["reference"]["params"]) < 0.1 * moved
+
+
+# ---------------------------------------------------------------------------------------------- sync modes: nodes
+# synchronize every 4 steps; with TP 2 inside each node that is the same training as 2 whole replicas on 2 nodes.
+
+
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("tpsync")
+    flags = ["--flags", '{"sync_every": 4}', "--variants", "0:vocab"]
+    run_python(WORKERS / "tp_run.py", "--out", out, "--devices", "4", "--devices-per-node", "2", "--tp", "2",
+               *flags, "--tag=-tp2")
+    run_python(WORKERS / "tp_run.py", "--out", out, "--devices", "2", "--devices-per-node", "1", "--tp", "1",
+               *flags, "--tag=-whole")
+    return {tag: torch.load(out / f"0-vocab-{tag}.pt") for tag in ("tp2", "whole")}
+
+
+def test_a_sync_mode_over_tensor_parallel_replicas_equals_it_over_whole_ones(synced):
+    tp2, whole = synced["tp2"], synced["whole"]
+    # (replicas differ between syncs by design; the last step, 20, is a sync)
+    assert tp2["metrics"]["sync/outer_syncs"] == pytest.approx(5 / 20)
+    assert relative_difference(tp2["params"], whole["params"]) <= RTOL

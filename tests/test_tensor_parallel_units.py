@@ -172,3 +172,13 @@ def _state_dicts(rank, world):
 def test_full_state_dict_is_the_unsplit_models_and_loads_back(pool):
     for plain, equal, same in pool.run(_state_dicts):
         assert plain and equal and same
+
+
+def test_a_codec_that_codes_a_stage_3_unit_as_a_whole_is_refused_with_tensor_parallelism():
+    from ddp_plugin.tensor_parallel import check_flags
+
+    for codec in ("int8", "topk", "powersgd"):
+        with pytest.raises(ValueError, match=rf"`compression='{codec}'` with `zero_stage=3` and `tensor_parallel_size=2`"):
+            check_flags(2, 3, codec)
+    for ok in [(2, 3, None), (2, 3, "bf16"), (2, 2, "int8"), (1, 3, "int8")]:
+        check_flags(*ok)

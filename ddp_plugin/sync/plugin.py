@@ -249,14 +249,16 @@ class OuterSync:
         # Groups of this plugin's own, for the outer thread: collectives on one group must be issued in one
         # order, and the training and communication threads use the topology's.
         self.inter = self.intra = None
-        for l in range(k):
-            g = comm.new_group([n * k + l for n in range(m)])
-            if l == t.local_rank:
-                self.inter = g
-        for n in range(m):
-            g = comm.new_group([n * k + l for l in range(k)])
-            if n == t.node_rank:
-                self.intra = g
+        for tp in range(t.tensor_parallel_size):  # (every tensor-parallel position's: creating one is collective)
+            mine = tp == t.tensor_parallel_rank
+            for l in range(k):
+                g = comm.new_group([t.global_rank(n * k + l, tp) for n in range(m)])
+                if l == t.local_rank and mine:
+                    self.inter = g
+            for n in range(m):
+                g = comm.new_group([t.global_rank(n * k + l, tp) for l in range(k)])
+                if n == t.node_rank and mine:
+                    self.intra = g
         shards = hook.on_parameter_shards()
         self.access = ShardParts(shards) if shards is not None else ModuleChunks(self.buckets, t, comm)
         sizes = [local_tensor(p).numel() for b in self.buckets for p in b.params]
