@@ -47,7 +47,7 @@ def relative_difference(a: dict, b: dict) -> float:
 def test_clipping_binds_in_the_reference(runs):
     norms = runs["reference"]["grad_norms"]
     assert len(norms) == 20
-    assert sum(n > 0.5 for n in norms) >= 15, norms
+    assert sum(n > 0.3 for n in norms) >= 18, norms  # tp_run.CLIP
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -56,8 +56,13 @@ def test_equals_ddp_on_the_whole_model(runs, variant):
     assert relative_difference(ours, reference) <= RTOL
 
 
+def flat(state: dict) -> torch.Tensor:
+    return torch.cat([state[k].flatten() for k in sorted(state)])
+
+
 def test_training_moves_parameters_far_beyond_the_tolerance(runs):
-    assert relative_difference(runs["reference"]["params"], runs["reference"]["initial"]) > 30 * RTOL
+    # (divided by the trained values: a bias starts at zero)
+    assert relative_difference(runs["reference"]["initial"], runs["reference"]["params"]) > 1000 * RTOL
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -138,9 +143,11 @@ def test_codecs_compress_the_local_shards_and_replicas_stay_identical(eight, run
     assert run["max_replica_diff"] == 0.0
     # (PowerSGD leaves the tiny model's small matrices uncompressed, below its min_compression_rate)
     assert run["metrics"]["comm/compression_ratio"] > (3.0 if "int8" in variant else 1.0)
-    # Lossy, with error feedback: near the uncompressed run, far nearer than training moved the parameters.
-    moved = relative_difference(runs["reference"]["params"], runs["reference"]["initial"])
-    assert relative_difference(run["params"], runs["reference"]["params"]) < 0.1 * moved
+    # Lossy, with error feedback: near the uncompressed run (int8 ends 11 % of the distance training moved the
+    # parameters away, PowerSGD 3.5 %; a shard averaged with another shard, or a replicated parameter coded apart
+    # on each tensor-parallel rank, ends as far as training moved them or farther).
+    reference, initial = flat(runs["reference"]["params"]), flat(runs["reference"]["initial"])
+    assert (flat(run["params"]) - reference).norm() < 0.25 * (reference - initial).norm()
 
 
 # ---------------------------------------------------------------------------------------------- sync modes: nodes

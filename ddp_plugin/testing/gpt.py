@@ -77,6 +77,10 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied: one parameter, two uses
+        # GPT-2's scale: with nn.Embedding's N(0, 1) the tied head's logits would have a standard deviation of
+        # sqrt(d_model), and the first losses would be tens of nats.
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
 
     def forward(self, idx: Tensor) -> Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))

@@ -31,7 +31,7 @@ from ddp_plugin.testing.processes import run_each
 GLOBAL_BATCH = 8
 STEPS = 20
 EPOCH = 5  # steps per epoch: checkpoints are saved at an epoch's end
-CLIP = 0.5  # the gradient norm starts near 3 and stays above 0.5 for most of the 20 steps: clipping binds
+CLIP = 0.3  # the gradient norm stays between 0.3 and 1.3 over the 20 steps: clipping binds on every one
 
 
 class ReplicaCheck(L.Callback):
