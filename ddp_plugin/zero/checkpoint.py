@@ -28,30 +28,28 @@ if TYPE_CHECKING:
     from ddp_plugin.zero.shards import Shards
     from ddp_plugin.zero.units import Units
 
-def _gather_state_entry(shards: Shards, optimizer: Optimizer, b: int, k: str) -> Tensor | None:
-    """Optimizer state entry ``k`` of bucket ``b``, flat and whole, on global rank 0 (None elsewhere): the
-    producer of a deferred checkpoint tensor."""
+def _local_entry(shards: Shards, optimizer: Optimizer, b: int, k: str) -> Tensor:
+    """This rank's shard of optimizer state entry ``k`` of bucket ``b``, flat (zeros where it has no piece)."""
     entry = shards.entries[b]
     buf = torch.zeros_like(entry.shard)
     for piece in entry.pieces:
         v = optimizer.state.get(piece.param, {}).get(k)
         if v is not None:
             buf[piece.at : piece.at + piece.param.numel()].copy_(v.reshape(-1))
+    return buf
+
+
+def _gather_state_entry(shards: Shards, optimizer: Optimizer, b: int, k: str) -> Tensor | None:
+    """Optimizer state entry ``k`` of bucket ``b``, flat and whole, on global rank 0 (None elsewhere): the
+    producer of a deferred checkpoint tensor."""
     group, index_of = shards.layout.shard_group()
-    return gather_flat_to_root(buf, group, index_of)
+    return gather_flat_to_root(_local_entry(shards, optimizer, b, k), group, index_of)
 
 
-def consolidated_optimizer_state(shards: Shards, optimizers: ShardedOptimizers, optimizer: Optimizer
-                                 ) -> dict[str, Any]:
-    """The sharded optimizer state in the layout the unsharded optimizer would have (``{"state": {index:
-    {...}}, "param_groups": [...]}``, parameters numbered across groups in order), for global rank 0. The
-    sharded entries are :class:`DeferredTensor`\\ s, gathered one bucket and one entry at a time while rank 0
-    writes the file; every rank whose shards rank 0 needs returns the same structure (its producers send), the
-    ranks of other nodes (node scope) return ``{}`` at once."""
+def _state_layout(shards: Shards, optimizer: Optimizer) -> dict[tuple[int, int], dict[str, Any]]:
+    """What exists where, from every rank of the shard group (one object all-gather): per (bucket, parameter
+    index), each state entry, ``"flat"`` for a sharded tensor and the value itself otherwise (e.g. Adam's step)."""
     group, _ = shards.layout.shard_group()
-    if dist.get_global_rank(group, 0) != 0:
-        return {}  # a node other than rank 0's (node scope): nothing of it is written, nothing to gather
-    # What exists where: per bucket and parameter, the state entries of this rank's pieces.
     local: dict[tuple[int, int], dict[str, Any]] = {}
     for b, entry in enumerate(shards.entries):
         for piece in entry.pieces:
@@ -67,77 +65,21 @@ def consolidated_optimizer_state(shards: Shards, optimizers: ShardedOptimizers, 
     for part in everyone:
         for key, entries in part.items():
             meta.setdefault(key, {}).update(entries)
+    return meta
 
+
+def _unsharded_state(shards: Shards, optimizers: ShardedOptimizers, optimizer: Optimizer,
+                     meta: dict[tuple[int, int], dict[str, Any]],
+                     flat_entry: Any) -> dict[str, Any]:
+    """``{"state", "param_groups"}`` in the unsharded optimizer's numbering: a sharded parameter's entries from
+    ``meta``, each ``"flat"`` one as ``flat_entry(b, i, k)`` (called bucket by bucket, entry by entry, the same
+    order on every rank); a parameter that is not sharded keeps its own state (the same on every rank)."""
     full_state: dict[tuple[int, int], dict[str, Any]] = {key: {} for key in meta}
-    for b, (bucket, entry) in enumerate(zip(shards.buckets, shards.entries)):
-        flat_keys = sorted({k for (bb, _), e in meta.items() if bb == b for k, v in e.items() if v == "flat"})
-        for k in flat_keys:
-            # Deferred: gathered when the checkpoint is written, one bucket's entry at a time, so rank 0
-            # holds one bucket of optimizer state beside what it writes, not the whole state.
-            storage = DeferredStorage(
-                dtype=entry.shard.dtype, numel=entry.shard.numel() * shards.layout.num_shards,
-                device=str(entry.shard.device), produce=functools.partial(_gather_state_entry, shards, optimizer, b, k),
-            )
-            for (bb, i), e in meta.items():
-                if bb == b and e.get(k) == "flat":
-                    full_state[(b, i)][k] = DeferredTensor(storage, bucket.offsets[i], tuple(bucket.params[i].shape))
-        for (bb, i), e in meta.items():
-            if bb == b:
-                for k, v in e.items():
-                    if v != "flat":
-                        full_state[(b, i)][k] = v
-    where = {id(p): (b, i) for b, bucket in enumerate(shards.buckets) for i, p in enumerate(bucket.params)}
-    state: dict[int, dict[str, Any]] = {}
-    numbered, groups = optimizers.unsharded_numbering(optimizer)
-    for index, p in numbered:
-        if id(p) in where:
-            st = full_state.get(where[id(p)])
-            if st:
-                state[index] = st
-        elif optimizer.state.get(p):
-            state[index] = optimizer.state[p]  # not sharded: the same on every rank
-    return {"state": state, "param_groups": groups}
-
-
-def gathered_optimizer_state(shards: Shards, optimizers: ShardedOptimizers, optimizer: Optimizer
-                             ) -> dict[str, Any]:
-    """The sharded optimizer state in the unsharded optimizer's layout, as :func:`consolidated_optimizer_state`,
-    but whole on every rank (one all-gather per bucket and state entry) and with the entries of a tensor-parallel
-    parameter as DTensors of its mesh and placements: with tensor parallelism each tensor-parallel position's
-    data-parallel ranks hold other shards, which the strategy then makes whole over the tensor-parallel group.
-    Collective."""
-    group, _ = shards.layout.shard_group()
-    local: dict[tuple[int, int], dict[str, Any]] = {}
-    for b, entry in enumerate(shards.entries):
-        for piece in entry.pieces:
-            st = optimizer.state.get(piece.param)
-            if st:
-                local.setdefault((b, piece.index), {}).update({
-                    k: ("flat" if isinstance(v, Tensor) and v.dim() > 0 and v.numel() == piece.param.numel() else v)
-                    for k, v in st.items()
-                })
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, local, group=group)
-    meta: dict[tuple[int, int], dict[str, Any]] = {}
-    for part in everyone:
-        for key, entries in part.items():
-            meta.setdefault(key, {}).update(entries)
-    full_state: dict[tuple[int, int], dict[str, Any]] = {key: {} for key in meta}
-    for b, (bucket, entry) in enumerate(zip(shards.buckets, shards.entries)):
+    for b in range(len(shards.buckets)):
         for k in sorted({k for (bb, _), e in meta.items() if bb == b for k, v in e.items() if v == "flat"}):
-            buf = torch.zeros_like(entry.shard)
-            for piece in entry.pieces:
-                v = optimizer.state.get(piece.param, {}).get(k)
-                if v is not None:
-                    buf[piece.at : piece.at + piece.param.numel()].copy_(v.reshape(-1))
-            whole = buf.new_empty(bucket.numel)
-            shards.gather(whole, buf)
             for (bb, i), e in meta.items():
                 if bb == b and e.get(k) == "flat":
-                    p = bucket.params[i]
-                    shape = local_tensor(p).shape
-                    value = whole[bucket.offsets[i] : bucket.offsets[i] + shape.numel()].view(shape)
-                    full_state[(b, i)][k] = as_parameter_layout(value, p)
+                    full_state[(b, i)][k] = flat_entry(b, i, k)
         for (bb, i), e in meta.items():
             if bb == b:
                 full_state[(b, i)].update({k: v for k, v in e.items() if v != "flat"})
@@ -149,8 +91,58 @@ def gathered_optimizer_state(shards: Shards, optimizers: ShardedOptimizers, opti
             if full_state.get(where[id(p)]):
                 state[index] = full_state[where[id(p)]]
         elif optimizer.state.get(p):
-            state[index] = optimizer.state[p]
+            state[index] = optimizer.state[p]  # not sharded: the same on every rank
     return {"state": state, "param_groups": groups}
+
+
+def consolidated_optimizer_state(shards: Shards, optimizers: ShardedOptimizers, optimizer: Optimizer
+                                 ) -> dict[str, Any]:
+    """The sharded optimizer state in the layout the unsharded optimizer would have (``{"state": {index:
+    {...}}, "param_groups": [...]}``, parameters numbered across groups in order), for global rank 0. The
+    sharded entries are :class:`DeferredTensor`\\ s, gathered one bucket and one entry at a time while rank 0
+    writes the file; every rank whose shards rank 0 needs returns the same structure (its producers send), the
+    ranks of other nodes (node scope) return ``{}`` at once."""
+    group, _ = shards.layout.shard_group()
+    if dist.get_global_rank(group, 0) != 0:
+        return {}  # a node other than rank 0's (node scope): nothing of it is written, nothing to gather
+    storages: dict[tuple[int, str], DeferredStorage] = {}
+
+    def deferred(b: int, i: int, k: str) -> DeferredTensor:
+        # Deferred: gathered when the checkpoint is written, one bucket's entry at a time, so rank 0 holds one
+        # bucket of optimizer state beside what it writes, not the whole state.
+        if (b, k) not in storages:
+            entry = shards.entries[b]
+            storages[(b, k)] = DeferredStorage(
+                dtype=entry.shard.dtype, numel=entry.shard.numel() * shards.layout.num_shards,
+                device=str(entry.shard.device), produce=functools.partial(_gather_state_entry, shards, optimizer, b, k),
+            )
+        bucket = shards.buckets[b]
+        return DeferredTensor(storages[(b, k)], bucket.offsets[i], tuple(bucket.params[i].shape))
+
+    return _unsharded_state(shards, optimizers, optimizer, _state_layout(shards, optimizer), deferred)
+
+
+def gathered_optimizer_state(shards: Shards, optimizers: ShardedOptimizers, optimizer: Optimizer
+                             ) -> dict[str, Any]:
+    """The sharded optimizer state in the unsharded optimizer's layout, as :func:`consolidated_optimizer_state`,
+    but whole on every rank (one all-gather per bucket and state entry) and with the entries of a tensor-parallel
+    parameter as DTensors of its mesh and placements: with tensor parallelism each tensor-parallel position's
+    data-parallel ranks hold other shards, which the strategy then makes whole over the tensor-parallel group.
+    Collective."""
+    gathered: dict[tuple[int, str], Tensor] = {}
+
+    def whole(b: int, i: int, k: str) -> Tensor:
+        bucket = shards.buckets[b]
+        if (b, k) not in gathered:
+            buf = _local_entry(shards, optimizer, b, k)
+            gathered[(b, k)] = buf.new_empty(bucket.numel)
+            shards.gather(gathered[(b, k)], buf)
+        p = bucket.params[i]
+        shape = local_tensor(p).shape
+        value = gathered[(b, k)][bucket.offsets[i] : bucket.offsets[i] + shape.numel()].view(shape)
+        return as_parameter_layout(value, p)
+
+    return _unsharded_state(shards, optimizers, optimizer, _state_layout(shards, optimizer), whole)
 
 
 def load_consolidated_optimizer_state(shards: Shards, optimizers: ShardedOptimizers, optimizer: Optimizer,
