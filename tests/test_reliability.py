@@ -200,6 +200,22 @@ def test_no_gloo_thread_outlives_the_interpreter_after_a_successful_run(stage):
     assert all(threads == "[]" for _, threads in reports), reports
 
 
+def test_a_rank_line_reaches_the_shared_pipe_in_one_write():
+    # The ranks of a launch share one unbuffered pipe, and print() writes a line's text and its newline in two
+    # writes: once "rank 1 threads at exit: []rank 0 threads at exit: []" came out as one line, and the test that
+    # reads one line per rank failed. The lines tests read are written with print_line, in one write each.
+    script = ("import os, sys; from ddp_plugin.testing.processes import print_line\n"
+              "real = os.write\n"
+              "def write(fd, data):\n"
+              "    real(2, repr(bytes(data)).encode() + b'\\n')\n"
+              "    return real(fd, data)\n"
+              "os.write = write\n"
+              "print_line('rank 1 threads at exit: []')\n")
+    proc = run_python("-c", script)
+    assert proc.stdout == "rank 1 threads at exit: []\n"
+    assert proc.stderr.splitlines() == [repr(b"rank 1 threads at exit: []\n")]
+
+
 def test_a_sigterm_whose_handler_fails_during_the_diagnosis_does_not_replace_it():
     # torchrun SIGTERMs the survivors of a dead rank; Lightning's handler then broadcasts, which fails. Arriving
     # during a survivor's diagnosis, its error used to replace the diagnosis (a raw gloo error, 1 run in 5 of

@@ -20,6 +20,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from ddp_plugin.testing.processes import print_line
 from ddp_plugin.testing.ranks import flat_parameters, max_rank_difference
 
 __all__ = ["ExitReport", "ParameterHistory"]
@@ -72,5 +73,4 @@ class ExitReport(L.Callback):
             return
         self.reported = True
         now = time.time()
-        print(f"rank {rank} exits after {now - self.start:.1f} s (at {now:.3f}): {type(err).__name__}: {err}",
-              flush=True)
+        print_line(f"rank {rank} exits after {now - self.start:.1f} s (at {now:.3f}): {type(err).__name__}: {err}")

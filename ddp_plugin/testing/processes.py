@@ -36,6 +36,7 @@ __all__ = [
     "inject_fault",
     "kill_quietly",
     "pid_files",
+    "print_line",
     "process_state",
     "run_each",
     "runs_argument",
@@ -55,6 +56,15 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
     env.update(extra or {})
     return env
+
+
+def print_line(text: str) -> None:
+    """Write ``text`` and its newline to stdout in one ``write``. The ranks of a launch share one pipe, and an
+    unbuffered ``print()`` writes the text and the newline separately, so two ranks' lines can run into one
+    (``rank 1 ...: []rank 0 ...: []``) and a test reading one line per rank misses one. A write of at most
+    ``PIPE_BUF`` (4096) bytes to a pipe is atomic."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (text + "\n").encode())
 
 
 def write_pid_file(folder: str | os.PathLike, rank: int | str) -> None:

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.models import TinyModule, mlp
+from ddp_plugin.testing.processes import print_line
 
 
 def report() -> None:
@@ -29,7 +30,7 @@ def report() -> None:
         except OSError:
             pass
     gloo = sorted(n for n in names if "gloo" in n or "tcpstore" in n)
-    print(f"rank {os.environ.get('LOCAL_RANK', '0')} threads at exit: {gloo}", flush=True)
+    print_line(f"rank {os.environ.get('LOCAL_RANK', '0')} threads at exit: {gloo}")  # one write: ranks share the pipe
 
 
 atexit.register(report)

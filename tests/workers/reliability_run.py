@@ -27,7 +27,7 @@ from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.callbacks import ExitReport
 from ddp_plugin.testing.data import sine_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
-from ddp_plugin.testing.processes import inject_fault, run_each, write_pid_file
+from ddp_plugin.testing.processes import inject_fault, print_line, run_each, write_pid_file
 from ddp_plugin.testing.ranks import flat_parameters
 
 SIZES = (2, 3, 5, 6)  # uneven per-rank batch sizes; their union is one reference batch of 16
@@ -49,13 +49,13 @@ class Model(TinyModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         if self.mode == "die" and self.global_rank == self.die_rank and self.global_step == 20:
-            print(f"rank {self.global_rank} kills itself (SIGKILL) at {time.time():.3f}", flush=True)
+            print_line(f"rank {self.global_rank} kills itself (SIGKILL) at {time.time():.3f}")
             inject_fault("sigkill")
         if self.mode == "stop" and self.global_rank == self.die_rank and self.global_step == 20:
             # Written before stopping: the test measures from this moment, however long the start took.
             with open(os.path.join(self.out, "stopped"), "w") as f:
                 f.write(f"{os.getpid()} {time.time():.3f}")
-            print(f"rank {self.global_rank} stops itself (SIGSTOP)", flush=True)
+            print_line(f"rank {self.global_rank} stops itself (SIGSTOP)")
             inject_fault("sigstop")
         if self.mode == "raise" and self.global_rank == self.die_rank and self.global_step == 20:
             inject_fault("raise")

@@ -29,7 +29,7 @@ from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.callbacks import ExitReport
 from ddp_plugin.testing.data import rank_loader, sine_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
-from ddp_plugin.testing.processes import inject_fault, run_each
+from ddp_plugin.testing.processes import inject_fault, print_line, run_each
 from ddp_plugin.testing.ranks import gather_parameters
 
 FEATURES, HIDDEN, GLOBAL_BATCH, SEED = 8, 16, 16, 0
@@ -94,7 +94,7 @@ class KillAfter(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            print(f"rank {self.rank} kills itself (SIGKILL) at {time.time():.3f}", flush=True)
+            print_line(f"rank {self.rank} kills itself (SIGKILL) at {time.time():.3f}")
             inject_fault("sigkill")
 
 
