@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from ddp_plugin.testing.processes import clean_env
 from ddp_plugin.testing.simcluster import available
+from tests.zygote import interpreter  # noqa: F401 (the tests start their Python with it)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "workers"
@@ -28,12 +28,13 @@ def run_python(*args: str | os.PathLike, timeout: float = 300, env: dict[str, st
     which must not be pytest), without the rendezvous variables of any run around it (``env`` may set them),
     with the folders ``pythonpath`` in front of the inherited ``PYTHONPATH``.
     Fails the test with the output when the command fails or hangs."""
+    executable = interpreter()
     full_env = clean_env({"PYTHONUNBUFFERED": "1", **(env or {})})
     paths = [*map(str, pythonpath), full_env.get("PYTHONPATH", "")]
     if pythonpath:
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     try:
-        proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+        proc = subprocess.run([executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                               env=full_env, cwd=cwd or ROOT)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"`{' '.join(map(str, args))}` did not finish in {timeout} s:\n{err.stdout}\n{err.stderr}")

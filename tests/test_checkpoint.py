@@ -174,6 +174,7 @@ def test_only_rank_0_writes_one_file_per_checkpoint(runs):
 
 
 def test_kill_of_rank_0_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
+    # The real interpreter (not tests.zygote's): this test kills the launching process as rank 0.
     timeout_s = 15
     proc = subprocess.Popen(
         [sys.executable, str(WORKERS / "checkpoint_run.py"), "--devices", "4", "--steps", "12", "--out", tmp_path,

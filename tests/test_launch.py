@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ddp_plugin.testing.ranks import free_port
-from tests.support import ROOT, run_python
+from tests.support import ROOT, interpreter, run_python
 
 QUICKSTART = ROOT / "examples" / "quickstart.py"
 
@@ -90,7 +90,7 @@ def test_uneven_ranks_per_node_fail_on_every_rank_with_a_clear_message():
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+            [interpreter(), "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
              "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(port),
              str(QUICKSTART), "--devices", "2", "--num-nodes", "2", "--max-steps", "5"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,

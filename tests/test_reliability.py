@@ -15,13 +15,13 @@ import torch
 
 from ddp_plugin.testing.processes import alive, clean_env, end_run, pid_files, runs_argument
 from ddp_plugin.testing.ranks import all_ranks_equal, free_port
-from tests.support import ROOT, WORKERS, run_python
+from tests.support import ROOT, WORKERS, interpreter, run_python
 
 TIMEOUT_S = 8  # short, so a test waits little for it; the rendezvous waits minutes whatever it is
 
 
 def test_killed_rank_makes_every_other_rank_exit_naming_it_within_the_timeout():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
+    cmd = [interpreter(), "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
            str(WORKERS / "reliability_run.py"), "--mode", "die", "--die-rank", "2", "--timeout", str(TIMEOUT_S)]
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
@@ -56,7 +56,7 @@ def _stop_one_rank(tmp_path: Path, *args: str) -> tuple[dict[int, float], dict[i
     log = tmp_path / "log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, str(WORKERS / "reliability_run.py"), "--mode", "stop", "--out", str(tmp_path),
+            [interpreter(), str(WORKERS / "reliability_run.py"), "--mode", "stop", "--out", str(tmp_path),
              "--timeout", str(STOP_TIMEOUT_S), *args],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=clean_env(),
         )
@@ -132,7 +132,7 @@ def test_rank_starting_later_than_the_timeout_still_joins_the_rendezvous(tmp_pat
 
 
 def test_rank_raising_its_own_error_makes_the_others_exit_quoting_it():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
+    cmd = [interpreter(), "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
            str(WORKERS / "reliability_run.py"), "--mode", "raise", "--die-rank", "2", "--timeout", str(TIMEOUT_S)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     out = proc.stdout + proc.stderr

@@ -17,7 +17,6 @@ import copy
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.sync import SyncSchedule, fragment_bounds
 from ddp_plugin.testing.processes import clean_env, runs_argument
 from ddp_plugin.testing.ranks import free_port
-from tests.support import ROOT, run_python
+from tests.support import ROOT, interpreter, run_python
 from tests.workers import sync_run
 
 NODES, RANKS_PER_NODE = 2, 2
@@ -270,7 +269,7 @@ def test_a_rank_dead_during_an_outer_sync_makes_the_others_fail_fast_naming_it_a
     # flight on every rank; the checkpoint of step 6 (an epoch's end) was written before.
     flags, inner = VARIANTS["staleness"]
     ckpt = tmp_path / "last.ckpt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
+    cmd = [interpreter(), "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
            "-m", "tests.workers.sync_run", "--out", str(tmp_path / "x.pt"), "--flags", json.dumps(flags),
            "--steps", "40", "--save-at", "6", "--ckpt", str(ckpt), "--kill-rank", "3", "--kill-after", "8",
            "--timeout", str(KILL_TIMEOUT_S)]

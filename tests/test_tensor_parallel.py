@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddp_plugin.testing.processes import runs_argument
 from tests.support import WORKERS, run_python
 
 # Rounding inside the split layers (a sum over two halves instead of one), amplified by Adam over 20 steps;

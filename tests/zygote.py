@@ -1,0 +1,345 @@
+"""Start the suite's Python processes from one that has already imported torch and Lightning.
+
+Importing torch, Lightning and this package costs a process 2.5-5 s of CPU, and a multi-rank test starts one
+process per rank: most of the suite's time used to be imports. The zygote imports them once per pytest worker,
+then forks a child for each ``python script.py ...`` or ``python -m module ...`` the suite runs. The child takes
+the caller's argv, environment, working directory and standard streams, and runs the script as ``__main__``, as
+the interpreter would; its atexit handlers and finalization run as in any process that exits.
+
+The caller is a real process: :data:`SHIM`, a small Python started without ``site`` (milliseconds), which hands
+its argv, environment, folder and streams to the zygote, forwards the signals it gets to the child and exits with
+the child's status (or dies of its signal). It is also ``sys.executable`` inside the child, so the processes that
+Lightning's launcher starts for the other ranks (it re-executes ``sys.executable`` with the command line) are
+forked from the zygote too. Every rank still is its own process, with its own process id, memory and sockets;
+the collectives are the real ones. What does not look like a script or module run (``-c``, an interpreter flag
+other than torchrun's ``-u``), a run whose environment changes what an import reads (``PYTHONPATH``, thread
+counts, torch's settings), a caller in another network or mount namespace (the simulated cluster's nodes), or a
+zygote that is not there: the shim ``exec``s the real interpreter instead, as before.
+
+``DDP_TEST_ZYGOTE=0`` turns it off for a whole run (``DDP_TEST_ZYGOTE=0 pytest``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOCKET_ENV = "DDP_TEST_ZYGOTE_SOCKET"
+
+IMPORT_TIME_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "TORCH", "PYTORCH", "CUDA", "NCCL")
+"""Variables an import may read (prefixes): a run that sets or changes one of them from the zygote's value gets a
+fresh interpreter, since the zygote has imported everything already. ``PYTHONUNBUFFERED`` is applied in the
+child, ``DDP_TEST_ZYGOTE_SOCKET`` is the zygote's own."""
+
+PRELOAD = (
+    "numpy", "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+    "torch.distributed.checkpoint", "torch.distributed.elastic.multiprocessing.errors", "lightning",
+    "lightning.pytorch", "lightning.fabric", "lightning.pytorch.cli", "ddp_plugin", "ddp_plugin.testing.callbacks",
+    "ddp_plugin.testing.data", "ddp_plugin.testing.models", "ddp_plugin.testing.gpt", "ddp_plugin.testing.ranks",
+    "ddp_plugin.testing.processes", "ddp_plugin.tensor_parallel", "ddp_plugin.sync", "torch.distributed.run",
+)
+
+_HEADER = struct.Struct("!Q")
+
+
+# ---------------------------------------------------------------- the shim: a caller that is a real process
+SHIM_SOURCE = '''\
+import os, json, signal, socket, struct, sys
+REAL = {real!r}
+ARGS = sys.argv[1:]
+
+
+def exec_real():
+    os.execv(REAL, [REAL, *sys.argv[1:]])
+
+
+def forkable(args):
+    if args[:1] == ["-u"]:  # torchrun starts its workers with -u; the zygote runs unbuffered anyway
+        del args[0]
+    if args[:1] == ["-m"]:
+        return len(args) > 1
+    return bool(args) and args[0].endswith(".py") and not args[0].startswith("-")
+
+
+def namespaces():
+    found = {{}}
+    for name in ("net", "mnt", "pid", "user", "ipc", "uts"):
+        try:
+            found[name] = os.stat(f"/proc/self/ns/{{name}}").st_ino
+        except OSError:
+            found[name] = None
+    return found
+
+
+path = os.environ.get({socket_env!r})
+if not path or not forkable(ARGS):
+    exec_real()
+try:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+except OSError:
+    exec_real()
+request = json.dumps({{"argv": ARGS, "env": dict(os.environ), "cwd": os.getcwd(),
+                      "executable": os.path.abspath(sys.argv[0]), "namespaces": namespaces()}}).encode()
+socket.send_fds(conn, [struct.pack("!Q", len(request))], [0, 1, 2])
+conn.sendall(request)
+
+
+def receive(n):
+    data = b""
+    while len(data) < n:
+        part = conn.recv(n - len(data))
+        if not part:
+            return None
+        data += part
+    return data
+
+
+answer = receive(8)
+child = struct.unpack("!q", answer)[0] if answer else 0
+if child <= 0:  # the zygote would not fork this one (its environment differs in what an import reads)
+    conn.close()
+    exec_real()
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
+    signal.signal(sig, lambda number, frame: os.kill(child, number))
+status = receive(8)
+status = struct.unpack("!q", status)[0] if status else -signal.SIGKILL
+if status < 0:  # die of the child's signal
+    if -status not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(-status, signal.SIG_DFL)
+    os.kill(os.getpid(), -status)
+os._exit(status)
+'''
+
+
+def write_shim(folder: Path) -> Path:
+    shim = folder / "python"
+    shim.write_text(f"#!{sys.executable} -S\n" + SHIM_SOURCE.format(
+        real=sys.executable, socket_env=SOCKET_ENV))
+    shim.chmod(0o755)
+    return shim
+
+
+# ---------------------------------------------------------------- the zygote
+def _changed(env: dict[str, str], base: dict[str, str]) -> list[str]:
+    return sorted(k for k in set(env) | set(base) if k.startswith(IMPORT_TIME_ENV)
+                  and k not in ("PYTHONUNBUFFERED", SOCKET_ENV) and env.get(k) != base.get(k))
+
+
+def _namespaces() -> dict[str, int | None]:
+    """The Linux namespaces this process is in (a caller in another network or mount namespace, as the simulated
+    cluster's nodes are, gets a fresh interpreter: a forked child would be in the zygote's)."""
+    found: dict[str, int | None] = {}
+    for name in ("net", "mnt", "pid", "user", "ipc", "uts"):
+        try:
+            found[name] = os.stat(f"/proc/self/ns/{name}").st_ino
+        except OSError:
+            found[name] = None
+    return found
+
+
+def _answer(conn: socket.socket, number: int) -> None:
+    try:
+        conn.sendall(struct.pack("!q", number))
+    except OSError:  # the shim is gone; the child's watcher ends the child
+        pass
+
+
+def _receive(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        part = conn.recv(n - len(data))
+        if not part:
+            raise EOFError
+        data += part
+    return data
+
+
+def serve(path: str) -> None:
+    """Import, then fork a child per request until the parent (the pytest worker) is gone."""
+    import gc
+    import importlib
+    gc.disable()  # as the gc module's documentation advises for fork without exec: no holes in shared pages,
+    for name in PRELOAD:
+        importlib.import_module(name)
+    gc.freeze()  # and no collection in a child writing to them (a child's exit took 1-2 s of copy-on-write without)
+    zygote = os.getpid()
+    parent = os.getppid()
+    base_env = dict(os.environ)
+    namespaces = _namespaces()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: dict[int, socket.socket] = {}
+    print("ready", flush=True)
+    try:
+        while os.getppid() == parent:
+            ready, _, _ = select.select([listener, wake_r], [], [], 1.0)
+            if wake_r in ready:
+                while True:
+                    try:
+                        if not os.read(wake_r, 512):
+                            break
+                    except BlockingIOError:
+                        break
+            while children:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                conn = children.pop(pid, None)
+                if conn is not None:
+                    _answer(conn, -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+                    conn.close()
+            if listener in ready:
+                conn, _ = listener.accept()
+                try:
+                    header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+                    request = json.loads(_receive(conn, _HEADER.unpack(header)[0]))
+                except (EOFError, OSError, ValueError, struct.error):
+                    conn.close()
+                    continue
+                if len(fds) != 3 or _changed(request["env"], base_env) or request.get("namespaces") != namespaces:
+                    for fd in fds:
+                        os.close(fd)
+                    _answer(conn, 0)  # 0: not forked, the shim execs the real interpreter
+                    conn.close()
+                    continue
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    for other in children.values():
+                        other.close()
+                    _child(request, fds, conn)  # never returns: exits as a process does
+                for fd in fds:
+                    os.close(fd)
+                children[pid] = conn
+                _answer(conn, pid)
+    finally:
+        if os.getpid() == zygote:
+            for pid in children:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _child(request: dict, fds: list[int], conn: socket.socket) -> None:
+    import gc
+    import random
+    import runpy
+
+    gc.enable()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for number, fd in enumerate(fds):
+        os.dup2(fd, number)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    # sys.stdin/stdout/stderr (and the logging handlers made at import, which hold them) now read and write the
+    # caller's streams: same file descriptors. The zygote runs unbuffered, as every run of the suite does.
+    sys.executable = request["executable"]
+    random.seed()
+    from lightning_utilities.core.rank_zero import rank_zero_only
+    from lightning.fabric.utilities.rank_zero import _get_rank
+    rank_zero_only.rank = _get_rank() or 0
+
+    def watch() -> None:  # the caller gone (killed): so is this process, as it would be with a real interpreter
+        try:
+            while conn.recv(1):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="zygote-caller-watch", daemon=True).start()
+    args = request["argv"]
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        sys.path[0] = os.getcwd()
+        runner = lambda: runpy.run_module(args[1], run_name="__main__", alter_sys=True)  # noqa: E731
+    else:
+        sys.argv = list(args)
+        sys.path[0] = os.path.dirname(os.path.realpath(args[0]))
+        runner = lambda: runpy.run_path(args[0], run_name="__main__")  # noqa: E731
+    try:
+        runner()
+    except SystemExit:
+        raise
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        raise SystemExit(1)
+    raise SystemExit(0)
+
+
+# ---------------------------------------------------------------- the pytest side
+_started: dict[str, object] = {}
+
+
+def interpreter() -> str:
+    """The executable to run a test's Python with: the shim of this worker's zygote (started on first use; its
+    socket is then in this process's environment, which the tests' processes inherit), or ``sys.executable`` when
+    the zygote is off or did not start."""
+    if os.environ.get("DDP_TEST_ZYGOTE", "1") == "0" or _started.get("failed"):
+        return sys.executable
+    if "shim" not in _started:
+        folder = Path(tempfile.mkdtemp(prefix="ddp-zygote-"))
+        path = str(folder / "socket")
+        from ddp_plugin.testing.processes import clean_env
+        env = {k: v for k, v in clean_env().items() if k != SOCKET_ENV}
+        env["PYTHONUNBUFFERED"] = "1"
+        proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", path], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        line = proc.stdout.readline()
+        if line.strip() != b"ready":
+            proc.kill()
+            _started["failed"] = True
+            return sys.executable
+
+        def stop() -> None:
+            proc.kill()
+            proc.wait()
+            for name in ("socket", "python"):
+                try:
+                    (folder / name).unlink()
+                except OSError:
+                    pass
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+
+        atexit.register(stop)
+        _started.update(shim=str(write_shim(folder)), proc=proc)
+        os.environ[SOCKET_ENV] = path
+    return str(_started["shim"])
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
