@@ -69,11 +69,10 @@ class CheckpointRouting:
     def _check_tensor_parallel_checkpoint(self) -> None:
         if not self._has_tensor_parallel_model():
             return
-        if self.config.checkpoint != "master" or self.config.sync_every > 1:
+        if self.config.sync_every > 1:
             raise NotImplementedError(
-                "Checkpoints of a tensor-parallel model are written with `checkpoint='master'` and `sync_every=1`"
-                f" in this release; this run has `checkpoint={self.config.checkpoint!r}`,"
-                f" `sync_every={self.config.sync_every}`. Train with those settings to save (or pass"
+                "Checkpoints of a tensor-parallel model are written with `sync_every=1` in this release; this run"
+                f" has `sync_every={self.config.sync_every}`. Train with `sync_every=1` to save (or pass"
                 " `enable_checkpointing=False` to the Trainer to train without saving)."
             )
 
@@ -81,6 +80,10 @@ class CheckpointRouting:
     def lightning_module_state_dict(self) -> dict[str, Any]:
         pm = self._state_plugins()
         self._check_tensor_parallel_checkpoint()
+        if self.config.checkpoint == "sharded":  # each rank its pieces (of its tensor-parallel blocks, if split)
+            state = pm.hook.on_local_module_state_dict(module=self.lightning_module) if pm is not None else None
+            state = state if state is not None else self.lightning_module.state_dict()
+            return tensor_parallel.local_blocks(state)[0] if self._has_tensor_parallel_model() else state
         if self._has_tensor_parallel_model():
             # Whole, plain tensors under the unsplit model's names (an all-gather per split tensor, every rank;
             # at ZeRO stage 3 inside `full_parameters()`, copied before its units are freed again): loadable into
@@ -91,9 +94,6 @@ class CheckpointRouting:
                 if self.config.zero_stage == 3:  # (a replicated DTensor's whole value is its local tensor)
                     whole = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in whole.items()}
                 return whole
-        if self.config.checkpoint == "sharded":
-            state = pm.hook.on_local_module_state_dict(module=self.lightning_module) if pm is not None else None
-            return state if state is not None else self.lightning_module.state_dict()
         if pm is not None:
             with diagnosed("the checkpoint's gather of the model to rank 0"):
                 state = pm.hook.on_module_state_dict(module=self.lightning_module)
@@ -105,18 +105,23 @@ class CheckpointRouting:
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         pm = self._state_plugins()
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
-        if self._has_tensor_parallel_model():
+        tensor_parallel_model = self._has_tensor_parallel_model()
+        if tensor_parallel_model:
             self._check_tensor_parallel_checkpoint()
-            with diagnosed("the checkpoint's gather of the tensor-parallel optimizer state"):
-                state = pm.hook.on_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
-                return tensor_parallel.full_state_dict(state if state is not None else optimizer.state_dict())
         if self.config.checkpoint == "sharded":
             local = pm.hook.on_local_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
             if local is None:
                 sd = optimizer.state_dict()
                 flat = {f"{i}/{k}": v for i, st in sd["state"].items() for k, v in st.items()}
                 local = {"state": flat, "param_groups": sd["param_groups"], "shapes": {}}
+            if tensor_parallel_model:  # this rank's blocks of state tensors that are DTensors
+                blocks, shapes = tensor_parallel.local_blocks(local["state"])
+                local = {**local, "state": blocks, "shapes": {**local.get("shapes", {}), **shapes}}
             return local
+        if tensor_parallel_model:
+            with diagnosed("the checkpoint's gather of the tensor-parallel optimizer state"):
+                state = pm.hook.on_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
+                return tensor_parallel.full_state_dict(state if state is not None else optimizer.state_dict())
         if pm is not None:
             with diagnosed("the checkpoint's gather of the optimizer state's layout to rank 0"):
                 state = pm.hook.on_optimizer_state_dict(optimizer=optimizer)
@@ -173,11 +178,12 @@ class CheckpointRouting:
     def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         if not is_local_path(filepath):
             raise ValueError(f'`checkpoint="sharded"` writes to a local (or shared) filesystem; got `{filepath}`.')
+        live = self.lightning_module.state_dict(keep_vars=True)
         shapes: dict[str, tuple[int, ...]] = {
-            f"model/{name}": tuple(value.shape)
-            for name, value in self.lightning_module.state_dict(keep_vars=True).items()
-            if isinstance(value, Tensor)
+            f"model/{name}": tuple(value.shape) for name, value in live.items() if isinstance(value, Tensor)
         }
+        # Every rank's block shape of the tensor-parallel parameters (rank 0 writes them, holding only its own).
+        shapes.update({f"model/{key}": shape for key, shape in tensor_parallel.block_shapes(live).items()})
         if deferred_storages({k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}):
             # Plugin state to be gathered (a sync mode's outer state): gathered now, on every rank, into what rank 0
             # writes beside the shards (the sharded layout keeps only model and optimizer tensors per rank).

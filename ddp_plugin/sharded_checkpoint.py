@@ -8,7 +8,10 @@ Tensors are stored under flat keys. A tensor every rank holds whole is ``model/<
 ``optim/<j>/<index>/<state key>`` for optimizer ``j``'s state of parameter ``index``, numbered across parameter
 groups as in an unsharded ``optimizer.state_dict()``); DCP writes such a key once, whichever ranks hold it. A
 piece of a sharded tensor is ``<key>#<start>``: the 1-D slice of the flattened tensor that starts at element
-``start``. Loading assembles the unsharded layout from whatever pieces the writers held, so a sharded
+``start``. A tensor split by tensor parallelism is written as blocks: ``<key>@<dim>:<offset>`` is the block of
+the whole tensor that starts at ``offset`` along ``dim`` (a rank's local shard), and ``<key>@<dim>:<offset>#<start>``
+a piece of that block's flattening (ZeRO shards a local shard). Loading assembles the unsharded layout from
+whatever pieces and blocks the writers held, so a sharded
 checkpoint resumes on any world size, stage, shard scope or hierarchy, exactly like a consolidated one, and
 :func:`consolidate` turns it into a single file plain Lightning loads.
 
@@ -180,9 +183,7 @@ def _assemble(flat: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) ->
         else:
             pieces.setdefault(base, []).append((start, value))
     for base, parts in pieces.items():
-        # ``optim/<j>/<index>/<key>`` has the shape of parameter ``optim/<j>/<index>`` (older checkpoints
-        # recorded the key itself).
-        shape = shapes.get(base, shapes.get(base.rpartition("/")[0]))
+        shape = _recorded_shape(base, shapes)
         if shape is None:
             raise ValueError(f"The sharded checkpoint records no shape for `{base}`: it cannot be assembled.")
         shape = tuple(shape)
@@ -198,6 +199,47 @@ def _assemble(flat: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) ->
                 " elements. Was a rank's file lost?"
             )
         whole[base] = out.view(shape)
+    return _join_blocks(whole, shapes)
+
+
+def _recorded_shape(key: str, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The shape recorded for ``key``. ``optim/<j>/<index>/<key>`` has the shape of parameter
+    ``optim/<j>/<index>`` (older checkpoints recorded the key itself), and its block ``...@<dim>:<offset>`` the
+    shape of that parameter's block."""
+    if key in shapes:
+        return shapes[key]
+    name, at, where = key.rpartition("@")
+    if at:
+        return shapes.get(f"{name.rpartition('/')[0]}@{where}")
+    return shapes.get(key.rpartition("/")[0])
+
+
+def _join_blocks(flat: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """``flat`` with the tensor-parallel blocks ``<key>@<dim>:<offset>`` of each key put together into ``<key>``."""
+    whole: dict[str, Any] = {}
+    blocks: dict[str, list[tuple[int, int, Tensor]]] = {}
+    for key, value in flat.items():
+        name, at, where = key.rpartition("@")
+        if not at:
+            whole[key] = value
+            continue
+        dim, offset = (int(x) for x in where.split(":"))
+        blocks.setdefault(name, []).append((dim, offset, value))
+    for name, parts in blocks.items():
+        shape = _recorded_shape(name, shapes)
+        if shape is None:
+            raise ValueError(f"The sharded checkpoint records no shape for `{name}`: it cannot be assembled.")
+        out = torch.empty(tuple(shape), dtype=parts[0][2].dtype)
+        covered = 0
+        for dim, offset, value in parts:
+            out.narrow(dim, offset, value.shape[dim]).copy_(value)
+            covered += value.numel()
+        if covered != out.numel():
+            raise ValueError(
+                f"The sharded checkpoint is incomplete: the tensor-parallel blocks of `{name}` cover {covered} of its"
+                f" {out.numel()} elements. Was a rank's file lost?"
+            )
+        whole[name] = out
     return whole
 
 

@@ -13,7 +13,9 @@ groups of :class:`~ddp_plugin.hookspecs.Topology`. This module holds what is spe
 - :func:`global_grad_norm`: the 2-norm of every gradient, a split parameter counted once over its shards and a
   replicated one once, not once per tensor-parallel rank;
 - :func:`full_state_dict` / :func:`distribute_state_dict`: checkpoints hold whole, plain tensors, loadable into the
-  unsplit model in one process, and load back into any split.
+  unsplit model in one process, and load back into any split;
+- :func:`local_blocks`: for ``checkpoint="sharded"``, each rank writes its own blocks of the split tensors (no
+  gather), under keys that say where a block lies in the whole tensor.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ddp_plugin.hookspecs import is_tensor_parallel_shard, local_tensor
+from ddp_plugin.hookspecs import block_key, is_tensor_parallel_shard, local_tensor, tensor_parallel_blocks
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -239,6 +241,31 @@ def distribute_optimizer_state(state: Mapping[str, Any], optimizer: torch.optim.
                            and tuple(v.shape) == tuple(p.shape) else v) for k, v in entries.items()}
         out_state[index] = entries
     return {**state, "state": out_state}
+
+
+def local_blocks(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """``state`` (flat keys) with every DTensor replaced by its local tensor, for a sharded checkpoint: a split one
+    under ``<key>@<dim>:<offset>`` (:func:`~ddp_plugin.hookspecs.block_key`), a replicated one under ``<key>``
+    (every rank holds it whole). Also the shapes a loader needs to put the blocks together: ``<key>``'s whole
+    shape and every rank's ``<key>@<dim>:<offset>`` block shape. No communication."""
+    out: dict[str, Any] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, value in state.items():
+        if not isinstance(value, DTensor):
+            out[key] = value
+            continue
+        out[block_key(key, value)] = local_tensor(value).detach()
+        blocks = tensor_parallel_blocks(value)
+        if blocks is not None:
+            shapes[key] = tuple(value.shape)
+            shapes.update({f"{key}@{dim}:{offset}": shape for dim, offset, shape in blocks})
+    return out, shapes
+
+
+def block_shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every rank's block shape (``<key>@<dim>:<offset>``) of each split DTensor in ``state``."""
+    return {f"{key}@{dim}:{offset}": shape for key, value in state.items() if isinstance(value, DTensor)
+            for dim, offset, shape in tensor_parallel_blocks(value) or ()}
 
 
 def has_tensor_parallel_parameters(module: Module) -> bool:

@@ -29,16 +29,19 @@ from ddp_plugin.hookspecs.types import (  # noqa: E402
     Topology,
     Traffic,
     as_parameter_layout,
+    block_key,
     completed_future,
     is_tensor_parallel_shard,
     local_part_of_whole,
     local_tensor,
     set_local_data,
     set_local_grad,
+    tensor_parallel_blocks,
 )
 
 __all__ = [
     "PROJECT_NAME", "Bucket", "Communicator", "DeferredStorage", "DeferredTensor", "Options", "ParameterShards",
-    "Topology", "Traffic", "as_parameter_layout", "completed_future", "hookimpl", "hookspec",
+    "Topology", "Traffic", "as_parameter_layout", "block_key", "completed_future", "hookimpl", "hookspec",
     "is_tensor_parallel_shard", "local_part_of_whole", "local_tensor", "set_local_data", "set_local_grad",
+    "tensor_parallel_blocks",
 ]

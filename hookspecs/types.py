@@ -152,6 +152,40 @@ def is_tensor_parallel_shard(p: Tensor) -> bool:
     return _is_dtensor(p) and any(placement.is_shard() for placement in p.placements)
 
 
+def tensor_parallel_blocks(t: Tensor) -> list[tuple[int, int, tuple[int, ...]]] | None:
+    """Where the blocks of ``t``, a DTensor split along one dimension over a 1-D mesh, lie in the whole tensor:
+    ``(dim, offset, shape)`` of every mesh position's block, in mesh order (as ``torch.chunk`` splits, the last
+    ones may be smaller or empty). ``None`` for a plain tensor or a replicated DTensor (every rank holds it
+    whole). Needs no communication: a sharded checkpoint's rank 0 records every rank's block shape with it."""
+    if not is_tensor_parallel_shard(t):
+        return None
+    shards = [(i, pl) for i, pl in enumerate(t.placements) if pl.is_shard()]
+    if t.device_mesh.ndim != 1 or len(shards) != 1:
+        raise ValueError(f"a DTensor split over a {t.device_mesh.ndim}-D mesh with placements {t.placements}: "
+                         "tensor parallelism here splits along one dimension over the tensor-parallel mesh")
+    dim = shards[0][1].dim % t.dim()
+    n, parts = t.shape[dim], t.device_mesh.size()
+    chunk = -(-n // parts)
+    blocks = []
+    for i in range(parts):
+        start = min(i * chunk, n)
+        shape = list(t.shape)
+        shape[dim] = min(chunk, n - start)
+        blocks.append((dim, start, tuple(shape)))
+    return blocks
+
+
+def block_key(key: str, t: Tensor) -> str:
+    """``key`` for this rank's block of ``t`` in a sharded checkpoint: ``<key>@<dim>:<offset>`` where ``t`` is
+    split by tensor parallelism (:func:`tensor_parallel_blocks`), else ``key``. A piece of a block's flattened
+    local tensor is ``<key>@<dim>:<offset>#<start>``."""
+    blocks = tensor_parallel_blocks(t)
+    if blocks is None:
+        return key
+    dim, offset, _ = blocks[t.device_mesh.get_coordinate()[0]]
+    return f"{key}@{dim}:{offset}"
+
+
 @dataclass(frozen=True)
 class Topology:
     """Where this rank sits: ``num_nodes`` nodes of ``ranks_per_node`` ranks, global rank = node * k + local

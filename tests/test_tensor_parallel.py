@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddp_plugin.testing.processes import runs_argument
 from tests.support import WORKERS, run_python
 
 # Rounding inside the split layers (a sum over two halves instead of one), amplified by Adam over 20 steps;
@@ -113,6 +114,75 @@ def test_master_checkpoint_loads_into_the_unsplit_model_in_one_plain_process(run
 @pytest.mark.parametrize(("resumed", "uninterrupted"), [("0:vocab-tp1", "3:vocab"), ("2:vocab-tp2-again", "2:vocab")])
 def test_resume_on_another_layout_and_stage_continues_as_if_uninterrupted(runs, resumed, uninterrupted):
     assert relative_difference(runs[resumed]["params"], runs[uninterrupted]["params"]) <= RTOL
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint="sharded":
+# each rank writes its own tensor-parallel blocks (pieces of them under ZeRO) through DCP, no gather.
+
+SHARDED = ["0:vocab", "1:replicated", "3:vocab"]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, runs) -> dict:
+    out = tmp_path_factory.mktemp("tp-sharded")
+    tp2 = ["--out", out, "--devices", "4", "--devices-per-node", "2", "--tp", "2"]
+    flags = '--flags={"checkpoint": "sharded"}'
+    # Saved at step 10 at stages 0, 1 and 3; resumed on TP 2 at another stage (1 -> 2, 0 -> 3), in the same
+    # launch, and on plain data parallelism (TP 1, 2 ranks, a master checkpoint) from stage 3's.
+    run_python(WORKERS / "tp_run.py", *runs_argument([
+        [*tp2, "--variants", ",".join(SHARDED), flags, "--save-at", "10", "--tag=-sharded"],
+        [*tp2, "--variants", "2:replicated", flags, "--resume", out / "1-replicated-sharded-step10.ckpt",
+         "--tag=-from-1"],
+        [*tp2, "--variants", "3:vocab", flags, "--resume", out / "0-vocab-sharded-step10.ckpt", "--tag=-from-0"],
+    ]), timeout=600)
+    run_python(WORKERS / "tp_run.py", "--out", out, "--devices", "2", "--tp", "1", "--variants", "0:vocab",
+               "--resume", out / "3-vocab-sharded-step10.ckpt", "--tag=-tp1-from-3")
+    found = {"dir": out}
+    for tag in ["0-vocab-sharded", "1-replicated-sharded", "3-vocab-sharded", "2-replicated-from-1",
+                "3-vocab-from-0", "0-vocab-tp1-from-3"]:
+        found[tag] = torch.load(out / f"{tag}.pt")
+    return found
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_sharded_checkpoint_holds_each_ranks_blocks_and_consolidates_to_the_master_checkpoint(
+        runs, sharded, stage, tmp_path):
+    from ddp_plugin.sharded_checkpoint import consolidate
+
+    variant = SHARDED[[0, 1, 3].index(stage)]
+    tag = variant.replace(":", "-")
+    directory = sharded["dir"] / f"{tag}-sharded-step10.ckpt"
+    assert directory.is_dir() and len(list(directory.glob("*.distcp"))) == 4
+    consolidate(directory, tmp_path / "whole.ckpt")
+    mine = torch.load(tmp_path / "whole.ckpt", weights_only=False)
+    master = torch.load(runs["checkpoints"] / f"{tag}-step10.ckpt", weights_only=False) if stage != 1 else None
+    if master is None:  # no master checkpoint of this variant: the unsplit model loads it, strict
+        from ddp_plugin.testing.gpt import GPTModule
+
+        GPTModule(tie="replicated").load_state_dict(mine["state_dict"], strict=True)
+        return
+    # The same training to step 10 as the master run's: the same whole tensors, bit for bit.
+    assert mine["state_dict"].keys() == master["state_dict"].keys()
+    for key, value in master["state_dict"].items():
+        assert type(mine["state_dict"][key]) is torch.Tensor and torch.equal(mine["state_dict"][key], value), key
+    ours, theirs = mine["optimizer_states"][0], master["optimizer_states"][0]
+    assert ours["state"].keys() == theirs["state"].keys()
+    for index, entries in theirs["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(ours["state"][index][key], value), (index, key)
+
+
+@pytest.mark.parametrize("variant", SHARDED)
+def test_saving_sharded_does_not_change_training(runs, sharded, variant):
+    mine, master = sharded[f"{variant.replace(':', '-')}-sharded"]["params"], runs[variant]["params"]
+    assert all(torch.equal(mine[k], master[k]) for k in master)
+
+
+@pytest.mark.parametrize(("resumed", "uninterrupted"), [
+    ("2-replicated-from-1", "1:replicated"), ("3-vocab-from-0", "0:vocab"), ("0-vocab-tp1-from-3", "3:vocab")])
+def test_sharded_checkpoint_resumes_on_another_stage_and_split(runs, sharded, resumed, uninterrupted):
+    assert relative_difference(sharded[resumed]["params"], runs[uninterrupted]["params"]) <= RTOL
+    assert sharded[resumed]["max_replica_diff"] == 0.0
 
 
 # ---------------------------------------------------------------------------------------------- 8 ranks: 2 nodes x 4,

@@ -17,8 +17,10 @@ from ddp_plugin.hookspecs import (
     DeferredStorage,
     DeferredTensor,
     as_parameter_layout,
+    block_key,
     local_part_of_whole,
     local_tensor,
+    tensor_parallel_blocks,
 )
 
 if TYPE_CHECKING:
@@ -233,8 +235,9 @@ def local_module_state(shards: Shards, units: Units | None, module: nn.Module) -
             for p in bucket.params:  # freed here: only this rank's pieces (if any) are valid
                 sharded.update(names.get(id(p), []))
             for piece in entry.pieces:
-                for name in names.get(id(bucket.params[piece.index]), []):
-                    out[f"{name}#{piece.start}"] = piece.param.detach()
+                p = bucket.params[piece.index]
+                for name in names.get(id(p), []):  # a piece of this rank's tensor-parallel block, if split
+                    out[f"{block_key(name, p)}#{piece.start}"] = piece.param.detach()
     out.update({name: value.detach() for name, value in whole.items() if name not in sharded})
     return out
 
@@ -251,8 +254,11 @@ def local_optimizer_state(shards: Shards, optimizers: ShardedOptimizers, optimiz
     for index, p in numbered:
         if id(p) in sharded:
             # Every sharded parameter's shape, on every rank: rank 0 writes the metadata, and it may hold no
-            # piece of this parameter (its state is then in other ranks' files only).
+            # piece of this parameter (its state is then in other ranks' files only). Split by tensor
+            # parallelism, the pieces are of this rank's block: the shape of every rank's block too.
             shapes[f"{index}"] = tuple(p.shape)
+            for dim, offset, shape in tensor_parallel_blocks(p) or ():
+                shapes[f"{index}@{dim}:{offset}"] = shape
         pieces = optimizers.pieces_of.get(id(p))
         if pieces is None:
             if id(p) not in sharded:
@@ -262,7 +268,7 @@ def local_optimizer_state(shards: Shards, optimizers: ShardedOptimizers, optimiz
         for piece in pieces:
             for k, v in optimizer.state.get(piece, {}).items():
                 if isinstance(v, Tensor) and v.dim() > 0 and v.numel() == piece.numel():
-                    state[f"{index}/{k}#{starts[id(piece)]}"] = v
+                    state[f"{block_key(f'{index}/{k}', p)}#{starts[id(piece)]}"] = v
                 else:
                     state[f"{index}/{k}"] = v  # the same on every rank (e.g. Adam's step)
     return {"state": state, "param_groups": groups, "shapes": shapes}
