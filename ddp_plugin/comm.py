@@ -116,6 +116,15 @@ class TracedCommunicator:
             self._record(group, [(dst, chunk) for dst in range(n) if dst != me])
         return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
+    def broadcast(self, tensor, src, group=None, async_op=False):
+        """``tensor`` of rank ``src`` (rank in ``group``) to every rank of ``group``: the source sends it to each
+        (gloo's algorithm for a group this small; NCCL's ring sends as much in all)."""
+        group = _group(group)
+        n = dist.get_world_size(group)
+        if n > 1 and dist.get_rank(group) == src:
+            self._record(group, [(dst, _nbytes(tensor)) for dst in range(n) if dst != src])
+        return dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group, async_op=async_op)
+
     def new_group(self, ranks=None, backend=None):
         return new_group(ranks, backend=backend, timeout=self.timeout)
 

@@ -139,6 +139,7 @@ class GradientEngine:
         device: torch.device,
         comm: Communicator,
         pad_multiple: int = 1,
+        shared_replicas: tuple[int, dist.ProcessGroup] | None = None,
     ) -> None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         planned = hook.on_plan_buckets(module=module, named_params=named, cap_bytes=bucket_cap_bytes)
@@ -159,6 +160,17 @@ class GradientEngine:
         ranks the step's gradients are averaged over: the session points it at a node's group for the steps whose
         gradients stay inside the node; ``None``: this rank alone."""
         self._comm = comm
+        self._owner: dict[int, int] = {}
+        """With tensor parallelism at stage 0 (``shared_replicas``: the tensor-parallel size and a group of this
+        rank's tensor-parallel peers for the communication thread): bucket index -> the tensor-parallel rank that
+        reduces that bucket of replicated parameters over its data-parallel ranks, then broadcasts the mean to its
+        peers inside the node. Every peer holds the same gradient for a replicated parameter, so one copy crosses
+        the slow link instead of one per peer: a node sends the whole model's gradient once, as without tensor
+        parallelism. The owners take turns over such buckets."""
+        self._peers = shared_replicas[1] if shared_replicas is not None else None
+        if shared_replicas is not None:
+            replicated = [b.index for b in self.buckets if not is_tensor_parallel_shard(b.params[0])]
+            self._owner = {index: turn % shared_replicas[0] for turn, index in enumerate(replicated)}
         self._views: list[list[Tensor]] = [[b.grad_view(i) for i in range(len(b.params))] for b in self.buckets]
         self._params: list[Parameter] = [p for b in self.buckets for p in b.params]
         self._flat_views: list[Tensor] = [v for views in self._views for v in views]
@@ -223,6 +235,17 @@ class GradientEngine:
         self._next_launch = bucket.index + 1
 
     def _reduce(self, bucket: Bucket) -> torch.futures.Future:
+        owner = self._owner.get(bucket.index)
+        if owner is not None:  # a bucket of replicated parameters under tensor parallelism (see _owner)
+            if dist.get_rank(self._peers) == owner:
+                self._reduce_over_data_parallel_ranks(bucket).wait()
+            self._comm.broadcast(bucket.buffer, src=owner, group=self._peers)
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(None)
+            return fut
+        return self._reduce_over_data_parallel_ranks(bucket)
+
+    def _reduce_over_data_parallel_ranks(self, bucket: Bucket) -> torch.futures.Future:
         fut = self._hook.on_bucket_ready(bucket=bucket)
         if fut is None:
             raise RuntimeError(

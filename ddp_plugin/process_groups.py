@@ -61,6 +61,7 @@ class ProcessGroups:
         self.bookkeeping = bookkeeping
         self._backend = backend
         self._node_bookkeeping: dist.ProcessGroup | None = None
+        self._tensor_parallel_peers: dist.ProcessGroup | None = None
         self._device_mesh: DeviceMesh | None = None
 
     @property
@@ -91,6 +92,23 @@ class ProcessGroups:
                     self._node_bookkeeping = group
         return self._node_bookkeeping
 
+    def tensor_parallel_peers(self) -> dist.ProcessGroup | None:
+        """This rank's tensor-parallel group again, as a group of its own for the gradient engine's communication
+        thread (``Topology.tensor_parallel_group`` is the training thread's, the device mesh's the module's);
+        ``None`` without tensor parallelism. Created on first use: collective, every rank calls it at the same
+        point."""
+        t = self.layout.tensor_parallel_size
+        if t == 1:
+            return None
+        if self._tensor_parallel_peers is None:
+            mine = dist.get_rank() // t
+            for first in range(0, self.layout.world_size, t):  # every rank takes part in creating every group
+                group = new_group(list(range(first, first + t)), backend=self._backend,
+                                  timeout=self.topology.timeout)
+                if first // t == mine:
+                    self._tensor_parallel_peers = group
+        return self._tensor_parallel_peers
+
     @classmethod
     def get(cls, layout: Layout, device: torch.device, backend: str, timeout: timedelta | None) -> ProcessGroups:
         """The groups for ``layout``, created on first use (collective: every rank calls it at the same point)."""
@@ -117,6 +135,7 @@ class ProcessGroups:
             if f.name == "mesh" or f.name.endswith("group"):
                 object.__setattr__(self.topology, f.name, None)
         self.bookkeeping = self._node_bookkeeping = self._device_mesh = None  # type: ignore[assignment]
+        self._tensor_parallel_peers = None
 
     @classmethod
     def release_all(cls) -> None:

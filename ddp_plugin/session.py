@@ -43,7 +43,8 @@ class FitSession:
                  flags_group: dist.ProcessGroup, device: torch.device, hierarchical: bool,
                  measure_memory: Callable[[], dict[str, int]],
                  node_flags_group: Callable[[], dist.ProcessGroup | None] | None = None,
-                 layout: Layout | None = None) -> None:
+                 layout: Layout | None = None,
+                 tensor_parallel_peers: Callable[[], dist.ProcessGroup | None] | None = None) -> None:
         if config.hpz_partition_size is not None and config.hpz_partition_size != topology.ranks_per_node:
             raise ValueError(
                 f"The DeepSpeed config's `zero_optimization.zero_hpz_partition_size={config.hpz_partition_size}`"
@@ -69,6 +70,11 @@ class FitSession:
             module, hook=hook, bucket_cap_bytes=int(config.bucket_size_mb * 2**20), flags_group=flags_group,
             device=device, comm=self.comm,
             pad_multiple=topology.world_size if config.zero_stage else 1,  # sharded buckets split without copies
+            # At stage 0, one tensor-parallel peer reduces each bucket of replicated parameters for all of them
+            # (a ZeRO sharder keeps each peer's shard of the optimizer state, and reduces each peer's gradients).
+            shared_replicas=(self.layout.tensor_parallel_size, tensor_parallel_peers())
+            if tensor_parallel_peers is not None and self.layout.tensor_parallel_size > 1 and not config.zero_stage
+            else None,
         )
         self.engine.check_finite = config.skip_nonfinite
         self.flags_group = flags_group

@@ -294,7 +294,8 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             log.info("ddp_plugin: glibc's mmap threshold fixed at 1 MiB (release_cpu_memory)")
         self._session = FitSession(self.config, self.model, self._groups.topology, self._groups.bookkeeping,
                                    self.root_device, self.uses_hierarchical_reducer, self.memory_bytes,
-                                   node_flags_group=self._groups.node_bookkeeping, layout=self._groups.layout)
+                                   node_flags_group=self._groups.node_bookkeeping, layout=self._groups.layout,
+                                   tensor_parallel_peers=self._groups.tensor_parallel_peers)
         if self._pending_plugin_state is not None:
             self._session.load_plugin_state(*self._pending_plugin_state)
             self._pending_plugin_state = None

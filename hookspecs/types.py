@@ -331,6 +331,11 @@ class Communicator(Protocol):
                    async_op: bool = False) -> Work | None:
         """Equal splits: chunk j of ``input`` goes to rank j, which keeps it as chunk ``rank`` of ``output``."""
 
+    def broadcast(self, tensor: Tensor, src: int, group: ProcessGroup | None = None,
+                  async_op: bool = False) -> Work | None:
+        """``tensor`` of rank ``src`` (its rank in ``group``) to every rank of ``group``, in place. The source
+        sends it once to each other rank."""
+
     def new_group(self, ranks: list[int] | None = None, backend: str | None = None) -> ProcessGroup:
         """A process group of ``ranks`` (collective: every rank calls it) whose collectives fail after the
         strategy's ``timeout``, like every group of the strategy's (torch gives a new group 30 minutes)."""

@@ -61,6 +61,33 @@ def test_flat_ring_sends_one_and_a_half_gradient_sizes_per_node_per_step(traffic
 
 
 @pytest.fixture(scope="module")
+def tensor_parallel_traffic(cluster, tmp_path_factory) -> dict:
+    out = {}
+    for name, flags in (("plain", []), ("int8", ["--compression", "int8"])):
+        d = tmp_path_factory.mktemp(f"tp-{name}")
+        # TP 2 inside each node, data parallelism across: a GPT of S = 7.6 MB whose tied embedding and head are one
+        # replicated weight (1 MB), beside the split attention and MLP weights.
+        launch(cluster, WORKERS / "traffic_run.py", "--out", d, "--devices", "2", "--num-nodes", "2", "--tp", "2",
+               "--width", "256", "--steps", "8", "--warmup", "2", *flags)
+        out[name] = json.loads((d / "traffic.json").read_text())
+    return out
+
+
+@pytest.mark.parametrize(("codec", "share"), [("plain", 1.0), ("int8", 0.25)])
+def test_tensor_parallel_sends_the_model_once_per_node_and_step_and_keeps_its_own_collectives_inside(
+        tensor_parallel_traffic, codec, share):
+    # Cross-node bytes per node and step: S (the whole model's gradient) as without tensor parallelism, int8 a
+    # quarter of it. A replicated parameter's gradient is the same on both tensor-parallel ranks of a node and
+    # crosses once; the tensor-parallel collectives of forward and backward stay on the node's own links, so the
+    # kernel's counter of the link sees nothing beyond the gradients (and agrees with our accounting).
+    run = tensor_parallel_traffic[codec]
+    assert run["replicated_bytes"] > 0.1 * run["gradient_bytes"]  # T copies of it would show
+    for kernel, ours in per_node(run):
+        assert abs(kernel - ours) / kernel < 0.05, (kernel, ours)
+        assert kernel / run["window_steps"] == pytest.approx(share * run["gradient_bytes"], rel=0.03)
+
+
+@pytest.fixture(scope="module")
 def equivalence(cluster, tmp_path_factory) -> dict:
     ref, dist_dir = tmp_path_factory.mktemp("reference"), tmp_path_factory.mktemp("cluster")
     configs = "plain,everything"

@@ -2,6 +2,7 @@
 logger; saves every rank's per-step traffic means and the gradient size.
 
     python tests/workers/traffic_run.py --out DIR [--flat] [--num-nodes N --devices K] [--width W]
+    python tests/workers/traffic_run.py --out DIR --num-nodes 2 --devices 2 --tp 2     # a tied GPT, TP 2 x DP 2
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.gpt import GPTModule, token_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
 from ddp_plugin.testing.simcluster import link_bytes
 from ddp_plugin.testing.processes import run_each
@@ -55,11 +57,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compression", default=None)
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor_parallel_size; above 1 the model is a GPT whose embedding and head share one"
+                             " replicated weight (a large replicated parameter beside the split ones)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     strategy = HierarchicalZeroStrategy(devices_per_node=args.devices_per_node, hierarchical=False if args.flat else None,
-                                        compression=args.compression, progress_bar_metrics=True)
+                                        compression=args.compression, progress_bar_metrics=True,
+                                        tensor_parallel_size=args.tp)
     on_cluster = "GLOO_SOCKET_IFNAME" in os.environ
     counters = KernelCounters(args.warmup)
     trainer = L.Trainer(
@@ -68,9 +74,14 @@ def main(argv: list[str] | None = None) -> None:
         callbacks=[counters] if on_cluster else [],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    model = TinyModule(mlp(args.width, args.width, 1), optimizer="sgd", lr=1e-3)
-    x = torch.randn(64 * args.steps, args.width)
-    trainer.fit(model, DataLoader(TensorDataset(x, x[:, :1]), batch_size=8))
+    if args.tp > 1:
+        model = GPTModule(vocab=args.width * 4, d_model=args.width, heads=4, layers=2, seq=16, tie="replicated")
+        data = DataLoader(token_dataset(64 * args.steps, seq=16, vocab=args.width * 4), batch_size=4)
+    else:
+        model = TinyModule(mlp(args.width, args.width, 1), optimizer="sgd", lr=1e-3)
+        x = torch.randn(64 * args.steps, args.width)
+        data = DataLoader(TensorDataset(x, x[:, :1]), batch_size=8)
+    trainer.fit(model, data)
     means = strategy.metric_means
     names = sorted(means)
     every_rank = trainer.strategy.all_gather(torch.tensor([means[n] for n in names], dtype=torch.float64))
@@ -80,7 +91,10 @@ def main(argv: list[str] | None = None) -> None:
             json.dump({
                 "names": names,
                 "per_rank": every_rank.tolist(),
+                # the whole model's (a DTensor's numel is its whole tensor's; a tied weight is one parameter)
                 "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                "replicated_bytes": sum(p.numel() * p.element_size() for p in model.parameters()
+                                        if type(p).__name__ != "DTensor"),
                 "num_params": len(list(model.parameters())),
                 "hierarchical": strategy.uses_hierarchical_reducer,
                 "steps": trainer.global_step,
