@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ddp_plugin import tensor_parallel
 from ddp_plugin.session import memory_bytes
 
 if TYPE_CHECKING:
@@ -83,7 +84,11 @@ class FitInspection:
             raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
         per_param = session.grad_norms(module, norm_type) if (session := self._running()) else None
         if per_param is None:
-            return grad_norm(module, norm_type, group_separator)
+            if not tensor_parallel.has_tensor_parallel_parameters(module):
+                return grad_norm(module, norm_type, group_separator)
+            groups = getattr(self, "_groups", None)
+            per_param = tensor_parallel.grad_norms(
+                module, norm_type, groups.topology.tensor_parallel_group if groups is not None else None)
         norms = {f"grad_{norm_type}_norm{group_separator}{name}": value for name, value in per_param.items()}
         if norms:
             norms[f"grad_{norm_type}_norm_total"] = torch.tensor([float(v) for v in norms.values()]).norm(norm_type)

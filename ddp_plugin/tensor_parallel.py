@@ -181,6 +181,39 @@ def global_grad_norm(params: Iterable[Tensor], tensor_parallel_group: dist.Proce
     return (split + whole).sqrt()
 
 
+def split_norms(values: Tensor, split: Tensor, tensor_parallel_group: dist.ProcessGroup | None,
+                inf: bool) -> Tensor:
+    """Per-parameter norm partials ``values`` (sums of ``|g|^p`` over this rank's part, or maxima for ``inf``)
+    with the entries of split parameters (``split``, a bool mask) combined over the tensor-parallel group: one
+    all-reduce of the vector. Replicated parameters' entries are left as they are (the same on every rank)."""
+    if tensor_parallel_group is None or not bool(split.any()):
+        return values
+    part = torch.where(split, values, torch.zeros_like(values))
+    dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=tensor_parallel_group)
+    return torch.where(split, part, values)
+
+
+def grad_norms(module: Module, norm_type: float, tensor_parallel_group: dist.ProcessGroup | None
+               ) -> dict[str, Tensor]:
+    """``{name: norm of its gradient}`` for every parameter of ``module`` with a gradient, as Lightning's
+    ``grad_norm`` computes on an unsplit model (it fails on DTensor gradients): a split parameter's norm over all
+    its shards. Collective over the tensor-parallel group (one all-reduce)."""
+    named = [(name, p) for name, p in module.named_parameters() if p.grad is not None]
+    if not named:
+        return {}
+    inf = norm_type == float("inf")
+    g0 = local_tensor(named[0][1].grad)
+    values = torch.zeros(len(named), dtype=torch.float64, device=g0.device)
+    for i, (_, p) in enumerate(named):
+        g = local_tensor(p.grad).detach().double().abs()
+        if g.numel():
+            values[i] = g.max() if inf else g.pow(norm_type).sum()
+    split = torch.tensor([is_tensor_parallel_shard(p) for _, p in named], device=values.device)
+    values = split_norms(values, split, tensor_parallel_group, inf)
+    norms = values if inf else values.pow(1.0 / norm_type)
+    return {name: norms[i].to(local_tensor(p).dtype) for i, (name, p) in enumerate(named)}
+
+
 def scale_grads(params: Iterable[Tensor], max_norm: float, total_norm: Tensor) -> None:
     """Scale every gradient by ``max_norm / (total_norm + 1e-6)`` where that is below 1, as torch's
     ``clip_grad_norm_`` does (on the local shards: one factor for all)."""

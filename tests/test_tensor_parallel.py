@@ -56,6 +56,17 @@ def test_equals_ddp_on_the_whole_model(runs, variant):
     assert relative_difference(ours, reference) <= RTOL
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_grad_norm_and_full_gradients_give_the_unsplit_models_norm(runs, variant):
+    # strategy.grad_norm() and the whole gradients inside strategy.full_gradients(), before clipping, at every
+    # step: the norm of the unsplit model's gradient (Lightning ddp's), a split parameter counted once.
+    reference = torch.tensor(runs["reference"]["grad_norms"])
+    for name in ("grad_norms", "full_grad_norms"):
+        ours = torch.tensor(runs[variant][name])
+        assert ours.shape == reference.shape, name
+        torch.testing.assert_close(ours, reference, rtol=1e-3, atol=0, msg=name)
+
+
 def flat(state: dict) -> torch.Tensor:
     return torch.cat([state[k].flatten() for k in sorted(state)])
 

@@ -50,12 +50,21 @@ def grad_norms(shards: Shards, module: nn.Module, norm_type: float) -> dict[str,
     for bucket in shards.buckets:
         for p in bucket.params:
             where[id(p)] = len(where)
+    # A tensor-parallel shard's partial covers this rank's block: summed over the tensor-parallel group too.
+    split = torch.tensor([is_tensor_parallel_shard(p) for bucket in shards.buckets for p in bucket.params],
+                         dtype=torch.bool, device=partial.device)
+    if bool(split.any()):
+        part = torch.where(split, partial, torch.zeros_like(partial))
+        shards.comm.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                               group=shards.layout.topology.tensor_parallel_group)
+        partial = torch.where(split, part, partial)
     norms: dict[str, Tensor] = {}
     for name, p in module.named_parameters():
         j = where.get(id(p))
         if j is None:
             if p.grad is not None:  # not sharded: whole on every rank
-                norms[name] = p.grad.detach().norm(norm_type)
+                g = p.grad.detach()
+                norms[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).norm(norm_type)
         elif present[j]:
             value = partial[j] if inf else partial[j] ** (1.0 / norm_type)
             norms[name] = value.to(p.dtype)

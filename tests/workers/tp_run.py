@@ -20,6 +20,7 @@ import os
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.hookspecs import local_tensor
@@ -42,11 +43,21 @@ class ReplicaCheck(L.Callback):
     def __init__(self) -> None:
         self.max_replica_diff = 0.0
         self.grad_norms: list[float] = []
+        self.full_grad_norms: list[float] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if not isinstance(trainer.strategy, HierarchicalZeroStrategy):
+        # The global gradient norm before clipping (Lightning clips after this hook): the reference's from its
+        # whole gradients; ours from `strategy.grad_norm()` and from the whole gradients `full_gradients()` shows.
+        strategy = trainer.strategy
+        if not isinstance(strategy, HierarchicalZeroStrategy):
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
             self.grad_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+            return
+        self.grad_norms.append(float(strategy.grad_norm(2)["grad_2.0_norm_total"]))
+        with strategy.full_gradients():
+            squares = sum(float((g.full_tensor() if isinstance(g, DTensor) else g).double().pow(2).sum())
+                          for g in (p.grad for p in pl_module.parameters()) if g is not None)
+        self.full_grad_norms.append(squares ** 0.5)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not isinstance(trainer.strategy, HierarchicalZeroStrategy):
@@ -109,6 +120,7 @@ def run(out: str, devices: int, devices_per_node: int | None, tp: int, stage: in
             "initial": initial,
             "max_replica_diff": check.max_replica_diff,
             "grad_norms": check.grad_norms,
+            "full_grad_norms": check.full_grad_norms,
             "head_is_tok": model.model.head.weight is model.model.tok.weight,
             "types": {n: type(p).__name__ for n, p in model.named_parameters()},
             "sampler": trainer.strategy.distributed_sampler_kwargs,
