@@ -66,20 +66,9 @@ class CheckpointRouting:
         module = self.lightning_module
         return module is not None and tensor_parallel.has_tensor_parallel_parameters(module)
 
-    def _check_tensor_parallel_checkpoint(self) -> None:
-        if not self._has_tensor_parallel_model():
-            return
-        if self.config.sync_every > 1:
-            raise NotImplementedError(
-                "Checkpoints of a tensor-parallel model are written with `sync_every=1` in this release; this run"
-                f" has `sync_every={self.config.sync_every}`. Train with `sync_every=1` to save (or pass"
-                " `enable_checkpointing=False` to the Trainer to train without saving)."
-            )
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         pm = self._state_plugins()
-        self._check_tensor_parallel_checkpoint()
         if self.config.checkpoint == "sharded":  # each rank its pieces (of its tensor-parallel blocks, if split)
             state = pm.hook.on_local_module_state_dict(module=self.lightning_module) if pm is not None else None
             state = state if state is not None else self.lightning_module.state_dict()
@@ -106,8 +95,6 @@ class CheckpointRouting:
         pm = self._state_plugins()
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
         tensor_parallel_model = self._has_tensor_parallel_model()
-        if tensor_parallel_model:
-            self._check_tensor_parallel_checkpoint()
         if self.config.checkpoint == "sharded":
             local = pm.hook.on_local_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
             if local is None:

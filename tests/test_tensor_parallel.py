@@ -238,11 +238,30 @@ def test_codecs_compress_the_local_shards_and_replicas_stay_identical(eight, run
 def synced(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("tpsync")
     flags = ["--flags", '{"sync_every": 4}', "--variants", "0:vocab"]
-    run_python(WORKERS / "tp_run.py", "--out", out, "--devices", "4", "--devices-per-node", "2", "--tp", "2",
-               *flags, "--tag=-tp2")
+    tp2 = ["--out", out, "--devices", "4", "--devices-per-node", "2", "--tp", "2", *flags]
+    # Saved at step 10, between syncs (the nodes' replicas differ), master and sharded, and resumed from each.
+    run_python(WORKERS / "tp_run.py", *runs_argument([
+        [*tp2, "--tag=-tp2", "--save-at", "10"],
+        [*tp2, "--tag=-tp2-resumed", "--resume", out / "0-vocab-tp2-step10.ckpt"],
+        ["--out", out, "--devices", "4", "--devices-per-node", "2", "--tp", "2", "--variants", "0:vocab",
+         '--flags={"sync_every": 4, "checkpoint": "sharded"}', "--tag=-tp2-sharded", "--save-at", "10"],
+        ["--out", out, "--devices", "4", "--devices-per-node", "2", "--tp", "2", "--variants", "0:vocab",
+         '--flags={"sync_every": 4, "checkpoint": "sharded"}', "--tag=-tp2-sharded-resumed",
+         "--resume", out / "0-vocab-tp2-sharded-step10.ckpt"],
+        # ZeRO-2 over each node's data-parallel ranks (the 2-vocab files)
+        ["--out", out, "--devices", "4", "--devices-per-node", "2", "--tp", "2", "--variants", "2:vocab",
+         '--flags={"sync_every": 4, "shard_scope": "node"}', "--tag=-tp2-zero2", "--save-at", "10"],
+        ["--out", out, "--devices", "4", "--devices-per-node", "2", "--tp", "2", "--variants", "2:vocab",
+         '--flags={"sync_every": 4, "shard_scope": "node"}', "--tag=-tp2-zero2-resumed",
+         "--resume", out / "2-vocab-tp2-zero2-step10.ckpt"],
+    ]), timeout=600)
     run_python(WORKERS / "tp_run.py", "--out", out, "--devices", "2", "--devices-per-node", "1", "--tp", "1",
                *flags, "--tag=-whole")
-    return {tag: torch.load(out / f"0-vocab-{tag}.pt") for tag in ("tp2", "whole")}
+    found = {tag: torch.load(out / f"0-vocab-{tag}.pt")
+             for tag in ("tp2", "whole", "tp2-resumed", "tp2-sharded", "tp2-sharded-resumed")}
+    found.update({tag: torch.load(out / f"2-vocab-{tag}.pt") for tag in ("tp2-zero2", "tp2-zero2-resumed")})
+    found["checkpoint"] = torch.load(out / "0-vocab-tp2-step10.ckpt", weights_only=False)
+    return found
 
 
 def test_a_sync_mode_over_tensor_parallel_replicas_equals_it_over_whole_ones(synced):
@@ -250,3 +269,20 @@ def test_a_sync_mode_over_tensor_parallel_replicas_equals_it_over_whole_ones(syn
     # (replicas differ between syncs by design; the last step, 20, is a sync)
     assert tp2["metrics"]["sync/outer_syncs"] == pytest.approx(5 / 20)
     assert relative_difference(tp2["params"], whole["params"]) <= RTOL
+
+
+@pytest.mark.parametrize("kind", ["", "-sharded", "-zero2"])
+def test_a_sync_mode_checkpoint_between_syncs_resumes_as_if_uninterrupted(synced, kind):
+    uninterrupted, resumed = synced[f"tp2{kind}"], synced[f"tp2{kind}-resumed"]
+    # Bit for bit: every node's replica, its inner optimizer and the outer state come back as they were.
+    assert all(torch.equal(resumed["params"][k], v) for k, v in uninterrupted["params"].items())
+
+
+def test_a_sync_mode_checkpoint_holds_the_outer_state_whole(synced):
+    from ddp_plugin.testing.gpt import GPTModule
+
+    outer = synced["checkpoint"]["ddp_plugin"]["sync/outer"]
+    whole = dict(GPTModule().named_parameters())
+    assert outer["params"].keys() == whole.keys()
+    for name, value in outer["params"].items():
+        assert type(value) is torch.Tensor and value.shape == whole[name].shape, name

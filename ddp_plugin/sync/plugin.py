@@ -40,7 +40,16 @@ from torch import Tensor, nn
 
 from ddp_plugin import health
 from ddp_plugin.comm import gather_flat_to_root
-from ddp_plugin.hookspecs import DeferredStorage, DeferredTensor, completed_future, hookimpl, local_tensor
+from ddp_plugin.hookspecs import (
+    DeferredStorage,
+    DeferredTensor,
+    as_parameter_layout,
+    completed_future,
+    hookimpl,
+    is_tensor_parallel_shard,
+    local_part_of_whole,
+    local_tensor,
+)
 from ddp_plugin.sync.schedule import SyncSchedule, fragment_bounds
 
 if TYPE_CHECKING:
@@ -481,11 +490,13 @@ class OuterSync:
         return out
 
     def _consolidated(self, values: Callable[[Piece], Tensor | None], dtype: torch.dtype | None = None
-                      ) -> dict[str, DeferredTensor]:
+                      ) -> dict[str, DeferredTensor | Tensor]:
         """``values`` of every piece, per parameter in its full shape, produced on global rank 0 while it writes:
         every bucket's parts are gathered inside node 0 (the nodes hold the same values)."""
         t = self.topology
-        out: dict[str, DeferredTensor] = {}
+        if t.tensor_parallel_size > 1:
+            return self._whole(values, dtype)
+        out: dict[str, DeferredTensor | Tensor] = {}
         for b, bucket in enumerate(self.buckets):
             part_lo, part_hi = self.access.parts[b]
             width = -(-bucket.numel // t.ranks_per_node)
@@ -494,6 +505,34 @@ class OuterSync:
                                       device=str(t.device), produce=self._producer(b, values, width, part_lo, dtype_b))
             for i, p in enumerate(bucket.params):
                 out[bucket.names[i]] = DeferredTensor(storage, bucket.offsets[i], tuple(p.shape))
+        return out
+
+    def _whole(self, values: Callable[[Piece], Tensor | None], dtype: torch.dtype | None) -> dict[str, Tensor]:
+        """:meth:`_consolidated` with tensor parallelism, where node 0's ranks hold local shards: at once, on every
+        rank of node 0, whole plain tensors (each bucket's parts all-gathered inside the node, then each split
+        parameter's blocks over its tensor-parallel group), as the checkpoint's model state is."""
+        from torch.distributed.tensor import DTensor
+
+        t = self.topology
+        out: dict[str, Tensor] = {}
+        for b, bucket in enumerate(self.buckets):
+            part_lo, _ = self.access.parts[b]
+            width = -(-bucket.numel // t.ranks_per_node)
+            dtype_b = dtype or bucket.buffer.dtype
+            local = torch.zeros(width, dtype=dtype_b, device=t.device)
+            for piece in self.pieces:
+                v = values(piece) if piece.bucket == b else None
+                if v is not None:
+                    local[piece.lo - part_lo : piece.hi - part_lo].copy_(v)
+            flat = torch.empty(width * t.ranks_per_node, dtype=dtype_b, device=t.device)
+            self.comm.all_gather(flat, local, group=t.side_intra_node_group)
+            for i, p in enumerate(bucket.params):
+                shard = local_tensor(p)
+                v = flat[bucket.offsets[i] : bucket.offsets[i] + shard.numel()].view(shard.shape)
+                if is_tensor_parallel_shard(p):
+                    v = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                           stride=p.stride()).full_tensor()
+                out[bucket.names[i]] = v.detach().cpu().clone()
         return out
 
     def _producer(self, b: int, values: Callable[[Piece], Tensor | None], width: int, part_lo: int,
@@ -587,11 +626,25 @@ class OuterSync:
             same_schedule = True
         device = self.topology.device
 
+        # With tensor parallelism the checkpoint holds whole tensors: this rank's block of each (no communication).
+        split = {bucket.names[i]: p for bucket in self.buckets for i, p in enumerate(bucket.params)
+                 if is_tensor_parallel_shard(p)}
+        blocks: dict[tuple[int, str], Tensor] = {}
+
+        def block(full: Mapping[str, Tensor], name: str) -> Tensor:
+            value = full[name]
+            p = split.get(name)
+            if p is None or tuple(value.shape) != tuple(p.shape):
+                return value
+            if (id(full), name) not in blocks:
+                blocks[(id(full), name)] = local_part_of_whole(value.to(device), p)
+            return blocks[(id(full), name)]
+
         def piece_values(piece: Piece, full: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> Tensor:
             """The piece's elements of ``full`` (saved per parameter, in its shape)."""
             out = torch.empty(piece.hi - piece.lo, dtype=dtype or piece.outer.dtype, device=device)
             for name, a, z, at in self._names(piece):
-                out[at : at + z - a].copy_(full[name].reshape(-1)[a:z])
+                out[at : at + z - a].copy_(block(full, name).reshape(-1)[a:z])
             return out
 
         with torch.no_grad():
@@ -640,7 +693,8 @@ class OuterSync:
 
 def _optimizer_state(optimizer: Optimizer) -> list[list[dict[str, Any]]]:
     """``optimizer``'s state by position (group, parameter), as this rank holds it, on the CPU."""
-    return [[{k: (v.detach().cpu().clone() if isinstance(v, Tensor) else v)
+    # (a DTensor's local tensor: the file holds plain tensors, and a rank's own state is its own block)
+    return [[{k: (local_tensor(v).detach().cpu().clone() if isinstance(v, Tensor) else v)
               for k, v in optimizer.state.get(p, {}).items()} for p in group["params"]]
             for group in optimizer.param_groups]
 
@@ -649,15 +703,15 @@ def _load_optimizer_state(optimizer: Optimizer, saved: list[list[dict[str, Any]]
     """Put :func:`_optimizer_state`'s answer back; ``False`` (and nothing changed) when it does not fit."""
     groups = [group["params"] for group in optimizer.param_groups]
     if [len(g) for g in groups] != [len(g) for g in saved] or any(
-        isinstance(v, Tensor) and v.dim() > 0 and v.shape != p.shape
+        isinstance(v, Tensor) and v.dim() > 0 and v.shape != local_tensor(p).shape
         for g, sg in zip(groups, saved) for p, st in zip(g, sg) for v in st.values()
     ):
         return False
     for g, sg in zip(groups, saved):
         for p, st in zip(g, sg):
             if st:
-                optimizer.state[p] = {k: (v.to(device) if isinstance(v, Tensor) and v.dim() > 0 else v)
-                                      for k, v in st.items()}
+                optimizer.state[p] = {k: (as_parameter_layout(v.to(device), p) if isinstance(v, Tensor)
+                                          and v.dim() > 0 else v) for k, v in st.items()}
             else:
                 optimizer.state.pop(p, None)
     return True
