@@ -91,6 +91,13 @@ def test_tied_embedding_stays_one_parameter(runs, variant):
     assert run["types"]["model.blocks.0.attn.q.weight"] == "DTensor"
 
 
+@pytest.mark.parametrize("variant", ["0:replicated", "3:vocab"])
+def test_logged_loss_is_the_data_parallel_ranks_own(runs, variant):
+    # Rank 0 logs the loss of its data-parallel rank's samples (its tensor-parallel peers read the same ones): the
+    # reference's rank 0 read those samples too.
+    assert runs[variant]["logged_loss"] == pytest.approx(runs["reference"]["logged_loss"], rel=1e-3)
+
+
 def test_sampler_splits_over_data_parallel_ranks(runs):
     assert runs["0:replicated"]["sampler"] == {"num_replicas": 2, "rank": 0}
 
@@ -125,6 +132,28 @@ def test_master_checkpoint_loads_into_the_unsplit_model_in_one_plain_process(run
 @pytest.mark.parametrize(("resumed", "uninterrupted"), [("0:vocab-tp1", "3:vocab"), ("2:vocab-tp2-again", "2:vocab")])
 def test_resume_on_another_layout_and_stage_continues_as_if_uninterrupted(runs, resumed, uninterrupted):
     assert relative_difference(runs[resumed]["params"], runs[uninterrupted]["params"]) <= RTOL
+
+
+# ---------------------------------------------------------------------------------------------- uneven batches: the
+# 2 data-parallel ranks read 3 and 5 of each step's 8 samples (a TP group's ranks read the same ones).
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("tp-uneven")
+    tp2 = ["--out", out, "--devices", "4", "--devices-per-node", "2", "--tp", "2", "--variants", "0:vocab",
+           "--uneven"]
+    run_python(WORKERS / "tp_run.py", *runs_argument([
+        [*tp2, '--flags={"weighting": "sample"}', "--tag=-sample"],
+        [*tp2, '--flags={"weighting": "rank"}', "--tag=-rank"],
+    ]))
+    return {w: torch.load(out / f"0-vocab-{w}.pt") for w in ("sample", "rank")}
+
+
+def test_sample_weighting_over_data_parallel_ranks_equals_training_on_the_whole_batch(runs, uneven):
+    # The reference's 2 ranks read 4 + 4 of the same 8 samples: its mean is the mean over the 8.
+    assert relative_difference(uneven["sample"]["params"], runs["reference"]["params"]) <= RTOL
+    assert relative_difference(uneven["rank"]["params"], runs["reference"]["params"]) > 10 * RTOL  # DDP's mean
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint="sharded":

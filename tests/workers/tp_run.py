@@ -20,6 +20,7 @@ import os
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 from torch.distributed.tensor import DTensor
 
 from ddp_plugin import HierarchicalZeroStrategy
@@ -87,7 +88,8 @@ class SaveAt(L.Callback):
 
 
 def run(out: str, devices: int, devices_per_node: int | None, tp: int, stage: int, tie: str, retie: bool,
-        reference: bool, tag: str, save_at: int = 0, resume: str | None = None, flags: dict | None = None) -> None:
+        reference: bool, tag: str, save_at: int = 0, resume: str | None = None, flags: dict | None = None,
+        uneven: bool = False) -> None:
     L.seed_everything(1234, verbose=False)
     model = GPTModule(tie=tie, retie=retie)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -109,6 +111,12 @@ def run(out: str, devices: int, devices_per_node: int | None, tp: int, stage: in
     class Data(L.LightningDataModule):
         def train_dataloader(self):
             kwargs = trainer.strategy.distributed_sampler_kwargs
+            if uneven:  # of each step's global batch, data-parallel rank 0 reads the first 3 samples, rank 1 the 5 after
+                assert kwargs["num_replicas"] == 2
+                lo, hi = (0, 3) if kwargs["rank"] == 0 else (3, GLOBAL_BATCH)
+                steps = len(data) // GLOBAL_BATCH
+                return DataLoader(data, batch_sampler=[list(range(s * GLOBAL_BATCH + lo, s * GLOBAL_BATCH + hi))
+                                                       for s in range(steps)])
             return rank_loader(data, GLOBAL_BATCH, kwargs["num_replicas"], kwargs["rank"])
 
     trainer.fit(model, datamodule=Data(), ckpt_path=resume)
@@ -126,6 +134,7 @@ def run(out: str, devices: int, devices_per_node: int | None, tp: int, stage: in
             "sampler": trainer.strategy.distributed_sampler_kwargs,
             "hierarchical": getattr(trainer.strategy, "uses_hierarchical_reducer", False),
             "metrics": getattr(trainer.strategy, "metric_means", {}),
+            "logged_loss": float(trainer.callback_metrics["train_loss"]),
         }, os.path.join(out, f"{tag}.pt"))
 
 
@@ -142,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
     parser.add_argument("--tag", default="", help="appended to the output files' names")
     parser.add_argument("--flags", default="{}", help="more strategy flags, as JSON")
+    parser.add_argument("--uneven", action="store_true",
+                        help="2 data-parallel ranks reading 3 and 5 of each step's 8 samples")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.reference:
@@ -154,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         if codecs:
             flags["compression"] = codecs[0]
         run(args.out, args.devices, args.devices_per_node, args.tp, int(stage), tie, "noretie" not in rest, False,
-            variant.replace(":", "-") + args.tag, args.save_at, args.resume, flags)
+            variant.replace(":", "-") + args.tag, args.save_at, args.resume, flags, args.uneven)
 
 
 if __name__ == "__main__":
