@@ -146,8 +146,16 @@ def uneven(tmp_path_factory) -> dict:
     run_python(WORKERS / "tp_run.py", *runs_argument([
         [*tp2, '--flags={"weighting": "sample"}', "--tag=-sample"],
         [*tp2, '--flags={"weighting": "rank"}', "--tag=-rank"],
+        [*tp2[:-1], '--flags={"skip_nonfinite": true}', "--nan-at", "5", "--tag=-nan"],
     ]))
-    return {w: torch.load(out / f"0-vocab-{w}.pt") for w in ("sample", "rank")}
+    return {w: torch.load(out / f"0-vocab-{w}.pt") for w in ("sample", "rank", "nan")}
+
+
+def test_a_nan_in_one_tensor_parallel_shard_skips_the_step_on_every_rank(uneven):
+    run = uneven["nan"]
+    assert run["skipped_steps"] == 1
+    assert run["max_replica_diff"] == 0.0  # every rank skipped it: the replicas and the shared copies stay equal
+    assert all(torch.isfinite(v).all() for v in run["params"].values())
 
 
 def test_sample_weighting_over_data_parallel_ranks_equals_training_on_the_whole_batch(runs, uneven):

@@ -76,6 +76,24 @@ class ReplicaCheck(L.Callback):
                 self.max_replica_diff = max(self.max_replica_diff, diff)
 
 
+class NanAt(L.Callback):
+    """At optimizer step ``step`` (0-based), global rank 1 (tensor-parallel rank 1 of data-parallel rank 0) gets a
+    NaN gradient in its shard of a split weight: only one rank of the world sees it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        p = pl_module.model.blocks[0].attn.q.weight
+
+        def poison(grad):
+            if trainer.global_rank == 1 and trainer.global_step == self.step:
+                return grad * float("nan")
+            return grad
+
+        p.register_hook(poison)
+
+
 class SaveAt(L.Callback):
     def __init__(self, step: int, path: str) -> None:
         self.step, self.path = step, path
@@ -89,7 +107,7 @@ class SaveAt(L.Callback):
 
 def run(out: str, devices: int, devices_per_node: int | None, tp: int, stage: int, tie: str, retie: bool,
         reference: bool, tag: str, save_at: int = 0, resume: str | None = None, flags: dict | None = None,
-        uneven: bool = False) -> None:
+        uneven: bool = False, nan_at: int = -1) -> None:
     L.seed_everything(1234, verbose=False)
     model = GPTModule(tie=tie, retie=retie)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -101,6 +119,8 @@ def run(out: str, devices: int, devices_per_node: int | None, tp: int, stage: in
                                             auto_wrap_policy=["Block"] if stage == 3 else None, **(flags or {}))
     check = ReplicaCheck()
     callbacks: list[L.Callback] = [check]
+    if nan_at >= 0:
+        callbacks.append(NanAt(nan_at))
     if save_at:
         callbacks.append(SaveAt(save_at, os.path.join(out, f"{tag}-step{save_at}.ckpt")))
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS,
@@ -135,6 +155,7 @@ def run(out: str, devices: int, devices_per_node: int | None, tp: int, stage: in
             "hierarchical": getattr(trainer.strategy, "uses_hierarchical_reducer", False),
             "metrics": getattr(trainer.strategy, "metric_means", {}),
             "logged_loss": float(trainer.callback_metrics["train_loss"]),
+            "skipped_steps": getattr(trainer.strategy, "skipped_steps", 0),
         }, os.path.join(out, f"{tag}.pt"))
 
 
@@ -151,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
     parser.add_argument("--tag", default="", help="appended to the output files' names")
     parser.add_argument("--flags", default="{}", help="more strategy flags, as JSON")
+    parser.add_argument("--nan-at", type=int, default=-1, help="a NaN gradient on global rank 1 at this step")
     parser.add_argument("--uneven", action="store_true",
                         help="2 data-parallel ranks reading 3 and 5 of each step's 8 samples")
     args = parser.parse_args(argv)
@@ -165,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         if codecs:
             flags["compression"] = codecs[0]
         run(args.out, args.devices, args.devices_per_node, args.tp, int(stage), tie, "noretie" not in rest, False,
-            variant.replace(":", "-") + args.tag, args.save_at, args.resume, flags, args.uneven)
+            variant.replace(":", "-") + args.tag, args.save_at, args.resume, flags, args.uneven, args.nan_at)
 
 
 if __name__ == "__main__":
