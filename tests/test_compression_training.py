@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ddp_plugin.comm import TracedCommunicator
 from ddp_plugin.hookspecs import Options
@@ -114,3 +115,16 @@ def test_example_sign_packing_round_trips(onebit_install, monkeypatch):
     onebit_codec = importlib.import_module("onebit_codec")
     x = torch.randn(64)
     assert torch.equal(onebit_codec.unpack_signs(onebit_codec.pack_signs(x)), torch.where(x >= 0, 1.0, -1.0))
+
+
+def test_an_entry_point_codec_syncs_tensor_parallel_shards_and_keeps_replicas_identical(onebit_install, tmp_path):
+    # The installed example codec on TP 2 x DP 2 (4 ranks, 2 simulated nodes): its buckets hold local shards and,
+    # separately, replicated parameters; every replica of a shard, and every copy of a replicated parameter, ends
+    # each step bit-identical, and training moves the model.
+    run_python(WORKERS / "tp_run.py", "--out", tmp_path, "--devices", "4", "--devices-per-node", "2", "--tp", "2",
+               "--variants", "0:vocab:onebit", timeout=400, pythonpath=[onebit_install])
+    run = torch.load(tmp_path / "0-vocab-onebit.pt")
+    assert run["metrics"]["comm/compression_ratio"] > 20
+    assert run["max_replica_diff"] == 0.0
+    for name, value in run["params"].items():
+        assert torch.isfinite(value).all() and not torch.equal(value, run["initial"][name]), name
