@@ -76,3 +76,23 @@ def test_killing_the_caller_ends_the_forked_child_and_a_signal_to_it_reaches_the
         while alive(child):
             assert time.monotonic() < deadline, f"the child lived on after its caller got signal {sig}"
             time.sleep(0.05)
+
+
+def test_a_child_ends_as_a_process_does_atexit_handlers_threads_and_uncaught_errors(tmp_path):
+    path = tmp_path / "end.py"
+    path.write_text(
+        "import atexit, sys, threading, time\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.5), print('thread done', flush=True))).start()\n"
+        "if sys.argv[1] == 'raise':\n"
+        "    raise ValueError('broke')\n"
+        "sys.exit(sys.argv[1] if sys.argv[1] == 'message' else None)\n"
+    )
+    for how, code in (("raise", 1), ("message", 1), ("none", 0)):
+        proc = subprocess.run([interpreter(), str(path), how], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == code, (how, proc.stderr)
+        assert proc.stdout.splitlines() == ["thread done", "atexit ran"], how  # threads joined, then atexit
+        if how == "raise":
+            assert "ValueError: broke" in proc.stderr and "Traceback" in proc.stderr
+        if how == "message":
+            assert proc.stderr.strip() == "message"
