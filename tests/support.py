@@ -4,6 +4,7 @@ Python, and the skip mark for tests that need the simulated cluster."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
@@ -39,6 +40,9 @@ def run_python(*args: str | os.PathLike, timeout: float = 300, env: dict[str, st
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"`{' '.join(map(str, args))}` did not finish in {timeout} s:\n{err.stdout}\n{err.stderr}")
     if check and proc.returncode != 0:
+        # Where several ranks fail, the first one's cause is often far above the tail: every distinct error line.
+        errors = list(dict.fromkeys(line for line in proc.stderr.splitlines()
+                                    if re.search(r"\b\w*(Error|Exception)\b:", line)))
         pytest.fail(f"`{' '.join(map(str, args))}` exited with {proc.returncode}:\n{proc.stdout}\n"
-                    f"{proc.stderr[-8000:]}")
+                    f"{proc.stderr[-8000:]}\n\nerror lines:\n" + "\n".join(errors[:40]))
     return proc
