@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_plugin import health
-from ddp_plugin.hookspecs import Bucket, is_tensor_parallel_shard, local_tensor, set_local_grad
+from ddp_plugin.hookspecs import Bucket, completed_future, is_tensor_parallel_shard, local_tensor, set_local_grad
 
 if TYPE_CHECKING:
     from pluggy import HookRelay
@@ -240,9 +240,7 @@ class GradientEngine:
             if dist.get_rank(self._peers) == owner:
                 self._reduce_over_data_parallel_ranks(bucket).wait()
             self._comm.broadcast(bucket.buffer, src=owner, group=self._peers)
-            fut: torch.futures.Future = torch.futures.Future()
-            fut.set_result(None)
-            return fut
+            return completed_future()
         return self._reduce_over_data_parallel_ranks(bucket)
 
     def _reduce_over_data_parallel_ranks(self, bucket: Bucket) -> torch.futures.Future:
