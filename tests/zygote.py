@@ -8,7 +8,7 @@ the interpreter would, and ends as a process does (non-daemon threads joined, at
 flushed), short of the interpreter's final teardown of every module, which multiprocessing's forked children
 skip too.
 
-The caller is a real process: the shim (:data:`SHIM_SOURCE`), a small Python started without ``site`` (milliseconds), which hands
+The caller is a real process: the shim (:data:`SHIM_MAIN`), a small Python started without ``site`` (milliseconds), which hands
 its argv, environment, folder and streams to the zygote, forwards the signals it gets to the child and exits with
 the child's status (or dies of its signal). It is also ``sys.executable`` inside the child, so the processes that
 Lightning's launcher starts for the other ranks (it re-executes ``sys.executable`` with the command line) are
@@ -27,6 +27,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -55,9 +56,33 @@ PRELOAD = (
 _HEADER = struct.Struct("!Q")
 
 
+# ---------------------------------------------------------------- what the shim and the zygote share
+def namespaces():
+    """The Linux namespaces this process is in (a caller in another network or mount namespace, as the simulated
+    cluster's nodes are, gets a fresh interpreter: a forked child would be in the zygote's)."""
+    found = {}
+    for name in ("net", "mnt", "pid", "user", "ipc", "uts"):
+        try:
+            found[name] = os.stat(f"/proc/self/ns/{name}").st_ino
+        except OSError:
+            found[name] = None
+    return found
+
+
+def receive(conn, n):
+    """Exactly ``n`` bytes from ``conn``, or ``None`` when it closes first."""
+    data = b""
+    while len(data) < n:
+        part = conn.recv(n - len(data))
+        if not part:
+            return None
+        data += part
+    return data
+
+
 # ---------------------------------------------------------------- the shim: a caller that is a real process
-SHIM_SOURCE = '''\
-import os, json, signal, socket, struct, sys
+# (Runs without `site`, so it imports nothing of the project: the two functions above are copied into it.)
+SHIM_MAIN = '''
 REAL = {real!r}
 ARGS = sys.argv[1:]
 
@@ -74,16 +99,6 @@ def forkable(args):
     return bool(args) and args[0].endswith(".py") and not args[0].startswith("-")
 
 
-def namespaces():
-    found = {{}}
-    for name in ("net", "mnt", "pid", "user", "ipc", "uts"):
-        try:
-            found[name] = os.stat(f"/proc/self/ns/{{name}}").st_ino
-        except OSError:
-            found[name] = None
-    return found
-
-
 path = os.environ.get({socket_env!r})
 if not path or not forkable(ARGS):
     exec_real()
@@ -96,26 +111,14 @@ request = json.dumps({{"argv": ARGS, "env": dict(os.environ), "cwd": os.getcwd()
                       "executable": os.path.abspath(sys.argv[0]), "namespaces": namespaces()}}).encode()
 socket.send_fds(conn, [struct.pack("!Q", len(request))], [0, 1, 2])
 conn.sendall(request)
-
-
-def receive(n):
-    data = b""
-    while len(data) < n:
-        part = conn.recv(n - len(data))
-        if not part:
-            return None
-        data += part
-    return data
-
-
-answer = receive(8)
+answer = receive(conn, 8)
 child = struct.unpack("!q", answer)[0] if answer else 0
 if child <= 0:  # the zygote would not fork this one (its environment differs in what an import reads)
     conn.close()
     exec_real()
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
     signal.signal(sig, lambda number, frame: os.kill(child, number))
-status = receive(8)
+status = receive(conn, 8)
 status = struct.unpack("!q", status)[0] if status else -signal.SIGKILL
 if status < 0:  # die of the child's signal
     if -status not in (signal.SIGKILL, signal.SIGSTOP):
@@ -126,9 +129,12 @@ os._exit(status)
 
 
 def write_shim(folder: Path) -> Path:
+    import inspect
+
     shim = folder / "python"
-    shim.write_text(f"#!{sys.executable} -S\n" + SHIM_SOURCE.format(
-        real=sys.executable, socket_env=SOCKET_ENV))
+    shim.write_text(f"#!{sys.executable} -S\nimport os, json, signal, socket, struct, sys\n\n\n"
+                    + inspect.getsource(namespaces) + "\n\n" + inspect.getsource(receive)
+                    + SHIM_MAIN.format(real=sys.executable, socket_env=SOCKET_ENV))
     shim.chmod(0o755)
     return shim
 
@@ -139,33 +145,11 @@ def _changed(env: dict[str, str], base: dict[str, str]) -> list[str]:
                   and k not in ("PYTHONUNBUFFERED", SOCKET_ENV) and env.get(k) != base.get(k))
 
 
-def _namespaces() -> dict[str, int | None]:
-    """The Linux namespaces this process is in (a caller in another network or mount namespace, as the simulated
-    cluster's nodes are, gets a fresh interpreter: a forked child would be in the zygote's)."""
-    found: dict[str, int | None] = {}
-    for name in ("net", "mnt", "pid", "user", "ipc", "uts"):
-        try:
-            found[name] = os.stat(f"/proc/self/ns/{name}").st_ino
-        except OSError:
-            found[name] = None
-    return found
-
-
 def _answer(conn: socket.socket, number: int) -> None:
     try:
         conn.sendall(struct.pack("!q", number))
     except OSError:  # the shim is gone; the child's watcher ends the child
         pass
-
-
-def _receive(conn: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        part = conn.recv(n - len(data))
-        if not part:
-            raise EOFError
-        data += part
-    return data
 
 
 def serve(path: str) -> None:
@@ -179,7 +163,7 @@ def serve(path: str) -> None:
     zygote = os.getpid()
     parent = os.getppid()
     base_env = dict(os.environ)
-    namespaces = _namespaces()
+    here = namespaces()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -212,11 +196,11 @@ def serve(path: str) -> None:
                 conn, _ = listener.accept()
                 try:
                     header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
-                    request = json.loads(_receive(conn, _HEADER.unpack(header)[0]))
-                except (EOFError, OSError, ValueError, struct.error):
+                    request = json.loads(receive(conn, _HEADER.unpack(header)[0]) or b"")
+                except (OSError, ValueError, struct.error):
                     conn.close()
                     continue
-                if len(fds) != 3 or _changed(request["env"], base_env) or request.get("namespaces") != namespaces:
+                if len(fds) != 3 or _changed(request["env"], base_env) or request.get("namespaces") != here:
                     for fd in fds:
                         os.close(fd)
                     _answer(conn, 0)  # 0: not forked, the shim execs the real interpreter
@@ -353,18 +337,10 @@ def interpreter() -> str:
         def stop() -> None:
             proc.kill()
             proc.wait()
-            for name in ("socket", "python"):
-                try:
-                    (folder / name).unlink()
-                except OSError:
-                    pass
-            try:
-                folder.rmdir()
-            except OSError:
-                pass
+            shutil.rmtree(folder, ignore_errors=True)
 
         atexit.register(stop)
-        _started.update(shim=str(write_shim(folder)), proc=proc)
+        _started["shim"] = str(write_shim(folder))
         os.environ[SOCKET_ENV] = path
     return str(_started["shim"])
 
