@@ -79,17 +79,11 @@ class ProcessGroups:
         """A bookkeeping group of this rank's node, for the steps whose gradients stay inside the node (a sync
         mode's); ``None`` with one rank per node (nothing to agree on). Created on first use: collective, every
         rank calls it at the same point."""
-        layout = self.layout
-        k = layout.ranks_per_node
+        k = self.layout.ranks_per_node
         if k == 1:
             return None
         if self._node_bookkeeping is None:
-            mine = dist.get_rank() // k
-            for node in range(layout.num_nodes):  # every rank takes part in creating every node's group
-                group = new_group([node * k + local for local in range(k)], backend=self._backend,
-                                  timeout=self.topology.timeout)
-                if node == mine:
-                    self._node_bookkeeping = group
+            self._node_bookkeeping = self._consecutive_group(k)
         return self._node_bookkeeping
 
     def tensor_parallel_peers(self) -> dist.ProcessGroup | None:
@@ -101,13 +95,18 @@ class ProcessGroups:
         if t == 1:
             return None
         if self._tensor_parallel_peers is None:
-            mine = dist.get_rank() // t
-            for first in range(0, self.layout.world_size, t):  # every rank takes part in creating every group
-                group = new_group(list(range(first, first + t)), backend=self._backend,
-                                  timeout=self.topology.timeout)
-                if first // t == mine:
-                    self._tensor_parallel_peers = group
+            self._tensor_parallel_peers = self._consecutive_group(t)
         return self._tensor_parallel_peers
+
+    def _consecutive_group(self, n: int) -> dist.ProcessGroup:
+        """A new group of the ``n`` consecutive global ranks this rank is among (a node, a tensor-parallel group).
+        Every rank takes part in creating every such group of the world, and keeps its own."""
+        mine = None
+        for first in range(0, self.layout.world_size, n):
+            group = new_group(list(range(first, first + n)), backend=self._backend, timeout=self.topology.timeout)
+            if first <= dist.get_rank() < first + n:
+                mine = group
+        return mine
 
     @classmethod
     def get(cls, layout: Layout, device: torch.device, backend: str, timeout: timedelta | None) -> ProcessGroups:

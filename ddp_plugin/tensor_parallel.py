@@ -20,7 +20,7 @@ groups of :class:`~ddp_plugin.hookspecs.Topology`. This module holds what is spe
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
@@ -182,14 +182,15 @@ def global_grad_norm(params: Iterable[Tensor], tensor_parallel_group: dist.Proce
 
 
 def split_norms(values: Tensor, split: Tensor, tensor_parallel_group: dist.ProcessGroup | None,
-                inf: bool) -> Tensor:
+                inf: bool, all_reduce: Callable[..., Any] = dist.all_reduce) -> Tensor:
     """Per-parameter norm partials ``values`` (sums of ``|g|^p`` over this rank's part, or maxima for ``inf``)
     with the entries of split parameters (``split``, a bool mask) combined over the tensor-parallel group: one
-    all-reduce of the vector. Replicated parameters' entries are left as they are (the same on every rank)."""
+    all-reduce of the vector (``all_reduce``: a plugin passes its communicator's, which counts it). Replicated
+    parameters' entries are left as they are (the same on every rank)."""
     if tensor_parallel_group is None or not bool(split.any()):
         return values
     part = torch.where(split, values, torch.zeros_like(values))
-    dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=tensor_parallel_group)
+    all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=tensor_parallel_group)
     return torch.where(split, part, values)
 
 
@@ -282,16 +283,14 @@ def local_blocks(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tu
     (every rank holds it whole). Also the shapes a loader needs to put the blocks together: ``<key>``'s whole
     shape and every rank's ``<key>@<dim>:<offset>`` block shape. No communication."""
     out: dict[str, Any] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
+    shapes = block_shapes(state)
     for key, value in state.items():
-        if not isinstance(value, DTensor):
+        if isinstance(value, DTensor):
+            out[block_key(key, value)] = local_tensor(value).detach()
+            if is_tensor_parallel_shard(value):
+                shapes[key] = tuple(value.shape)
+        else:
             out[key] = value
-            continue
-        out[block_key(key, value)] = local_tensor(value).detach()
-        blocks = tensor_parallel_blocks(value)
-        if blocks is not None:
-            shapes[key] = tuple(value.shape)
-            shapes.update({f"{key}@{dim}:{offset}": shape for dim, offset, shape in blocks})
     return out, shapes
 
 

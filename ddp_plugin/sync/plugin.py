@@ -498,11 +498,10 @@ class OuterSync:
             return self._whole(values, dtype)
         out: dict[str, DeferredTensor | Tensor] = {}
         for b, bucket in enumerate(self.buckets):
-            part_lo, part_hi = self.access.parts[b]
             width = -(-bucket.numel // t.ranks_per_node)
             dtype_b = dtype or bucket.buffer.dtype
             storage = DeferredStorage(dtype=dtype_b, numel=width * t.ranks_per_node,
-                                      device=str(t.device), produce=self._producer(b, values, width, part_lo, dtype_b))
+                                      device=str(t.device), produce=self._producer(b, values, dtype_b))
             for i, p in enumerate(bucket.params):
                 out[bucket.names[i]] = DeferredTensor(storage, bucket.offsets[i], tuple(p.shape))
         return out
@@ -511,39 +510,35 @@ class OuterSync:
         """:meth:`_consolidated` with tensor parallelism, where node 0's ranks hold local shards: at once, on every
         rank of node 0, whole plain tensors (each bucket's parts all-gathered inside the node, then each split
         parameter's blocks over its tensor-parallel group), as the checkpoint's model state is."""
-        from torch.distributed.tensor import DTensor
-
         t = self.topology
         out: dict[str, Tensor] = {}
         for b, bucket in enumerate(self.buckets):
-            part_lo, _ = self.access.parts[b]
-            width = -(-bucket.numel // t.ranks_per_node)
-            dtype_b = dtype or bucket.buffer.dtype
-            local = torch.zeros(width, dtype=dtype_b, device=t.device)
-            for piece in self.pieces:
-                v = values(piece) if piece.bucket == b else None
-                if v is not None:
-                    local[piece.lo - part_lo : piece.hi - part_lo].copy_(v)
-            flat = torch.empty(width * t.ranks_per_node, dtype=dtype_b, device=t.device)
+            local = self._local_part(b, values, dtype or bucket.buffer.dtype)
+            flat = local.new_empty(local.numel() * t.ranks_per_node)
             self.comm.all_gather(flat, local, group=t.side_intra_node_group)
             for i, p in enumerate(bucket.params):
                 shard = local_tensor(p)
                 v = flat[bucket.offsets[i] : bucket.offsets[i] + shard.numel()].view(shard.shape)
                 if is_tensor_parallel_shard(p):
-                    v = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                           stride=p.stride()).full_tensor()
+                    v = as_parameter_layout(v, p).full_tensor()
                 out[bucket.names[i]] = v.detach().cpu().clone()
         return out
 
-    def _producer(self, b: int, values: Callable[[Piece], Tensor | None], width: int, part_lo: int,
-                  dtype: torch.dtype):
+    def _local_part(self, b: int, values: Callable[[Piece], Tensor | None], dtype: torch.dtype) -> Tensor:
+        """This rank's part of bucket ``b`` (a node's ranks hold equal parts, in rank order) filled with
+        ``values`` of its pieces."""
+        part_lo, _ = self.access.parts[b]
+        local = torch.zeros(-(-self.buckets[b].numel // self.topology.ranks_per_node), dtype=dtype,
+                            device=self.topology.device)
+        for piece in self.pieces:
+            v = values(piece) if piece.bucket == b else None
+            if v is not None:
+                local[piece.lo - part_lo : piece.hi - part_lo].copy_(v)
+        return local
+
+    def _producer(self, b: int, values: Callable[[Piece], Tensor | None], dtype: torch.dtype):
         def produce() -> Tensor | None:
-            local = torch.zeros(width, dtype=dtype, device=self.topology.device)
-            for piece in self.pieces:
-                v = values(piece) if piece.bucket == b else None
-                if v is not None:
-                    local[piece.lo - part_lo : piece.hi - part_lo].copy_(v)
-            return gather_flat_to_root(local, self.topology.side_intra_node_group,
+            return gather_flat_to_root(self._local_part(b, values, dtype), self.topology.side_intra_node_group,
                                        list(range(self.topology.ranks_per_node)))
 
         return produce

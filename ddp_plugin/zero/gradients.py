@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddp_plugin.hookspecs import is_tensor_parallel_shard, local_tensor, set_local_grad
+from ddp_plugin.tensor_parallel import split_norms
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -53,11 +54,7 @@ def grad_norms(shards: Shards, module: nn.Module, norm_type: float) -> dict[str,
     # A tensor-parallel shard's partial covers this rank's block: summed over the tensor-parallel group too.
     split = torch.tensor([is_tensor_parallel_shard(p) for bucket in shards.buckets for p in bucket.params],
                          dtype=torch.bool, device=partial.device)
-    if bool(split.any()):
-        part = torch.where(split, partial, torch.zeros_like(partial))
-        shards.comm.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
-                               group=shards.layout.topology.tensor_parallel_group)
-        partial = torch.where(split, part, partial)
+    partial = split_norms(partial, split, shards.layout.topology.tensor_parallel_group, inf, shards.comm.all_reduce)
     norms: dict[str, Tensor] = {}
     for name, p in module.named_parameters():
         j = where.get(id(p))
