@@ -68,6 +68,13 @@ class CheckpointRouting:
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        runner = getattr(self, "_pipeline", None)
+        if runner is not None and self.config.checkpoint == "master":
+            # Each stage's whole state (tensor-parallel blocks gathered), then every stage's to global rank 0
+            # under the unsplit model's names, a tied parameter's names sharing one tensor.
+            with diagnosed("the checkpoint's gather of the pipeline stages to rank 0"):
+                whole = tensor_parallel.full_state_dict(self.lightning_module.state_dict())
+                return runner.gather_module_state(whole)
         pm = self._state_plugins()
         if self.config.checkpoint == "sharded":  # each rank its pieces (of its tensor-parallel blocks, if split)
             state = pm.hook.on_local_module_state_dict(module=self.lightning_module) if pm is not None else None
@@ -95,6 +102,12 @@ class CheckpointRouting:
         pm = self._state_plugins()
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
         tensor_parallel_model = self._has_tensor_parallel_model()
+        runner = getattr(self, "_pipeline", None)
+        if runner is not None and self.config.checkpoint == "master":
+            with diagnosed("the checkpoint's gather of the pipeline stages' optimizer state to rank 0"):
+                state = pm.hook.on_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
+                state = tensor_parallel.full_state_dict(state if state is not None else optimizer.state_dict())
+                return runner.gather_optimizer_state(state, optimizer)
         if self.config.checkpoint == "sharded":
             local = pm.hook.on_local_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
             if local is None:
@@ -225,6 +238,9 @@ class CheckpointRouting:
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state = checkpoint["state_dict"]
+        if getattr(self, "_pipeline", None) is not None:  # the unsplit model's: this stage takes its own entries
+            mine = self.lightning_module.state_dict().keys()
+            state = {k: v for k, v in state.items() if k in mine}
         missing, unexpected, mismatched = _compare_state_dicts(self.lightning_module.state_dict(), state)
         if strict and (missing or unexpected or mismatched):
             details = []
@@ -247,7 +263,10 @@ class CheckpointRouting:
         if self._session is None or not self._session.active:
             return super().load_optimizer_state_dict(checkpoint)
         pm = self._session.plugin_manager
+        runner = getattr(self, "_pipeline", None)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if runner is not None:  # the unsplit model's optimizer state: this stage's part, numbered as here
+                state = runner.local_optimizer_state(state, optimizer)
             if not pm.hook.on_load_optimizer_state_dict(optimizer=optimizer, state_dict=state):
                 if self._has_tensor_parallel_model():  # whole tensors in the file: each rank takes its part
                     state = tensor_parallel.distribute_optimizer_state(state, optimizer)

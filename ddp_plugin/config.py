@@ -36,6 +36,7 @@ WEIGHTINGS = ("rank", "sample")
 CHECKPOINT_MODES = ("master", "sharded")
 BACKENDS = ("gloo", "nccl", "mpi")
 OUTER_OPTIMIZERS = ("average", "nesterov")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 MAX_BUCKET_SIZE_MB = 2**20  # 1 TiB: no device holds a bucket near that; inf overflowed `int(mb * 2**20)`
 MAX_TIMEOUT = timedelta(days=365)  # much beyond, torch's deadlines (int64 nanoseconds) overflow: about 292 years
 CONFIG_FLAGS = ("zero_stage", "shard_scope", "bucket_size_mb", "compression", "gradient_clip_norm")
@@ -87,6 +88,12 @@ class StrategyConfig:
     sync_warmup_steps: int = 0
     tensor_parallel_size: int | str = 1
     """A positive int, or ``"auto"``: the ranks per node (``ModelParallelStrategy``'s default)."""
+    pipeline_parallel_size: int = 1
+    pipeline_microbatches: int | None = None
+    """``None``: as many as pipeline stages."""
+    pipeline_schedule: str = "1f1b"
+    pipeline_virtual_stages: int | None = None
+    """Stages per rank; ``None``: 2 with ``"interleaved_1f1b"``, else 1."""
     hpz_partition_size: int | None = None
     """From a DeepSpeed config's ``zero_hpz_partition_size``: must equal the ranks per node (checked at setup)."""
 
@@ -146,6 +153,12 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "sync_warmup_steps": lambda v: check_int("sync_warmup_steps", v, minimum=0),
         "tensor_parallel_size": lambda v: v if v == "auto" else check_int("tensor_parallel_size", v, minimum=1,
             expected="a positive integer that divides the ranks per node (`devices_per_node`), or 'auto'"),
+        "pipeline_parallel_size": lambda v: check_int("pipeline_parallel_size", v, minimum=1, expected=(
+            "a positive integer that divides the world size into stages of whole nodes or parts of one node")),
+        "pipeline_microbatches": lambda v: None if v is None else check_int("pipeline_microbatches", v, minimum=1),
+        "pipeline_schedule": lambda v: check_choice("pipeline_schedule", v, PIPELINE_SCHEDULES),
+        "pipeline_virtual_stages": lambda v: None if v is None else check_int("pipeline_virtual_stages", v,
+                                                                              minimum=1),
         "hpz_partition_size": lambda v: v,
     }
     for name, value in values.items():
@@ -162,7 +175,41 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
     every_flag = {**{f.name: f.default for f in fields(StrategyConfig) if f.default is not MISSING}, **out}
     _check_sync_mode(every_flag)
     _check_tensor_parallel(every_flag)
+    _check_pipeline(every_flag)
     return out
+
+
+def _check_pipeline(c: dict[str, Any]) -> None:
+    """The pipeline flags together, and what cannot run with pipeline stages yet (the rest is the layout's)."""
+    p, m, schedule, virtual = (c["pipeline_parallel_size"], c["pipeline_microbatches"], c["pipeline_schedule"],
+                               c["pipeline_virtual_stages"])
+    if virtual is not None and virtual > 1 and schedule != "interleaved_1f1b":
+        raise ValueError(
+            f"`pipeline_virtual_stages={virtual}` needs `pipeline_schedule='interleaved_1f1b'` (the only schedule that"
+            f" runs several stages per rank); `pipeline_schedule={schedule!r}` runs one. Allowed: 1 or None."
+        )
+    if p == 1:
+        return
+    microbatches = p if m is None else m
+    if schedule == "1f1b" and microbatches < p:
+        raise ValueError(
+            f"`pipeline_microbatches={m}` must be at least `pipeline_parallel_size={p}` with"
+            " `pipeline_schedule='1f1b'` (every stage holds a microbatch in its warm-up)."
+        )
+    if schedule == "interleaved_1f1b" and microbatches % p:
+        raise ValueError(
+            f"`pipeline_microbatches={m}` must be a multiple of `pipeline_parallel_size={p}` with"
+            " `pipeline_schedule='interleaved_1f1b'` (it runs them in rounds of one per stage)."
+        )
+    unsupported = [(c["sync_every"] > 1, f"`sync_every={c['sync_every']}` (sync modes)"),
+                   (c["zero_stage"] == 3, "`zero_stage=3`"),
+                   (c["checkpoint"] == "sharded", "`checkpoint='sharded'`")]
+    for refused, what in unsupported:
+        if refused:
+            raise ValueError(
+                f"{what} is not supported with `pipeline_parallel_size={p}` yet. With pipeline stages use"
+                " `sync_every=1`, `zero_stage` 0-2 and `checkpoint='master'`."
+            )
 
 
 def _check_tensor_parallel(c: dict[str, Any]) -> None:

@@ -140,11 +140,20 @@ class GradientEngine:
         comm: Communicator,
         pad_multiple: int = 1,
         shared_replicas: tuple[int, dist.ProcessGroup] | None = None,
+        solo: Iterable[Parameter] = (),
     ) -> None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         planned = hook.on_plan_buckets(module=module, named_params=named, cap_bytes=bucket_cap_bytes)
         if planned is not None:
             _check_plan(named, planned)
+        solo = [p for p in solo if p.requires_grad]
+        if solo and planned is None:
+            # Parameters that several pipeline stages hold (a tied embedding) get buckets of their own, first:
+            # each stage's copy is then reduced alone, under the same index, and every copy gets the same bits.
+            names = {id(p): n for n, p in named}
+            alone = {id(p) for p in solo}
+            planned = [[(names[id(p)], p)] for p in solo] + pack(
+                [(n, p) for n, p in reversed(named) if id(p) not in alone], bucket_cap_bytes, FIRST_BUCKET_BYTES)
         self.buckets: list[Bucket] = build_buckets(
             reversed(named), bucket_cap_bytes, FIRST_BUCKET_BYTES, groups=planned, pad_multiple=pad_multiple
         )
@@ -222,6 +231,17 @@ class GradientEngine:
         self._in_flight = []
         self._local_nonfinite = False
         torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def synchronize(self) -> None:
+        """Synchronize the gradients accumulated so far (with ``require_sync`` False) as a synchronizing backward
+        would at its end: every bucket reduced, unused parameters agreed on. For a backward the engine did not
+        watch (a pipeline schedule's microbatches); outside of autograd."""
+        self._armed = True
+        self._pending = [len(b.params) for b in self.buckets]
+        self._next_launch = 0
+        self._in_flight = []
+        self._local_nonfinite = False
+        self.finish()
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:

@@ -77,9 +77,11 @@ class DistributedEnvironment(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # The ranks of a tensor-parallel group read the same batch: the sampler splits over data-parallel ranks.
-        tp = self._layout().tensor_parallel_size
-        return {"num_replicas": self.num_nodes * self.num_processes // tp, "rank": self.global_rank // tp}
+        # The ranks of a tensor-parallel group, and the stages of a pipeline, read the same batch: the sampler
+        # splits over data-parallel ranks.
+        layout = self._layout()
+        tp = layout.tensor_parallel_size
+        return {"num_replicas": layout.data_parallel_size, "rank": (self.global_rank % layout.stage_size) // tp}
 
     @property
     def process_group_backend(self) -> str | None:
@@ -103,7 +105,8 @@ class DistributedEnvironment(ParallelStrategy):
         per_node = self.config.devices_per_node or self.num_processes
         tp = self.config.tensor_parallel_size
         return Layout(world_size=self.num_nodes * self.num_processes, ranks_per_node=per_node,
-                      tensor_parallel_size=per_node if tp == "auto" else tp)
+                      tensor_parallel_size=per_node if tp == "auto" else tp,
+                      pipeline_parallel_size=self.config.pipeline_parallel_size)
 
     @override
     def setup_environment(self) -> None:

@@ -29,7 +29,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 import torch.distributed as dist
 
-from ddp_plugin.topology import Layout, build_device_mesh, build_topology, new_group
+from ddp_plugin.topology import (
+    Layout,
+    build_device_mesh,
+    build_topology,
+    connect_timeout,
+    new_group,
+    set_collective_timeout,
+)
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
@@ -63,6 +70,7 @@ class ProcessGroups:
         self._node_bookkeeping: dist.ProcessGroup | None = None
         self._tensor_parallel_peers: dist.ProcessGroup | None = None
         self._device_mesh: DeviceMesh | None = None
+        self._stage_peers: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
     @property
     def has_device_mesh(self) -> bool:
@@ -98,6 +106,20 @@ class ProcessGroups:
             self._tensor_parallel_peers = self._consecutive_group(t)
         return self._tensor_parallel_peers
 
+    def stage_peers(self, stages: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """A group of this rank and the ranks in its data-parallel and tensor-parallel position on the pipeline
+        stages ``stages`` (sorted): the copies of a parameter shared across those stages (a tied embedding) sum
+        their gradients over it. ``None`` on a rank of another stage. Created on first use for each set of stages:
+        collective, every rank calls it at the same point with the same ``stages``."""
+        if stages not in self._stage_peers:  # (a rank outside every such group caches its None too)
+            n = self.layout.stage_size
+            group, _ = dist.new_subgroups_by_enumeration(
+                [[p * n + position for p in stages] for position in range(n)],
+                timeout=connect_timeout(self.topology.timeout), backend=self._backend)
+            set_collective_timeout(group, self.topology.timeout)
+            self._stage_peers[stages] = group
+        return self._stage_peers[stages]
+
     def _consecutive_group(self, n: int) -> dist.ProcessGroup:
         """A new group of the ``n`` consecutive global ranks this rank is among (a node, a tensor-parallel group).
         Every rank takes part in creating every such group of the world, and keeps its own."""
@@ -117,8 +139,11 @@ class ProcessGroups:
             if not cls._atexit_registered:
                 atexit.register(cls.release_all)
                 cls._atexit_registered = True
+            staged = layout.pipeline_parallel_size > 1
             groups = cls._made[key] = cls(layout, build_topology(layout, device, timeout),
-                                          new_group(backend=backend, timeout=timeout), backend)
+                                          None if staged else new_group(backend=backend, timeout=timeout), backend)
+            if staged:  # the ranks of a stage hold the same parameters: their bookkeeping agrees over the stage
+                groups.bookkeeping = groups._consecutive_group(layout.stage_size)
         return groups
 
     @classmethod
@@ -135,6 +160,7 @@ class ProcessGroups:
                 object.__setattr__(self.topology, f.name, None)
         self.bookkeeping = self._node_bookkeeping = self._device_mesh = None  # type: ignore[assignment]
         self._tensor_parallel_peers = None
+        self._stage_peers = {}
 
     @classmethod
     def release_all(cls) -> None:

@@ -44,7 +44,8 @@ class FitSession:
                  measure_memory: Callable[[], dict[str, int]],
                  node_flags_group: Callable[[], dist.ProcessGroup | None] | None = None,
                  layout: Layout | None = None,
-                 tensor_parallel_peers: Callable[[], dist.ProcessGroup | None] | None = None) -> None:
+                 tensor_parallel_peers: Callable[[], dist.ProcessGroup | None] | None = None,
+                 solo: Iterable[torch.nn.Parameter] = ()) -> None:
         if config.hpz_partition_size is not None and config.hpz_partition_size != topology.ranks_per_node:
             raise ValueError(
                 f"The DeepSpeed config's `zero_optimization.zero_hpz_partition_size={config.hpz_partition_size}`"
@@ -75,6 +76,7 @@ class FitSession:
             shared_replicas=(self.layout.tensor_parallel_size, tensor_parallel_peers())
             if tensor_parallel_peers is not None and self.layout.tensor_parallel_size > 1 and not config.zero_stage
             else None,
+            solo=solo,
         )
         self.engine.check_finite = config.skip_nonfinite
         self.flags_group = flags_group
@@ -83,7 +85,7 @@ class FitSession:
         self._node_flags_group = (node_flags_group() if node_flags_group is not None and config.sync_every > 1
                                   else None)
         self._step_group: dist.ProcessGroup | None = flags_group
-        self._step_size = self.layout.world_size
+        self._step_size = self.layout.stage_size  # (the world, or a pipeline stage's ranks: the flags group's)
         self.module = module
         self.measure_memory = measure_memory
         self.heartbeat = health.Heartbeat()
@@ -121,7 +123,7 @@ class FitSession:
             if buffers:
                 # From the first rank of the group (rank 0 of the world, or of the node).
                 dist._broadcast_coalesced(group if size < self.layout.world_size else dist.group.WORLD,
-                                          buffers, 250 * 2**20, 0)
+                                          buffers, 250 * 2**20, 0)  # (a pipeline stage's: its own group)
         if self.config.weighting == "sample" and batch is not None:
             count = torch.tensor([float(extract_batch_size(batch))], dtype=torch.float64, device=self.device)
             total = count.clone()
@@ -138,24 +140,31 @@ class FitSession:
         if scope == "node" and not self.config.skip_nonfinite and (self._node_flags_group is not None or k == 1):
             self._step_group, self._step_size = self._node_flags_group, k
         else:
-            self._step_group, self._step_size = self.flags_group, self.layout.world_size
+            self._step_group, self._step_size = self.flags_group, self.layout.stage_size
         self.engine.flags_group = self._step_group if self._step_size > 1 else None
 
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        """Sample weighting scales the gradient that flows into the loss (``backward`` stays Lightning's)."""
+    def sample_weight(self) -> float:
+        """With ``weighting="sample"``, the factor this rank's loss is scaled by for the coming backward (once per
+        step; 1.0 otherwise)."""
         if self._sample_weight is None:
-            return
+            return 1.0
         work, total, count, size = self._sample_weight
         self._sample_weight = None
         if work is not None:
             with health.diagnosed():
                 work.wait()
+        # Each rank's loss is a mean over its own samples; scaled by N * n_r / sum(n) (N ranks: the world, or the
+        # node when the gradients stay inside it), the average over ranks the reducers compute becomes the mean
+        # over every sample of the step.
+        return size * count / total.item()
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Sample weighting scales the gradient that flows into the loss (``backward`` stays Lightning's)."""
+        if self._sample_weight is None:
+            return
+        weight = self.sample_weight()
         if closure_loss.requires_grad:
-            # Each rank's loss is a mean over its own samples; scaled by N * n_r / sum(n) (N ranks: the world, or
-            # the node when the gradients stay inside it), the average over ranks the reducers compute becomes
-            # the mean over every sample of the step. A hook on the loss scales its gradient, so every hook and
-            # logger still sees the loss the user returned.
-            weight = size * count / total.item()
+            # A hook on the loss scales its gradient, so every hook and logger still sees the loss the user returned.
             closure_loss.register_hook(lambda grad: grad * weight)
 
     @contextmanager
@@ -203,10 +212,13 @@ class FitSession:
         norm = self.plugin_manager.hook.on_clip_grad_norm(optimizer=optimizer, max_norm=max_norm)
         if norm is None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            if self.topology.tensor_parallel_group is not None:
+            pipeline_group = self.topology.pipeline_parallel_group
+            if self.topology.tensor_parallel_group is not None or pipeline_group is not None:
                 # torch's clip_grad_norm_ cannot stack the norms of DTensors and plain tensors (Lightning's
-                # ModelParallelStrategy crashes there), and would count a replicated parameter T times over.
-                norm = tensor_parallel.global_grad_norm(params, self.topology.tensor_parallel_group, self.device)
+                # ModelParallelStrategy crashes there), would count a replicated parameter T times over, and sees
+                # one pipeline stage.
+                norm = tensor_parallel.global_grad_norm(params, self.topology.tensor_parallel_group, self.device,
+                                                        pipeline_group)
                 tensor_parallel.scale_grads(params, max_norm, norm)
             else:
                 norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

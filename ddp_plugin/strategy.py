@@ -26,11 +26,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ddp_plugin import cpu_memory, tensor_parallel
+from ddp_plugin import cpu_memory, pipeline, tensor_parallel
 from ddp_plugin.checkpoint_io import AtomicCheckpointIO
 from ddp_plugin.checkpointing import CheckpointRouting
 from ddp_plugin.config import CONFIG_FLAGS, UNSET, StrategyConfig, flag_names
 from ddp_plugin.environment import DistributedEnvironment
+from ddp_plugin.health import diagnosed
+from ddp_plugin.hookspecs.types import PIPELINE_COPIES_ATTRIBUTE
 from ddp_plugin.inspection import FitInspection
 from ddp_plugin.precision import ShardedGradientClipping, with_sharded_clipping
 from ddp_plugin.process_groups import ProcessGroups, check_ranks_per_node
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from torch.nn import Module
 
     from ddp_plugin.engine import GradientEngine
+    from ddp_plugin.pipeline import PipelineRunner
     from ddp_plugin.hookspecs import Topology
 
 log = logging.getLogger(__name__)
@@ -106,6 +109,14 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             ``configure_model`` parallelizes itself on ``self.device_mesh["tensor_parallel"]`` as for Lightning's
             ``ModelParallelStrategy``; every data-parallel feature above then runs over the
             ``"data_parallel"`` dimension, on the local shards (docs/tensor_parallel.md).
+        pipeline_parallel_size: pipeline stages (default 1: none): the model's block list is split into this many
+            runs balanced by parameter count, run by a ``torch.distributed.pipelining`` schedule; the mesh becomes
+            ``("pipeline_parallel", "data_parallel", "tensor_parallel")``, and every data-parallel feature runs per
+            stage (docs/pipeline.md).
+        pipeline_microbatches: microbatches per batch (default: the number of stages); a data-parallel rank's
+            batch must split into them evenly.
+        pipeline_schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"interleaved_1f1b"``.
+        pipeline_virtual_stages: stages per rank with ``"interleaved_1f1b"`` (default 2).
     """
 
     strategy_name = "hierarchical_zero"
@@ -138,6 +149,10 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         max_staleness: int = 0,
         sync_warmup_steps: int = 0,
         tensor_parallel_size: int | Literal["auto"] = 1,
+        pipeline_parallel_size: int = 1,
+        pipeline_microbatches: int | None = None,
+        pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b",
+        pipeline_virtual_stages: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -151,6 +166,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         self._groups: ProcessGroups | None = None
         self._pending_plugin_state = None
         self._ties: list[tuple[str, ...]] = []
+        self._pipeline: PipelineRunner | None = None
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -267,25 +283,77 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
                                      if self._groups.has_device_mesh else None)
         for group in tensor_parallel.restore_ties(self.model, self._ties):
             log.info("ddp_plugin: %s tied again after `configure_model`", " = ".join(group))
+        ties = self._split_into_stages() if topology.pipeline_parallel_size > 1 else []
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if tensor_parallel.has_tensor_parallel_parameters(self.model):
+        if topology.pipeline_parallel_size > 1:
+            # Each stage from its first rank (its shards from their data-parallel rank 0), and every copy of a
+            # parameter several stages hold from the first stage.
+            tensor_parallel.sync_module_states(self.model, topology.world_group, plain_group=self._groups.bookkeeping)
+            pipeline.sync_ties(ties)
+        elif tensor_parallel.has_tensor_parallel_parameters(self.model):
             # Each shard from data-parallel rank 0 of its tensor-parallel position, plain tensors from rank 0.
             tensor_parallel.sync_module_states(self.model, topology.world_group)
         else:
             _sync_module_states(self.model)  # every rank starts from rank 0's parameters and buffers
+        if topology.pipeline_parallel_size > 1:
+            self._start_pipeline(ties)
         if fitting:
-            self._start_session()
+            self._start_session([t.param for t in ties if t.param is not None])
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
+                if self._pipeline is not None:  # (before a sharder replaces them with its pieces)
+                    self._pipeline.note_optimizer(optimizer)
                 self._session.plugin_manager.hook.on_setup_optimizer(optimizer=optimizer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _start_session(self) -> None:
+    def _split_into_stages(self) -> list[pipeline.Tie]:
+        """Keep this rank's pipeline stages of the module (split once per module: a second ``fit`` finds it
+        split) and find the parameters several stages hold. Collective (the ties' groups)."""
+        module = self.lightning_module
+        layout, topology = self._groups.layout, self._groups.topology
+        pipeline.check_module(module, layout.pipeline_parallel_size)
+        split = getattr(module, "_ddp_plugin_stages", None)
+        if split is None:
+            virtual = self.config.pipeline_virtual_stages or (2 if self.config.pipeline_schedule == "interleaved_1f1b"
+                                                              else 1)
+            plan = pipeline.plan_stages(module, layout.pipeline_parallel_size * virtual)
+            shared = tensor_parallel.shared_parameters(module)
+            order = [name for name, _ in module.named_parameters()]
+            pipeline.split_module(module, plan, self._my_stages(plan))
+            split = module._ddp_plugin_stages = (plan, shared, order)
+        plan, shared, _ = split
+        ties = pipeline.find_ties(shared, plan, layout.pipeline_parallel_size)
+        held = dict(module.named_parameters(remove_duplicate=False))
+        for tie in ties:
+            tie.group = self._groups.stage_peers(tie.ranks)  # (every rank: creating groups is collective)
+            if topology.pipeline_parallel_rank in tie.ranks:
+                tie.param = next(held[name] for name in tie.names if name in held)
+                setattr(tie.param, PIPELINE_COPIES_ATTRIBUTE, len(tie.ranks))
+        if ties:
+            log.info("ddp_plugin: shared across pipeline stages: %s",
+                     "; ".join(" = ".join(t.names) for t in ties))
+        return ties
+
+    def _my_stages(self, plan: pipeline.StagePlan) -> range:
+        p = self._groups.layout.pipeline_parallel_size
+        return range(self._groups.topology.pipeline_parallel_rank, plan.num_stages, p)
+
+    def _start_pipeline(self, ties: list[pipeline.Tie]) -> None:
+        layout, topology = self._groups.layout, self._groups.topology
+        plan, _, order = self.lightning_module._ddp_plugin_stages
+        p = layout.pipeline_parallel_size
+        self._pipeline = pipeline.PipelineRunner(
+            self.lightning_module, plan, self.config.pipeline_schedule, self.config.pipeline_microbatches or p, p,
+            topology.pipeline_parallel_rank, topology.pipeline_parallel_group, self.root_device, ties, order,
+            # the mean loss travels on a group of its own, beside the schedule's last sends
+            loss_group=self._groups.stage_peers(tuple(range(p))))
+
+    def _start_session(self, solo: Iterable[torch.nn.Parameter] = ()) -> None:
         if self._running():
             self._session.close()  # a setup without teardown (as some of Lightning's tests do)
         release = self.config.release_cpu_memory
@@ -295,7 +363,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         self._session = FitSession(self.config, self.model, self._groups.topology, self._groups.bookkeeping,
                                    self.root_device, self.uses_hierarchical_reducer, self.memory_bytes,
                                    node_flags_group=self._groups.node_bookkeeping, layout=self._groups.layout,
-                                   tensor_parallel_peers=self._groups.tensor_parallel_peers)
+                                   tensor_parallel_peers=self._groups.tensor_parallel_peers, solo=solo)
         if self._pending_plugin_state is not None:
             self._session.load_plugin_state(*self._pending_plugin_state)
             self._pending_plugin_state = None
@@ -314,6 +382,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         if self._session is not None:
             self._session.heartbeat.stop()
         self._session = None
+        self._pipeline = None
         self._groups = None
 
     @override
@@ -327,10 +396,72 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if session := self._running():
             session.before_training_step(self.model, args[0] if args else None)
+        if self._pipeline is not None:
+            return self._pipelined("training_step", args, kwargs, train=True)
         return super().training_step(*args, **kwargs)
 
     @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipelined("validation_step", args, kwargs, train=False)
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipelined("test_step", args, kwargs, train=False)
+        return super().test_step(*args, **kwargs)
+
+    def _pipelined(self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> Any:
+        """The user's ``step`` with the model's call and ``pipeline_loss`` running the pipeline schedule (forward
+        and, for training, backward of every microbatch, then the data-parallel sync of this stage)."""
+        runner = self._pipeline
+        session = self._running() if train else None
+        module = self.lightning_module
+        if session is not None:
+            # Lightning zeroes the gradients between the training step and its backward, at the start of each
+            # accumulation window; here the backward runs inside the step. So the zeroing (the module's own
+            # `optimizer_zero_grad`) comes first, and Lightning's call after the step does nothing.
+            _restore_zero_grad(module)
+            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+            if batch_idx % module.trainer.accumulate_grad_batches == 0:
+                for optimizer in self.optimizers:
+                    module.optimizer_zero_grad(module.trainer.current_epoch, batch_idx, optimizer)
+                module.optimizer_zero_grad = _no_zero_grad
+
+        def run(output: pipeline.PipelineOutput, target: Any) -> Tensor:
+            if session is None:
+                return runner.run(output, target, train=train, scale=1.0)
+            engine = session.engine
+            # The loss scaled as Lightning scales it before its backward, which the schedule replaces.
+            scale = session.sample_weight() / self.lightning_module.trainer.accumulate_grad_batches
+            synchronizing, engine.require_sync = engine.require_sync, False
+            try:
+                loss = runner.run(output, target, train=True, scale=scale)
+            finally:
+                engine.require_sync = synchronizing
+            if synchronizing:
+                topology = self._groups.topology
+                with diagnosed("the pipeline stage's gradient sync"):
+                    pipeline.synchronize(engine, runner, None if self.config.zero_stage else
+                                         (topology.side_world_group, topology.world_size, topology.rank))
+            # Lightning's backward of the returned loss reaches no parameter: the schedule ran every microbatch's.
+            return loss.requires_grad_()
+
+        with runner.placeholders(run) as ran:
+            output = getattr(super(), step)(*args, **kwargs)
+        if not ran[0]:
+            raise TypeError(
+                f"With `pipeline_parallel_size` > 1, `{step}` must compute its loss as"
+                " `self.pipeline_loss(self.model(x), y)`: the strategy runs the pipeline there (docs/pipeline.md)."
+            )
+        return output
+
+
+    @override
     def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._pipeline is not None:
+            _restore_zero_grad(self.lightning_module)
         if session := self._running():
             session.pre_backward(closure_loss)
 
@@ -367,3 +498,13 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
              for s in (1, 2, 3)]
         for name, init_params, description in entries:
             strategy_registry.register(name, cls, description=description, **init_params)
+
+
+def _no_zero_grad(*args: Any, **kwargs: Any) -> None:
+    """In place of ``optimizer_zero_grad`` between a pipelined training step and its backward (which reaches no
+    parameter)."""
+
+
+def _restore_zero_grad(module: Any) -> None:
+    if module.__dict__.get("optimizer_zero_grad") is _no_zero_grad:
+        del module.__dict__["optimizer_zero_grad"]

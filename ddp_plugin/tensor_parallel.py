@@ -29,7 +29,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ddp_plugin.hookspecs import block_key, is_tensor_parallel_shard, local_tensor, tensor_parallel_blocks
+from ddp_plugin.hookspecs import (
+    block_key,
+    is_tensor_parallel_shard,
+    local_tensor,
+    pipeline_copies,
+    tensor_parallel_blocks,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -137,7 +143,8 @@ def _describe(p: Tensor) -> str:
     return "a whole (plain) tensor"
 
 
-def sync_module_states(module: Module, data_parallel_group: dist.ProcessGroup | None) -> None:
+def sync_module_states(module: Module, data_parallel_group: dist.ProcessGroup | None,
+                       plain_group: dist.ProcessGroup | None = None) -> None:
     """Every rank starts from rank 0's parameters and buffers, as DDP: plain tensors from global rank 0 over the
     world, and a DTensor's local shard from data-parallel rank 0 over ``data_parallel_group`` (the ranks that
     hold the same shard; the shards of a tensor-parallel group already come from one model, as
@@ -149,19 +156,23 @@ def sync_module_states(module: Module, data_parallel_group: dist.ProcessGroup | 
         if name in ignore:
             continue
         (split if isinstance(t, DTensor) else plain).append(local_tensor(t).detach())
-    if plain:
-        dist._broadcast_coalesced(dist.group.WORLD, plain, BROADCAST_BUCKET_BYTES, 0)
+    if plain:  # (``plain_group``: a pipeline stage's ranks, which hold the same parameters; default the world)
+        dist._broadcast_coalesced(plain_group or dist.group.WORLD, plain, BROADCAST_BUCKET_BYTES, 0)
     if split and data_parallel_group is not None and dist.get_world_size(data_parallel_group) > 1:
         dist._broadcast_coalesced(data_parallel_group, split, BROADCAST_BUCKET_BYTES, 0)
 
 
-def squared_norms(grads: Iterable[tuple[Tensor, bool]], device: torch.device) -> tuple[Tensor, Tensor]:
+def squared_norms(grads: Iterable[tuple[Tensor, bool]], device: torch.device,
+                  weights: Iterable[float] | None = None) -> tuple[Tensor, Tensor]:
     """``(split, whole)``: the float64 sums of squares of the local ``grads`` that are tensor-parallel shards
-    (``True``) and of the others."""
+    (``True``) and of the others, each times its weight (``weights``: 1 / the pipeline stages holding a copy)."""
     split = torch.zeros((), dtype=torch.float64, device=device)
     whole = torch.zeros((), dtype=torch.float64, device=device)
-    for g, is_shard in grads:
+    grads = list(grads)
+    for (g, is_shard), weight in zip(grads, weights if weights is not None else [1.0] * len(grads)):
         sq = local_tensor(g).detach().double().pow(2).sum()
+        if weight != 1.0:
+            sq = sq * weight
         if is_shard:
             split += sq
         else:
@@ -170,15 +181,20 @@ def squared_norms(grads: Iterable[tuple[Tensor, bool]], device: torch.device) ->
 
 
 def global_grad_norm(params: Iterable[Tensor], tensor_parallel_group: dist.ProcessGroup | None,
-                     device: torch.device) -> Tensor:
+                     device: torch.device, pipeline_group: dist.ProcessGroup | None = None) -> Tensor:
     """The 2-norm of the gradients of ``params`` (whole on every data-parallel rank, as at ZeRO stage 0): a
-    split parameter's shards summed over the tensor-parallel group, a replicated one counted once. Collective
-    over the tensor-parallel group (one scalar all-reduce)."""
-    grads = [(p.grad, is_tensor_parallel_shard(p)) for p in params if p.grad is not None]
-    split, whole = squared_norms(grads, device)
+    split parameter's shards summed over the tensor-parallel group, a replicated one counted once, and with
+    pipeline stages every stage's part summed over ``pipeline_group`` (a parameter several stages hold counted
+    once). Collective over those groups (one scalar all-reduce each)."""
+    with_grads = [p for p in params if p.grad is not None]
+    grads = [(p.grad, is_tensor_parallel_shard(p)) for p in with_grads]
+    split, whole = squared_norms(grads, device, [1.0 / pipeline_copies(p) for p in with_grads])
     if tensor_parallel_group is not None:
         dist.all_reduce(split, group=tensor_parallel_group)
-    return (split + whole).sqrt()
+    total = split + whole
+    if pipeline_group is not None:
+        dist.all_reduce(total, group=pipeline_group)
+    return total.sqrt()
 
 
 def split_norms(values: Tensor, split: Tensor, tensor_parallel_group: dist.ProcessGroup | None,

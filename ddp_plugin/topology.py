@@ -24,15 +24,18 @@ is: a rank still importing on a loaded machine is late, not dead."""
 
 @dataclass(frozen=True)
 class Layout:
-    """World size, ranks per node and tensor-parallel size, validated up front; everything after trusts these
-    numbers (torchtitan's ``ParallelDims``, for the two dimensions this strategy has).
+    """World size, ranks per node, tensor-parallel and pipeline-parallel sizes, validated up front; everything
+    after trusts these numbers (torchtitan's ``ParallelDims``, for the three dimensions this strategy has).
 
-    Global rank = data-parallel rank * T + tensor-parallel rank (tensor innermost), and data-parallel rank = node *
-    (ranks per node / T) + its index in the node: a tensor-parallel group is T consecutive ranks of one node."""
+    Global rank = (pipeline rank * D + data-parallel rank) * T + tensor-parallel rank (pipeline outermost, tensor
+    innermost), and data-parallel rank = node of the stage * (ranks per node / T) + its index in the node: a
+    tensor-parallel group is T consecutive ranks of one node, a pipeline stage D * T consecutive ranks, whole
+    nodes or a part of one."""
 
     world_size: int
     ranks_per_node: int
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node != 0:
@@ -42,7 +45,7 @@ class Layout:
                 f" ({', '.join(str(d) for d in _divisors(self.world_size))}), or leave it None to use the"
                 " launcher's ranks per node."
             )
-        t, k = self.tensor_parallel_size, self.ranks_per_node
+        t, k, p = self.tensor_parallel_size, self.ranks_per_node, self.pipeline_parallel_size
         if t < 1 or k % t != 0:
             raise ValueError(
                 f"`tensor_parallel_size={t}` must divide the ranks per node, {k} (`devices_per_node`, or the"
@@ -50,6 +53,21 @@ class Layout:
                 " per-layer collectives need the fast links. Allowed values:"
                 f" {', '.join(str(d) for d in _divisors(k))}."
             )
+        stage = self.world_size // p if p >= 1 and self.world_size % p == 0 else 0
+        if not stage or stage % t or (stage % k and k % stage):
+            allowed = [d for d in _divisors(self.world_size)
+                       if (self.world_size // d) % t == 0 and ((self.world_size // d) % k == 0 or k % (self.world_size // d) == 0)]
+            raise ValueError(
+                f"`pipeline_parallel_size={p}` does not fit {self.world_size} ranks of {k} per node with"
+                f" `tensor_parallel_size={t}`: each pipeline stage is (world size / pipeline_parallel_size) consecutive"
+                " ranks, a multiple of the tensor-parallel size, and either whole nodes or a part of one node that"
+                f" divides it. Allowed values: {', '.join(str(d) for d in allowed)}."
+            )
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage (data-parallel x tensor-parallel)."""
+        return self.world_size // self.pipeline_parallel_size
 
     @property
     def num_nodes(self) -> int:
@@ -57,18 +75,21 @@ class Layout:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.tensor_parallel_size
+        return self.stage_size // self.tensor_parallel_size
 
     @property
     def data_parallel_layout(self) -> Layout:
-        """The data-parallel ranks that hold one tensor-parallel shard, as a layout of their own."""
-        return Layout(self.data_parallel_size, self.ranks_per_node // self.tensor_parallel_size)
+        """The data-parallel ranks that hold one stage's tensor-parallel shard, as a layout of their own: the
+        stage's nodes (one when several stages share a node)."""
+        per_node = min(self.ranks_per_node, self.stage_size) // self.tensor_parallel_size
+        return Layout(self.data_parallel_size, per_node)
 
-    def global_rank(self, node: int, local: int, tensor_parallel_rank: int = 0) -> int:
-        """The rank of the ``local``-th data-parallel rank of ``node`` in tensor-parallel position
-        ``tensor_parallel_rank``."""
-        return (node * (self.ranks_per_node // self.tensor_parallel_size) + local) * self.tensor_parallel_size \
-            + tensor_parallel_rank
+    def global_rank(self, node: int, local: int, tensor_parallel_rank: int = 0, pipeline_rank: int = 0) -> int:
+        """The rank of the ``local``-th data-parallel rank of ``node`` (of the stage's data-parallel layout) in
+        tensor-parallel position ``tensor_parallel_rank`` of pipeline stage ``pipeline_rank``."""
+        per_node = self.data_parallel_layout.ranks_per_node
+        return (pipeline_rank * self.stage_size + (node * per_node + local) * self.tensor_parallel_size
+                + tensor_parallel_rank)
 
 
 def _divisors(n: int) -> list[int]:
@@ -130,9 +151,11 @@ def build_topology(layout: Layout, device: torch.device, timeout: timedelta | No
     rank = dist.get_rank()
     dp = layout.data_parallel_layout
     m, k, tp = dp.num_nodes, dp.ranks_per_node, layout.tensor_parallel_size
+    pp = layout.pipeline_parallel_size
     # A dimension spanning every rank reuses the default group, whose timeout the strategy has set; the others
     # get new groups, created with the connect timeout (torch's default is 30 minutes, whatever `timeout` is).
-    sizes = {"node": m, "local": k} | ({"tensor_parallel": tp} if tp > 1 else {})
+    sizes = ({"pipeline_parallel": pp} if pp > 1 else {}) | {"node": m, "local": k} \
+        | ({"tensor_parallel": tp} if tp > 1 else {})
     mesh = init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes),
                             backend_override=_overrides(sizes, layout.world_size, timeout))
     intra, inter = mesh.get_group("local"), mesh.get_group("node")
@@ -142,20 +165,24 @@ def build_topology(layout: Layout, device: torch.device, timeout: timedelta | No
         return mine
 
     at = layout.global_rank
-    side_intra = enumerate_groups([[at(n, l, t) for l in range(k)] for n in range(m) for t in range(tp)])
-    side_inter = enumerate_groups([[at(n, l, t) for n in range(m)] for l in range(k) for t in range(tp)])
-    if tp == 1:
-        world, side_world, tp_group, dp_mesh = dist.group.WORLD, new_group(timeout=timeout), None, mesh
+    positions = [(t, p) for p in range(pp) for t in range(tp)]
+    side_intra = enumerate_groups([[at(n, l, t, p) for l in range(k)] for n in range(m) for t, p in positions])
+    side_inter = enumerate_groups([[at(n, l, t, p) for n in range(m)] for l in range(k) for t, p in positions])
+    tp_group = pp_group = None
+    if tp == 1 and pp == 1:
+        world, side_world, dp_mesh = dist.group.WORLD, new_group(timeout=timeout), mesh
     else:
-        replicas = [[d * tp + t for d in range(dp.world_size)] for t in range(tp)]
+        replicas = [[at(n, l, t, p) for n in range(m) for l in range(k)] for t, p in positions]
         world, side_world = enumerate_groups(replicas), enumerate_groups(replicas)
-        tp_group, dp_mesh = mesh.get_group("tensor_parallel"), mesh["node", "local"]
-    for group in (intra, inter, side_intra, side_inter, world, side_world, tp_group):
+        dp_mesh = mesh["node", "local"]
+        tp_group = mesh.get_group("tensor_parallel") if tp > 1 else None
+        pp_group = mesh.get_group("pipeline_parallel") if pp > 1 else None
+    for group in (intra, inter, side_intra, side_inter, world, side_world, tp_group, pp_group):
         if group is not None and group is not dist.group.WORLD:  # the default group's timeout is its creator's
             set_collective_timeout(group, timeout)
     return Topology(
         world_size=dp.world_size,
-        rank=rank // tp,
+        rank=(rank % layout.stage_size) // tp,
         num_nodes=m,
         ranks_per_node=k,
         backend=dist.get_backend(),
@@ -171,6 +198,9 @@ def build_topology(layout: Layout, device: torch.device, timeout: timedelta | No
         tensor_parallel_size=tp,
         tensor_parallel_rank=rank % tp,
         tensor_parallel_group=tp_group,
+        pipeline_parallel_size=pp,
+        pipeline_parallel_rank=rank // layout.stage_size,
+        pipeline_parallel_group=pp_group,
     )
 
 
@@ -184,8 +214,10 @@ def _overrides(sizes: dict[str, int], world_size: int, timeout: timedelta | None
 
 def build_device_mesh(layout: Layout, device: torch.device, timeout: timedelta | None = None) -> DeviceMesh:
     """The ``("data_parallel", "tensor_parallel")`` device mesh of Lightning's ``ModelParallelStrategy``, which a
-    module's ``configure_model`` reads as ``self.device_mesh``. Collective."""
-    sizes = {"data_parallel": layout.data_parallel_size, "tensor_parallel": layout.tensor_parallel_size}
+    module's ``configure_model`` reads as ``self.device_mesh``; with pipeline stages
+    ``("pipeline_parallel", "data_parallel", "tensor_parallel")``. Collective."""
+    sizes = ({"pipeline_parallel": layout.pipeline_parallel_size} if layout.pipeline_parallel_size > 1 else {}) \
+        | {"data_parallel": layout.data_parallel_size, "tensor_parallel": layout.tensor_parallel_size}
     mesh = init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes),
                             backend_override=_overrides(sizes, layout.world_size, timeout))
     for dim in sizes:

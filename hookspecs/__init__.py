@@ -34,6 +34,7 @@ from ddp_plugin.hookspecs.types import (  # noqa: E402
     is_tensor_parallel_shard,
     local_part_of_whole,
     local_tensor,
+    pipeline_copies,
     set_local_data,
     set_local_grad,
     tensor_parallel_blocks,
@@ -42,6 +43,6 @@ from ddp_plugin.hookspecs.types import (  # noqa: E402
 __all__ = [
     "PROJECT_NAME", "Bucket", "Communicator", "DeferredStorage", "DeferredTensor", "Options", "ParameterShards",
     "Topology", "Traffic", "as_parameter_layout", "block_key", "completed_future", "hookimpl", "hookspec",
-    "is_tensor_parallel_shard", "local_part_of_whole", "local_tensor", "set_local_data", "set_local_grad",
-    "tensor_parallel_blocks",
+    "is_tensor_parallel_shard", "local_part_of_whole", "local_tensor", "pipeline_copies", "set_local_data",
+    "set_local_grad", "tensor_parallel_blocks",
 ]

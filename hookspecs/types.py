@@ -152,6 +152,18 @@ def is_tensor_parallel_shard(p: Tensor) -> bool:
     return _is_dtensor(p) and any(placement.is_shard() for placement in p.placements)
 
 
+PIPELINE_COPIES_ATTRIBUTE = "_ddp_plugin_pipeline_copies"
+"""Set by the strategy on a parameter several pipeline stages hold a copy of (a tied embedding and output head):
+how many stages hold one."""
+
+
+def pipeline_copies(p: Tensor) -> int:
+    """How many pipeline stages hold a copy of ``p`` (1 for most parameters; 2 for an embedding tied to the output
+    head of the last stage). Every copy holds the same gradient, so a global norm over the stages counts each
+    copy's part ``1 / pipeline_copies(p)`` times, and the parameter once."""
+    return getattr(p, PIPELINE_COPIES_ATTRIBUTE, 1)
+
+
 def tensor_parallel_blocks(t: Tensor) -> list[tuple[int, int, tuple[int, ...]]] | None:
     """Where the blocks of ``t``, a DTensor split along one dimension over a 1-D mesh, lie in the whole tensor:
     ``(dim, offset, shape)`` of every mesh position's block, in mesh order (as ``torch.chunk`` splits, the last
@@ -231,6 +243,17 @@ class Topology:
     one node), for collectives on the training thread (a global gradient norm); the module's own tensor-parallel
     collectives run on the device mesh's group, not this one. ``None`` without tensor parallelism."""
 
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (``pipeline_parallel_size``). Above 1, every data-parallel field above describes this rank's
+    stage only (its data-parallel ranks in its tensor-parallel position), so a data-parallel plugin synchronizes a
+    stage's parameters with their replicas. Global rank = (pipeline rank * ``world_size`` + data-parallel rank) *
+    ``tensor_parallel_size`` + tensor-parallel rank."""
+    pipeline_parallel_rank: int = 0
+    """This rank's pipeline stage (of the first virtual stage it runs)."""
+    pipeline_parallel_group: ProcessGroup | None = None
+    """The ranks of the other stages in this rank's data-parallel and tensor-parallel position, for collectives
+    on the training thread (a global gradient norm over every stage). ``None`` without pipeline stages."""
+
     @property
     def node_rank(self) -> int:
         return self.rank // self.ranks_per_node
@@ -239,13 +262,15 @@ class Topology:
     def local_rank(self) -> int:
         return self.rank % self.ranks_per_node
 
-    def global_rank(self, rank: int, tensor_parallel_rank: int | None = None) -> int:
+    def global_rank(self, rank: int, tensor_parallel_rank: int | None = None, pipeline_rank: int | None = None
+                    ) -> int:
         """The global rank (what ``dist.new_group`` takes) of data-parallel rank ``rank`` in tensor-parallel
-        position ``tensor_parallel_rank`` (default: this rank's). Without tensor parallelism, ``rank`` itself. A
-        plugin that makes groups of its own makes them for every tensor-parallel position (creating a group is
-        collective over the world) and keeps its own position's."""
+        position ``tensor_parallel_rank`` of pipeline stage ``pipeline_rank`` (defaults: this rank's). Without
+        tensor or pipeline parallelism, ``rank`` itself. A plugin that makes groups of its own makes them for every
+        tensor-parallel position and stage (creating a group is collective over the world) and keeps its own."""
         t = self.tensor_parallel_rank if tensor_parallel_rank is None else tensor_parallel_rank
-        return rank * self.tensor_parallel_size + t
+        p = self.pipeline_parallel_rank if pipeline_rank is None else pipeline_rank
+        return (p * self.world_size + rank) * self.tensor_parallel_size + t
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ benchmark, written as a user writes one for Lightning's ``ModelParallelStrategy`
   column-wise, the attention output and the MLP's second layer row-wise, so each block needs one all-reduce
   forward and one backward per half. The tied embedding stays replicated (``tie="replicated"``) or is split by
   vocabulary, ``Shard(0)`` for both its uses (``tie="vocab"``, as torchtitan splits its embedding and head).
-- :class:`GPTModule`: the LightningModule; ``configure_model`` applies the plan on
+- :class:`GPTModule`: the LightningModule, written for pipeline stages too (its ``forward`` tolerates missing
+  modules, its loss is ``pipeline_loss``); ``configure_model`` applies the plan on
   ``self.device_mesh["tensor_parallel"]`` when there is a mesh (under ``ddp`` there is none, and the model stays
   whole), then ties the head to the embedding again (``parallelize_module`` replaces each module's parameters).
 - :func:`token_dataset`: seeded token windows with structure a model can learn (a noisy repeating pattern).
@@ -82,11 +83,18 @@ class GPT(nn.Module):
         nn.init.normal_(self.tok.weight, std=0.02)
         nn.init.normal_(self.pos.weight, std=0.02)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+    def forward(self, x: Tensor) -> Tensor:
+        # With pipeline stages a stage holds some of the modules (the others are None) and a later stage gets the
+        # activations of the one before.
+        if self.tok is not None:
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
 
 
 def tensor_parallel_plan(model: GPT, tie: str = "replicated") -> dict[str, object]:
@@ -130,10 +138,13 @@ class GPTModule(L.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        logits = self.model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss = self.pipeline_loss(self.model(x), y)  # (with pipeline stages the strategy runs the schedule here)
         self.log("train_loss", loss)
         return loss
+
+    def pipeline_loss(self, logits: Tensor, y: Tensor) -> Tensor:
+        """Next-token cross-entropy of one (micro)batch."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ddp_plugin.hookspecs import is_tensor_parallel_shard, local_tensor, set_local_grad
+from ddp_plugin.hookspecs import is_tensor_parallel_shard, local_tensor, pipeline_copies, set_local_grad
 from ddp_plugin.tensor_parallel import split_norms
 
 if TYPE_CHECKING:
@@ -84,8 +84,17 @@ def clip_grad_norm(shards: Shards, optimizer: Optimizer, max_norm: float, whole_
     topology = shards.layout.topology
     pieces = torch.zeros(2, dtype=torch.float64, device=topology.device)  # [split, replicated] over the shards
     whole = torch.zeros(2, dtype=torch.float64, device=topology.device)  # [split, replicated], not ZeRO-sharded
+    # A parameter several pipeline stages hold counts 1 / copies on each (the stages' norms are summed below).
+    weights = {id(g): 1.0 / pipeline_copies(p) for group in optimizer.param_groups for p in group["params"]
+               for g in (p.grad,) if g is not None}
+    for bucket, entry in zip(shards.buckets, shards.entries):
+        for piece in entry.pieces:
+            if piece.param.grad is not None:
+                weights[id(piece.param.grad)] = 1.0 / pipeline_copies(bucket.params[piece.index])
     for g in grads:
         sq = local_tensor(g).detach().double().pow(2).sum()
+        if weights.get(id(g), 1.0) != 1.0:
+            sq = sq * weights[id(g)]
         if id(g) in sharded:
             pieces[0 if sharded[id(g)] else 1] += sq
         else:
@@ -94,7 +103,10 @@ def clip_grad_norm(shards: Shards, optimizer: Optimizer, max_norm: float, whole_
     split = pieces[0] + whole[0]
     if topology.tensor_parallel_group is not None:
         shards.comm.all_reduce(split, group=topology.tensor_parallel_group)
-    total = (split + pieces[1] + whole[1]).sqrt().to(torch.float32)
+    total = split + pieces[1] + whole[1]
+    if topology.pipeline_parallel_group is not None:
+        shards.comm.all_reduce(total, group=topology.pipeline_parallel_group)
+    total = total.sqrt().to(torch.float32)
     clamped = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     tensors = [local_tensor(g) for g in grads]
     if whole_buckets:

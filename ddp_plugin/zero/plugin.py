@@ -222,8 +222,10 @@ class ZeroSharder:
     def on_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any] | None:
         if self.optimizers is None or optimizer not in self.optimizers:
             return None  # not an optimizer this sharder set up
-        if self.shards.layout.topology.tensor_parallel_size > 1:
-            # Every tensor-parallel position's shards are needed: whole on every rank, DTensors where split.
+        topology = self.shards.layout.topology
+        if topology.tensor_parallel_size > 1 or topology.pipeline_parallel_size > 1:
+            # Every tensor-parallel position's (every stage's) shards are needed: whole on every rank, DTensors
+            # where split.
             return checkpoint.gathered_optimizer_state(self.shards, self.optimizers, optimizer)
         return checkpoint.consolidated_optimizer_state(self.shards, self.optimizers, optimizer)
 
@@ -234,8 +236,9 @@ class ZeroSharder:
 
     @hookimpl
     def on_module_state_dict(self, module: nn.Module) -> dict[str, Any] | None:
-        if self.shards.layout.topology.tensor_parallel_size > 1:
-            return None  # the strategy gathers a tensor-parallel model whole (inside `full_parameters()`)
+        topology = self.shards.layout.topology
+        if topology.tensor_parallel_size > 1 or topology.pipeline_parallel_size > 1:
+            return None  # the strategy gathers a tensor-parallel or pipelined model whole
         return checkpoint.consolidated_module_state(self.shards, self.units, module)
 
     @hookimpl

@@ -1,0 +1,520 @@
+"""Pipeline stages: the module split into stages over ``pipeline_parallel_size`` ranks, run by
+``torch.distributed.pipelining``'s schedules, with parameters shared across stages (a tied embedding and output
+head) kept bit-identical.
+
+The user contract (docs/pipeline.md):
+
+- The model is a module whose children, in registration order, are modules before a ``ModuleList`` of blocks
+  (they go to the first stage), the blocks (split into contiguous runs balanced by parameter count) and modules
+  after it (the last stage). Its ``forward`` tolerates the missing ones: a child another stage holds is ``None``,
+  and the block list holds this stage's blocks only, under their original indices (torchtitan's manual split).
+- ``training_step`` computes its loss as ``self.pipeline_loss(self.model(x), y)``, where ``pipeline_loss(output,
+  target)`` is a method of the LightningModule. Under ``ddp`` that is an ordinary call. Here the model's call
+  returns a placeholder holding ``x``, and ``pipeline_loss`` runs the schedule over the microbatches of ``x`` and
+  ``y`` (forward and backward, ``pipeline_loss`` on the last stage per microbatch) and returns the mean loss,
+  known on every stage; ``self.log`` and the returned loss then work as in any Lightning run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ddp_plugin.hookspecs import local_tensor
+
+if TYPE_CHECKING:
+    from ddp_plugin.engine import GradientEngine
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------ where the stages split
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How the model splits: ``owner`` (the module path of the model, ``""`` for the LightningModule itself),
+    ``blocks`` (its ``ModuleList`` child), ``before``/``after`` (its other children, first and last stage), and
+    per stage (``stage_blocks[s]``) the block indices stage ``s`` runs. Stage ``s`` runs on pipeline rank
+    ``s % pipeline_parallel_size`` (torch's interleaved assignment; one stage per rank without it)."""
+
+    owner: str
+    blocks: str
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    stage_blocks: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_blocks)
+
+    def stage_of(self, name: str) -> set[int]:
+        """The stages that hold the parameter or module ``name`` (a name of the LightningModule)."""
+        prefix = f"{self.owner}." if self.owner else ""
+        rest = name[len(prefix):] if name.startswith(prefix) else name
+        child, _, tail = rest.partition(".")
+        if child in self.before:
+            return {0}
+        if child in self.after:
+            return {self.num_stages - 1}
+        if child == self.blocks:
+            index = int(tail.partition(".")[0])
+            return {s for s, blocks in enumerate(self.stage_blocks) if index in blocks}
+        return set(range(self.num_stages))
+
+
+def check_module(module: nn.Module, pipeline_size: int) -> None:
+    """The LightningModule must say how the last stage computes the loss: ``pipeline_loss(output, target)``."""
+    if not callable(getattr(module, "pipeline_loss", None)):
+        raise TypeError(
+            f"`pipeline_parallel_size={pipeline_size}` needs a `pipeline_loss(output, target)` method on"
+            f" {type(module).__name__}: the loss of one microbatch, computed on the last stage, and a"
+            " `training_step` that computes its loss as `self.pipeline_loss(self.model(x), y)` (docs/pipeline.md)."
+        )
+
+
+def plan_stages(module: nn.Module, num_stages: int) -> StagePlan:
+    """Find the model's block list (the ``ModuleList`` with the most parameters) and split it into ``num_stages``
+    contiguous runs balanced by parameter count, the modules before it counted with the first stage and those
+    after it with the last (DeepSpeed's ``partition_method="parameters"``). Raises ``TypeError`` for a module
+    that does not follow the contract."""
+    lists = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise TypeError(
+            f"`pipeline_parallel_size` needs a model whose layers are an `nn.ModuleList` of blocks to split into"
+            f" stages; {type(module).__name__} has none. Hold the repeated blocks in an `nn.ModuleList` (as"
+            " `self.blocks`), modules before it (embeddings) and after it (final norm, output head) as siblings."
+        )
+    path, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    owner_path, _, blocks_name = path.rpartition(".")
+    owner = module.get_submodule(owner_path)
+    children = list(owner.named_children())
+    position = [name for name, _ in children].index(blocks_name)
+    before = tuple(name for name, _ in children[:position])
+    after = tuple(name for name, _ in children[position + 1:])
+    loose = [name for name, _ in owner.named_parameters(recurse=False)]
+    if loose:
+        raise TypeError(
+            f"{', '.join(repr(f'{owner_path}.{n}' if owner_path else n) for n in loose)} belongs to no child module"
+            f" of {type(owner).__name__}, so no stage can own it. Hold it in a module registered before"
+            f" `{blocks_name}` (first stage) or after it (last stage)."
+        )
+    outside = [name for name, _ in module.named_parameters()
+               if not (name.startswith(f"{owner_path}.") or not owner_path)]
+    if outside:
+        raise TypeError(
+            f"Parameters outside the pipelined model `{owner_path}`: {', '.join(outside[:5])}. With"
+            " `pipeline_parallel_size` > 1 every parameter must belong to the model whose blocks are split."
+        )
+    if len(blocks) < num_stages:
+        raise ValueError(
+            f"`{path}` has {len(blocks)} blocks, fewer than the {num_stages} pipeline stages"
+            " (`pipeline_parallel_size` x `pipeline_virtual_stages`); each stage runs at least one block."
+        )
+
+    def count(m: nn.Module | None) -> int:
+        return sum(p.numel() for p in m.parameters()) if m is not None else 0
+
+    children_by_name = dict(children)
+    sizes = [count(b) for b in blocks]
+    sizes[0] += sum(count(children_by_name[n]) for n in before)
+    sizes[-1] += sum(count(children_by_name[n]) for n in after)
+    runs = _balanced_runs(sizes, num_stages)
+    return StagePlan(owner_path, blocks_name, before, after, tuple(tuple(r) for r in runs))
+
+
+def _balanced_runs(sizes: Sequence[int], parts: int) -> list[list[int]]:
+    """Split ``range(len(sizes))`` into ``parts`` non-empty contiguous runs minimizing the largest run's sum
+    (dynamic programming; ties go to the earliest split)."""
+    n = len(sizes)
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    runs, i = [], n
+    for k in range(parts, 0, -1):
+        j = cut[k][i]
+        runs.append(list(range(j, i)))
+        i = j
+    return runs[::-1]
+
+
+class StageBlocks(nn.ModuleList):
+    """The blocks of this rank's stages under their original indices (``blocks.5`` stays ``blocks.5``, so state
+    dicts keep the unsplit model's names); iterating yields them in order, indexing counts positions."""
+
+    def __init__(self, blocks: Mapping[int, nn.Module]) -> None:
+        super().__init__()
+        for index in sorted(blocks):
+            self.add_module(str(index), blocks[index])
+
+    def __getitem__(self, idx: Any) -> Any:
+        if isinstance(idx, slice):
+            return nn.ModuleList(list(self._modules.values())[idx])
+        return list(self._modules.values())[idx]
+
+
+def split_module(module: nn.Module, plan: StagePlan, stages: Iterable[int]) -> None:
+    """Keep in ``module`` only what ``stages`` run: the other stages' blocks leave the block list (a
+    :class:`StageBlocks`) and the first and last stage's modules become ``None`` elsewhere. In place."""
+    stages = set(stages)
+    owner = module.get_submodule(plan.owner)
+    keep = {i for s in stages for i in plan.stage_blocks[s]}
+    blocks = getattr(owner, plan.blocks)
+    setattr(owner, plan.blocks, StageBlocks({i: blocks[i] for i in keep}))
+    for name in plan.before if 0 not in stages else ():
+        setattr(owner, name, None)
+    for name in plan.after if plan.num_stages - 1 not in stages else ():
+        setattr(owner, name, None)
+
+
+class StageModule(nn.Module):
+    """One stage as ``torch.distributed.pipelining`` runs it: the model's own ``forward`` with only this stage's
+    modules in place. The modules are the model's (registered here as well, so ``parameters()`` are this
+    stage's); the model is not copied."""
+
+    def __init__(self, owner: nn.Module, plan: StagePlan, stage: int) -> None:
+        super().__init__()
+        self.__dict__["_owner"] = owner  # not a child: its parameters are the LightningModule's
+        blocks = getattr(owner, plan.blocks)
+        self._blocks = {i: blocks._modules[str(i)] for i in plan.stage_blocks[stage]}
+        held = {name: getattr(owner, name) for name in plan.before + plan.after}
+        self._keep = {name: (held[name] if (name in plan.before and stage == 0)
+                             or (name in plan.after and stage == plan.num_stages - 1) else None) for name in held}
+        self._blocks_name = plan.blocks
+        self.parts = nn.ModuleList([m for m in self._keep.values() if m is not None] + list(self._blocks.values()))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self._owner
+        saved = {name: getattr(owner, name) for name in (*self._keep, self._blocks_name)}
+        try:
+            for name, m in self._keep.items():
+                setattr(owner, name, m)
+            setattr(owner, self._blocks_name, StageBlocks(self._blocks))
+            return _call_forward(owner, *args, **kwargs)
+        finally:
+            for name, m in saved.items():
+                setattr(owner, name, m)
+
+
+def _call_forward(owner: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # The class's forward, whatever the placeholder patch has put on the instance.
+    return type(owner).forward(owner, *args, **kwargs)
+
+
+# ------------------------------------------------------------------ shared parameters
+
+
+@dataclass
+class Tie:
+    """A parameter several stages hold (``names``: its names in the unsplit model, the first canonical;
+    ``stages``: the pipeline ranks holding a copy); ``param`` and ``group`` on those ranks only."""
+
+    names: tuple[str, ...]
+    ranks: tuple[int, ...]
+    param: nn.Parameter | None = None
+    group: dist.ProcessGroup | None = None
+
+
+def find_ties(shared: Iterable[tuple[str, ...]], plan: StagePlan, pipeline_size: int) -> list[Tie]:
+    """The groups of names of one parameter (``shared``, before the split) that different pipeline ranks hold."""
+    ties = []
+    for names in shared:
+        ranks = sorted({s % pipeline_size for name in names for s in plan.stage_of(name)})
+        if len(ranks) > 1:
+            ties.append(Tie(tuple(names), tuple(ranks)))
+    return ties
+
+
+# ------------------------------------------------------------------ running a step
+
+
+class PipelineOutput:
+    """What the model's call returns inside a pipelined ``training_step``: a placeholder for the output that
+    exists only on the last stage, microbatch by microbatch. Pass it to ``self.pipeline_loss``."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __getattr__(self, name: str) -> Any:
+        raise TypeError(
+            "With `pipeline_parallel_size` > 1 the model's output exists on the last stage only, one microbatch at a"
+            " time: in `training_step` pass it straight to `self.pipeline_loss(output, target)`, which runs the"
+            f" pipeline and returns the loss (asked for `.{name}`)."
+        )
+
+
+class PipelineRunner:
+    """The stages of this rank and their schedule; runs a training or evaluation step."""
+
+    def __init__(self, module: nn.Module, plan: StagePlan, schedule: str, microbatches: int,
+                 pipeline_size: int, pipeline_rank: int, group: dist.ProcessGroup, device: torch.device,
+                 ties: list[Tie], order: Sequence[str], loss_group: dist.ProcessGroup | None = None) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        self.module = module
+        self.owner = module.get_submodule(plan.owner)
+        self.plan = plan
+        self.microbatches = microbatches
+        self.size, self.rank, self.group = pipeline_size, pipeline_rank, group
+        self.ties = ties
+        self.order = list(order)
+        self._optimizer_params: dict[int, list[list[nn.Parameter]]] = {}
+        """The unsplit model's parameter names in ``named_parameters()`` order (a tied parameter once)."""
+        self.loss_group = loss_group if loss_group is not None else group
+        self.is_first = pipeline_rank == 0
+        self.is_last = pipeline_rank == pipeline_size - 1
+        self.stage_indices = list(range(pipeline_rank, plan.num_stages, pipeline_size))
+        self.stages = [PipelineStage(StageModule(self.owner, plan, s), s, plan.num_stages, device, group=group)
+                       for s in self.stage_indices]
+        self._losses: list[Tensor] = []
+        self._scale = 1.0
+        self.device = device
+        kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
+        cls = kinds[schedule]
+        target = self.stages if schedule == "interleaved_1f1b" else self.stages[0]
+        # The loss is scaled here (1/M, times sample weighting and 1/accumulate_grad_batches), not by the schedule.
+        self.schedule = cls(target, microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, output: Any, target: Any) -> Tensor:
+        loss = type(self.module).pipeline_loss(self.module, output, target)
+        self._losses.append(loss.detach())
+        return loss * self._scale
+
+    @contextmanager
+    def placeholders(self, run: Callable[[PipelineOutput, Any], Tensor]) -> Generator[list[bool], None, None]:
+        """While the user's step runs: the model's call returns a :class:`PipelineOutput`, and
+        ``pipeline_loss(output, target)`` calls ``run``. Yields a one-item list that is ``[True]`` once ``run``
+        ran."""
+        module, owner = self.module, self.owner
+        ran = [False]
+
+        def capture(*args: Any, **kwargs: Any) -> PipelineOutput:
+            return PipelineOutput(args, kwargs)
+
+        def pipeline_loss(output: Any, target: Any) -> Tensor:
+            if not isinstance(output, PipelineOutput):
+                raise TypeError(
+                    "With `pipeline_parallel_size` > 1, `pipeline_loss` takes the model's output as `training_step`"
+                    " got it from `self.model(x)` (a placeholder: the output exists on the last stage only)."
+                )
+            ran[0] = True
+            return run(output, target)
+
+        owner.forward = capture
+        module.pipeline_loss = pipeline_loss
+        try:
+            yield ran
+        finally:
+            del owner.__dict__["forward"]
+            del module.__dict__["pipeline_loss"]
+
+    def run(self, output: PipelineOutput, target: Any, train: bool, scale: float) -> Tensor:
+        """One schedule step over the microbatches of ``output.args`` (the first stage's input) and ``target``
+        (the last stage's); returns the mean loss over the microbatches, on every stage."""
+        batch = _batch_size(output.args, target)
+        if batch % self.microbatches:
+            raise ValueError(
+                f"A batch of {batch} samples per data-parallel rank does not split into `pipeline_microbatches="
+                f"{self.microbatches}` equal microbatches; use a batch size (per data-parallel rank) that is a"
+                " multiple of it."
+            )
+        self._losses = []
+        self._scale = scale / self.microbatches
+        args = output.args if self.is_first else ()
+        kwargs = output.kwargs if self.is_first else {}
+        extra = {"target": target, "losses": []} if self.is_last else {}
+        if train:
+            self.schedule.step(*args, **kwargs, **extra)
+        else:
+            self.schedule.eval(*args, **kwargs, **extra)
+        # (The first step's shape inference computes one loss on placeholder values before the microbatches'.)
+        losses = self._losses[-self.microbatches:]
+        mean = (torch.stack(losses).float().mean() if losses
+                else torch.zeros((), dtype=torch.float32, device=self.device))
+        dist.broadcast(mean, src=dist.get_global_rank(self.loss_group, self.size - 1), group=self.loss_group)
+        return mean
+
+    def _gather_to_first(self, value: Any) -> list[Any] | None:
+        """``value`` of every stage, in stage order, on global rank 0 (``None`` elsewhere). Only the stages in
+        global rank 0's data-parallel and tensor-parallel position take part; the others return at once."""
+        if dist.get_global_rank(self.group, 0) != 0:
+            return None
+        every: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(value, every, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return every
+
+    def gather_module_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The unsplit model's state dict on global rank 0 from every stage's ``state`` (whole tensors, on CPU to
+        travel); this rank's own ``state`` elsewhere. Collective over the pipeline group of global rank 0."""
+        every = self._gather_to_first({k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in state.items()})
+        if every is None or dist.get_rank() != 0:
+            return state
+        merged: dict[str, Any] = {}
+        for part in every:
+            merged.update(part)
+        for tie in self.ties:  # one tensor under every name, as the unsplit model's state dict has it
+            first = next((merged[n] for n in tie.names if n in merged), None)
+            for name in tie.names:
+                if name in merged:
+                    merged[name] = first
+        return merged
+
+    def note_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep the module parameters ``optimizer`` was made with, group by group: its state dict numbers them so
+        (a ZeRO sharder's consolidated one too, whose optimizer then holds pieces)."""
+        self._optimizer_params[id(optimizer)] = [list(group["params"]) for group in optimizer.param_groups]
+
+    def _optimizer_groups(self, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
+        return self._optimizer_params.get(id(optimizer)) or [list(g["params"]) for g in optimizer.param_groups]
+
+    def _canonical_names(self) -> dict[int, str]:
+        """id(parameter) -> its name in the unsplit model (a tied parameter's first name), for this rank's."""
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        names.update({id(t.param): t.names[0] for t in self.ties if t.param is not None})
+        return names
+
+    def gather_optimizer_state(self, state: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The unsplit model's optimizer state on global rank 0 from every stage's (``state``: this stage's
+        ``optimizer.state_dict()`` with whole tensors): parameters numbered across groups in the unsplit model's
+        order, as its optimizer would number them, and their names under ``"param_names"`` (for a resume on
+        another layout); each stage's group ``g`` is the unsplit optimizer's group ``g``. This rank's own state
+        elsewhere. Collective over the pipeline group of global rank 0."""
+        names = self._canonical_names()
+        params = [p for group in self._optimizer_groups(optimizer) for p in group]
+        groups = []
+        start = 0
+        for group in state["param_groups"]:
+            count = len(group["params"])
+            groups.append(({k: v for k, v in group.items() if k != "params"},
+                           [names[id(p)] for p in params[start:start + count]]))
+            start += count
+        entries = {names[id(params[i])]: {k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in entry.items()}
+                   for i, entry in state["state"].items()}
+        every = self._gather_to_first((groups, entries))
+        if every is None or dist.get_rank() != 0:
+            return dict(state)
+        rank_of = {name: i for i, name in enumerate(self.order)}
+        merged_groups: list[tuple[dict[str, Any], list[str]]] = []
+        merged_entries: dict[str, Any] = {}
+        for stage_groups, stage_entries in every:
+            for g, (hyper, group_names) in enumerate(stage_groups):
+                if g == len(merged_groups):
+                    merged_groups.append((hyper, []))
+                merged_groups[g][1].extend(n for n in group_names if n not in merged_groups[g][1])
+            for name, entry in stage_entries.items():
+                merged_entries.setdefault(name, entry)
+        param_names: list[str] = []
+        out_groups = []
+        for hyper, group_names in merged_groups:
+            group_names.sort(key=lambda n: rank_of.get(n, len(rank_of)))
+            out_groups.append({**hyper, "params": list(range(len(param_names), len(param_names) + len(group_names)))})
+            param_names.extend(group_names)
+        out_state = {i: merged_entries[name] for i, name in enumerate(param_names) if name in merged_entries}
+        return {"state": out_state, "param_groups": out_groups, "param_names": param_names}
+
+    def local_optimizer_state(self, state: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This stage's part of a consolidated optimizer state (:meth:`gather_optimizer_state`'s, or an unsplit
+        run's with one group per group here), numbered as this stage's ``optimizer`` numbers its parameters."""
+        saved_names = state.get("param_names")
+        if saved_names is None:  # an unsplit run's: its parameters in the unsplit model's order, group after group
+            saved_names = self.order
+        index_of = {name: i for i, name in enumerate(saved_names)}
+        names = self._canonical_names()
+        saved_groups = state["param_groups"]
+        if len(saved_groups) != len(optimizer.param_groups):
+            raise ValueError(
+                f"The checkpoint's optimizer has {len(saved_groups)} parameter groups and this stage's"
+                f" {len(optimizer.param_groups)}: with pipeline stages, `configure_optimizers` must make the same"
+                " groups on every stage (the unsplit model's, each holding the stage's share)."
+            )
+        out_state: dict[int, Any] = {}
+        out_groups = []
+        local = 0
+        for saved, group in zip(saved_groups, self._optimizer_groups(optimizer)):
+            indices = []
+            for p in group:
+                entry = state["state"].get(index_of.get(names[id(p)], -1))
+                if entry is not None:
+                    out_state[local] = entry
+                indices.append(local)
+                local += 1
+            out_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": indices})
+        return {"state": out_state, "param_groups": out_groups}
+
+    def sum_tied_gradients(self, data_parallel: tuple[dist.ProcessGroup, int, int] | None = None) -> None:
+        """Each shared parameter's gradient summed over the stages holding a copy (each copy got the gradient of
+        its own uses), so every copy holds the unsplit model's gradient. ``data_parallel`` (group, size D, this
+        rank's index): the gradients are the stage's data-parallel mean, the same on its D ranks, and each rank
+        sums its 1/D part, then the stage all-gathers the parts (see :func:`synchronize`)."""
+        for tie in self.ties:
+            if tie.param is None:
+                continue
+            p = tie.param
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grad = local_tensor(p.grad)
+            if data_parallel is None:
+                dist.all_reduce(grad, group=tie.group)
+                continue
+            group, size, index = data_parallel
+            flat = grad.view(-1)
+            part = -(-flat.numel() // size)
+            whole = torch.zeros(part * size, dtype=flat.dtype, device=flat.device)
+            whole[:flat.numel()] = flat
+            parts = list(whole.split(part))
+            mine = parts[index].clone()
+            dist.all_reduce(mine, group=tie.group)
+            dist.all_gather(parts, mine, group=group)
+            flat.copy_(whole[:flat.numel()])
+
+
+def _batch_size(args: tuple[Any, ...], target: Any) -> int:
+    for value in (*args, target):
+        if isinstance(value, Tensor) and value.dim():
+            return value.shape[0]
+    raise TypeError("The pipelined model's input or the target must be a batched tensor (samples along dim 0).")
+
+
+def sync_ties(ties: Iterable[Tie]) -> None:
+    """Every copy of a shared parameter takes the first stage's value (collective over each tie's ranks)."""
+    for tie in ties:
+        if tie.param is not None:
+            with torch.no_grad():
+                dist.broadcast(local_tensor(tie.param).data, src=dist.get_global_rank(tie.group, 0), group=tie.group)
+
+
+def synchronize(engine: GradientEngine, runner: PipelineRunner,
+                data_parallel: tuple[dist.ProcessGroup, int, int] | None = None) -> None:
+    """The data-parallel sync of a stage after its last microbatch, and the tied gradients summed over their
+    stages. With ``data_parallel`` (this stage's data-parallel group for the training thread, its size D and this
+    rank's place in it; gradients whole after the sync, as at ZeRO stage 0) the sum comes after the sync, each
+    data-parallel rank summing 1/D of the averaged gradient with its peer and the stage gathering the parts: the
+    tied gradient crosses between the stages once per step instead of once per data-parallel rank. Otherwise
+    (a sharder keeps only its shard after the sync) the whole gradients are summed first."""
+    if data_parallel is None or data_parallel[1] == 1:
+        runner.sum_tied_gradients()
+        engine.synchronize()
+    else:
+        engine.synchronize()
+        runner.sum_tied_gradients(data_parallel)
+    if engine.check_finite:  # every stage skips the step when any stage saw a NaN/Inf gradient
+        flag = torch.tensor([int(engine.nonfinite)], device=runner.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=runner.group)
+        engine.nonfinite = bool(flag.item())
