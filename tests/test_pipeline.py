@@ -1,0 +1,150 @@
+"""Pipeline stages (``pipeline_parallel_size``): the tiny tied-embedding GPT split into 2 stages of 2 data-parallel
+ranks each (4 gloo ranks), with each schedule and ZeRO stage, equals Lightning ``ddp`` on 2 ranks with the same
+global batch, with gradient clipping that binds; data-parallel replicas and the tied embedding's two copies (first
+and last stage) stay bit-identical. The master checkpoint is the unsplit model's, and resumes on other layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddp_plugin.testing.processes import runs_argument
+from tests.support import WORKERS, run_python
+
+# Microbatching and the split change rounding only (a sum over microbatches instead of one mean); a real bug (a
+# tied gradient not summed, a stage's norm missing from clipping, an unscaled microbatch) moves parameters by 1e-2
+# or more.
+RTOL = 3e-4
+VARIANTS = ["1f1b", "gpipe:1", "interleaved_1f1b:2"]
+P2 = ["--devices", "4", "--devices-per-node", "2", "--pp", "2"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("pp")
+    run_python(WORKERS / "pp_run.py", *runs_argument([
+        ["--out", out, "--devices", "2", "--reference"],
+        ["--out", out, "--devices", "2", "--reference", "--accumulate", "2", "--tag=-acc"],
+        ["--out", out, "--devices", "2", "--reference", "--scheduler", "--tag=-sched"],
+    ]))
+    run_python(WORKERS / "pp_run.py", *runs_argument([
+        ["--out", out, *P2, "--variants", ",".join(VARIANTS), "--save-at", "10"],
+        ["--out", out, *P2, "--variants", "interleaved_1f1b:1", "--accumulate", "2", "--tag=-acc"],
+        # resumed on another ZeRO stage and schedule
+        ["--out", out, *P2, "--variants", "1f1b:2", "--resume", out / "gpipe-1-step10.ckpt", "--tag=-resumed"],
+        # data-parallel ranks reading 3 and 5 of each step's 8 samples (one microbatch: gpipe allows M < P)
+        ["--out", out, *P2, "--variants", "gpipe", "--uneven", "--tag=-sample",
+         "--flags={\"weighting\": \"sample\", \"pipeline_microbatches\": 1}"],
+        ["--out", out, *P2, "--variants", "gpipe", "--uneven", "--tag=-rank", "--flags={\"pipeline_microbatches\": 1}"],
+        ["--out", out, *P2, "--variants", "1f1b", "--nan-at", "5", "--tag=-nan", "--flags={\"skip_nonfinite\": true}"],
+        ["--out", out, *P2, "--variants", "1f1b:1", "--scheduler", "--tag=-sched"],
+    ]), timeout=600)
+    # Resumed without pipeline stages: ours on 2 ranks, and Lightning ddp itself.
+    run_python(WORKERS / "pp_run.py", *runs_argument([
+        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b", "--resume", out / "1f1b-step10.ckpt",
+         "--tag=-p1"],
+        ["--out", out, "--devices", "2", "--reference", "--resume", out / "interleaved_1f1b-2-step10.ckpt",
+         "--tag=-resumed"],
+    ]))
+    names = ["reference", "reference-acc", "reference-sched", *VARIANTS, "interleaved_1f1b:1-acc", "1f1b:2-resumed",
+             "1f1b-p1", "reference-resumed", "gpipe-sample", "gpipe-rank", "1f1b-nan", "1f1b:1-sched"]
+    runs = {name: torch.load(out / f"{name.replace(':', '-')}.pt") for name in names}
+    runs["checkpoints"] = out
+    return runs
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """Max over tensors of the largest difference over the tensor's largest value."""
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)
+
+
+def test_clipping_binds_and_training_moves_parameters(runs):
+    reference = runs["reference"]
+    assert sum(n > 0.3 for n in reference["grad_norms"]) >= 18, reference["grad_norms"]  # pp_run.CLIP
+    assert relative_difference(reference["initial"], reference["state"]) > 1000 * RTOL
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_equals_ddp_on_the_whole_model(runs, variant):
+    assert relative_difference(runs[variant]["state"], runs["reference"]["state"]) <= RTOL
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_replicas_and_tied_copies_bit_identical(runs, variant):
+    assert runs[variant]["max_replica_diff"] == 0.0
+    assert runs[variant]["max_tie_diff"] == 0.0
+
+
+def test_gradient_accumulation_equals_ddps(runs):
+    assert relative_difference(runs["interleaved_1f1b:1-acc"]["state"], runs["reference-acc"]["state"]) <= RTOL
+    assert relative_difference(runs["reference-acc"]["state"], runs["reference"]["state"]) > 10 * RTOL
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_loss_is_known_on_every_stage(runs, variant):
+    # Rank 0 runs the first stage; its returned and logged loss is the last stage's mean over the microbatches of
+    # its data-parallel rank's samples, which the reference's rank 0 read too.
+    ours, reference = runs[variant], runs["reference"]
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-3)
+    assert ours["logged_loss"] == pytest.approx(reference["logged_loss"], rel=1e-3)
+    assert ours["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-3)  # (a forward-only schedule)
+
+
+def test_sampler_splits_over_data_parallel_ranks(runs):
+    assert runs["1f1b"]["sampler"] == {"num_replicas": 2, "rank": 0}
+
+
+@pytest.mark.parametrize("variant", ["1f1b:2-resumed", "1f1b-p1", "reference-resumed"])
+def test_resumes_on_another_layout_as_if_uninterrupted(runs, variant):
+    # ZeRO-1 gpipe -> ZeRO-2 1f1b; 1f1b on P 2 x D 2 -> no stages (ours); interleaved ZeRO-2 -> Lightning ddp.
+    assert relative_difference(runs[variant]["state"], runs["reference"]["state"]) <= RTOL
+
+
+@pytest.mark.parametrize("variant", ["1f1b", "gpipe-1"])
+def test_master_checkpoint_is_the_unsplit_models(runs, variant):
+    from ddp_plugin.testing.gpt import GPTModule
+
+    checkpoint = torch.load(runs["checkpoints"] / f"{variant}-step10.ckpt", weights_only=False)
+    state = checkpoint["state_dict"]
+    assert state["model.head.weight"].untyped_storage().data_ptr() == \
+        state["model.tok.weight"].untyped_storage().data_ptr()  # the tied weight once
+    model = GPTModule(layers=4)
+    model.load_state_dict(state, strict=True)  # one plain process, every stage's parameters
+    optimizer = model.configure_optimizers()
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])  # numbered as the unsplit model's optimizer
+    assert len(optimizer.state) == len(list(model.parameters()))
+    assert checkpoint["optimizer_states"][0]["param_names"] == [n for n, _ in model.named_parameters()]
+
+
+def test_consolidated_state_holds_every_stage(runs):
+    assert runs["1f1b"]["tied_in_state"]
+    assert runs["1f1b"]["state"].keys() == runs["reference"]["state"].keys()
+
+
+def test_sample_weighting_counts_every_sample_once(runs):
+    # Data-parallel ranks reading 3 and 5 samples: weighted by samples, the whole batch's mean (the reference's);
+    # weighted by rank, visibly not.
+    assert relative_difference(runs["gpipe-sample"]["state"], runs["reference"]["state"]) <= RTOL
+    assert relative_difference(runs["gpipe-rank"]["state"], runs["reference"]["state"]) > 10 * RTOL
+
+
+def test_a_nan_on_one_rank_of_one_stage_skips_the_step_everywhere(runs):
+    run = runs["1f1b-nan"]
+    assert run["skipped_steps"] == 1
+    assert run["max_replica_diff"] == 0.0 and run["max_tie_diff"] == 0.0
+    assert all(bool(torch.isfinite(v).all()) for v in run["state"].values())
+
+
+def test_lr_scheduler_and_checkpoint_callback(runs, tmp_path):
+    from ddp_plugin.testing.gpt import GPTModule
+
+    ours, reference = runs["1f1b:1-sched"], runs["reference-sched"]
+    assert ours["lr"] == reference["lr"] < 1e-2 / 2**5  # stepped every 3 optimizer steps
+    assert relative_difference(ours["state"], reference["state"]) <= RTOL
+    saved = sorted((runs["checkpoints"] / "1f1b-1-sched-callback").glob("*.ckpt"))
+    assert [p.name for p in saved] == ["epoch=1-step=10.ckpt", "epoch=3-step=20.ckpt"]
+    model = GPTModule(layers=4)
+    model.load_state_dict(torch.load(saved[-1], weights_only=False)["state_dict"], strict=True)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, ours["state"][name]), name

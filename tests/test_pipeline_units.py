@@ -1,0 +1,125 @@
+"""Pipeline stages without processes: the flags' errors, the layout, where the stages split, what a stage keeps,
+and which parameters several stages share."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.pipeline import PipelineOutput, StageBlocks, check_module, find_ties, plan_stages, split_module
+from ddp_plugin.testing.gpt import GPTModule
+from ddp_plugin.topology import Layout
+
+
+@pytest.mark.parametrize("flags, words", [
+    ({"pipeline_parallel_size": 0}, ["pipeline_parallel_size", "positive integer"]),
+    ({"pipeline_schedule": "zb"}, ["pipeline_schedule", "'1f1b'", "'gpipe'", "'interleaved_1f1b'"]),
+    ({"pipeline_virtual_stages": 2}, ["pipeline_virtual_stages=2", "interleaved_1f1b"]),
+    ({"pipeline_parallel_size": 2, "pipeline_microbatches": 1}, ["pipeline_microbatches=1", "at least"]),
+    ({"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b", "pipeline_microbatches": 3},
+     ["pipeline_microbatches=3", "multiple of `pipeline_parallel_size=2`"]),
+    ({"pipeline_parallel_size": 2, "zero_stage": 3}, ["`zero_stage=3`", "not supported", "zero_stage` 0-2"]),
+    ({"pipeline_parallel_size": 2, "checkpoint": "sharded"}, ["`checkpoint='sharded'`", "checkpoint='master'"]),
+    ({"pipeline_parallel_size": 2, "sync_every": 2, "zero_stage": 1, "shard_scope": "node"},
+     ["`sync_every=2`", "sync_every=1"]),
+])
+def test_bad_flags_fail_at_construction_naming_the_flag(flags, words):
+    with pytest.raises(ValueError) as info:
+        HierarchicalZeroStrategy(**flags)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_a_layout_that_cannot_split_into_stages_names_the_allowed_sizes():
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=3.*Allowed values: 1, 2, 4, 8"):
+        Layout(8, 4, 1, 3)
+    with pytest.raises(ValueError, match=r"Allowed values: 1, 2, 4\b"):  # a stage must hold the 2 TP ranks
+        Layout(8, 4, 2, 8)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3"):  # at the Trainer's construction
+        L.Trainer(accelerator="cpu", devices=4, strategy=HierarchicalZeroStrategy(pipeline_parallel_size=3))
+
+
+def test_layout_puts_pipeline_outermost_and_tensor_innermost():
+    layout = Layout(8, 4, 2, 2)  # 2 nodes of 4: a stage per node, D 2 x T 2 inside it
+    assert (layout.stage_size, layout.data_parallel_size) == (4, 2)
+    assert layout.data_parallel_layout == Layout(2, 2)
+    assert [layout.global_rank(0, d, t, p) for p in range(2) for d in range(2) for t in range(2)] == list(range(8))
+    several = Layout(4, 4, 1, 4)  # 4 stages of one rank on one node
+    assert several.data_parallel_layout == Layout(1, 1)
+    across = Layout(4, 1, 1, 2)  # a stage's 2 data-parallel ranks on 2 nodes of one rank
+    assert across.data_parallel_layout == Layout(2, 1)
+    assert [across.global_rank(n, 0, 0, p) for p in range(2) for n in range(2)] == [0, 1, 2, 3]
+
+
+def gpt(layers: int = 4) -> GPTModule:
+    torch.manual_seed(0)
+    return GPTModule(layers=layers)
+
+
+def test_stages_split_the_block_list_balanced_by_parameters():
+    module = gpt(4)
+    plan = plan_stages(module, 2)
+    assert (plan.owner, plan.blocks, plan.before, plan.after) == ("model", "blocks", ("tok", "pos"), ("ln_f", "head"))
+    assert plan.stage_blocks == ((0, 1), (2, 3))
+    assert plan_stages(module, 4).stage_blocks == ((0,), (1,), (2,), (3,))
+    # a heavy first stage (a big position embedding) gets fewer blocks
+    big = GPTModule(seq=2048, layers=4)
+    assert plan_stages(big, 2).stage_blocks == ((0,), (1, 2, 3))
+
+
+def test_a_stage_keeps_its_modules_under_the_unsplit_names():
+    module = gpt(4)
+    plan = plan_stages(module, 2)
+    split_module(module, plan, [1])
+    names = [n for n, _ in module.named_parameters()]
+    assert names[0].startswith("model.blocks.2.") and "model.head.weight" in names
+    assert not any(n.startswith(("model.tok", "model.pos", "model.blocks.0", "model.blocks.1")) for n in names)
+    assert module.model.tok is None and isinstance(module.model.blocks, StageBlocks)
+    assert [b is module.model.blocks._modules[k] for k, b in zip(("2", "3"), module.model.blocks)] == [True, True]
+    assert module.model.blocks[0] is module.model.blocks._modules["2"] and len(module.model.blocks) == 2
+    x = torch.randn(2, 8, 16)
+    assert module.model(x).shape == (2, 8, 32)  # the last stage: activations in, logits out
+
+
+def test_the_tied_embedding_is_shared_by_the_first_and_the_last_stage():
+    module = gpt(4)
+    from ddp_plugin.tensor_parallel import shared_parameters
+
+    shared = shared_parameters(module)
+    assert shared == [("model.tok.weight", "model.head.weight")]
+    ties = find_ties(shared, plan_stages(module, 2), 2)
+    assert [(t.names, t.ranks) for t in ties] == [(("model.tok.weight", "model.head.weight"), (0, 1))]
+    # interleaved, 2 ranks x 2 stages each: the first stage on rank 0, the last (3) on rank 1
+    assert find_ties(shared, plan_stages(module, 4), 2)[0].ranks == (0, 1)
+    assert find_ties(shared, plan_stages(module, 2), 1) == []  # one rank holds both
+
+
+def test_what_a_model_must_have_is_named():
+    class Flat(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(2, 2)
+
+    with pytest.raises(TypeError, match="nn.ModuleList"):
+        plan_stages(Flat(), 2)
+
+    class Loose(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+            self.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+
+    with pytest.raises(TypeError, match="'scale' belongs to no child module"):
+        plan_stages(Loose(), 2)
+    with pytest.raises(ValueError, match="has 4 blocks, fewer than the 8 pipeline stages"):
+        plan_stages(gpt(4), 8)
+    with pytest.raises(TypeError, match=r"pipeline_loss\(output, target\)"):
+        check_module(Flat(), 2)
+
+
+def test_the_placeholder_says_how_to_use_it():
+    with pytest.raises(TypeError, match=r"self.pipeline_loss\(output, target\)"):
+        PipelineOutput((torch.zeros(1),), {}).argmax()
