@@ -1,0 +1,419 @@
+"""Pipeline parallelism benchmark: a GPT on the simulated 2-node x 2-rank cluster, a pipeline stage per node (P 2)
+and data parallelism inside each node (D 2), against data parallelism across the nodes (ours, int8) and Lightning
+``ddp``, at one or several inter-node link rates.
+
+    python benchmarks/pipeline.py                               # 1 Gbit/s
+    python benchmarks/pipeline.py --rates 100mbit,1gbit --repeats 2
+
+Every contender trains the same tied-embedding GPT (``ddp_plugin.testing.gpt``) from the same seed on the same token
+windows, global batch B 16, AdamW, under Lightning, one torchrun per node (``benchmarks/pipeline.py --worker``).
+Global rank = pipeline rank * 2 + data-parallel rank: node 0 runs stage 0 (embeddings and the first blocks), node
+1 the rest (final norm and the head, tied to the embedding), and no data-parallel traffic crosses the link.
+Measured on the timed window (after the warmup steps): the interval from one batch's start to the next's on rank
+0, median over the steps; cross-node bytes per node and step from the node's veth counters (read by its local
+rank 0 after a barrier at the window's start and end); our own accounting (``comm/cross_node_MB``); peak RSS of
+every rank.
+
+Predicted cross-node bytes per node and step of a pipeline contender (float32; s seq, d d_model, V vocab):
+
+- activations: each of the D ranks of stage 0 sends M microbatches of B/(D*M) windows to its peer on stage 1
+  (s*d*4 bytes per window), and gets their gradients back: B*s*d*4 bytes from each node;
+- the tied embedding: its gradient summed between its copy on the first stage and on the last after the
+  in-stage data-parallel mean (ZeRO stage 0): each of the D data-parallel positions sums its 1/D part in a 2-rank
+  gloo all-reduce, each rank sending its part's bytes (half in the reduce-scatter, half in the all-gather;
+  measured alone: 1.002 x on the veth), and the stage all-gathers the parts inside its node: V*d*4 bytes from
+  each node;
+- the step's mean loss, broadcast from the last stage: 4 bytes per data-parallel position, from node 1 (2*D per
+  node on average). Frame headers and ACKs are not counted: the ratio measured / predicted shows them.
+
+Bubble: on every rank of a pipeline contender the benchmark times (wrapping methods of the strategy's schedule
+and stages, not the library's code) the schedule's step and, inside it, the stage's forward, backward and loss
+of each microbatch. Idle share = 1 - compute / schedule time: the time the stage waited for a neighbour, that is
+the pipeline bubble plus activations and gradients in flight. It is set beside the schedule's ideal bubble for
+equal stages, (P-1)/(M+P-1), and beside the ideal for stages with the measured compute times c_s (fill and drain,
+no transfers): 1 - c_s / (max(c) (M-1)/M + sum(c)/M). The stages are balanced by parameter count and the last
+also computes the head and the loss (its tied weight counts on both), so they are not equal. Caveat: 4 ranks
+share the machine's cores, so a waiting rank lends its core to the others and compute times stretch with what
+else runs: this is this machine's idle share, not that of a device per rank.
+
+Writes ``benchmarks/results/pipeline.md`` (``--out``) and a PNG beside it. Needs root and iproute2; where the
+cluster cannot be built it prints why and exits 0. A benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "pipeline.md"
+MB = 1e6
+P = 2  # pipeline stages: one per node
+D = 2  # data-parallel ranks per stage: the 4 ranks / P
+
+CONTENDERS = {
+    "lightning_ddp": "Lightning `ddp`, the whole model on every rank",
+    "ours_dp_int8": "ours, DP 4 across nodes, hierarchical, `compression=\"int8\"`",
+    "ours_pp2": "ours, PP 2 (a stage per node) x DP 2, 1F1B",
+    "ours_pp2_gpipe": "ours, PP 2 x DP 2, GPipe",
+}
+SCHEDULES = {"ours_pp2": "1f1b", "ours_pp2_gpipe": "gpipe"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated subset of {', '.join(CONTENDERS)}")
+    p.add_argument("--rates", "--rate", dest="rates", default="1gbit",
+                   help="inter-node link rate(s) per direction, tc notation, comma-separated (one cluster each)")
+    p.add_argument("--microbatches", type=int, default=8, help="M of the pipeline contenders")
+    p.add_argument("--steps", type=int, default=8, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    p.add_argument("--repeats", type=int, default=1, help="runs per contender and rate, interleaved")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--d-model", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--contender", help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.contenders = [c for c in args.contenders.split(",") if c]
+    args.rates = [r for r in args.rates.split(",") if r]
+    unknown = [c for c in args.contenders if c not in CONTENDERS]
+    if unknown:
+        p.error(f"unknown contender(s) {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
+    if args.global_batch % (D * args.microbatches) or args.microbatches < P:
+        p.error(f"--microbatches {args.microbatches}: at least {P}, and --global-batch {args.global_batch} must"
+                f" split into D={D} ranks x M={args.microbatches} microbatches")
+    return args
+
+
+def predicted_bytes(args: argparse.Namespace) -> dict[str, float]:
+    """Cross-node bytes per node and step of a pipeline contender (mean of the 2 nodes), by the docstring's terms."""
+    return {"activations": args.global_batch * args.seq * args.d_model * 4,
+            "tie": args.vocab * args.d_model * 4, "loss": 4 * D / 2}
+
+
+# ---------------------------------------------------------------------------------------------- worker (per rank)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from ddp_plugin import HierarchicalZeroStrategy
+    from ddp_plugin import pipeline as ddp_pipeline
+    from ddp_plugin.testing.gpt import GPTModule, token_dataset
+    from ddp_plugin.testing.simcluster import link_bytes
+
+    torch.set_num_threads(1)
+    name = args.contender
+    size = dict(vocab=args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers, seq=args.seq)
+
+    class Window(L.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+            self.counters: dict[str, dict[str, int]] = {}
+            self.losses: list[float] = []
+            self.ours: dict[str, float] = {}
+            self.timers: dict[str, float] = {}  # this step's seconds in the pipeline's parts
+            self.steps: list[dict[str, float]] = []  # the timed steps' timers
+
+        def _mark(self, trainer: L.Trainer, what: str) -> None:
+            dist.barrier()
+            if int(os.environ["LOCAL_RANK"]) == 0:
+                self.counters[what] = link_bytes()
+            if isinstance(trainer.strategy, HierarchicalZeroStrategy):
+                self.ours[what] = trainer.strategy.metric_totals.get("comm/cross_node_MB", 0.0)
+
+        def _timed(self, obj: Any, method: str, key: str) -> None:
+            original = getattr(obj, method)
+
+            def timed(*a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return original(*a, **k)
+                finally:
+                    self.timers[key] = self.timers.get(key, 0.0) + time.perf_counter() - t0
+
+            setattr(obj, method, timed)  # on the instance: the schedule calls self._stage.forward_one_chunk(...)
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            runner = getattr(trainer.strategy, "_pipeline", None)  # (private: benchmark instrumentation only)
+            if runner is None:
+                return
+            self._timed(runner.schedule, "step", "schedule_s")
+            self._timed(runner.schedule, "_maybe_compute_loss", "loss_s")
+            self._timed(runner, "sum_tied_gradients", "tie_s")
+            self._timed(ddp_pipeline, "synchronize", "sync_s")  # the stage's sync, tie all-reduce included
+            for stage in runner.stages:
+                self._timed(stage, "forward_one_chunk", "forward_s")
+                self._timed(stage, "backward_one_chunk", "backward_s")
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == args.warmup:
+                self._mark(trainer, "start")
+            if batch_idx >= args.warmup:
+                self.starts.append(time.perf_counter())
+            self.timers = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx >= args.warmup:
+                self.losses.append(float(outputs["loss"]))
+                if self.timers:
+                    self.steps.append(dict(self.timers))
+            if batch_idx == args.warmup + args.steps - 1:
+                self._mark(trainer, "end")
+                self.starts.append(time.perf_counter())
+
+    L.seed_everything(0, verbose=False)
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
+    if name == "lightning_ddp":
+        strategy: Any = "ddp"
+    elif name == "ours_dp_int8":
+        strategy = HierarchicalZeroStrategy(hierarchical=True, compression="int8")
+    else:
+        strategy = HierarchicalZeroStrategy(pipeline_parallel_size=P, pipeline_microbatches=args.microbatches,
+                                            pipeline_schedule=SCHEDULES[name], devices_per_node=per_node)
+    replicas = D if name in SCHEDULES else world
+    model = GPTModule(lr=3e-4, **size)
+    window = Window()
+    trainer = L.Trainer(accelerator="cpu", devices=per_node, num_nodes=world // per_node, strategy=strategy,
+                        max_steps=args.warmup + args.steps, callbacks=[window], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    data = token_dataset(args.global_batch * (args.warmup + args.steps), seq=args.seq, vocab=args.vocab)
+    error = None
+    try:
+        trainer.fit(model, DataLoader(data, batch_size=args.global_batch // replicas))
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        error = f"{type(err).__name__}: {err}"
+    rank = int(os.environ["RANK"])
+    out: dict[str, Any] = {"rank": rank, "node": rank // per_node,
+                           "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if error:
+        out["error"] = error[:500]
+    else:
+        out["interval_s"] = [b - a for a, b in zip(window.starts, window.starts[1:])]
+        out["losses"] = window.losses
+        out["params"] = sum(p.numel() for p in GPTModule(**size).parameters())
+        out["steps"] = window.steps
+        if window.counters:
+            out["tx_bytes"] = window.counters["end"]["tx"] - window.counters["start"]["tx"]
+        if window.ours:
+            out["ours_mb"] = window.ours["end"] - window.ours["start"]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"rank{rank}.json").write_text(json.dumps(out))
+    if error:
+        sys.exit(1)
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    from ddp_plugin.testing.simcluster import SimulatedCluster, available
+
+    ok, reason = available()
+    if not ok:
+        print(f"benchmarks/pipeline.py: skipped, the simulated cluster cannot run here: {reason}")
+        return 0
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {(r, c): [] for r in args.rates for c in args.contenders}
+    started = time.perf_counter()
+    common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--vocab", str(args.vocab), "--d-model",
+              str(args.d_model), "--heads", str(args.heads), "--layers", str(args.layers), "--seq", str(args.seq),
+              "--global-batch", str(args.global_batch), "--microbatches", str(args.microbatches)]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    for rate in args.rates:
+        with SimulatedCluster(nodes=2, rate=rate, prefix="ddppp") as cluster, tempfile.TemporaryDirectory() as tmp:
+            for i, name in enumerate(c for _ in range(args.repeats) for c in args.contenders):
+                out_dir = Path(tmp) / f"{i}-{name}"
+                t0 = time.perf_counter()
+                nodes = cluster.launch([str(Path(__file__).resolve()), "--worker", "--contender", name, "--out-dir",
+                                        str(out_dir), *common], nproc_per_node=2, env=env, timeout=args.timeout)
+                ranks = sorted((json.loads(f.read_text()) for f in out_dir.glob("rank*.json")), key=lambda r: r["rank"])
+                errors = sorted({r["error"] for r in ranks if "error" in r})
+                if errors or len(ranks) != 4 or not all(n.ok for n in nodes):
+                    why = "; ".join(errors) or f"exit codes {[n.returncode for n in nodes]}"
+                    print(f"{rate} {name}: FAILED ({why})\n" + "\n".join(n.stderr[-2000:] for n in nodes), flush=True)
+                    results[rate, name].append({"error": why})
+                    continue
+                results[rate, name].append({"ranks": ranks})
+                print(f"{rate} {name}: median {statistics.median(ranks[0]['interval_s']):.3f} s/step,"
+                      f" {statistics.mean(r['tx_bytes'] for r in ranks if 'tx_bytes' in r) / args.steps / MB:.2f}"
+                      f" MB/node/step ({time.perf_counter() - t0:.0f} s wall)", flush=True)
+    rows = [summarize(args, rate, name, results[rate, name]) for rate in args.rates for name in args.contenders]
+    text = markdown(args, argv, rows, time.perf_counter() - started)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    plot(rows, args.out.with_suffix(".png"), args.rates)
+    print(text)
+    return 0
+
+
+def summarize(args: argparse.Namespace, rate: str, name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r["ranks"] for r in runs if "ranks" in r]
+    row: dict[str, Any] = {"rate": rate, "name": name, "label": CONTENDERS[name]}
+    if not ok:
+        row["error"] = runs[-1]["error"]
+        return row
+    steps = args.steps
+    row["median_s"] = statistics.median(statistics.median(ranks[0]["interval_s"]) for ranks in ok)
+    row["node_mb"] = [statistics.mean(r["tx_bytes"] for ranks in ok for r in ranks if r["node"] == n and "tx_bytes"
+                                      in r) / steps / MB for n in (0, 1)]
+    row["tx_mb"] = statistics.mean(row["node_mb"])
+    row["params"] = ok[0][0]["params"]
+    row["s_mb"] = row["params"] * 4 / MB
+    if all("ours_mb" in r for r in ok[0]):
+        row["ours_mb"] = statistics.mean(sum(r["ours_mb"] for r in ranks if r["node"] == n) / steps
+                                         for ranks in ok for n in (0, 1))
+    # Every rank's last loss, averaged: the global batch's mean loss under every layout (a pipeline stage reports
+    # its data-parallel rank's mean over the microbatches).
+    row["final_loss"] = statistics.mean(statistics.mean(r["losses"][-1] for r in ranks) for ranks in ok)
+    row["peak_rss_mb"] = max(r["maxrss_mb"] for ranks in ok for r in ranks)
+    if name in SCHEDULES:
+        row["predicted_mb"] = sum(predicted_bytes(args).values()) / MB
+        stages = []
+        for s in range(P):  # rank // 2 is the pipeline rank (= the node)
+            mine = [step for ranks in ok for r in ranks if r["rank"] // 2 == s for step in r["steps"]]
+
+            def med(key: str, of: list[dict[str, float]] = mine) -> float:
+                return statistics.median(step.get(key, 0.0) for step in of)
+
+            compute = [st.get("forward_s", 0) + st.get("backward_s", 0) + st.get("loss_s", 0) for st in mine]
+            stages.append({"schedule_s": med("schedule_s"), "compute_s": statistics.median(compute),
+                           "idle": statistics.median(1 - c / st["schedule_s"] for c, st in zip(compute, mine)),
+                           "sync_s": med("sync_s"), "tie_s": med("tie_s")})
+        m, c = args.microbatches, [st["compute_s"] for st in stages]
+        ideal_s = max(c) * (m - 1) / m + sum(c) / m  # fill and drain: one microbatch of every other stage
+        for st in stages:
+            st["ideal_idle"] = 1 - st["compute_s"] / ideal_s
+        row["stages"] = stages
+        row["ideal_bubble"] = (P - 1) / (m + P - 1)
+    return row
+
+
+def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any]], wall_s: float) -> str:
+    import lightning
+    import torch
+
+    ok = [r for r in rows if "median_s" in r]
+    ref = {r["rate"]: r for r in ok if r["name"] == "lightning_ddp"}
+    pred = predicted_bytes(args)
+    m = args.microbatches
+    lines = [
+        f"# Pipeline parallelism: 2 nodes x 2 ranks, inter-node link {', '.join(args.rates)}",
+        "",
+        f"- command: `python benchmarks/pipeline.py{' ' + shlex.join(argv) if argv else ''}`",
+        f"- torch {torch.__version__}, lightning {lightning.__version__}, Python {platform.python_version()},"
+        f" {os.cpu_count()} CPU cores shared by the 4 ranks; {wall_s:.0f} s in all",
+        f"- model: GPT (`ddp_plugin.testing.gpt`), vocab {args.vocab}, d {args.d_model}, {args.heads} heads,"
+        f" {args.layers} layers, seq {args.seq}, tied embedding"
+        + (f", {ok[0]['params']:,} parameters, S = {ok[0]['s_mb']:.2f} MB of fp32 gradients" if ok else "")
+        + f"; global batch {args.global_batch}, AdamW, {args.warmup} warmup + {args.steps} timed steps,"
+        f" {args.repeats} run(s) per contender and rate",
+        f"- pipeline contenders: P {P} (node 0 stage 0, node 1 stage 1), D 2 inside each node, M {m} microbatches"
+        f" of {args.global_batch // (D * m)}; the blocks split by parameter count",
+        "- s/step: interval from one batch's start to the next's on rank 0, median; cross-node MB: the node's veth"
+        " counter over the window / steps, mean of the 2 nodes; final loss: the last step's, mean over the ranks"
+        " (the global batch's mean); peak RSS: max over ranks",
+        "- our accounting (`comm/cross_node_MB`, summed over the node's ranks) counts what the data-parallel sync"
+        " sends: the pipeline's activations, the tied-embedding all-reduce and the loss broadcast are not in it",
+        f"- predicted (pipeline): activations B*s*d*4 = {pred['activations'] / MB:.4f} MB + tied-embedding"
+        f" all-reduce V*d*4 = {pred['tie'] / MB:.4f} MB + loss broadcast {pred['loss']:.0f} B ="
+        f" {sum(pred.values()) / MB:.4f} MB per node and step (the docstring derives it)",
+        "",
+        "| link | contender | median s/step | vs Lightning `ddp` | cross-node MB / node / step | x S | predicted MB"
+        " | measured / predicted | our accounting MB | final loss | peak RSS MB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "median_s" not in r:
+            lines.append(f"| {r['rate']} | {r['label']} | failed: {str(r['error'])[:200]} | | | | | | | | |")
+            continue
+        vs = f"{r['median_s'] / ref[r['rate']]['median_s']:.3f}" if r["rate"] in ref else "-"
+        ours = f"{r['ours_mb']:.2f}" if "ours_mb" in r else "-"
+        predicted = (f"{r['predicted_mb']:.3f} | {r['tx_mb'] / r['predicted_mb']:.4f}" if "predicted_mb" in r
+                     else "- | -")
+        lines.append(f"| {r['rate']} | {r['label']} | {r['median_s']:.3f} | {vs} | {r['tx_mb']:.3f} |"
+                     f" {r['tx_mb'] / r['s_mb']:.3f} | {predicted} | {ours} | {r['final_loss']:.4f} |"
+                     f" {r['peak_rss_mb']:.0f} |")
+    piped = [r for r in ok if "stages" in r]
+    if piped:
+        lines += [
+            "",
+            "Pipeline stages, per step (medians over the timed steps and the stage's ranks). Schedule: wall time"
+            " of the schedule's step; compute: the stage's forward, backward and loss in it; idle share = 1 -"
+            " compute / schedule (bubble + transfers waited for); ideal, equal stages: (P-1)/(M+P-1); ideal, these"
+            " stages: 1 - compute / (max(compute) (M-1)/M + sum(compute)/M), the fill-and-drain time of stages"
+            " with the measured compute times, no transfer time; sync: the stage's gradient sync after the"
+            " schedule, of which tie: the tied embedding's all-reduce across the link. See the docstring's caveats.",
+            "",
+            "| link | contender | node MB sent (0 / 1) | stage | schedule s | compute s | idle share | ideal, equal"
+            " stages | ideal, these stages | sync s | tie s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in piped:
+            for s, st in enumerate(r["stages"]):
+                lines.append(f"| {r['rate']} | {r['name']} | {r['node_mb'][0]:.3f} / {r['node_mb'][1]:.3f} | {s} |"
+                             f" {st['schedule_s']:.3f} | {st['compute_s']:.3f} | {st['idle']:.3f} |"
+                             f" {r['ideal_bubble']:.3f} | {st['ideal_idle']:.3f} | {st['sync_s']:.3f} |"
+                             f" {st['tie_s']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], png: Path, rates: list[str]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ok = [r for r in rows if "median_s" in r]
+    names = list(dict.fromkeys(r["name"] for r in ok))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    height = 0.8 / max(len(rates), 1)
+    for k, rate in enumerate(rates):
+        mine = {r["name"]: r for r in ok if r["rate"] == rate}
+        ys = [i + k * height for i, n in enumerate(names) if n in mine]
+        axes[0].barh(ys, [mine[n]["median_s"] for n in names if n in mine], height, label=rate)
+        axes[1].barh(ys, [mine[n]["tx_mb"] for n in names if n in mine], height, label=rate)
+    axes[0].set_xlabel("median s / step")
+    axes[1].set_xlabel("cross-node MB / node / step")
+    for ax in axes:
+        ax.set_yticks([i + height * (len(rates) - 1) / 2 for i in range(len(names))], names)
+        ax.invert_yaxis()
+    axes[0].legend(title="link")
+    fig.suptitle("GPT, 2 nodes x 2 ranks: pipeline (a stage per node) vs data parallelism")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    return run(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
