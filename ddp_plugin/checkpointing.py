@@ -117,6 +117,9 @@ class CheckpointRouting:
             if tensor_parallel_model:  # this rank's blocks of state tensors that are DTensors
                 blocks, shapes = tensor_parallel.local_blocks(local["state"])
                 local = {**local, "state": blocks, "shapes": {**local.get("shapes", {}), **shapes}}
+            if runner is not None:  # keyed by the unsplit model's names: the stages number their parameters alike
+                with diagnosed("the checkpoint's gather of the pipeline stages' optimizer groups to rank 0"):
+                    local = runner.named_sharded_optimizer_state(local, optimizer)
             return local
         if tensor_parallel_model:
             with diagnosed("the checkpoint's gather of the tensor-parallel optimizer state"):
@@ -191,6 +194,10 @@ class CheckpointRouting:
         optimizers = checkpoint.get("optimizer_states", [])
         for j, opt in enumerate(optimizers):
             shapes.update({f"optim/{j}/{k}": v for k, v in opt.get("shapes", {}).items()})
+        runner = getattr(self, "_pipeline", None)
+        if runner is not None:  # rank 0 writes the shapes of every stage's tensors
+            with diagnosed("the checkpoint's gather of the pipeline stages' shapes to rank 0"):
+                shapes = runner.gather_shapes(shapes)
         sharded_checkpoint.save(checkpoint, checkpoint["state_dict"], optimizers, shapes, local_path(filepath))
 
     @override

@@ -202,13 +202,12 @@ def _check_pipeline(c: dict[str, Any]) -> None:
             " `pipeline_schedule='interleaved_1f1b'` (it runs them in rounds of one per stage)."
         )
     unsupported = [(c["sync_every"] > 1, f"`sync_every={c['sync_every']}` (sync modes)"),
-                   (c["zero_stage"] == 3, "`zero_stage=3`"),
-                   (c["checkpoint"] == "sharded", "`checkpoint='sharded'`")]
+                   (c["zero_stage"] == 3, "`zero_stage=3`")]
     for refused, what in unsupported:
         if refused:
             raise ValueError(
                 f"{what} is not supported with `pipeline_parallel_size={p}` yet. With pipeline stages use"
-                " `sync_every=1`, `zero_stage` 0-2 and `checkpoint='master'`."
+                " `sync_every=1` and `zero_stage` 0-2."
             )
 
 

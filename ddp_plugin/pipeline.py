@@ -18,6 +18,7 @@ The user contract (docs/pipeline.md):
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -428,6 +429,33 @@ class PipelineRunner:
             param_names.extend(group_names)
         out_state = {i: merged_entries[name] for i, name in enumerate(param_names) if name in merged_entries}
         return {"state": out_state, "param_groups": out_groups, "param_names": param_names}
+
+    def named_sharded_optimizer_state(self, local: Mapping[str, Any], optimizer: torch.optim.Optimizer
+                                      ) -> dict[str, Any]:
+        """This rank's part of ``optimizer``'s state for ``checkpoint="sharded"`` (flat keys ``<index>/<key>...``
+        and shapes ``<index>...``, numbered as this stage's unsharded optimizer) under the unsplit model's
+        parameter names instead of this stage's numbers, so the stages' keys never collide; on global rank 0 also
+        every stage's groups, numbered as :meth:`gather_optimizer_state` numbers them (``param_names``).
+        Collective over the pipeline group of global rank 0."""
+        names = self._canonical_names()
+        params = [p for group in self._optimizer_groups(optimizer) for p in group]
+
+        def named(key: str) -> str:
+            index, rest = re.match(r"(\d+)(.*)", key).groups()
+            return names[id(params[int(index)])] + rest
+
+        merged = self.gather_optimizer_state({"state": {}, "param_groups": local["param_groups"]}, optimizer)
+        return {**local, "state": {named(k): v for k, v in local["state"].items()},
+                "shapes": {named(k): v for k, v in local.get("shapes", {}).items()},
+                "param_groups": merged["param_groups"], "param_names": merged.get("param_names")}
+
+    def gather_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """Every stage's ``shapes`` on global rank 0 (for the sharded checkpoint's metadata, which it writes)."""
+        every = self._gather_to_first(shapes)
+        merged: dict[str, tuple[int, ...]] = {}
+        for part in every or [shapes]:
+            merged.update(part)
+        return merged
 
     def local_optimizer_state(self, state: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This stage's part of a consolidated optimizer state (:meth:`gather_optimizer_state`'s, or an unsplit

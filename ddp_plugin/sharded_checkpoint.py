@@ -107,7 +107,10 @@ def save(checkpoint: Mapping[str, Any], local_model: Mapping[str, Any], local_op
         try:
             meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             meta[SHAPES_KEY] = dict(shapes)
-            meta[OPTIM_KEY] = [{"param_groups": opt["param_groups"]} for opt in local_optimizers]
+            # (with pipeline stages the state is keyed by parameter name, numbered by `param_names` on load)
+            meta[OPTIM_KEY] = [{"param_groups": opt["param_groups"],
+                                **({"param_names": opt["param_names"]} if opt.get("param_names") else {})}
+                               for opt in local_optimizers]
             atomic_torch_save(meta, partial / META_FILE)
             if target.exists():
                 shutil.rmtree(old, ignore_errors=True)
@@ -164,12 +167,15 @@ def load(path: Any) -> dict[str, Any]:
     checkpoint["optimizer_states"] = []
     for j, opt in enumerate(optimizers):
         prefix = f"optim/{j}/"
+        names = opt.get("param_names")
+        index_of = {name: i for i, name in enumerate(names)} if names else None
         state: dict[int, dict[str, Any]] = {}
         for key, value in whole.items():
             if key.startswith(prefix):
                 index, name = key[len(prefix):].split("/", 1)
-                state.setdefault(int(index), {})[name] = value
-        checkpoint["optimizer_states"].append({"state": dict(sorted(state.items())), "param_groups": opt["param_groups"]})
+                state.setdefault(int(index) if index_of is None else index_of[index], {})[name] = value
+        checkpoint["optimizer_states"].append({"state": dict(sorted(state.items())), "param_groups": opt["param_groups"],
+                                               **({"param_names": names} if names else {})})
     return checkpoint
 
 

@@ -17,6 +17,7 @@ from tests.support import WORKERS, run_python
 RTOL = 3e-4
 VARIANTS = ["1f1b", "gpipe:1", "interleaved_1f1b:2"]
 P2 = ["--devices", "4", "--devices-per-node", "2", "--pp", "2"]
+SHARDED = "--flags={\"checkpoint\": \"sharded\"}"
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,13 @@ def runs(tmp_path_factory) -> dict:
         ["--out", out, *P2, "--variants", "gpipe", "--uneven", "--tag=-rank", "--flags={\"pipeline_microbatches\": 1}"],
         ["--out", out, *P2, "--variants", "1f1b", "--nan-at", "5", "--tag=-nan", "--flags={\"skip_nonfinite\": true}"],
         ["--out", out, *P2, "--variants", "1f1b:1", "--scheduler", "--tag=-sched"],
+        # checkpoint="sharded": each rank writes its stage's part, keyed by the unsplit model's names
+        ["--out", out, *P2, "--variants", "1f1b:1", "--save-at", "10", "--tag=-sharded", SHARDED],
+        ["--out", out, *P2, "--variants", "gpipe:2", "--resume", out / "1f1b-1-sharded-step10.ckpt",
+         "--tag=-sharded-resumed", SHARDED],
+        # a P 2 x D 2 checkpoint resumed on 4 stages of one rank
+        ["--out", out, "--devices", "4", "--pp", "4", "--variants", "1f1b", "--resume", out / "1f1b-step10.ckpt",
+         "--tag=-p4", "--flags={\"pipeline_microbatches\": 4}"],
     ]), timeout=600)
     # Resumed without pipeline stages: ours on 2 ranks, and Lightning ddp itself.
     run_python(WORKERS / "pp_run.py", *runs_argument([
@@ -45,9 +53,12 @@ def runs(tmp_path_factory) -> dict:
          "--tag=-p1"],
         ["--out", out, "--devices", "2", "--reference", "--resume", out / "interleaved_1f1b-2-step10.ckpt",
          "--tag=-resumed"],
+        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b:1", "--resume",
+         out / "1f1b-1-sharded-step10.ckpt", "--tag=-sharded-p1", SHARDED],
     ]))
     names = ["reference", "reference-acc", "reference-sched", *VARIANTS, "interleaved_1f1b:1-acc", "1f1b:2-resumed",
-             "1f1b-p1", "reference-resumed", "gpipe-sample", "gpipe-rank", "1f1b-nan", "1f1b:1-sched"]
+             "1f1b-p1", "reference-resumed", "gpipe-sample", "gpipe-rank", "1f1b-nan", "1f1b:1-sched",
+             "1f1b:1-sharded", "gpipe:2-sharded-resumed", "1f1b-p4", "1f1b:1-sharded-p1"]
     runs = {name: torch.load(out / f"{name.replace(':', '-')}.pt") for name in names}
     runs["checkpoints"] = out
     return runs
@@ -95,9 +106,11 @@ def test_sampler_splits_over_data_parallel_ranks(runs):
     assert runs["1f1b"]["sampler"] == {"num_replicas": 2, "rank": 0}
 
 
-@pytest.mark.parametrize("variant", ["1f1b:2-resumed", "1f1b-p1", "reference-resumed"])
+@pytest.mark.parametrize("variant", ["1f1b:2-resumed", "1f1b-p1", "reference-resumed", "1f1b-p4", "1f1b:1-sharded",
+                                     "gpipe:2-sharded-resumed", "1f1b:1-sharded-p1"])
 def test_resumes_on_another_layout_as_if_uninterrupted(runs, variant):
-    # ZeRO-1 gpipe -> ZeRO-2 1f1b; 1f1b on P 2 x D 2 -> no stages (ours); interleaved ZeRO-2 -> Lightning ddp.
+    # ZeRO-1 gpipe -> ZeRO-2 1f1b; 1f1b on P 2 x D 2 -> no stages (ours), -> P 4; interleaved ZeRO-2 -> Lightning
+    # ddp; a sharded ZeRO-1 checkpoint -> ZeRO-2 gpipe, -> no stages (ours).
     assert relative_difference(runs[variant]["state"], runs["reference"]["state"]) <= RTOL
 
 
@@ -148,3 +161,20 @@ def test_lr_scheduler_and_checkpoint_callback(runs, tmp_path):
     model.load_state_dict(torch.load(saved[-1], weights_only=False)["state_dict"], strict=True)
     for name, value in model.state_dict().items():
         assert torch.equal(value, ours["state"][name]), name
+
+
+def test_sharded_checkpoint_consolidates_to_the_unsplit_models(runs, tmp_path):
+    from ddp_plugin.sharded_checkpoint import consolidate
+    from ddp_plugin.testing.gpt import GPTModule
+
+    out = tmp_path / "whole.ckpt"
+    consolidate(runs["checkpoints"] / "1f1b-1-sharded-step10.ckpt", out)
+    checkpoint = torch.load(out, weights_only=False)
+    model = GPTModule(layers=4)
+    model.load_state_dict(checkpoint["state_dict"], strict=True)
+    optimizer = model.configure_optimizers()
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+    assert len(optimizer.state) == len(list(model.parameters()))
+    master = torch.load(runs["checkpoints"] / "1f1b-step10.ckpt", weights_only=False)  # same training, stage 0
+    for name, value in master["state_dict"].items():
+        torch.testing.assert_close(checkpoint["state_dict"][name], value, rtol=RTOL, atol=1e-6, msg=name)

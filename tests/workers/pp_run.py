@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.hookspecs import local_tensor
+from ddp_plugin.tensor_parallel import full_state_dict
 from ddp_plugin.testing.data import rank_loader
 from ddp_plugin.testing.gpt import GPTModule, token_dataset
 from ddp_plugin.testing.processes import run_each
@@ -155,7 +156,12 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
             return rank_loader(held_out, GLOBAL_BATCH, kwargs["num_replicas"], kwargs["rank"])
 
     trainer.fit(model, datamodule=Data(), ckpt_path=resume)
-    state = trainer.strategy.lightning_module_state_dict()
+    strategy = trainer.strategy
+    if getattr(strategy, "_pipeline", None) is not None and strategy.config.checkpoint == "sharded":
+        # (a sharded run's state dict is each rank's own: every stage's, as the master checkpoint gathers them)
+        state = strategy._pipeline.gather_module_state(full_state_dict(model.state_dict()))
+    else:
+        state = strategy.lightning_module_state_dict()
     if trainer.is_global_zero:
         torch.save({
             "state": {k: v.detach().clone() for k, v in state.items()},
