@@ -73,7 +73,9 @@ class CheckpointRouting:
             # Each stage's whole state (tensor-parallel blocks gathered), then every stage's to global rank 0
             # under the unsplit model's names, a tied parameter's names sharing one tensor.
             with diagnosed("the checkpoint's gather of the pipeline stages to rank 0"):
-                whole = tensor_parallel.full_state_dict(self.lightning_module.state_dict())
+                with self.full_parameters():  # (at ZeRO stage 3, copied before the units are freed again)
+                    whole = tensor_parallel.full_state_dict(self.lightning_module.state_dict())
+                    whole = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in whole.items()}
                 return runner.gather_module_state(whole)
         pm = self._state_plugins()
         if self.config.checkpoint == "sharded":  # each rank its pieces (of its tensor-parallel blocks, if split)

@@ -201,14 +201,18 @@ def _check_pipeline(c: dict[str, Any]) -> None:
             f"`pipeline_microbatches={m}` must be a multiple of `pipeline_parallel_size={p}` with"
             " `pipeline_schedule='interleaved_1f1b'` (it runs them in rounds of one per stage)."
         )
-    unsupported = [(c["sync_every"] > 1, f"`sync_every={c['sync_every']}` (sync modes)"),
-                   (c["zero_stage"] == 3, "`zero_stage=3`")]
-    for refused, what in unsupported:
-        if refused:
-            raise ValueError(
-                f"{what} is not supported with `pipeline_parallel_size={p}` yet. With pipeline stages use"
-                " `sync_every=1` and `zero_stage` 0-2."
-            )
+    if c["sync_every"] > 1:
+        raise ValueError(
+            f"`sync_every={c['sync_every']}` (sync modes) is not supported with `pipeline_parallel_size={p}` yet."
+            " With pipeline stages use `sync_every=1`."
+        )
+    if c["zero_stage"] == 3 and c["compression"] not in (None, "fp16", "bf16"):
+        raise ValueError(
+            f"`compression={c['compression']!r}` with `zero_stage=3` and `pipeline_parallel_size={p}` is not"
+            " supported: a stage 3 unit codes a parameter the stages share (a tied embedding) with different"
+            " neighbours on each stage, and its copies would drift apart. Use `zero_stage` 0-2 with this codec, or"
+            " `compression` None, 'fp16' or 'bf16' at stage 3."
+        )
 
 
 def _check_tensor_parallel(c: dict[str, Any]) -> None:

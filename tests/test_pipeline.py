@@ -15,9 +15,10 @@ from tests.support import WORKERS, run_python
 # tied gradient not summed, a stage's norm missing from clipping, an unscaled microbatch) moves parameters by 1e-2
 # or more.
 RTOL = 3e-4
-VARIANTS = ["1f1b", "gpipe:1", "interleaved_1f1b:2"]
+VARIANTS = ["1f1b", "gpipe:1", "interleaved_1f1b:2", "1f1b:3"]
 P2 = ["--devices", "4", "--devices-per-node", "2", "--pp", "2"]
 SHARDED = "--flags={\"checkpoint\": \"sharded\"}"
+STAGE_3_UNITS = "--flags={\"auto_wrap_policy\": [\"Block\"]}"  # (ignored below stage 3)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def runs(tmp_path_factory) -> dict:
         ["--out", out, "--devices", "2", "--reference", "--scheduler", "--tag=-sched"],
     ]))
     run_python(WORKERS / "pp_run.py", *runs_argument([
-        ["--out", out, *P2, "--variants", ",".join(VARIANTS), "--save-at", "10"],
+        ["--out", out, *P2, "--variants", ",".join(VARIANTS), "--save-at", "10", STAGE_3_UNITS],
         ["--out", out, *P2, "--variants", "interleaved_1f1b:1", "--accumulate", "2", "--tag=-acc"],
         # resumed on another ZeRO stage and schedule
         ["--out", out, *P2, "--variants", "1f1b:2", "--resume", out / "gpipe-1-step10.ckpt", "--tag=-resumed"],
@@ -41,8 +42,9 @@ def runs(tmp_path_factory) -> dict:
         ["--out", out, *P2, "--variants", "1f1b:1", "--scheduler", "--tag=-sched"],
         # checkpoint="sharded": each rank writes its stage's part, keyed by the unsplit model's names
         ["--out", out, *P2, "--variants", "1f1b:1", "--save-at", "10", "--tag=-sharded", SHARDED],
-        ["--out", out, *P2, "--variants", "gpipe:2", "--resume", out / "1f1b-1-sharded-step10.ckpt",
-         "--tag=-sharded-resumed", SHARDED],
+        ["--out", out, *P2, "--variants", "gpipe:3", "--resume", out / "1f1b-1-sharded-step10.ckpt",
+         "--tag=-sharded-resumed", "--flags={\"checkpoint\": \"sharded\", \"auto_wrap_policy\": [\"Block\"]}"],
+        ["--out", out, *P2, "--variants", "gpipe:1", "--resume", out / "1f1b-3-step10.ckpt", "--tag=-from-3"],
         # a P 2 x D 2 checkpoint resumed on 4 stages of one rank
         ["--out", out, "--devices", "4", "--pp", "4", "--variants", "1f1b", "--resume", out / "1f1b-step10.ckpt",
          "--tag=-p4", "--flags={\"pipeline_microbatches\": 4}"],
@@ -58,7 +60,7 @@ def runs(tmp_path_factory) -> dict:
     ]))
     names = ["reference", "reference-acc", "reference-sched", *VARIANTS, "interleaved_1f1b:1-acc", "1f1b:2-resumed",
              "1f1b-p1", "reference-resumed", "gpipe-sample", "gpipe-rank", "1f1b-nan", "1f1b:1-sched",
-             "1f1b:1-sharded", "gpipe:2-sharded-resumed", "1f1b-p4", "1f1b:1-sharded-p1"]
+             "1f1b:1-sharded", "gpipe:3-sharded-resumed", "1f1b-p4", "1f1b:1-sharded-p1", "gpipe:1-from-3"]
     runs = {name: torch.load(out / f"{name.replace(':', '-')}.pt") for name in names}
     runs["checkpoints"] = out
     return runs
@@ -107,14 +109,14 @@ def test_sampler_splits_over_data_parallel_ranks(runs):
 
 
 @pytest.mark.parametrize("variant", ["1f1b:2-resumed", "1f1b-p1", "reference-resumed", "1f1b-p4", "1f1b:1-sharded",
-                                     "gpipe:2-sharded-resumed", "1f1b:1-sharded-p1"])
+                                     "gpipe:3-sharded-resumed", "1f1b:1-sharded-p1", "gpipe:1-from-3"])
 def test_resumes_on_another_layout_as_if_uninterrupted(runs, variant):
     # ZeRO-1 gpipe -> ZeRO-2 1f1b; 1f1b on P 2 x D 2 -> no stages (ours), -> P 4; interleaved ZeRO-2 -> Lightning
-    # ddp; a sharded ZeRO-1 checkpoint -> ZeRO-2 gpipe, -> no stages (ours).
+    # ddp; ZeRO-3 -> ZeRO-1; a sharded ZeRO-1 checkpoint -> ZeRO-3 gpipe, -> no stages (ours).
     assert relative_difference(runs[variant]["state"], runs["reference"]["state"]) <= RTOL
 
 
-@pytest.mark.parametrize("variant", ["1f1b", "gpipe-1"])
+@pytest.mark.parametrize("variant", ["1f1b", "gpipe-1", "1f1b-3"])
 def test_master_checkpoint_is_the_unsplit_models(runs, variant):
     from ddp_plugin.testing.gpt import GPTModule
 

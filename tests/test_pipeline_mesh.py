@@ -28,13 +28,15 @@ def runs(tmp_path_factory) -> dict:
     ]), timeout=600)
     # P 2 x D 2 x T 2: tensor parallelism inside each stage's node of 4 ranks (2 layers: one block per stage)
     run_python(WORKERS / "pp_run.py", "--out", out, "--devices", "8", "--devices-per-node", "4", "--pp", "2",
-               "--tp", "2", "--layers", "2", "--variants", "1f1b,gpipe:2", "--tag=-t2", timeout=600)
-    names = ["reference", "reference-l2", "1f1b-p4", "gpipe-p4", "1f1b:0:int8-nodes", "1f1b-t2", "gpipe:2-t2"]
+               "--tp", "2", "--layers", "2", "--variants", "1f1b,gpipe:2,1f1b:3", "--tag=-t2", timeout=600)
+    names = ["reference", "reference-l2", "1f1b-p4", "gpipe-p4", "1f1b:0:int8-nodes", "1f1b-t2", "gpipe:2-t2",
+             "1f1b:3-t2"]
     return {name: torch.load(out / f"{name.replace(':', '-')}.pt") for name in names}
 
 
 @pytest.mark.parametrize("variant, reference", [
     ("1f1b-p4", "reference"), ("gpipe-p4", "reference"), ("1f1b-t2", "reference-l2"), ("gpipe:2-t2", "reference-l2"),
+    ("1f1b:3-t2", "reference-l2"),
 ])
 def test_equals_ddp_on_the_whole_model(runs, variant, reference):
     assert relative_difference(runs[variant]["state"], runs[reference]["state"]) <= RTOL

@@ -21,7 +21,8 @@ from ddp_plugin.topology import Layout
     ({"pipeline_parallel_size": 2, "pipeline_microbatches": 1}, ["pipeline_microbatches=1", "at least"]),
     ({"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b", "pipeline_microbatches": 3},
      ["pipeline_microbatches=3", "multiple of `pipeline_parallel_size=2`"]),
-    ({"pipeline_parallel_size": 2, "zero_stage": 3}, ["`zero_stage=3`", "not supported", "zero_stage` 0-2"]),
+    ({"pipeline_parallel_size": 2, "zero_stage": 3, "compression": "int8"},
+     ["`compression='int8'`", "`zero_stage=3`", "'fp16' or 'bf16'"]),
     ({"pipeline_parallel_size": 2, "sync_every": 2, "zero_stage": 1, "shard_scope": "node"},
      ["`sync_every=2`", "sync_every=1"]),
 ])

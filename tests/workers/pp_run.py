@@ -159,7 +159,9 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
     strategy = trainer.strategy
     if getattr(strategy, "_pipeline", None) is not None and strategy.config.checkpoint == "sharded":
         # (a sharded run's state dict is each rank's own: every stage's, as the master checkpoint gathers them)
-        state = strategy._pipeline.gather_module_state(full_state_dict(model.state_dict()))
+        with strategy.full_parameters():
+            state = {k: v.detach().clone() for k, v in full_state_dict(model.state_dict()).items()}
+        state = strategy._pipeline.gather_module_state(state)
     else:
         state = strategy.lightning_module_state_dict()
     if trainer.is_global_zero:
