@@ -139,6 +139,12 @@ class CheckpointRouting:
         if pm is None:
             return
         checkpoint[CHECKPOINT_KEY] = _merged(pm.hook.on_save_state_dict())
+        runner = getattr(self, "_pipeline", None)
+        if runner is not None:
+            # Each stage's plugins hold their stage's parameters' state (under the unsplit names): rank 0 writes
+            # every stage's.
+            with diagnosed("the checkpoint's gather of the pipeline stages' plugin state to rank 0"):
+                checkpoint[CHECKPOINT_KEY] = runner.gather_nested(materialize(checkpoint[CHECKPOINT_KEY]))
         parts = [part for part in pm.hook.on_save_rank_state_dict() if part]
         if parts:  # the same answer on every rank (the contract), so every rank takes part in the gather
             mine = _merged(parts)

@@ -201,11 +201,6 @@ def _check_pipeline(c: dict[str, Any]) -> None:
             f"`pipeline_microbatches={m}` must be a multiple of `pipeline_parallel_size={p}` with"
             " `pipeline_schedule='interleaved_1f1b'` (it runs them in rounds of one per stage)."
         )
-    if c["sync_every"] > 1:
-        raise ValueError(
-            f"`sync_every={c['sync_every']}` (sync modes) is not supported with `pipeline_parallel_size={p}` yet."
-            " With pipeline stages use `sync_every=1`."
-        )
     if c["zero_stage"] == 3 and c["compression"] not in (None, "fp16", "bf16"):
         raise ValueError(
             f"`compression={c['compression']!r}` with `zero_stage=3` and `pipeline_parallel_size={p}` is not"

@@ -449,6 +449,18 @@ class PipelineRunner:
                 "shapes": {named(k): v for k, v in local.get("shapes", {}).items()},
                 "param_groups": merged["param_groups"], "param_names": merged.get("param_names")}
 
+    def gather_nested(self, value: Mapping[str, Any]) -> dict[str, Any]:
+        """Every stage's ``value`` (nested dicts whose leaves are keyed by the unsplit model's names, or the same on
+        every stage) merged on global rank 0, tensors on CPU; this rank's own ``value`` elsewhere. Collective over
+        the pipeline group of global rank 0."""
+        every = self._gather_to_first(_to_cpu(value))
+        if every is None or dist.get_rank() != 0:
+            return dict(value)
+        merged: dict[str, Any] = {}
+        for part in every:
+            _merge_into(merged, part)
+        return merged
+
     def gather_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """Every stage's ``shapes`` on global rank 0 (for the sharded checkpoint's metadata, which it writes)."""
         every = self._gather_to_first(shapes)
@@ -511,6 +523,25 @@ class PipelineRunner:
             dist.all_reduce(mine, group=tie.group)
             dist.all_gather(parts, mine, group=group)
             flat.copy_(whole[:flat.numel()])
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, Mapping):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _merge_into(merged: dict[str, Any], part: Mapping[str, Any]) -> None:
+    """``part``'s entries into ``merged``: nested dicts merged key by key, any other value kept from the first."""
+    for key, value in part.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            _merge_into(merged[key], value)
+        elif key not in merged:
+            merged[key] = dict(value) if isinstance(value, Mapping) else value
 
 
 def _batch_size(args: tuple[Any, ...], target: Any) -> int:

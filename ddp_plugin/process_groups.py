@@ -87,7 +87,7 @@ class ProcessGroups:
         """A bookkeeping group of this rank's node, for the steps whose gradients stay inside the node (a sync
         mode's); ``None`` with one rank per node (nothing to agree on). Created on first use: collective, every
         rank calls it at the same point."""
-        k = self.layout.ranks_per_node
+        k = min(self.layout.ranks_per_node, self.layout.stage_size)  # (a node's ranks of this pipeline stage)
         if k == 1:
             return None
         if self._node_bookkeeping is None:

@@ -136,7 +136,7 @@ class FitSession:
         With ``skip_nonfinite`` every rank must skip the same steps (the sync schedule counts them), so the
         bookkeeping stays world-wide."""
         scope = self.plugin_manager.hook.on_gradient_scope()
-        k = self.layout.ranks_per_node
+        k = min(self.layout.ranks_per_node, self.layout.stage_size)  # (a node's ranks of this pipeline stage)
         if scope == "node" and not self.config.skip_nonfinite and (self._node_flags_group is not None or k == 1):
             self._step_group, self._step_size = self._node_flags_group, k
         else:

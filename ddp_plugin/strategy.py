@@ -443,8 +443,10 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             if synchronizing:
                 topology = self._groups.topology
                 with diagnosed("the pipeline stage's gradient sync"):
-                    pipeline.synchronize(engine, runner, None if self.config.zero_stage else
-                                         (topology.side_world_group, topology.world_size, topology.rank))
+                    # (summed after the sync at stage 0 over the stage's data-parallel ranks; not in a sync mode,
+                    # whose nodes hold different replicas between syncs)
+                    pipeline.synchronize(engine, runner, None if self.config.zero_stage or self.config.sync_every > 1
+                                         else (topology.side_world_group, topology.world_size, topology.rank))
             # Lightning's backward of the returned loss reaches no parameter: the schedule ran every microbatch's.
             return loss.requires_grad_()
 

@@ -1,6 +1,7 @@
 """Pipeline stages on the other meshes of the issue: 4 stages of one rank (P 4), the full (pipeline, data, tensor)
 mesh P 2 x D 2 x T 2 on 8 gloo ranks, and stages whose data-parallel ranks sit on different nodes (the codec on
-the cross-node stage): each equals Lightning ``ddp`` on 2 ranks, or keeps every copy bit-identical."""
+the cross-node stage, a sync mode): each equals Lightning ``ddp`` on 2 ranks (or the same sync mode without
+stages), or keeps every copy bit-identical."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from ddp_plugin.testing.processes import runs_argument
 from tests.support import WORKERS, run_python
 from tests.test_pipeline import RTOL, relative_difference
+
+SYNC = "--flags={\"sync_every\": 4}"  # DiLoCo's outer Nesterov every 4 steps; the checkpoint at 10 is between syncs
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +28,22 @@ def runs(tmp_path_factory) -> dict:
         # a stage's two data-parallel ranks on two nodes: int8 on the cross-node stage
         ["--out", out, "--devices", "4", "--devices-per-node", "1", "--pp", "2", "--variants", "1f1b:0:int8",
          "--tag=-nodes"],
+        # a sync mode without stages on 2 nodes x 2
+        ["--out", out, "--devices", "4", "--devices-per-node", "2", "--pp", "1", "--variants", "1f1b", "--tag=-sync",
+         SYNC],
     ]), timeout=600)
-    # P 2 x D 2 x T 2: tensor parallelism inside each stage's node of 4 ranks (2 layers: one block per stage)
-    run_python(WORKERS / "pp_run.py", "--out", out, "--devices", "8", "--devices-per-node", "4", "--pp", "2",
-               "--tp", "2", "--layers", "2", "--variants", "1f1b,gpipe:2,1f1b:3", "--tag=-t2", timeout=600)
+    run_python(WORKERS / "pp_run.py", *runs_argument([
+        # P 2 x D 2 x T 2: tensor parallelism inside each stage's node of 4 ranks (2 layers: one block per stage)
+        ["--out", out, "--devices", "8", "--devices-per-node", "4", "--pp", "2", "--tp", "2", "--layers", "2",
+         "--variants", "1f1b,gpipe:2,1f1b:3", "--tag=-t2"],
+        # the same sync mode over 2 stages, each on 2 nodes x 2; saved between syncs and resumed
+        ["--out", out, "--devices", "8", "--devices-per-node", "2", "--pp", "2", "--variants", "1f1b",
+         "--tag=-sync-pp", "--save-at", "10", SYNC],
+        ["--out", out, "--devices", "8", "--devices-per-node", "2", "--pp", "2", "--variants", "1f1b",
+         "--tag=-sync-pp-resumed", "--resume", out / "1f1b-sync-pp-step10.ckpt", SYNC],
+    ]), timeout=600)
     names = ["reference", "reference-l2", "1f1b-p4", "gpipe-p4", "1f1b:0:int8-nodes", "1f1b-t2", "gpipe:2-t2",
-             "1f1b:3-t2"]
+             "1f1b:3-t2", "1f1b-sync", "1f1b-sync-pp", "1f1b-sync-pp-resumed"]
     return {name: torch.load(out / f"{name.replace(':', '-')}.pt") for name in names}
 
 
@@ -59,3 +72,14 @@ def test_codec_across_nodes_keeps_every_copy_bit_identical(runs):
     assert run["state"].keys() == runs["reference"]["state"].keys()
     assert run["losses"][-1] == pytest.approx(runs["reference"]["losses"][-1], rel=0.05)
     assert run["losses"][-1] < run["losses"][0] - 0.1
+
+
+def test_a_sync_mode_over_pipeline_stages_equals_it_without_stages(runs):
+    # Each stage's nodes hold replicas that differ between syncs (rank 0's node is compared); the tied copies of a
+    # node's pipeline stay bit-identical, and a checkpoint between syncs resumes bit for bit.
+    ours = runs["1f1b-sync-pp"]
+    assert relative_difference(ours["state"], runs["1f1b-sync"]["state"]) <= RTOL
+    assert relative_difference(runs["1f1b-sync"]["state"], runs["reference"]["state"]) > 10 * RTOL
+    assert ours["max_tie_diff"] == 0.0
+    resumed = runs["1f1b-sync-pp-resumed"]["state"]
+    assert all(torch.equal(resumed[k], v) for k, v in ours["state"].items())

@@ -23,8 +23,6 @@ from ddp_plugin.topology import Layout
      ["pipeline_microbatches=3", "multiple of `pipeline_parallel_size=2`"]),
     ({"pipeline_parallel_size": 2, "zero_stage": 3, "compression": "int8"},
      ["`compression='int8'`", "`zero_stage=3`", "'fp16' or 'bf16'"]),
-    ({"pipeline_parallel_size": 2, "sync_every": 2, "zero_stage": 1, "shard_scope": "node"},
-     ["`sync_every=2`", "sync_every=1"]),
 ])
 def test_bad_flags_fail_at_construction_naming_the_flag(flags, words):
     with pytest.raises(ValueError) as info:

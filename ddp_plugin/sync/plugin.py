@@ -258,14 +258,15 @@ class OuterSync:
         # Groups of this plugin's own, for the outer thread: collectives on one group must be issued in one
         # order, and the training and communication threads use the topology's.
         self.inter = self.intra = None
-        for tp in range(t.tensor_parallel_size):  # (every tensor-parallel position's: creating one is collective)
-            mine = tp == t.tensor_parallel_rank
+        # (every tensor-parallel position's and pipeline stage's: creating one is collective)
+        for pp, tp in [(pp, tp) for pp in range(t.pipeline_parallel_size) for tp in range(t.tensor_parallel_size)]:
+            mine = tp == t.tensor_parallel_rank and pp == t.pipeline_parallel_rank
             for l in range(k):
-                g = comm.new_group([t.global_rank(n * k + l, tp) for n in range(m)])
+                g = comm.new_group([t.global_rank(n * k + l, tp, pp) for n in range(m)])
                 if l == t.local_rank and mine:
                     self.inter = g
             for n in range(m):
-                g = comm.new_group([t.global_rank(n * k + l, tp) for l in range(k)])
+                g = comm.new_group([t.global_rank(n * k + l, tp, pp) for l in range(k)])
                 if n == t.node_rank and mine:
                     self.intra = g
         shards = hook.on_parameter_shards()
@@ -494,7 +495,8 @@ class OuterSync:
         """``values`` of every piece, per parameter in its full shape, produced on global rank 0 while it writes:
         every bucket's parts are gathered inside node 0 (the nodes hold the same values)."""
         t = self.topology
-        if t.tensor_parallel_size > 1:
+        if t.tensor_parallel_size > 1 or t.pipeline_parallel_size > 1:
+            # (with pipeline stages, each stage's node 0 holds its stage's values; the strategy gathers them)
             return self._whole(values, dtype)
         out: dict[str, DeferredTensor | Tensor] = {}
         for b, bucket in enumerate(self.buckets):
@@ -507,8 +509,8 @@ class OuterSync:
         return out
 
     def _whole(self, values: Callable[[Piece], Tensor | None], dtype: torch.dtype | None) -> dict[str, Tensor]:
-        """:meth:`_consolidated` with tensor parallelism, where node 0's ranks hold local shards: at once, on every
-        rank of node 0, whole plain tensors (each bucket's parts all-gathered inside the node, then each split
+        """:meth:`_consolidated` with tensor parallelism, where node 0's ranks hold local shards, or pipeline stages:
+        at once, on every rank of node 0, whole plain tensors (each bucket's parts all-gathered inside the node, then each split
         parameter's blocks over its tensor-parallel group), as the checkpoint's model state is."""
         t = self.topology
         out: dict[str, Tensor] = {}
