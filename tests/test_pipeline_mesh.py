@@ -36,6 +36,9 @@ def runs(tmp_path_factory) -> dict:
         # P 2 x D 2 x T 2: tensor parallelism inside each stage's node of 4 ranks (2 layers: one block per stage)
         ["--out", out, "--devices", "8", "--devices-per-node", "4", "--pp", "2", "--tp", "2", "--layers", "2",
          "--variants", "1f1b,gpipe:2,1f1b:3", "--tag=-t2"],
+        # 2 stages, each on 2 nodes x 2: the hierarchical reduce over a stage's 4 data-parallel ranks
+        ["--out", out, "--devices", "8", "--devices-per-node", "2", "--pp", "2", "--variants", "1f1b,gpipe:2:int8",
+         "--tag=-hier"],
         # the same sync mode over 2 stages, each on 2 nodes x 2; saved between syncs and resumed
         ["--out", out, "--devices", "8", "--devices-per-node", "2", "--pp", "2", "--variants", "1f1b",
          "--tag=-sync-pp", "--save-at", "10", SYNC],
@@ -43,13 +46,13 @@ def runs(tmp_path_factory) -> dict:
          "--tag=-sync-pp-resumed", "--resume", out / "1f1b-sync-pp-step10.ckpt", SYNC],
     ]), timeout=600)
     names = ["reference", "reference-l2", "1f1b-p4", "gpipe-p4", "1f1b:0:int8-nodes", "1f1b-t2", "gpipe:2-t2",
-             "1f1b:3-t2", "1f1b-sync", "1f1b-sync-pp", "1f1b-sync-pp-resumed"]
+             "1f1b:3-t2", "1f1b-sync", "1f1b-sync-pp", "1f1b-sync-pp-resumed", "1f1b-hier", "gpipe:2:int8-hier"]
     return {name: torch.load(out / f"{name.replace(':', '-')}.pt") for name in names}
 
 
 @pytest.mark.parametrize("variant, reference", [
     ("1f1b-p4", "reference"), ("gpipe-p4", "reference"), ("1f1b-t2", "reference-l2"), ("gpipe:2-t2", "reference-l2"),
-    ("1f1b:3-t2", "reference-l2"),
+    ("1f1b:3-t2", "reference-l2"), ("1f1b-hier", "reference"),
 ])
 def test_equals_ddp_on_the_whole_model(runs, variant, reference):
     assert relative_difference(runs[variant]["state"], runs[reference]["state"]) <= RTOL
@@ -64,13 +67,14 @@ def test_four_stages_log_the_whole_batchs_loss(runs):
     assert all(loss == loss for loss in ours["losses"])  # (no placeholder loss from the first step's shape inference)
 
 
-def test_codec_across_nodes_keeps_every_copy_bit_identical(runs):
-    run = runs["1f1b:0:int8-nodes"]
+@pytest.mark.parametrize("variant, baseline", [("1f1b:0:int8-nodes", "reference"), ("gpipe:2:int8-hier", "1f1b-hier")])
+def test_codec_across_nodes_keeps_every_copy_bit_identical(runs, variant, baseline):
+    run = runs[variant]
     assert run["max_replica_diff"] == 0.0
     assert run["max_tie_diff"] == 0.0
     # int8 with error feedback trains as the reference does (the convergence benchmark measures how closely)
-    assert run["state"].keys() == runs["reference"]["state"].keys()
-    assert run["losses"][-1] == pytest.approx(runs["reference"]["losses"][-1], rel=0.05)
+    assert run["state"].keys() == runs[baseline]["state"].keys()
+    assert run["losses"][-1] == pytest.approx(runs[baseline]["losses"][-1], rel=0.05)  # (the same samples)
     assert run["losses"][-1] < run["losses"][0] - 0.1
 
 
@@ -83,3 +87,7 @@ def test_a_sync_mode_over_pipeline_stages_equals_it_without_stages(runs):
     assert ours["max_tie_diff"] == 0.0
     resumed = runs["1f1b-sync-pp-resumed"]["state"]
     assert all(torch.equal(resumed[k], v) for k, v in ours["state"].items())
+
+
+def test_a_stage_over_two_nodes_reduces_hierarchically(runs):
+    assert runs["1f1b-hier"]["hierarchical"] and runs["1f1b-hier"]["sampler"] == {"num_replicas": 4, "rank": 0}

@@ -178,6 +178,7 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
             "val_loss": float(trainer.callback_metrics["val_loss"]),
             "sampler": trainer.strategy.distributed_sampler_kwargs,
             "skipped_steps": getattr(trainer.strategy, "skipped_steps", 0),
+            "hierarchical": getattr(trainer.strategy, "uses_hierarchical_reducer", False),
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
         }, os.path.join(out, f"{tag}.pt"))
 
