@@ -59,21 +59,21 @@ class Checks(L.Callback):
             return
         groups = strategy._groups
         dp_group = groups.topology.world_group
+        def spread(tensors: list[torch.Tensor], group) -> float:
+            # the largest difference of this group's ranks' copies from its first rank's (one all-gather)
+            mine = torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(every, mine, group=group)
+            return max((float((t - every[0]).abs().max()) for t in every), default=0.0) if mine.numel() else 0.0
+
         with strategy.full_parameters():
-            for p in pl_module.parameters():
-                mine = local_tensor(p).detach().clone()
-                group = dp_group if local_tensor(p) is not p else groups.bookkeeping
-                every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(every, mine, group=group)
-                self.max_replica_diff = max(self.max_replica_diff, max(float((t - every[0]).abs().max())
-                                                                       for t in every))
+            params = list(pl_module.parameters())
+            split = [local_tensor(p) for p in params if local_tensor(p) is not p]
+            plain = [p for p in params if local_tensor(p) is p]
+            self.max_replica_diff = max(self.max_replica_diff, spread(split, dp_group), spread(plain, groups.bookkeeping))
             for tie in strategy._pipeline.ties if strategy._pipeline is not None else ():
                 if tie.param is not None:
-                    mine = local_tensor(tie.param).detach().clone()
-                    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(tie.group))]
-                    dist.all_gather(every, mine, group=tie.group)
-                    self.max_tie_diff = max(self.max_tie_diff, max(float((t - every[0]).abs().max())
-                                                                   for t in every))
+                    self.max_tie_diff = max(self.max_tie_diff, spread([local_tensor(tie.param)], tie.group))
 
 
 class SaveAt(L.Callback):
