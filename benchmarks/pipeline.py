@@ -333,8 +333,8 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
         "- s/step: interval from one batch's start to the next's on rank 0, median; cross-node MB: the node's veth"
         " counter over the window / steps, mean of the 2 nodes; final loss: the last step's, mean over the ranks"
         " (the global batch's mean); peak RSS: max over ranks",
-        "- our accounting (`comm/cross_node_MB`, summed over the node's ranks) counts what the data-parallel sync"
-        " sends: the pipeline's activations, the tied-embedding all-reduce and the loss broadcast are not in it",
+        "- our accounting (`comm/cross_node_MB`, summed over the node's ranks) counts the data-parallel sync and,"
+        " with pipeline stages, the schedule's sends, the tied-embedding sum and the loss broadcast",
         f"- predicted (pipeline): activations B*s*d*4 = {pred['activations'] / MB:.4f} MB + tied-embedding"
         f" all-reduce V*d*4 = {pred['tie'] / MB:.4f} MB + loss broadcast {pred['loss']:.0f} B ="
         f" {sum(pred.values()) / MB:.4f} MB per node and step (the docstring derives it)",

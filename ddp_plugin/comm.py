@@ -128,6 +128,11 @@ class TracedCommunicator:
     def new_group(self, ranks=None, backend=None):
         return new_group(ranks, backend=backend, timeout=self.timeout)
 
+    def count_sends(self, group: dist.ProcessGroup, sends: list[tuple[int, float]]) -> None:
+        """Count point-to-point sends another library issued (a pipeline schedule's activations and their
+        gradients): (destination rank within ``group``, bytes) pairs for this rank."""
+        self._record(_group(group), sends)
+
     # ------------------------------------------------------------------ scratch space
 
     def _workspace(self, like: torch.Tensor) -> torch.Tensor:

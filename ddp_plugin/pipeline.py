@@ -200,8 +200,21 @@ class StageModule(nn.Module):
                              or (name in plan.after and stage == plan.num_stages - 1) else None) for name in held}
         self._blocks_name = plan.blocks
         self.parts = nn.ModuleList([m for m in self._keep.values() if m is not None] + list(self._blocks.values()))
+        self.first, self.last = stage == 0, stage == plan.num_stages - 1
+        self.sent_forward = self.sent_backward = 0
+        """Bytes this stage's training forwards sent on (its outputs) and their backwards sent back (its inputs'
+        gradients), since the runner last counted them."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._forward(*args, **kwargs)
+        if torch.is_grad_enabled():
+            if not self.last:
+                self.sent_forward += _tensor_bytes(out)
+            if not self.first:
+                self.sent_backward += _tensor_bytes([a for a in args if isinstance(a, Tensor) and a.requires_grad])
+        return out
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         owner = self._owner
         saved = {name: getattr(owner, name) for name in (*self._keep, self._blocks_name)}
         try:
@@ -212,6 +225,14 @@ class StageModule(nn.Module):
         finally:
             for name, m in saved.items():
                 setattr(owner, name, m)
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, Tensor):
+        return 0 if value.is_meta else value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 def _call_forward(owner: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -286,6 +307,9 @@ class PipelineRunner:
                        for s in self.stage_indices]
         self._losses: list[Tensor] = []
         self._scale = 1.0
+        self.comm: Any = None
+        """The fit's communicator (``TracedCommunicator``): the schedule's sends, the tied gradients' sums and
+        the loss are counted in the traffic metrics. ``None`` outside a fit (not counted)."""
         self.device = device
         kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
         cls = kinds[schedule]
@@ -343,14 +367,32 @@ class PipelineRunner:
         extra = {"target": target, "losses": []} if self.is_last else {}
         if train:
             self.schedule.step(*args, **kwargs, **extra)
+            self._count_sends()
         else:
             self.schedule.eval(*args, **kwargs, **extra)
         # (The first step's shape inference computes one loss on placeholder values before the microbatches'.)
         losses = self._losses[-self.microbatches:]
         mean = (torch.stack(losses).float().mean() if losses
                 else torch.zeros((), dtype=torch.float32, device=self.device))
-        dist.broadcast(mean, src=dist.get_global_rank(self.loss_group, self.size - 1), group=self.loss_group)
+        if train and self.comm is not None:
+            self.comm.broadcast(mean, src=self.size - 1, group=self.loss_group)
+        else:
+            dist.broadcast(mean, src=dist.get_global_rank(self.loss_group, self.size - 1), group=self.loss_group)
         return mean
+
+    def _count_sends(self) -> None:
+        """The step's activations sent to the next stage and gradients sent to the previous one, counted as the
+        schedule's point-to-point sends (stage s runs on pipeline rank s mod P)."""
+        for stage in self.stages:
+            module, index = stage.submod, stage.stage_index
+            sends = []
+            if module.sent_forward:
+                sends.append(((index + 1) % self.size, module.sent_forward))
+            if module.sent_backward:
+                sends.append(((index - 1) % self.size, module.sent_backward))
+            module.sent_forward = module.sent_backward = 0
+            if sends and self.comm is not None:
+                self.comm.count_sends(self.group, sends)
 
     def _gather_to_first(self, value: Any) -> list[Any] | None:
         """``value`` of every stage, in stage order, on global rank 0 (``None`` elsewhere). Only the stages in
@@ -510,18 +552,21 @@ class PipelineRunner:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grad = local_tensor(p.grad)
+            all_reduce = self.comm.all_reduce if self.comm is not None else dist.all_reduce
             if data_parallel is None:
-                dist.all_reduce(grad, group=tie.group)
+                all_reduce(grad, group=tie.group)
                 continue
             group, size, index = data_parallel
             flat = grad.view(-1)
             part = -(-flat.numel() // size)
             whole = torch.zeros(part * size, dtype=flat.dtype, device=flat.device)
             whole[:flat.numel()] = flat
-            parts = list(whole.split(part))
-            mine = parts[index].clone()
-            dist.all_reduce(mine, group=tie.group)
-            dist.all_gather(parts, mine, group=group)
+            mine = whole[index * part:(index + 1) * part].clone()
+            all_reduce(mine, group=tie.group)
+            if self.comm is not None:
+                self.comm.all_gather(whole, mine, group=group)
+            else:
+                dist.all_gather(list(whole.split(part)), mine, group=group)
             flat.copy_(whole[:flat.numel()])
 
 
@@ -575,5 +620,5 @@ def synchronize(engine: GradientEngine, runner: PipelineRunner,
         runner.sum_tied_gradients(data_parallel)
     if engine.check_finite:  # every stage skips the step when any stage saw a NaN/Inf gradient
         flag = torch.tensor([int(engine.nonfinite)], device=runner.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=runner.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=runner.loss_group)
         engine.nonfinite = bool(flag.item())

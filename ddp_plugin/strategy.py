@@ -364,6 +364,8 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
                                    self.root_device, self.uses_hierarchical_reducer, self.memory_bytes,
                                    node_flags_group=self._groups.node_bookkeeping, layout=self._groups.layout,
                                    tensor_parallel_peers=self._groups.tensor_parallel_peers, solo=solo)
+        if self._pipeline is not None:
+            self._pipeline.comm = self._session.comm  # (the schedule's sends counted in the traffic metrics)
         if self._pending_plugin_state is not None:
             self._session.load_plugin_state(*self._pending_plugin_state)
             self._pending_plugin_state = None

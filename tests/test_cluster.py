@@ -88,6 +88,25 @@ def test_tensor_parallel_sends_the_model_once_per_node_and_step_and_keeps_its_ow
 
 
 @pytest.fixture(scope="module")
+def pipeline_traffic(cluster, tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("pp")
+    # P 2, a stage per node, D 2 inside each: a GPT of V = 1024, d = 256, seq 16, batch 4 per rank
+    launch(cluster, WORKERS / "traffic_run.py", "--out", d, "--devices", "2", "--num-nodes", "2", "--pp", "2",
+           "--width", "256", "--steps", "8", "--warmup", "2")
+    return json.loads((d / "traffic.json").read_text())
+
+
+def test_pipeline_stages_send_the_formulas_bytes_and_our_accounting_counts_them(pipeline_traffic):
+    # Across the link per node and step: the boundary activations (their gradients back), the tied embedding's
+    # gradient sum once, and the loss (docs/pipeline.md); the data-parallel sync stays inside each node. Our
+    # accounting counts the schedule's sends, the sum and the loss too.
+    run = pipeline_traffic
+    for kernel, ours in per_node(run):
+        assert abs(kernel - ours) / kernel < 0.05, (kernel, ours)
+        assert kernel / run["window_steps"] == pytest.approx(run["pipeline_bytes"], rel=0.02)
+
+
+@pytest.fixture(scope="module")
 def equivalence(cluster, tmp_path_factory) -> dict:
     ref, dist_dir = tmp_path_factory.mktemp("reference"), tmp_path_factory.mktemp("cluster")
     configs = "plain,everything"

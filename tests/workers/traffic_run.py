@@ -3,6 +3,7 @@ logger; saves every rank's per-step traffic means and the gradient size.
 
     python tests/workers/traffic_run.py --out DIR [--flat] [--num-nodes N --devices K] [--width W]
     python tests/workers/traffic_run.py --out DIR --num-nodes 2 --devices 2 --tp 2     # a tied GPT, TP 2 x DP 2
+    python tests/workers/traffic_run.py --out DIR --num-nodes 2 --devices 2 --pp 2     # the GPT, a stage per node
 """
 
 from __future__ import annotations
@@ -60,12 +61,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor_parallel_size; above 1 the model is a GPT whose embedding and head share one"
                              " replicated weight (a large replicated parameter beside the split ones)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (the GPT, stages of whole nodes)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     strategy = HierarchicalZeroStrategy(devices_per_node=args.devices_per_node, hierarchical=False if args.flat else None,
                                         compression=args.compression, progress_bar_metrics=True,
-                                        tensor_parallel_size=args.tp)
+                                        tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp)
     on_cluster = "GLOO_SOCKET_IFNAME" in os.environ
     counters = KernelCounters(args.warmup)
     trainer = L.Trainer(
@@ -74,7 +76,11 @@ def main(argv: list[str] | None = None) -> None:
         callbacks=[counters] if on_cluster else [],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    if args.tp > 1:
+    gpt = dict(vocab=args.width * 4, d_model=args.width, heads=4, layers=2, seq=16)
+    if args.pp > 1:
+        model = GPTModule(**gpt)
+        data = DataLoader(token_dataset(64 * args.steps, seq=16, vocab=args.width * 4), batch_size=4)
+    elif args.tp > 1:
         model = GPTModule(vocab=args.width * 4, d_model=args.width, heads=4, layers=2, seq=16, tie="replicated")
         data = DataLoader(token_dataset(64 * args.steps, seq=16, vocab=args.width * 4), batch_size=4)
     else:
@@ -102,6 +108,11 @@ def main(argv: list[str] | None = None) -> None:
                 "window_steps": args.steps - args.warmup,
                 # per rank: [kernel tx bytes of its node's link (local rank 0 only, else 0), our cross-node bytes]
                 "window_traffic": node_traffic.tolist(),
+                # with --pp 2 (a stage per node, D ranks in each, batch 4 each): per node and step, the boundary
+                # activations (or their gradients) of the stage's 4 D windows, the tied embedding's gradient sum
+                # (each data-parallel rank sums 1/D of it across), and the loss (4 bytes per rank, from node 1)
+                "pipeline_bytes": (4 * args.devices * gpt["seq"] * gpt["d_model"] * 4
+                                   + gpt["vocab"] * gpt["d_model"] * 4 + 4 * args.devices / 2),
             }, f)
 
 
