@@ -17,7 +17,6 @@ The user contract (docs/pipeline.md):
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import contextmanager
@@ -32,8 +31,6 @@ from ddp_plugin.hookspecs import local_tensor
 
 if TYPE_CHECKING:
     from ddp_plugin.engine import GradientEngine
-
-log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ where the stages split
@@ -246,7 +243,8 @@ def _call_forward(owner: nn.Module, *args: Any, **kwargs: Any) -> Any:
 @dataclass
 class Tie:
     """A parameter several stages hold (``names``: its names in the unsplit model, the first canonical;
-    ``stages``: the pipeline ranks holding a copy); ``param`` and ``group`` on those ranks only."""
+    ``ranks``: the pipeline ranks holding a copy); ``param`` on those ranks only, ``group`` (its copies' ranks in
+    this rank's data-parallel and tensor-parallel position) ``None`` elsewhere."""
 
     names: tuple[str, ...]
     ranks: tuple[int, ...]
@@ -275,7 +273,9 @@ class PipelineOutput:
         self.args, self.kwargs = args, kwargs
 
     def __getattr__(self, name: str) -> Any:
-        raise TypeError(
+        if name.startswith("__"):  # (copy, pickle and friends probe for these)
+            raise AttributeError(name)
+        raise AttributeError(
             "With `pipeline_parallel_size` > 1 the model's output exists on the last stage only, one microbatch at a"
             " time: in `training_step` pass it straight to `self.pipeline_loss(output, target)`, which runs the"
             f" pipeline and returns the loss (asked for `.{name}`)."
@@ -297,8 +297,8 @@ class PipelineRunner:
         self.size, self.rank, self.group = pipeline_size, pipeline_rank, group
         self.ties = ties
         self.order = list(order)
-        self._optimizer_params: dict[int, list[list[nn.Parameter]]] = {}
         """The unsplit model's parameter names in ``named_parameters()`` order (a tied parameter once)."""
+        self._optimizer_params: dict[int, list[list[nn.Parameter]]] = {}
         self.loss_group = loss_group if loss_group is not None else group
         self.is_first = pipeline_rank == 0
         self.is_last = pipeline_rank == pipeline_size - 1

@@ -119,5 +119,5 @@ def test_what_a_model_must_have_is_named():
 
 
 def test_the_placeholder_says_how_to_use_it():
-    with pytest.raises(TypeError, match=r"self.pipeline_loss\(output, target\)"):
+    with pytest.raises(AttributeError, match=r"self.pipeline_loss\(output, target\)"):
         PipelineOutput((torch.zeros(1),), {}).argmax()
