@@ -21,9 +21,13 @@ def runs(tmp_path_factory) -> dict:
     run_python(WORKERS / "pp_run.py", *runs_argument([
         ["--out", out, "--devices", "2", "--reference"],
         ["--out", out, "--devices", "2", "--reference", "--layers", "2", "--tag=-l2"],
+        ["--out", out, "--devices", "2", "--reference", "--layers", "8", "--tag=-l8"],
     ]))
     run_python(WORKERS / "pp_run.py", *runs_argument([
         ["--out", out, "--devices", "4", "--pp", "4", "--variants", "1f1b,gpipe", "--tag=-p4",
+         "--flags={\"pipeline_microbatches\": 4}"],
+        # interleaved: 2 stages of one block per rank (8 blocks)
+        ["--out", out, "--devices", "4", "--pp", "4", "--layers", "8", "--variants", "interleaved_1f1b", "--tag=-p4",
          "--flags={\"pipeline_microbatches\": 4}"],
         # a stage's two data-parallel ranks on two nodes: int8 on the cross-node stage
         ["--out", out, "--devices", "4", "--devices-per-node", "1", "--pp", "2", "--variants", "1f1b:0:int8",
@@ -35,7 +39,10 @@ def runs(tmp_path_factory) -> dict:
     run_python(WORKERS / "pp_run.py", *runs_argument([
         # P 2 x D 2 x T 2: tensor parallelism inside each stage's node of 4 ranks (2 layers: one block per stage)
         ["--out", out, "--devices", "8", "--devices-per-node", "4", "--pp", "2", "--tp", "2", "--layers", "2",
-         "--variants", "1f1b,gpipe:2,1f1b:3", "--tag=-t2"],
+         "--variants", "1f1b,gpipe:2", "--tag=-t2"],
+        # interleaved (4 blocks: 2 stages per rank) at ZeRO stage 3
+        ["--out", out, "--devices", "8", "--devices-per-node", "4", "--pp", "2", "--tp", "2",
+         "--variants", "interleaved_1f1b:3", "--tag=-t2", "--flags={\"auto_wrap_policy\": [\"Block\"]}"],
         # 2 stages, each on 2 nodes x 2: the hierarchical reduce over a stage's 4 data-parallel ranks
         ["--out", out, "--devices", "8", "--devices-per-node", "2", "--pp", "2", "--variants", "1f1b,gpipe:2:int8",
          "--tag=-hier"],
@@ -45,14 +52,14 @@ def runs(tmp_path_factory) -> dict:
         ["--out", out, "--devices", "8", "--devices-per-node", "2", "--pp", "2", "--variants", "1f1b",
          "--tag=-sync-pp-resumed", "--resume", out / "1f1b-sync-pp-step10.ckpt", SYNC],
     ]), timeout=600)
-    names = ["reference", "reference-l2", "1f1b-p4", "gpipe-p4", "1f1b:0:int8-nodes", "1f1b-t2", "gpipe:2-t2",
-             "1f1b:3-t2", "1f1b-sync", "1f1b-sync-pp", "1f1b-sync-pp-resumed", "1f1b-hier", "gpipe:2:int8-hier"]
+    names = ["reference", "reference-l2", "reference-l8", "1f1b-p4", "gpipe-p4", "interleaved_1f1b-p4",
+             "1f1b:0:int8-nodes", "1f1b-t2", "gpipe:2-t2", "interleaved_1f1b:3-t2", "1f1b-sync", "1f1b-sync-pp", "1f1b-sync-pp-resumed", "1f1b-hier", "gpipe:2:int8-hier"]
     return {name: torch.load(out / f"{name.replace(':', '-')}.pt") for name in names}
 
 
 @pytest.mark.parametrize("variant, reference", [
     ("1f1b-p4", "reference"), ("gpipe-p4", "reference"), ("1f1b-t2", "reference-l2"), ("gpipe:2-t2", "reference-l2"),
-    ("1f1b:3-t2", "reference-l2"), ("1f1b-hier", "reference"),
+    ("interleaved_1f1b-p4", "reference-l8"), ("interleaved_1f1b:3-t2", "reference"), ("1f1b-hier", "reference"),
 ])
 def test_equals_ddp_on_the_whole_model(runs, variant, reference):
     assert relative_difference(runs[variant]["state"], runs[reference]["state"]) <= RTOL
