@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     import pluggy
     from torch.optim import Optimizer
 
+    from ddp_plugin.pipeline import PipelineRunner
     from ddp_plugin.session import FitSession
 
 CHECKPOINT_KEY = "ddp_plugin"
@@ -55,6 +56,7 @@ class CheckpointRouting:
     whose methods are the fallbacks)."""
 
     _session: FitSession | None
+    _pipeline: PipelineRunner | None
     _pending_plugin_state: tuple[Mapping[str, Any], Mapping[str, Any] | None] | None
 
     def _state_plugins(self) -> pluggy.PluginManager | None:
@@ -68,7 +70,7 @@ class CheckpointRouting:
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        runner = getattr(self, "_pipeline", None)
+        runner = self._pipeline
         if runner is not None and self.config.checkpoint == "master":
             # Each stage's whole state (tensor-parallel blocks gathered), then every stage's to global rank 0
             # under the unsplit model's names, a tied parameter's names sharing one tensor.
@@ -104,7 +106,7 @@ class CheckpointRouting:
         pm = self._state_plugins()
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
         tensor_parallel_model = self._has_tensor_parallel_model()
-        runner = getattr(self, "_pipeline", None)
+        runner = self._pipeline
         if runner is not None and self.config.checkpoint == "master":
             with diagnosed("the checkpoint's gather of the pipeline stages' optimizer state to rank 0"):
                 state = pm.hook.on_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
@@ -139,7 +141,7 @@ class CheckpointRouting:
         if pm is None:
             return
         checkpoint[CHECKPOINT_KEY] = _merged(pm.hook.on_save_state_dict())
-        runner = getattr(self, "_pipeline", None)
+        runner = self._pipeline
         if runner is not None:
             # Each stage's plugins hold their stage's parameters' state (under the unsplit names): rank 0 writes
             # every stage's.
@@ -202,7 +204,7 @@ class CheckpointRouting:
         optimizers = checkpoint.get("optimizer_states", [])
         for j, opt in enumerate(optimizers):
             shapes.update({f"optim/{j}/{k}": v for k, v in opt.get("shapes", {}).items()})
-        runner = getattr(self, "_pipeline", None)
+        runner = self._pipeline
         if runner is not None:  # rank 0 writes the shapes of every stage's tensors
             with diagnosed("the checkpoint's gather of the pipeline stages' shapes to rank 0"):
                 shapes = runner.gather_shapes(shapes)
@@ -253,7 +255,7 @@ class CheckpointRouting:
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state = checkpoint["state_dict"]
-        if getattr(self, "_pipeline", None) is not None:  # the unsplit model's: this stage takes its own entries
+        if self._pipeline is not None:  # the unsplit model's: this stage takes its own entries
             mine = self.lightning_module.state_dict().keys()
             state = {k: v for k, v in state.items() if k in mine}
         missing, unexpected, mismatched = _compare_state_dicts(self.lightning_module.state_dict(), state)
@@ -278,7 +280,7 @@ class CheckpointRouting:
         if self._session is None or not self._session.active:
             return super().load_optimizer_state_dict(checkpoint)
         pm = self._session.plugin_manager
-        runner = getattr(self, "_pipeline", None)
+        runner = self._pipeline
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             if runner is not None:  # the unsplit model's optimizer state: this stage's part, numbered as here
                 state = runner.local_optimizer_state(state, optimizer)

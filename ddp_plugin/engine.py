@@ -224,23 +224,20 @@ class GradientEngine:
 
         return on_grad_accumulated
 
-    def _arm(self) -> None:
+    def _arm(self, at_end_of_backward: bool = True) -> None:
         self._armed = True
         self._pending = [len(b.params) for b in self.buckets]
         self._next_launch = 0
         self._in_flight = []
         self._local_nonfinite = False
-        torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        if at_end_of_backward:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
     def synchronize(self) -> None:
         """Synchronize the gradients accumulated so far (with ``require_sync`` False) as a synchronizing backward
         would at its end: every bucket reduced, unused parameters agreed on. For a backward the engine did not
         watch (a pipeline schedule's microbatches); outside of autograd."""
-        self._armed = True
-        self._pending = [len(b.params) for b in self.buckets]
-        self._next_launch = 0
-        self._in_flight = []
-        self._local_nonfinite = False
+        self._arm(at_end_of_backward=False)
         self.finish()
 
     def _launch_ready(self) -> None:

@@ -46,3 +46,9 @@ def run_python(*args: str | os.PathLike, timeout: float = 300, env: dict[str, st
         pytest.fail(f"`{' '.join(map(str, args))}` exited with {proc.returncode}:\n{proc.stdout}\n"
                     f"{proc.stderr[-8000:]}\n\nerror lines:\n" + "\n".join(errors[:40]))
     return proc
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """Max over tensors of the largest difference over the tensor's largest value (same keys in both)."""
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)

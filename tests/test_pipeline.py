@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddp_plugin.testing.processes import runs_argument
-from tests.support import WORKERS, run_python
+from tests.support import WORKERS, relative_difference, run_python
 
 # Microbatching and the split change rounding only (a sum over microbatches instead of one mean); a real bug (a
 # tied gradient not summed, a stage's norm missing from clipping, an unscaled microbatch) moves parameters by 1e-2
@@ -64,12 +64,6 @@ def runs(tmp_path_factory) -> dict:
     runs = {name: torch.load(out / f"{name.replace(':', '-')}.pt") for name in names}
     runs["checkpoints"] = out
     return runs
-
-
-def relative_difference(a: dict, b: dict) -> float:
-    """Max over tensors of the largest difference over the tensor's largest value."""
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)
 
 
 def test_clipping_binds_and_training_moves_parameters(runs):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ddp_plugin.testing.processes import runs_argument
-from tests.support import WORKERS, run_python
-from tests.test_pipeline import RTOL, relative_difference
+from tests.support import WORKERS, relative_difference, run_python
+from tests.test_pipeline import RTOL
 
 SYNC = "--flags={\"sync_every\": 4}"  # DiLoCo's outer Nesterov every 4 steps; the checkpoint at 10 is between syncs
 

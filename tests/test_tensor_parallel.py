@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddp_plugin.testing.processes import runs_argument
-from tests.support import WORKERS, run_python
+from tests.support import WORKERS, relative_difference, run_python
 
 # Rounding inside the split layers (a sum over two halves instead of one), amplified by Adam over 20 steps;
 # a real bug (a shard averaged with another shard, a replicated gradient counted twice in the norm, a missed
@@ -36,12 +36,6 @@ def runs(tmp_path_factory) -> dict:
     for variant in [*VARIANTS, "0:vocab-tp1", "2:vocab-tp2-again"]:
         runs[variant] = torch.load(out / f"{variant.replace(':', '-')}.pt")
     return runs
-
-
-def relative_difference(a: dict, b: dict) -> float:
-    """Max over tensors of the largest difference over the tensor's largest value."""
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)
 
 
 def test_clipping_binds_in_the_reference(runs):

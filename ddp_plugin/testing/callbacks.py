@@ -23,7 +23,7 @@ import torch
 from ddp_plugin.testing.processes import print_line
 from ddp_plugin.testing.ranks import flat_parameters, max_rank_difference
 
-__all__ = ["ExitReport", "ParameterHistory"]
+__all__ = ["ExitReport", "ParameterHistory", "SaveAt"]
 
 
 class ParameterHistory(L.Callback):
@@ -74,3 +74,16 @@ class ExitReport(L.Callback):
         self.reported = True
         now = time.time()
         print_line(f"rank {rank} exits after {now - self.start:.1f} s (at {now:.3f}): {type(err).__name__}: {err}")
+
+
+class SaveAt(L.Callback):
+    """Save a checkpoint to ``path`` after optimizer step ``step``. Give it a step that ends an epoch: a run
+    resumed from it starts the next epoch, whose batches are the uninterrupted run's (an interrupted epoch would
+    restart from its first batch)."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)

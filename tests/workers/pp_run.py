@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.hookspecs import local_tensor
 from ddp_plugin.tensor_parallel import full_state_dict
+from ddp_plugin.testing.callbacks import SaveAt
 from ddp_plugin.testing.data import rank_loader
 from ddp_plugin.testing.gpt import GPTModule, token_dataset
 from ddp_plugin.testing.processes import run_each
@@ -74,16 +75,6 @@ class Checks(L.Callback):
             for tie in strategy._pipeline.ties if strategy._pipeline is not None else ():
                 if tie.param is not None:
                     self.max_tie_diff = max(self.max_tie_diff, spread([local_tensor(tie.param)], tie.group))
-
-
-class SaveAt(L.Callback):
-    def __init__(self, step: int, path: str) -> None:
-        self.step, self.path = step, path
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # After an epoch's last batch: a resumed run starts the next epoch, whose batches are the uninterrupted's.
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
 
 
 class GPTWithValidation(GPTModule):

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.hookspecs import local_tensor
 from ddp_plugin.tensor_parallel import full_state_dict
+from ddp_plugin.testing.callbacks import SaveAt
 from ddp_plugin.testing.data import rank_loader
 from ddp_plugin.testing.gpt import GPTModule, token_dataset
 from ddp_plugin.testing.processes import run_each
@@ -92,17 +93,6 @@ class NanAt(L.Callback):
             return grad
 
         p.register_hook(poison)
-
-
-class SaveAt(L.Callback):
-    def __init__(self, step: int, path: str) -> None:
-        self.step, self.path = step, path
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # After an epoch's last batch (the steps given are multiples of EPOCH): a resumed run starts the next
-        # epoch, whose batches are the uninterrupted run's (an interrupted epoch would restart from its first).
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
 
 
 def run(out: str, devices: int, devices_per_node: int | None, tp: int, stage: int, tie: str, retie: bool,
