@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shlex
 import statistics
 import sys
@@ -114,33 +113,24 @@ def predicted_bytes(args: argparse.Namespace) -> dict[str, float]:
 def worker(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
-    import torch.distributed as dist
     from torch.utils.data import DataLoader
 
     from ddp_plugin import HierarchicalZeroStrategy
     from ddp_plugin import pipeline as ddp_pipeline
     from ddp_plugin.testing.gpt import GPTModule, token_dataset
-    from ddp_plugin.testing.simcluster import link_bytes
+    from ddp_plugin.testing.windows import StepWindow
 
     torch.set_num_threads(1)
     name = args.contender
     size = dict(vocab=args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers, seq=args.seq)
 
-    class Window(L.Callback):
+    class Window(StepWindow):
+        """The timed window, and per timed step the seconds spent in the pipeline's parts."""
+
         def __init__(self) -> None:
-            self.starts: list[float] = []
-            self.counters: dict[str, dict[str, int]] = {}
-            self.losses: list[float] = []
-            self.ours: dict[str, float] = {}
+            super().__init__(args.warmup, args.steps)
             self.timers: dict[str, float] = {}  # this step's seconds in the pipeline's parts
             self.steps: list[dict[str, float]] = []  # the timed steps' timers
-
-        def _mark(self, trainer: L.Trainer, what: str) -> None:
-            dist.barrier()
-            if int(os.environ["LOCAL_RANK"]) == 0:
-                self.counters[what] = link_bytes()
-            if isinstance(trainer.strategy, HierarchicalZeroStrategy):
-                self.ours[what] = trainer.strategy.metric_totals.get("comm/cross_node_MB", 0.0)
 
         def _timed(self, obj: Any, method: str, key: str) -> None:
             original = getattr(obj, method)
@@ -167,20 +157,13 @@ def worker(args: argparse.Namespace) -> None:
                 self._timed(stage, "backward_one_chunk", "backward_s")
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if batch_idx == args.warmup:
-                self._mark(trainer, "start")
-            if batch_idx >= args.warmup:
-                self.starts.append(time.perf_counter())
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
             self.timers = {}
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if batch_idx >= args.warmup:
-                self.losses.append(float(outputs["loss"]))
-                if self.timers:
-                    self.steps.append(dict(self.timers))
-            if batch_idx == args.warmup + args.steps - 1:
-                self._mark(trainer, "end")
-                self.starts.append(time.perf_counter())
+            if batch_idx >= args.warmup and self.timers:
+                self.steps.append(dict(self.timers))
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     L.seed_everything(0, verbose=False)
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -204,22 +187,12 @@ def worker(args: argparse.Namespace) -> None:
         trainer.fit(model, DataLoader(data, batch_size=args.global_batch // replicas))
     except Exception as err:  # noqa: BLE001 - reported in the table
         error = f"{type(err).__name__}: {err}"
-    rank = int(os.environ["RANK"])
-    out: dict[str, Any] = {"rank": rank, "node": rank // per_node,
-                           "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    if error:
-        out["error"] = error[:500]
-    else:
-        out["interval_s"] = [b - a for a, b in zip(window.starts, window.starts[1:])]
-        out["losses"] = window.losses
+    out = window.result(error)
+    if not error:
         out["params"] = sum(p.numel() for p in GPTModule(**size).parameters())
         out["steps"] = window.steps
-        if window.counters:
-            out["tx_bytes"] = window.counters["end"]["tx"] - window.counters["start"]["tx"]
-        if window.ours:
-            out["ours_mb"] = window.ours["end"] - window.ours["start"]
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"rank{rank}.json").write_text(json.dumps(out))
+    (args.out_dir / f"rank{out['rank']}.json").write_text(json.dumps(out))
     if error:
         sys.exit(1)
 

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shlex
 import statistics
 import sys
@@ -76,12 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def worker(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
-    import torch.distributed as dist
     from torch.utils.data import DataLoader
 
     from ddp_plugin import HierarchicalZeroStrategy
     from ddp_plugin.testing.gpt import GPTModule, token_dataset
-    from ddp_plugin.testing.simcluster import link_bytes
+    from ddp_plugin.testing.windows import StepWindow
 
     torch.set_num_threads(1)
     name = args.contender
@@ -99,33 +97,6 @@ def worker(args: argparse.Namespace) -> None:
                 fully_shard(block, mesh=dp)
             fully_shard(self.model, mesh=dp)
 
-    class Window(L.Callback):
-        def __init__(self) -> None:
-            self.starts: list[float] = []
-            self.counters: dict[str, dict[str, int]] = {}
-            self.losses: list[float] = []
-            self.ours: dict[str, float] = {}
-
-        def _mark(self, trainer: L.Trainer, what: str) -> None:
-            dist.barrier()
-            if int(os.environ["LOCAL_RANK"]) == 0:
-                self.counters[what] = link_bytes()
-            if isinstance(trainer.strategy, HierarchicalZeroStrategy):
-                self.ours[what] = trainer.strategy.metric_totals.get("comm/cross_node_MB", 0.0)
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if batch_idx == args.warmup:
-                self._mark(trainer, "start")
-            if batch_idx >= args.warmup:
-                self.starts.append(time.perf_counter())
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if batch_idx >= args.warmup:
-                self.losses.append(float(outputs["loss"]))
-            if batch_idx == args.warmup + args.steps - 1:
-                self._mark(trainer, "end")
-                self.starts.append(time.perf_counter())
-
     L.seed_everything(0, verbose=False)
     tp = name != "lightning_ddp"
     if name == "lightning_ddp":
@@ -140,7 +111,7 @@ def worker(args: argparse.Namespace) -> None:
     model = (FullyShardRecipe if name == "lightning_model_parallel" else GPTModule)(tie="vocab", lr=3e-4, **size)
     world = int(os.environ["WORLD_SIZE"])
     replicas = world // 2 if tp else world
-    window = Window()
+    window = StepWindow(args.warmup, args.steps)
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
                         num_nodes=world // int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
                         max_steps=args.warmup + args.steps, callbacks=[window], logger=False,
@@ -151,21 +122,11 @@ def worker(args: argparse.Namespace) -> None:
         trainer.fit(model, DataLoader(data, batch_size=args.global_batch // replicas))
     except Exception as err:  # noqa: BLE001 - reported in the table
         error = f"{type(err).__name__}: {err}"
-    rank = int(os.environ["RANK"])
-    out: dict[str, Any] = {"rank": rank, "node": rank // int(os.environ["LOCAL_WORLD_SIZE"]),
-                           "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    if error:
-        out["error"] = error[:500]
-    else:
-        out["interval_s"] = [b - a for a, b in zip(window.starts, window.starts[1:])]
-        out["losses"] = window.losses
+    out = window.result(error)
+    if not error:
         out["params"] = sum(p.numel() for p in GPTModule(**size).parameters())
-        if window.counters:
-            out["tx_bytes"] = window.counters["end"]["tx"] - window.counters["start"]["tx"]
-        if window.ours:
-            out["ours_mb"] = window.ours["end"] - window.ours["start"]
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"rank{rank}.json").write_text(json.dumps(out))
+    (args.out_dir / f"rank{out['rank']}.json").write_text(json.dumps(out))
     if error:
         sys.exit(1)
 
