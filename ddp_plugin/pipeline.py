@@ -196,6 +196,7 @@ class StageModule(nn.Module):
         self._keep = {name: (held[name] if (name in plan.before and stage == 0)
                              or (name in plan.after and stage == plan.num_stages - 1) else None) for name in held}
         self._blocks_name = plan.blocks
+        self.__dict__["_stage_blocks"] = StageBlocks(self._blocks)  # (made once; its blocks are registered in parts)
         self.parts = nn.ModuleList([m for m in self._keep.values() if m is not None] + list(self._blocks.values()))
         self.first, self.last = stage == 0, stage == plan.num_stages - 1
         self.sent_forward = self.sent_backward = 0
@@ -217,7 +218,7 @@ class StageModule(nn.Module):
         try:
             for name, m in self._keep.items():
                 setattr(owner, name, m)
-            setattr(owner, self._blocks_name, StageBlocks(self._blocks))
+            setattr(owner, self._blocks_name, self._stage_blocks)
             return _call_forward(owner, *args, **kwargs)
         finally:
             for name, m in saved.items():
