@@ -350,7 +350,8 @@ class Communicator(Protocol):
 
     def all_gather(self, output: Tensor, input: Tensor, group: ProcessGroup | None = None,  # noqa: A002
                    async_op: bool = False) -> Work | None:
-        """Every rank's ``input`` into ``output``, in rank order. Sends (n-1) times ``input`` (ring)."""
+        """Every rank's ``input`` into ``output``, in rank order; ``input`` may be this rank's chunk of
+        ``output`` (in place). Sends (n-1) times ``input``."""
 
     def all_to_all(self, output: Tensor, input: Tensor, group: ProcessGroup | None = None,  # noqa: A002
                    async_op: bool = False) -> Work | None:
@@ -367,6 +368,12 @@ class Communicator(Protocol):
 
     def bytes_sent_by_this_thread(self) -> int:
         """Bytes recorded so far by the calling thread: the difference around a call is what it sent."""
+
+    def scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A 1-D tensor of ``numel`` elements from the calling thread's arena, uninitialized: the memory that
+        :meth:`reduce_scatter` receives into, kept from call to call (grown when needed), so that work which
+        runs after a reduction on the same thread (a codec coding a reduced shard) needs no buffer of its own.
+        Valid until the thread's next ``scratch`` or ``reduce_scatter`` call."""
 
     def take_traffic(self) -> Traffic:
         """The traffic recorded since the last call (every thread), resetting the tally."""

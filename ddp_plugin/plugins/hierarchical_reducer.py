@@ -68,14 +68,19 @@ class HierarchicalReducer(FlatReducer):
         c = self.shard_numel(bucket)
         # Divide first (as DDP does): the node sum then the cross-node mean give the global mean directly.
         padded.div_(topo.ranks_per_node)
-        shard = self._comm.reduce_scatter(padded.new_empty(c), padded, group=topo.intra_node_group)
+        # The shard is this rank's own chunk of the bucket: once the chunks have been exchanged the bucket's
+        # values are no longer needed, so the sum lands in place (NCCL's in-place reduce-scatter), and the
+        # all-gather below sends it from there. No shard-sized tensor is allocated per bucket and step.
+        shard = padded[topo.local_rank * c : (topo.local_rank + 1) * c]
+        self._comm.reduce_scatter(shard, padded, group=topo.intra_node_group)
         fut = self._hook.on_cross_node_reduce(tensor=shard, group=topo.inter_node_group, bucket=bucket,
                                               offset=topo.local_rank * c)
         fut.wait()
         return shard
 
     def gather_shard(self, bucket: Bucket, shard: Tensor) -> torch.futures.Future:
-        """Stage 3: all-gather every local rank's averaged chunk into the bucket."""
+        """Stage 3: all-gather every local rank's averaged chunk into the bucket (in place: ``shard`` is this
+        rank's chunk of it)."""
         topo = self._topology
         padded = self._padded_target(bucket)
         work = self._comm.all_gather(padded, shard, group=topo.intra_node_group, async_op=True)
