@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_plugin import health
+from ddp_plugin.finite import all_finite
 from ddp_plugin.hookspecs import Bucket, completed_future, is_tensor_parallel_shard, local_tensor, set_local_grad
 
 if TYPE_CHECKING:
@@ -247,7 +248,7 @@ class GradientEngine:
     def _launch(self, bucket: Bucket) -> None:
         if self.check_finite and not self._local_nonfinite:
             # Checked before the reduction: a codec could turn a NaN into a finite value on the wire.
-            self._local_nonfinite = not bool(torch.isfinite(bucket.buffer).all())
+            self._local_nonfinite = not all_finite(bucket.buffer)
         self._in_flight.append(self._thread.submit(self._reduce, bucket))
         self._next_launch = bucket.index + 1
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ddp_plugin.codecs.base import Codec
+from ddp_plugin.hookspecs import completed_future
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -17,16 +18,14 @@ class _CastCodec(Codec):
 
     def reduce(self, tensor: Tensor, group, n, bucket, offset, state) -> torch.futures.Future:
         # Divide before casting and summing (as torch's fp16 hook): the sum of n values each below
-        # fp16's maximum (65504) / n stays finite, where summing first could overflow.
-        low = torch.div(tensor, n).to(self.dtype)
-        fut = self.comm.all_reduce(low, group=group, async_op=True).get_future()
-
-        def decompress(_: torch.futures.Future) -> Tensor:
-            # A local copy, no collective: allowed in a callback.
-            tensor.copy_(low)
-            return tensor
-
-        return fut.then(decompress)
+        # fp16's maximum (65504) / n stays finite, where summing first could overflow. The tensor is divided in
+        # place (it receives the mean anyway) and cast into the communicator's arena: nothing is allocated per
+        # bucket and step. Blocking, so the arena is free again when the next bucket is coded.
+        low = self.comm.scratch(tensor.numel(), self.dtype, tensor.device)
+        low.copy_(tensor.div_(n).view(-1))
+        self.comm.all_reduce(low, group=group)
+        tensor.view(-1).copy_(low)
+        return completed_future(tensor)
 
 
 class Fp16Codec(_CastCodec):

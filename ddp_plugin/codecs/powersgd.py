@@ -10,6 +10,7 @@ import torch
 from ddp_plugin.checks import check_bool, check_int, check_number
 from ddp_plugin.codecs.base import BucketState, Codec, state_key
 from ddp_plugin.codecs.int8 import finite_or_zero
+from ddp_plugin.finite import all_finite
 from ddp_plugin.hookspecs import completed_future, local_tensor
 
 if TYPE_CHECKING:
@@ -170,7 +171,11 @@ class PowerSGDCodec(Codec):
         segments = self.segments(tensor, bucket, offset)
         x = tensor
         if self.error_feedback:
-            x = tensor + state.residual if state.residual is not None else tensor.clone()
+            # x = gradient + residual, in the residual's own memory (it becomes the next residual below): no
+            # bucket-sized tensor is allocated per step.
+            residual = state.residual
+            usable = residual is not None and residual.shape == tensor.shape and residual.device == tensor.device
+            x = residual.add_(tensor) if usable else tensor.clone()
 
         # The uncompressed rest first, averaged exactly; it travels while the matrix products run.
         rest = self._rest.get(state_key(bucket))
@@ -204,7 +209,7 @@ class PowerSGDCodec(Codec):
             self.comm.all_reduce(q_flat, group=group, async_op=True).wait()
             q_flat.div_(n)
             # Warm start reuses Q; a non-finite gradient would otherwise leave NaN in every later step.
-            state.q = q_flat if torch.isfinite(q_flat).all() else None
+            state.q = q_flat if all_finite(q_flat) else None
             # Decompress in place (M is no longer needed): the tensor's matrices become P Q^T.
             for (o, rows, cols), p, q in zip(segments, ps, qs):
                 torch.matmul(p, q.t(), out=tensor[o : o + rows * cols].view(rows, cols))
@@ -212,7 +217,7 @@ class PowerSGDCodec(Codec):
         rest_work.wait()
         tensor[rest] = rest_values
         if self.error_feedback:
-            residual = x.sub_(tensor)  # x is a private copy here
+            residual = x.sub_(tensor)  # x is the residual's memory or a private copy here
             residual[rest] = 0
             state.residual = finite_or_zero(residual)
         return completed_future(tensor)

@@ -58,8 +58,13 @@ class TopKCodec(Codec):
         k = self.kept(numel)
         x = tensor.float()  # the tensor itself when it is float32: only read unless error feedback copies it
         if self.error_feedback:
-            x = x + state.residual if state.residual is not None else x.clone()
-        indices = x.abs().topk(k, sorted=False).indices
+            # x = gradient + residual in the residual's own memory (the next residual): nothing bucket-sized is
+            # allocated for it per step.
+            residual = state.residual
+            usable = residual is not None and residual.shape == x.shape and residual.device == x.device
+            x = residual.add_(x) if usable else x.clone()
+        magnitudes = self.comm.scratch(numel, torch.float32, x.device)
+        indices = torch.abs(x, out=magnitudes).topk(k, sorted=False).indices
         values = x[indices]
         if self.error_feedback:
             x[indices] = 0
@@ -73,7 +78,7 @@ class TopKCodec(Codec):
         ]
         for work in works:
             work.wait()
-        out = torch.zeros(numel, dtype=torch.float32, device=tensor.device)
+        out = self.comm.scratch(numel, torch.float32, tensor.device).zero_()  # the magnitudes are done with
         # One rank's indices are distinct, so each index_add_ touches every slot at most once: the result does
         # not depend on the order of atomic adds (CUDA), only on the rank order, which is fixed.
         for r in range(n):

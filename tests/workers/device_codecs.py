@@ -53,7 +53,8 @@ def run(name: str, device: torch.device, group: dist.ProcessGroup, data: torch.T
     if device.type == "cuda":
         torch.cuda.synchronize()
     fields = codec.states[0].as_dict() if 0 in codec.states else {}
-    state = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in fields.items()}
+    # Copied: the codec updates its residuals in place on the next reduction (below).
+    state = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in fields.items()}
     state_devices = sorted({str(v.device) for v in fields.values() if torch.is_tensor(v)})
     saved, rank_saved = codec.on_save_state_dict(), codec.on_save_rank_state_dict()
     resumed = BUILTIN_CODECS[name](**OPTIONS[name])
