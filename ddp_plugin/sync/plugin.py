@@ -167,11 +167,14 @@ class ModuleChunks:
             width = max(z - a for a, z in spans)
             if width == 0:
                 continue
-            part = torch.zeros(width, dtype=self.buckets[b].buffer.dtype, device=t.device)
+            # This rank's part is written straight into its place in the gathered buffer (an in-place
+            # all-gather): one range-sized buffer per range, not two.
+            full = torch.empty(width * t.ranks_per_node, dtype=self.buckets[b].buffer.dtype, device=t.device)
+            part = full[t.local_rank * width : (t.local_rank + 1) * width]
             a, z = spans[t.local_rank]
             if z > a:
                 part[: z - a].copy_(mine(b, a, z))
-            full = part.new_empty(width * t.ranks_per_node)
+            part[max(z - a, 0) :].zero_()
             self.comm.all_gather(full, part, group=group)
             yield b, lo, hi, spans, full, width
 
@@ -183,9 +186,12 @@ class ModuleChunks:
             return list(mine.values())
         out = []
         for b, lo, hi, spans, full, width in self._gathered(ranges, lambda b, a, z: mine[b].values, group):
-            values = full.new_empty(hi - lo)
-            for l, (a, z) in enumerate(spans):
-                values[a - lo : z - lo].copy_(full[l * width : l * width + z - a])
+            if all(a - lo == l * width for l, (a, z) in enumerate(spans) if z > a):
+                values = full[: hi - lo]  # the parts lie in order at multiples of the width: the range itself
+            else:
+                values = full.new_empty(hi - lo)
+                for l, (a, z) in enumerate(spans):
+                    values[a - lo : z - lo].copy_(full[l * width : l * width + z - a])
             out.append(Update(b, lo, hi, values))
         return out
 
@@ -395,7 +401,13 @@ class OuterSync:
     def _send(self, fragment: int) -> None:
         pieces = self._pieces_of(fragment)
         snapshots = [self.access.read(p.bucket, p.lo, p.hi) for p in pieces]
-        pseudo = [p.outer.detach() - s for p, s in zip(pieces, snapshots)]
+        if self.schedule.staleness:
+            pseudo = [p.outer.detach() - s for p, s in zip(pieces, snapshots)]
+        else:
+            # Without staleness the snapshots serve only here (a sync is applied in the step that sent it, so
+            # none is in flight when a checkpoint saves them): the pseudo-gradients take their memory.
+            pseudo = [torch.sub(p.outer.detach(), s, out=s) for p, s in zip(pieces, snapshots)]
+            snapshots = [None] * len(pieces)
         result = self._thread.submit(self._outer_step, fragment, pieces, pseudo, snapshots)
         self.in_flight.append(InFlight(fragment, self.step + self.schedule.staleness, snapshots, result))
 
