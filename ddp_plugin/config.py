@@ -65,6 +65,7 @@ class StrategyConfig:
     zero_stage: int = 0
     shard_scope: str = "global"
     auto_wrap_policy: int | tuple[type | str, ...] = 1_000_000
+    prefetch_units: int = 1
     gradient_clip_norm: float | None = None
     checkpoint: str = "master"
     release_cpu_memory: bool | None = None
@@ -130,6 +131,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "zero_stage": lambda v: check_int("zero_stage", v, 0, 3, expected="an integer; allowed values: 0, 1, 2, 3"),
         "shard_scope": lambda v: check_choice("shard_scope", v, SHARD_SCOPES),
         "auto_wrap_policy": check_auto_wrap_policy,
+        "prefetch_units": lambda v: check_int("prefetch_units", v, 0, 2, expected="an integer; allowed values: 0, 1, 2"),
         "gradient_clip_norm": lambda v: None if v is None else check_positive_number("gradient_clip_norm", v),
         "checkpoint": lambda v: check_choice("checkpoint", v, CHECKPOINT_MODES),
         "release_cpu_memory": lambda v: check_bool("release_cpu_memory", v, none=True),

@@ -32,6 +32,7 @@ def build_plugin_manager(
     shard_scope: str = "global",
     auto_wrap_policy: Any = None,
     sync: dict[str, Any] | None = None,
+    prefetch_units: int = 1,
 ) -> pluggy.PluginManager:
     """Register, in order: the built-in defaults (``trylast``; the hierarchical or the flat reducer), the
     traffic accounting, the ZeRO sharder (``zero_stage`` 1-3), the built-in codec ``compression`` names
@@ -50,7 +51,7 @@ def build_plugin_manager(
     }
     if zero_stage:
         # Answers `on_bucket_ready` before the reducer: gradients are reduced to this rank's shard only.
-        builtins["zero_sharder"] = ZeroSharder(zero_stage, shard_scope, auto_wrap_policy)
+        builtins["zero_sharder"] = ZeroSharder(zero_stage, shard_scope, auto_wrap_policy, prefetch_units)
     if compression in BUILTIN_CODECS:
         builtins[compression] = BUILTIN_CODECS[compression](**dict(compression_options or {}))
     if sync is not None and sync["every"] > 1:
@@ -75,7 +76,7 @@ def build_for(config: StrategyConfig, hierarchical: bool) -> pluggy.PluginManage
     return build_plugin_manager(
         config.compression, config.plugins, hierarchical=hierarchical, compression_options=config.compression_options,
         zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
-        sync={"every": config.sync_every, "outer_optimizer": config.outer_optimizer,
+        prefetch_units=config.prefetch_units, sync={"every": config.sync_every, "outer_optimizer": config.outer_optimizer,
               "fragments": config.sync_fragments, "staleness": config.max_staleness,
               "warmup": config.sync_warmup_steps},
     )

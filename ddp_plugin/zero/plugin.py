@@ -45,7 +45,8 @@ class ZeroSharder:
     ``on_grad_norms`` computes their norms from the shards. Frozen parameters are not sharded.
     """
 
-    def __init__(self, stage: int, shard_scope: str = "global", auto_wrap_policy: Any = None) -> None:
+    def __init__(self, stage: int, shard_scope: str = "global", auto_wrap_policy: Any = None,
+                 prefetch_units: int = 1) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"`zero_stage={stage!r}`: the sharder handles stages 1, 2, 3.")
         if shard_scope not in ("global", "node"):
@@ -53,6 +54,7 @@ class ZeroSharder:
         self.stage = stage
         self.shard_scope = shard_scope
         self.policy = check_auto_wrap_policy(auto_wrap_policy)
+        self.prefetch_units = prefetch_units
         self._plan: UnitPlan | None = None
         self.shards: Shards | None = None
         self.units: Units | None = None
@@ -82,7 +84,7 @@ class ZeroSharder:
             unit_buckets = {b for b, (name, _) in enumerate(self._plan.order) if name}
         self.shards = Shards(buckets, layout, comm, release_gradients=self.stage >= 2,
                              release_parameters=unit_buckets)
-        self.units = Units(self._plan, self.shards) if self.stage == 3 else None
+        self.units = Units(self._plan, self.shards, self.prefetch_units) if self.stage == 3 else None
         if self.stage == 1:
             self._register_stage_1_hooks()
         self.optimizers = ShardedOptimizers(self.shards, self.shards.make_pieces(), self.stage)

@@ -1,8 +1,9 @@
 """ZeRO stage 3 units: which modules share one gathered bucket of parameters, and their lifecycle.
 
 A unit's parameters are gathered before its forward, freed after it, gathered again before its backward (a
-hook on its outputs' gradients) and freed once backward has produced all of its gradients. The next unit in
-forward order (previous in backward order) is prefetched. Parameters shared by several units (tied weights)
+hook on its outputs' gradients) and freed once backward has produced all of its gradients. The next units in
+forward order (previous in backward order), ``prefetch`` of them, are gathered ahead, asynchronously, while the
+current one computes. Parameters shared by several units (tied weights)
 and those of no unit live in the root unit, which stays gathered. A unit is always made of modules that are
 called: a container (``nn.ModuleList``, ``nn.ModuleDict``) is never one, since its forward hooks never fire;
 the blocks inside it are grouped into units instead.
@@ -204,8 +205,10 @@ class Units:
     """Stage 3 at run time: the units over ``shards`` (whose non-root units hold only their shard at first),
     the module hooks that gather and free them, and the peak of gathered bytes (metrics)."""
 
-    def __init__(self, plan: UnitPlan, shards: Shards) -> None:
+    def __init__(self, plan: UnitPlan, shards: Shards, prefetch: int = 1) -> None:
         self.shards = shards
+        self.prefetch = prefetch
+        """Units gathered ahead of the one running (0: none; 1: the next, as FSDP; 2: the next two)."""
         self.units: list[Unit] = []
         self.of_bucket: dict[int, Unit] = {}
         self.handles: list[Any] = []
@@ -267,13 +270,17 @@ class Units:
                 self.free(unit)
 
     def _prefetch(self, unit: Unit, step: int) -> None:
+        """Start gathering the ``prefetch`` units after ``unit`` in forward order (``step`` +1) or before it
+        (backward, -1), asynchronously: their all-gathers run while ``unit`` computes."""
         if not self.order_known or unit not in self.forward_order:
             return
-        i = self.forward_order.index(unit) + step
-        if 0 <= i < len(self.forward_order):
-            nxt = self.forward_order[i]
-            if not nxt.gathered:
-                self._start_gather(nxt, async_op=True)
+        at = self.forward_order.index(unit)
+        for ahead in range(1, self.prefetch + 1):
+            i = at + step * ahead
+            if 0 <= i < len(self.forward_order):
+                nxt = self.forward_order[i]
+                if not nxt.gathered:
+                    self._start_gather(nxt, async_op=True)
 
     # ------------------------------------------------------------------ hooks
 
@@ -322,8 +329,9 @@ class Units:
 
     @property
     def largest_unit_bytes(self) -> int:
-        """Bytes of the largest unit's gathered parameters (what forward and backward add to the shards; twice
-        that while the next unit is prefetched). The root unit, always gathered, counts too."""
+        """Bytes of the largest unit's gathered parameters (what forward and backward add to the shards; up to
+        1 + ``prefetch`` times that while the next units are prefetched). The root unit, always gathered, counts
+        too."""
         entries = self.shards.entries
         return max((entries[u.bucket].full.numel() * entries[u.bucket].full.element_size() for u in self.units),
                    default=0)
