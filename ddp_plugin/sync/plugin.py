@@ -181,18 +181,13 @@ class ModuleChunks:
     def spread(self, ranges: Sequence[tuple[int, int, int]], mine: Mapping[int, Update],
                group: dist.ProcessGroup) -> list[Update]:
         """Every ``(b, lo, hi)`` range whole, from each rank's part of it (``mine``, by bucket: this rank's
-        chunk's intersection with the range)."""
+        chunk's intersection with the range), as one update per part, viewing the buffer it was gathered into."""
         if self.topology.ranks_per_node == 1:
             return list(mine.values())
         out = []
-        for b, lo, hi, spans, full, width in self._gathered(ranges, lambda b, a, z: mine[b].values, group):
-            if all(a - lo == l * width for l, (a, z) in enumerate(spans) if z > a):
-                values = full[: hi - lo]  # the parts lie in order at multiples of the width: the range itself
-            else:
-                values = full.new_empty(hi - lo)
-                for l, (a, z) in enumerate(spans):
-                    values[a - lo : z - lo].copy_(full[l * width : l * width + z - a])
-            out.append(Update(b, lo, hi, values))
+        for b, _, _, spans, full, width in self._gathered(ranges, lambda b, a, z: mine[b].values, group):
+            # One update per local rank's part, viewing the gathered buffer: nothing is copied into a range.
+            out += [Update(b, a, z, full[l * width : l * width + z - a]) for l, (a, z) in enumerate(spans) if z > a]
         return out
 
     def publish(self, ranges: Sequence[tuple[int, int, int]]) -> None:
@@ -441,12 +436,15 @@ class OuterSync:
     def _updates(self, fragment: int, pieces: list[Piece], snapshots: list[Tensor]) -> list[Update]:
         """What the replica takes from the stepped global copy ``x``: ``x`` itself with ``max_staleness=0`` (every
         rank then holds the same bits), else ``x - s``, added to the replica at apply time so the inner steps
-        taken while the average was in flight are kept. At stage 0 every range of the fragment, gathered inside
-        the node (a collective over the node); at stages 1-3 this rank's pieces (the sharder spreads them)."""
+        taken while the average was in flight are kept. At stage 0 with staleness every range of the fragment,
+        gathered inside the node (a collective over the node); else this rank's pieces (at stages 1-3 the sharder
+        spreads them, at stage 0 :meth:`_apply` gathers the fragment inside the node)."""
         mine = {p.bucket: Update(p.bucket, p.lo, p.hi, p.outer.detach() if not self.schedule.staleness
                                  else p.outer.detach() - s) for p, s in zip(pieces, snapshots)}
-        if self.spreads:
+        if self.spreads and self.schedule.staleness:
             return self.access.spread(self.fragment_ranges[fragment], mine, self.intra)
+        # Without staleness the training thread waits for the sync anyway: it writes this rank's part and the
+        # node gathers the fragment range by range there (_apply), holding one range at a time, not all of them.
         return list(mine.values())
 
     def _apply(self, flight: InFlight) -> None:
@@ -460,6 +458,8 @@ class OuterSync:
                 self.access.add(u.bucket, u.lo, u.hi, u.values)
             else:
                 self.access.write(u.bucket, u.lo, u.hi, u.values)
+        if self.spreads and not self.schedule.staleness:
+            self.access.publish(self.fragment_ranges[flight.fragment])
         self.syncs += 1
         self._drift.append(drift)
 

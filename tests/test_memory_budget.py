@@ -1,0 +1,108 @@
+"""The memory budget of every setting (docs/zero.md#memory-budget): the most a training step holds on the heap, per
+rank, held to the budget's formula, and for the synchronous stage-0 paths to what Lightning ``ddp`` holds in the
+same launch.
+
+One launch of 4 ranks (2 simulated nodes x 2) trains the same MLP with AdamW under every setting in turn
+(tests/workers/memory_run.py), with the heap tracker of ``ddp_plugin.testing.heap`` in ``LD_PRELOAD``: it counts
+every byte ``malloc``-ed and not yet freed, by every thread (the communication thread's codec scratch, gloo's
+buffers, autograd's gradients), and the highest count of each step. A regression test, not a timing: a buffer
+that comes back per step (a bucket-sized temporary in a codec or a collective) or one kept for good shows up
+as bytes above the budget, whatever the machine's speed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddp_plugin.testing import heap
+from tests.support import WORKERS, run_python
+
+pytestmark = pytest.mark.skipif(heap.compiler() is None, reason="the heap tracker is compiled with cc or gcc")
+
+NODES, PER_NODE = 2, 2
+WORLD = NODES * PER_NODE
+SETTINGS = ["ddp", "flat", "hier", "hier_fp16", "hier_int8", "hier_powersgd", "flat_int8", "diloco", "streaming",
+            "streaming_int8", "zero1", "zero2", "zero3", "zero3_prefetch2"]
+AT_MOST_DDP = ["flat", "hier", "hier_fp16", "hier_int8", "hier_powersgd"]
+"""The synchronous stage-0 paths: no more than Lightning ``ddp``, which keeps its reducer's buckets beside the
+gradients (S), where ours reduce the gradients where they lie."""
+FRAGMENTS = 4  # the worker's streaming settings: sync_every=4, sync_fragments=4, max_staleness=1
+
+
+def budget(setting: str, m: dict) -> float:
+    """Bytes a rank may hold at a step's peak above the model's parameters: what it keeps between steps plus
+    what a step adds. The formulas of docs/zero.md's table: S gradient bytes (= parameter bytes, fp32), AdamW
+    state 2S, B the largest bucket, G the largest parameter, U the largest stage 3 unit, k ranks per node, n
+    nodes, N ranks, F fragments."""
+    S, B, G, U = m["grads"], m["largest_bucket"], m["largest_param"], m["largest_unit"]
+    k, n, N, F = PER_NODE, NODES, WORLD, FRAGMENTS
+    step = 2 * G  # autograd's fresh gradient of a parameter before it lands in its bucket; gloo's ring chunks
+    arena = B / k  # the communicator's arena: the reduce-scatter receives a chunk there, a codec codes in it
+    outer = 2 * S / k  # sync modes: the global copy of this rank's chunk and its outer momentum
+    int8_state = S / k + S / (k * n)  # int8's residuals: the shard's, and its chunk's of the mean
+    fragment = S / (k * F)  # this rank's part of a fragment
+    gathered = min(k * S / F, S)  # a fragment gathered inside the node (ranges padded to their widest part)
+    # Streaming (staleness 1): a fragment in flight (its snapshot and its gathered update) and one on the outer
+    # thread (snapshot, pseudo-gradient, the outer step's temporary, the gathered buffer).
+    streaming = fragment + gathered + 3 * fragment + gathered
+    return {
+        "ddp": 4 * S + step,
+        "flat": 3 * S + step,
+        "hier": 3 * S + arena + step,
+        "hier_fp16": 3 * S + arena + step,  # cast into the arena
+        "hier_int8": 3 * S + arena + int8_state + B / (2 * k) + step,  # + two int8 copies of a shard
+        "hier_powersgd": 3 * S + arena + S / k + S / (4 * k) + step,  # + residual and the uncompressed-part mask
+        "flat_int8": 3 * S + B + S + S / N + B / 2 + step,  # the whole bucket is coded (in the arena)
+        "diloco": 3 * S + outer + S / k + B + step,  # at a sync: the pseudo-gradient, one range gathered
+        "streaming": 3 * S + outer + streaming + step,
+        "streaming_int8": 3 * S + outer + streaming + int8_state + fragment + step,
+        "zero1": S + 2 * S / N + arena + B / k + step,  # whole gradients, 1/N of the state, the node's block
+        "zero2": 3 * S / N + arena + B / k + S + step,  # + the buckets a backward fills before they are reduced
+        "zero3": -S + 4 * S / N + arena + B / k + S + 2 * U + step,  # parameters sharded; a unit + one prefetched
+        "zero3_prefetch2": -S + 4 * S / N + arena + B / k + S + 3 * U + step,
+    }[setting]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("memory")
+    lib = heap.build(folder)
+    out = folder / "memory.json"
+    env = heap.preload_env(lib, env={})
+    run_python(WORKERS / "memory_run.py", "--out", out, "--runs", ",".join(SETTINGS), "--devices", str(WORLD),
+               "--devices-per-node", str(PER_NODE), "--width", "768", "--layers", "4", "--bucket-mb", "4",
+               env=env, timeout=900)
+    return json.loads(out.read_text())
+
+
+def slack(m: dict) -> float:
+    """What the formulas leave out: activations of a batch of 8, Lightning's and Python's own objects."""
+    return 0.1 * m["grads"] + 2**20
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_a_steps_peak_stays_within_the_budget(measured, setting):
+    for rank, m in enumerate(measured[setting]):
+        limit = budget(setting, m) + slack(m)
+        assert m["peak"] <= limit, (
+            f"{setting}, rank {rank}: {m['peak'] / 1e6:.2f} MB at a step's peak (kept {m['kept'] / 1e6:.2f} +"
+            f" step {m['step'] / 1e6:.2f}) above the parameters, budget {limit / 1e6:.2f} MB"
+            f" (S = {m['grads'] / 1e6:.2f} MB)")
+
+
+@pytest.mark.parametrize("setting", AT_MOST_DDP)
+def test_synchronous_paths_hold_no_more_than_lightning_ddp(measured, setting):
+    ddp = max(m["peak"] for m in measured["ddp"])
+    ours = max(m["peak"] for m in measured[setting])
+    assert ours <= ddp, f"{setting}: {ours / 1e6:.2f} MB at a step's peak, Lightning ddp {ddp / 1e6:.2f} MB"
+
+
+def test_the_tracker_sees_what_the_formulas_name(measured):
+    # The measurement itself: ddp keeps gradients, its reducer's buckets and AdamW's state (4 S), ZeRO-3 over 4
+    # ranks keeps a quarter of parameters, gradients and state (the full parameters freed: below zero).
+    ddp, zero3 = measured["ddp"][0], measured["zero3"][0]
+    assert 3.9 * ddp["grads"] <= ddp["kept"] <= 4.3 * ddp["grads"]
+    assert zero3["kept"] < 0.5 * zero3["grads"]
+    assert all(m["step"] > 0 for runs in measured.values() for m in runs)
