@@ -60,6 +60,7 @@ MB = 1e6
 CONTENDERS: dict[str, tuple[str, str, str | None]] = {
     "lightning_ddp": ("Lightning `ddp`", "lightning_ddp", "capped"),
     "fsdp2_hybrid": ("torch FSDP2 hybrid sharding (2 nodes x 2 shards)", "fsdp2_hybrid", "capped"),
+    "fsdp2_full": ("torch FSDP2 full sharding (over all 4 ranks)", "fsdp2_full", "capped"),
     "ours_flat": ("ours, flat (`hierarchical=False`)", "ours_flat", "capped"),
     "ours_hier": ("ours, hierarchical", "ours_hier", "capped"),
     "ours_hier_fp16": ("ours, hierarchical + fp16", "ours_hier_fp16", "capped"),
@@ -78,15 +79,19 @@ CONTENDERS: dict[str, tuple[str, str, str | None]] = {
     "ours_zero1": ("ours, ZeRO-1 (hierarchical, global shards)", "ours_zero1", "capped"),
     "ours_zero2": ("ours, ZeRO-2 (hierarchical, global shards)", "ours_zero2", "capped"),
     "ours_zero3": ("ours, ZeRO-3 (hierarchical, global shards)", "ours_zero3", "capped"),
+    "ours_zero3_prefetch2": ("ours, ZeRO-3 (global shards, `prefetch_units=2`)", "ours_zero3_prefetch2", "capped"),
     "ours_zero3_node": ("ours, ZeRO-3 (hierarchical, shards inside a node)", "ours_zero3_node", "capped"),
 }
 ZERO_CONTENDERS = tuple(c for c in CONTENDERS if c.startswith(("deepspeed_zero", "ours_zero")))
 SYNC_CONTENDERS = {"ours_diloco16": (16, 1), "ours_diloco16_streaming": (16, 1), "ours_diloco16_streaming_int8": (16, 4)}
 """Sync-mode contenders: (sync_every H, codec ratio c); the acceptance bound on cross-node bytes is S / (c H)."""
 SYNC_FLOOR_RATIO = 1.10  # the acceptance bound on a sync mode's step time, x the uncapped floor's
-DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ZERO_CONTENDERS and c not in SYNC_CONTENDERS)
+DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ZERO_CONTENDERS and c not in SYNC_CONTENDERS
+                           and c != "fsdp2_full")
 OPTIMIZERS = {"sgd": "SGD(lr=0.01, momentum=0.9)", "adamw": "AdamW(lr=1e-3), torch's other defaults"}
 ACCEPTANCE_BYTES = 1.02  # x S, per node and step, hierarchical without a codec
+ZERO3_RSS_MARGIN_MB = 140  # ours at ZeRO-3 over every rank: peak RSS at least this far below Lightning ddp's
+ZERO3_STEP_RATIO = 1.3  # ... and a step within this multiple of ddp's
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -418,6 +423,8 @@ def write_markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[st
         lines += ["", "## Acceptance (hierarchical, no codec)", "", *_acceptance_section(ok, ref)]
     if names & set(SYNC_CONTENDERS):
         lines += ["", "## Sync modes against the uncapped floor", "", *_sync_section(ok)]
+    if ref is not None and len(ok) > 1:
+        lines += ["", "## Memory against Lightning `ddp`", "", *_memory_section(ok, ref)]
     if png is not None:
         lines += ["", f"![step time and cross-node bytes]({png.name})"]
     lines += ["", f"_Total benchmark wall time {wall_s:.0f} s._", ""]
@@ -439,6 +446,28 @@ def _acceptance_section(ok: list[dict[str, Any]], ref: dict[str, Any] | None) ->
             faster = hier["median_s"] < other["median_s"]
             lines.append(f"- step time vs {label}: {hier['median_s']:.3f} s against {other['median_s']:.3f} s"
                          f" (ratio {hier['median_s'] / other['median_s']:.3f}): **{'faster' if faster else 'NOT faster'}**")
+    return lines
+
+
+def _memory_section(ok: list[dict[str, Any]], ref: dict[str, Any]) -> list[str]:
+    """Each contender's peak RSS per rank against Lightning ``ddp``'s (limit for ours without ZeRO sharding: at
+    most ``ddp``'s; for ours at ZeRO-3 over every rank: at least ``ZERO3_RSS_MARGIN_MB`` below it, and a step
+    within ``ZERO3_STEP_RATIO`` x ``ddp``'s)."""
+    lines = [f"Peak RSS per rank (max over ranks) and median step time against Lightning `ddp`'s"
+             f" {ref['peak_rss_mb']:.0f} MB and {ref['median_s']:.3f} s in this run.", ""]
+    for r in ok:
+        if r is ref or r["name"] == "uncapped_floor":
+            continue
+        delta = r["peak_rss_mb"] - ref["peak_rss_mb"]
+        ratio = r["median_s"] / ref["median_s"]
+        line = f"- {r['label']}: {r['peak_rss_mb']:.0f} MB ({delta:+.0f} MB), step {ratio:.3f}x"
+        if r["name"].startswith("ours_zero3") and r["name"] != "ours_zero3_node":
+            ok_rss, ok_step = -delta >= ZERO3_RSS_MARGIN_MB, ratio <= ZERO3_STEP_RATIO
+            line += (f": at least {ZERO3_RSS_MARGIN_MB} MB below **{'holds' if ok_rss else 'FAILS'}**, within"
+                     f" {ZERO3_STEP_RATIO}x **{'holds' if ok_step else 'FAILS'}**")
+        elif r["name"].startswith("ours_") and not r["name"].startswith("ours_zero"):
+            line += f": at most `ddp`'s **{'holds' if delta <= 0 else 'FAILS'}**"
+        lines.append(line)
     return lines
 
 

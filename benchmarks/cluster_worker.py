@@ -64,6 +64,7 @@ LIGHTNING_CONTENDERS = {
     "ours_zero1": {"zero_stage": 1, "shard_scope": "global"},
     "ours_zero2": {"zero_stage": 2, "shard_scope": "global"},
     "ours_zero3": {"zero_stage": 3, "shard_scope": "global"},
+    "ours_zero3_prefetch2": {"zero_stage": 3, "shard_scope": "global", "prefetch_units": 2},
     "ours_zero3_node": {"zero_stage": 3, "shard_scope": "node"},
     # Sync modes: nodes synchronize every 16 steps (DiLoCo: Nesterov outer step on the averaged pseudo-gradient).
     # Streaming: 16 fragments on a staggered schedule (S/16 crosses after every step), each outer all-reduce in the
@@ -73,7 +74,7 @@ LIGHTNING_CONTENDERS = {
     "ours_diloco16_streaming_int8": {"sync_every": 16, "sync_fragments": 16, "max_staleness": 1,
                                      "compression": "int8"},
 }
-TORCH_CONTENDERS = ("fsdp2_hybrid", "torch_ddp_powersgd")
+TORCH_CONTENDERS = ("fsdp2_hybrid", "fsdp2_full", "torch_ddp_powersgd")
 DEEPSPEED_CONTENDERS = {"deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3}  # name -> ZeRO stage
 CONTENDERS = (*LIGHTNING_CONTENDERS, *TORCH_CONTENDERS, *DEEPSPEED_CONTENDERS)
 LR = {"sgd": 1e-2, "adamw": 1e-3}
@@ -438,13 +439,18 @@ def run_torch(args: argparse.Namespace) -> dict[str, Any]:
     net = build_net(args)
     grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
 
-    if args.contender == "fsdp2_hybrid":
+    if args.contender in ("fsdp2_hybrid", "fsdp2_full"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        # HSDP: shard inside a node (fast), replicate across nodes: gradients are reduce-scattered inside the node,
-        # then each shard is all-reduced over the nodes (S/k per rank on the slow link).
-        mesh = init_device_mesh("cpu", (world // local_world, local_world), mesh_dim_names=("replicate", "shard"))
+        if args.contender == "fsdp2_hybrid":
+            # HSDP: shard inside a node (fast), replicate across nodes: gradients are reduce-scattered inside the
+            # node, then each shard is all-reduced over the nodes (S/k per rank on the slow link).
+            mesh = init_device_mesh("cpu", (world // local_world, local_world), mesh_dim_names=("replicate", "shard"))
+        else:
+            # Full sharding over every rank (ZeRO-3's layout): FSDP2's default, one unit per Linear plus the root;
+            # FSDP2 prefetches the next unit's all-gather (forward and backward) by default.
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
         for layer in net:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
