@@ -82,12 +82,20 @@ CONTENDERS: dict[str, tuple[str, str, str | None]] = {
     "ours_zero3_prefetch2": ("ours, ZeRO-3 (global shards, `prefetch_units=2`)", "ours_zero3_prefetch2", "capped"),
     "ours_zero3_node": ("ours, ZeRO-3 (hierarchical, shards inside a node)", "ours_zero3_node", "capped"),
 }
+# Each of ours with the other glibc setting (`release_cpu_memory`): on for the stage-0 paths, off for ZeRO-2/3.
+CONTENDERS.update({f"{name}_release": (f"{label}, `release_cpu_memory=True`", f"{worker}_release", rate)
+                   for name, (label, worker, rate) in list(CONTENDERS.items())
+                   if name.startswith(("ours_hier", "ours_flat", "ours_diloco"))})
+CONTENDERS.update({f"{name}_keep_heap": (f"{label}, `release_cpu_memory=False`", f"{worker}_keep_heap", rate)
+                   for name, (label, worker, rate) in list(CONTENDERS.items())
+                   if name in ("ours_zero2", "ours_zero3", "ours_zero3_prefetch2")})
+GLIBC_CONTENDERS = tuple(c for c in CONTENDERS if c.endswith(("_release", "_keep_heap")))
 ZERO_CONTENDERS = tuple(c for c in CONTENDERS if c.startswith(("deepspeed_zero", "ours_zero")))
 SYNC_CONTENDERS = {"ours_diloco16": (16, 1), "ours_diloco16_streaming": (16, 1), "ours_diloco16_streaming_int8": (16, 4)}
 """Sync-mode contenders: (sync_every H, codec ratio c); the acceptance bound on cross-node bytes is S / (c H)."""
 SYNC_FLOOR_RATIO = 1.10  # the acceptance bound on a sync mode's step time, x the uncapped floor's
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ZERO_CONTENDERS and c not in SYNC_CONTENDERS
-                           and c != "fsdp2_full")
+                           and c not in GLIBC_CONTENDERS and c != "fsdp2_full")
 OPTIMIZERS = {"sgd": "SGD(lr=0.01, momentum=0.9)", "adamw": "AdamW(lr=1e-3), torch's other defaults"}
 ACCEPTANCE_BYTES = 1.02  # x S, per node and step, hierarchical without a codec
 ZERO3_RSS_MARGIN_MB = 140  # ours at ZeRO-3 over every rank: peak RSS at least this far below Lightning ddp's

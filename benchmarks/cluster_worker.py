@@ -74,6 +74,14 @@ LIGHTNING_CONTENDERS = {
     "ours_diloco16_streaming_int8": {"sync_every": 16, "sync_fragments": 16, "max_staleness": 1,
                                      "compression": "int8"},
 }
+# The glibc setting per path (`release_cpu_memory`): each stage-0 path with it on, ZeRO-2/3 with it off (their default
+# is on), to choose the default by measurement.
+LIGHTNING_CONTENDERS.update({f"{name}_release": {**kw, "release_cpu_memory": True}
+                             for name, kw in list(LIGHTNING_CONTENDERS.items())
+                             if name.startswith(("ours_hier", "ours_flat", "ours_diloco"))})
+LIGHTNING_CONTENDERS.update({f"{name}_keep_heap": {**kw, "release_cpu_memory": False}
+                             for name, kw in list(LIGHTNING_CONTENDERS.items())
+                             if name in ("ours_zero2", "ours_zero3", "ours_zero3_prefetch2")})
 TORCH_CONTENDERS = ("fsdp2_hybrid", "fsdp2_full", "torch_ddp_powersgd")
 DEEPSPEED_CONTENDERS = {"deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3}  # name -> ZeRO stage
 CONTENDERS = (*LIGHTNING_CONTENDERS, *TORCH_CONTENDERS, *DEEPSPEED_CONTENDERS)
