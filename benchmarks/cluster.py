@@ -79,7 +79,7 @@ CONTENDERS: dict[str, tuple[str, str, str | None]] = {
     "ours_zero1": ("ours, ZeRO-1 (hierarchical, global shards)", "ours_zero1", "capped"),
     "ours_zero2": ("ours, ZeRO-2 (hierarchical, global shards)", "ours_zero2", "capped"),
     "ours_zero3": ("ours, ZeRO-3 (hierarchical, global shards)", "ours_zero3", "capped"),
-    "ours_zero3_prefetch2": ("ours, ZeRO-3 (global shards, `prefetch_units=2`)", "ours_zero3_prefetch2", "capped"),
+    "ours_zero3_prefetch1": ("ours, ZeRO-3 (global shards, `prefetch_units=1`)", "ours_zero3_prefetch1", "capped"),
     "ours_zero3_node": ("ours, ZeRO-3 (hierarchical, shards inside a node)", "ours_zero3_node", "capped"),
 }
 # Each of ours with the other glibc setting (`release_cpu_memory`): on for the stage-0 paths, off for ZeRO-2/3.
@@ -88,7 +88,7 @@ CONTENDERS.update({f"{name}_release": (f"{label}, `release_cpu_memory=True`", f"
                    if name.startswith(("ours_hier", "ours_flat", "ours_diloco"))})
 CONTENDERS.update({f"{name}_keep_heap": (f"{label}, `release_cpu_memory=False`", f"{worker}_keep_heap", rate)
                    for name, (label, worker, rate) in list(CONTENDERS.items())
-                   if name in ("ours_zero2", "ours_zero3", "ours_zero3_prefetch2")})
+                   if name in ("ours_zero2", "ours_zero3", "ours_zero3_prefetch1")})
 GLIBC_CONTENDERS = tuple(c for c in CONTENDERS if c.endswith(("_release", "_keep_heap")))
 ZERO_CONTENDERS = tuple(c for c in CONTENDERS if c.startswith(("deepspeed_zero", "ours_zero")))
 SYNC_CONTENDERS = {"ours_diloco16": (16, 1), "ours_diloco16_streaming": (16, 1), "ours_diloco16_streaming_int8": (16, 4)}

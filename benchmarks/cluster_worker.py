@@ -64,7 +64,7 @@ LIGHTNING_CONTENDERS = {
     "ours_zero1": {"zero_stage": 1, "shard_scope": "global"},
     "ours_zero2": {"zero_stage": 2, "shard_scope": "global"},
     "ours_zero3": {"zero_stage": 3, "shard_scope": "global"},
-    "ours_zero3_prefetch2": {"zero_stage": 3, "shard_scope": "global", "prefetch_units": 2},
+    "ours_zero3_prefetch1": {"zero_stage": 3, "shard_scope": "global", "prefetch_units": 1},
     "ours_zero3_node": {"zero_stage": 3, "shard_scope": "node"},
     # Sync modes: nodes synchronize every 16 steps (DiLoCo: Nesterov outer step on the averaged pseudo-gradient).
     # Streaming: 16 fragments on a staggered schedule (S/16 crosses after every step), each outer all-reduce in the
@@ -81,7 +81,7 @@ LIGHTNING_CONTENDERS.update({f"{name}_release": {**kw, "release_cpu_memory": Tru
                              if name.startswith(("ours_hier", "ours_flat", "ours_diloco"))})
 LIGHTNING_CONTENDERS.update({f"{name}_keep_heap": {**kw, "release_cpu_memory": False}
                              for name, kw in list(LIGHTNING_CONTENDERS.items())
-                             if name in ("ours_zero2", "ours_zero3", "ours_zero3_prefetch2")})
+                             if name in ("ours_zero2", "ours_zero3", "ours_zero3_prefetch1")})
 TORCH_CONTENDERS = ("fsdp2_hybrid", "fsdp2_full", "torch_ddp_powersgd")
 DEEPSPEED_CONTENDERS = {"deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3}  # name -> ZeRO stage
 CONTENDERS = (*LIGHTNING_CONTENDERS, *TORCH_CONTENDERS, *DEEPSPEED_CONTENDERS)

@@ -65,7 +65,7 @@ class StrategyConfig:
     zero_stage: int = 0
     shard_scope: str = "global"
     auto_wrap_policy: int | tuple[type | str, ...] = 1_000_000
-    prefetch_units: int = 1
+    prefetch_units: int = 2
     gradient_clip_norm: float | None = None
     checkpoint: str = "master"
     release_cpu_memory: bool | None = None

@@ -135,7 +135,7 @@ _ZERO_IGNORED: dict[str, str] = {
         "no weight quantization: frozen parameters keep their dtype and are not sharded"
     ),
     "stage3_prefetch_bucket_size": (
-        "no counterpart in elements: stage 3 prefetches whole units, `prefetch_units` of them (default 1); choose"
+        "no counterpart in elements: stage 3 prefetches whole units, `prefetch_units` of them (default 2); choose"
         " the units with `auto_wrap_policy`"
     ),
     "stage3_param_persistence_threshold": _STAGE3_UNITS,

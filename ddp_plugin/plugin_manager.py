@@ -32,7 +32,7 @@ def build_plugin_manager(
     shard_scope: str = "global",
     auto_wrap_policy: Any = None,
     sync: dict[str, Any] | None = None,
-    prefetch_units: int = 1,
+    prefetch_units: int = 2,
 ) -> pluggy.PluginManager:
     """Register, in order: the built-in defaults (``trylast``; the hierarchical or the flat reducer), the
     traffic accounting, the ZeRO sharder (``zero_stage`` 1-3), the built-in codec ``compression`` names

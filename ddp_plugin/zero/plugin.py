@@ -46,7 +46,7 @@ class ZeroSharder:
     """
 
     def __init__(self, stage: int, shard_scope: str = "global", auto_wrap_policy: Any = None,
-                 prefetch_units: int = 1) -> None:
+                 prefetch_units: int = 2) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"`zero_stage={stage!r}`: the sharder handles stages 1, 2, 3.")
         if shard_scope not in ("global", "node"):

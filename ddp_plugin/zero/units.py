@@ -205,10 +205,10 @@ class Units:
     """Stage 3 at run time: the units over ``shards`` (whose non-root units hold only their shard at first),
     the module hooks that gather and free them, and the peak of gathered bytes (metrics)."""
 
-    def __init__(self, plan: UnitPlan, shards: Shards, prefetch: int = 1) -> None:
+    def __init__(self, plan: UnitPlan, shards: Shards, prefetch: int = 2) -> None:
         self.shards = shards
         self.prefetch = prefetch
-        """Units gathered ahead of the one running (0: none; 1: the next, as FSDP; 2: the next two)."""
+        """Units gathered ahead of the one running (0: none; 1: the next, as FSDP; 2: the next two, the default)."""
         self.units: list[Unit] = []
         self.of_bucket: dict[int, Unit] = {}
         self.handles: list[Any] = []

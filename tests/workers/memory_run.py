@@ -14,13 +14,15 @@ the same data with AdamW, one after the other in one launch. Per rank and run, a
 - ``peak``: the most the heap held during a step above what was live before the Trainer was made, the
   largest over the timed steps: what the budget holds;
 - ``params``, ``grads``, ``optimizer_state`` bytes (``S``: the gradient bytes), the largest bucket's,
-  parameter's and (stage 3) unit's bytes.
+  parameter's and (stage 3) unit's bytes, the most stage 3 held gathered at once (``gathered_peak``), and a digest
+  of the trained parameters.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 
 import lightning as L
@@ -49,7 +51,7 @@ SETTINGS: dict[str, dict] = {
     "zero1": dict(zero_stage=1),
     "zero2": dict(zero_stage=2),
     "zero3": dict(zero_stage=3, auto_wrap_policy=[torch.nn.Linear]),
-    "zero3_prefetch2": dict(zero_stage=3, auto_wrap_policy=[torch.nn.Linear], prefetch_units=2),
+    "zero3_prefetch1": dict(zero_stage=3, auto_wrap_policy=[torch.nn.Linear], prefetch_units=1),
 }
 
 
@@ -57,6 +59,8 @@ class HeapPerStep(L.Callback):
     def __init__(self, heap: Heap, base: int, warmup: int) -> None:
         self.heap, self.base, self.warmup = heap, base, warmup
         self.kept = self.step = self.peak = self.setup = self.bucket = self.unit = 0
+        self.sharder = None
+        self.gathered = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 0:
@@ -66,9 +70,12 @@ class HeapPerStep(L.Callback):
                 self.bucket = max(b.buffer.numel() * b.buffer.element_size() for b in engine.buckets)
                 sharder = trainer.strategy.plugin_manager.get_plugin("zero_sharder")
                 self.unit = sharder.largest_unit_bytes if sharder is not None else 0
+                self.sharder = sharder
         self.heap.reset_peak()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.sharder is not None:  # (the sharder gathers every unit at teardown: read it while training)
+            self.gathered = self.sharder.fit_peak_gathered_bytes
         if batch_idx >= self.warmup:
             self.kept = max(self.kept, self.heap.live_at_reset - self.base)
             self.step = max(self.step, self.heap.peak - self.heap.live_at_reset)
@@ -98,6 +105,8 @@ def fit(name: str, args: argparse.Namespace, heap: Heap) -> dict:
     return {"kept": probe.kept, "step": probe.step, "setup": probe.setup, "peak": probe.peak,
             "params": params, "grads": params, "optimizer_state": state, "largest_bucket": probe.bucket,
             "largest_unit": probe.unit,
+            "gathered_peak": probe.gathered,
+            "digest": hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest(),
             "largest_param": max(p.numel() * p.element_size() for p in model.parameters())}
 
 

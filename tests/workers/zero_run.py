@@ -57,7 +57,10 @@ def fit(stage: int, optimizer: str, devices: int) -> tuple[L.Trainer, TinyModule
     model = TinyModule(nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]), loss="mean_square",
                        optimizer=factory, **options)
     data = TensorDataset(torch.randn(64, WIDTH))
-    strategy = HierarchicalZeroStrategy(zero_stage=stage, shard_scope="global", auto_wrap_policy=[nn.Linear])
+    # One unit prefetched (FSDP's depth): tests/test_zero.py bounds the gathered bytes by it; the default depth (2)
+    # is held to its budget by tests/test_memory_budget.py.
+    strategy = HierarchicalZeroStrategy(zero_stage=stage, shard_scope="global", auto_wrap_policy=[nn.Linear],
+                                        prefetch_units=1)
     memory = MemoryAfterStep()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False,
                         callbacks=[memory], enable_checkpointing=False, enable_progress_bar=False,
