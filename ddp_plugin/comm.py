@@ -95,24 +95,14 @@ class TracedCommunicator:
             self._record(group, [(_next_in_ring(group), (n - 1) / n * _nbytes(input))])
             _reduce_scatter_single(output, input, group=group)
             return output
-        # gloo emulates reduce-scatter with a full all-reduce (2(n-1)/n of the input). Instead each rank sends
-        # chunk j of the input straight to rank j, (n-1)/n of it as an all-to-all would, and adds what it receives
-        # for its own chunk one chunk at a time: the receive buffer (the arena) is one chunk, not the whole input.
-        # Rank r sums its chunk as x_r + x_(r-1) + ... + x_(r+1): one rank computes each chunk, so every rank gets
-        # the same bits once the chunks are gathered.
-        me, c = dist.get_rank(group), output.numel()
-        chunks = input.reshape(-1).split(c)
-        self._record(group, [(dst, _nbytes(chunks[dst])) for dst in range(n) if dst != me])
-        sends = [dist.isend(chunks[(me + s) % n], dst=dist.get_global_rank(group, (me + s) % n), group=group)
-                 for s in range(1, n)]
-        received = self.scratch(c, input.dtype, input.device)
-        out = output.view(-1)
-        out.copy_(chunks[me])  # (a no-op where the output is the input's own chunk)
-        for s in range(1, n):
-            dist.recv(received, src=dist.get_global_rank(group, (me - s) % n), group=group)
-            out.add_(received)
-        for work in sends:
-            work.wait()
+        # gloo emulates reduce-scatter with a full all-reduce (2(n-1)/n of the input); an all-to-all sends each
+        # chunk once, (n-1)/n, into the arena, and the sum is local (it may land in the input's own chunk: the
+        # input is no longer read once the chunks are exchanged). Point-to-point sends would need a receive
+        # buffer of one chunk only, but a send left pending to a peer that stopped holds the process at exit
+        # (tests/test_reliability.py), where a collective's buffers time out with it.
+        received = self.scratch(input.numel(), input.dtype, input.device)
+        self.all_to_all(received, input.reshape(-1), group=group)
+        torch.sum(received.view(n, output.numel()), dim=0, out=output.view(-1))
         return output
 
     def all_gather(self, output, input, group=None, async_op=False):  # noqa: A002
@@ -216,7 +206,13 @@ class _Works:
 
     def get_future(self) -> torch.futures.Future:
         output = self.output
-        return torch.futures.collect_all([w.get_future() for w in self.works]).then(lambda _: [output])
+
+        def done(every: torch.futures.Future) -> list[torch.Tensor]:
+            for fut in every.value():
+                fut.value()  # a broadcast that failed (a peer stopped) fails the all-gather
+            return [output]
+
+        return torch.futures.collect_all([w.get_future() for w in self.works]).then(done)
 
 
 # ---------------------------------------------------------------------- checkpoint gathers (not counted)
