@@ -70,7 +70,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         auto_wrap_policy: stage 3 units: module classes (or names) whose instances become units, or a parameter
             count (default 1,000,000) modules are grouped into bottom-up. Containers are never units.
         prefetch_units: stage 3: how many units' all-gathers run ahead of the unit computing, during forward
-            and backward (0, 1 as FSDP, 2 by default: measured 1.12-1.17x ``ddp``'s step against 1.32x with 1);
+            and backward (0, 1 as FSDP, 2 by default: measured 1.12-1.20x ``ddp``'s step against 1.32-1.37x with 1);
             each one holds a gathered unit more.
         gradient_clip_norm: clip to this global 2-norm before every step; default none.
         checkpoint: ``"master"`` (one consolidated file from global rank 0, loadable anywhere) or ``"sharded"``

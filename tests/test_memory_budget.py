@@ -39,7 +39,7 @@ def budget(setting: str, m: dict) -> float:
     S, B, G, U = m["grads"], m["largest_bucket"], m["largest_param"], m["largest_unit"]
     k, n, N, F = PER_NODE, NODES, WORLD, FRAGMENTS
     step = 2 * G  # autograd's fresh gradient of a parameter before it lands in its bucket; gloo's ring chunks
-    arena = B / k  # the communicator's arena: the reduce-scatter receives a chunk there, a codec codes in it
+    arena = B  # the communicator's arena: the reduce-scatter receives a bucket's chunks there, a codec codes in it
     outer = 2 * S / k  # sync modes: the global copy of this rank's chunk and its outer momentum
     int8_state = S / k + S / (k * n)  # int8's residuals: the shard's, and its chunk's of the mean
     fragment = S / (k * F)  # this rank's part of a fragment
@@ -48,12 +48,14 @@ def budget(setting: str, m: dict) -> float:
     # thread (snapshot, pseudo-gradient, the outer step's temporary, the gathered buffer).
     streaming = fragment + gathered + 3 * fragment + gathered
     return {
-        "ddp": 4 * S + step,
+        "ddp": 4 * S + step + G,  # (+ its all-reduce's work buffers, about a parameter's size here)
         "flat": 3 * S + step,
         "hier": 3 * S + arena + step,
         "hier_fp16": 3 * S + arena + step,  # cast into the arena
         "hier_int8": 3 * S + arena + int8_state + B / (2 * k) + step,  # + two int8 copies of a shard
-        "hier_powersgd": 3 * S + arena + S / k + S / (4 * k) + step,  # + residual and the uncompressed-part mask
+        # + residual, the uncompressed part's mask, and that part gathered (its values and their int64 indices,
+        # bounded by a shard)
+        "hier_powersgd": 3 * S + arena + S / k + S / (4 * k) + B / k + step,
         "flat_int8": 3 * S + B + S + S / N + B / 2 + step,  # the whole bucket is coded (in the arena)
         "diloco": 3 * S + outer + S / k + B + step,  # at a sync: the pseudo-gradient, one range gathered
         "streaming": 3 * S + outer + streaming + step,

@@ -11,6 +11,8 @@ Import the module you need; this package imports none of them (and nothing impor
 - :mod:`ddp_plugin.testing.callbacks`: :class:`~ddp_plugin.testing.callbacks.ParameterHistory`, the parameters
   after every step and the largest difference between ranks.
 - :mod:`ddp_plugin.testing.memory`: this process's RSS, now, at its peak, and sampled over a stretch of code.
+- :mod:`ddp_plugin.testing.heap`: every thread's live and peak heap bytes, through a ``malloc`` interposer in
+  ``LD_PRELOAD`` (compiled with the system's C compiler).
 - :mod:`ddp_plugin.testing.processes`: the processes of a run: a clean environment, pid files, alive or stopped,
   leaving nothing behind, and faults a rank injects into itself.
 - :mod:`ddp_plugin.testing.simcluster`: a simulated multi-node cluster on one Linux machine (network namespaces
