@@ -201,9 +201,6 @@ class _Works:
             work.wait()
         return True
 
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
     def get_future(self) -> torch.futures.Future:
         output = self.output
 

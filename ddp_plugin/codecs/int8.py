@@ -83,10 +83,6 @@ class Scratch:
             buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
-
 
 class Int8Codec(Codec):
     """Block-wise int8 quantization, reduced in two shots (the traffic of an all-reduce, at a quarter of the

@@ -58,13 +58,12 @@ SETTINGS: dict[str, dict] = {
 class HeapPerStep(L.Callback):
     def __init__(self, heap: Heap, base: int, warmup: int) -> None:
         self.heap, self.base, self.warmup = heap, base, warmup
-        self.kept = self.step = self.peak = self.setup = self.bucket = self.unit = 0
+        self.kept = self.step = self.peak = self.bucket = self.unit = 0
         self.sharder = None
         self.gathered = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 0:
-            self.setup = self.heap.peak - self.base
             engine = getattr(trainer.strategy, "engine", None)
             if engine is not None:
                 self.bucket = max(b.buffer.numel() * b.buffer.element_size() for b in engine.buckets)
@@ -102,7 +101,7 @@ def fit(name: str, args: argparse.Namespace, heap: Heap) -> dict:
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     state = sum(t.numel() * t.element_size() for s in trainer.optimizers[0].state.values()
                 for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-    return {"kept": probe.kept, "step": probe.step, "setup": probe.setup, "peak": probe.peak,
+    return {"kept": probe.kept, "step": probe.step, "peak": probe.peak,
             "params": params, "grads": params, "optimizer_state": state, "largest_bucket": probe.bucket,
             "largest_unit": probe.unit,
             "gathered_peak": probe.gathered,
