@@ -188,6 +188,10 @@ class TracedCommunicator:
             arena = arenas[device] = torch.empty(-(-nbytes // 8), dtype=torch.float64, device=device).view(torch.uint8)
         return arena[:nbytes].view(dtype)
 
+    def release_scratch(self) -> None:
+        """Drop this thread's arena (the training thread's, after a link probe used it once)."""
+        self._local.__dict__.pop("arenas", None)
+
 
 class _Works:
     """The broadcasts of one all-gather, as one work: ``wait()``, and ``get_future()`` whose value is the

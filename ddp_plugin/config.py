@@ -73,7 +73,8 @@ class StrategyConfig:
     hierarchical: bool | None = None
     compression: str | None = None
     compression_options: dict[str, Any] = field(default_factory=dict)  # read-only by convention (pickled by spawn)
-    bucket_size_mb: float = 25
+    bucket_size_mb: float | str = 25
+    """MiB, or ``"auto"``: chosen by the link probe (docs/adaptive.md)."""
     plugins: tuple[object, ...] = ()
     broadcast_buffers: bool = True
     progress_bar_metrics: bool = False
@@ -119,6 +120,12 @@ class StrategyConfig:
     def uses_sharding(self) -> bool:
         return self.zero_stage > 0
 
+    @property
+    def adaptive(self) -> bool:
+        """Whether a flag asks the link probe to decide (``"auto"``); ``hierarchical=None`` asks it too, where the
+        layout leaves a choice (several nodes of several ranks)."""
+        return self.compression == "auto" or self.bucket_size_mb == "auto"
+
 
 def _validated(values: dict[str, Any]) -> dict[str, Any]:
     """Each given value checked and normalized; missing ones keep their defaults."""
@@ -138,8 +145,8 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "devices_per_node": _check_devices_per_node,
         "hierarchical": lambda v: check_bool("hierarchical", v, none=True),
         "compression_options": lambda v: check_mapping("compression_options", v),
-        "bucket_size_mb": lambda v: check_positive_number(
-            "bucket_size_mb", v, maximum=MAX_BUCKET_SIZE_MB, unit=" MiB (1 TiB)"),
+        "bucket_size_mb": lambda v: v if v == "auto" else check_positive_number(
+            "bucket_size_mb", v, maximum=MAX_BUCKET_SIZE_MB, unit=" MiB (1 TiB), or 'auto'"),
         "plugins": lambda v: tuple(v),
         "broadcast_buffers": lambda v: check_bool("broadcast_buffers", v),
         "progress_bar_metrics": lambda v: check_bool("progress_bar_metrics", v),

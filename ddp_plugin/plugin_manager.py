@@ -33,6 +33,7 @@ def build_plugin_manager(
     auto_wrap_policy: Any = None,
     sync: dict[str, Any] | None = None,
     prefetch_units: int = 2,
+    planner: object | None = None,
 ) -> pluggy.PluginManager:
     """Register, in order: the built-in defaults (``trylast``; the hierarchical or the flat reducer), the
     traffic accounting, the ZeRO sharder (``zero_stage`` 1-3), the built-in codec ``compression`` names
@@ -40,41 +41,55 @@ def build_plugin_manager(
     ``tryfirst`` hooks run ahead of the sharder's and the codec's), installed plugins from entry points (a codec
     only when ``compression`` names it), then the user's ``plugins=`` objects, which pluggy calls first.
     ``check_pending()`` makes a misspelled hook fail here. Installed codecs receive ``compression_options``
-    through ``on_setup(options=...)``."""
+    through ``on_setup(options=...)``.
+
+    With a ``planner`` (:class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner`) it is the reducer; with
+    ``compression="auto"`` every candidate codec is registered under its name (a built-in one constructed with
+    ``compression_options[name]``), and :class:`~ddp_plugin.plugins.adaptive.AutoCodec` answers
+    ``on_cross_node_reduce`` ahead of them with the one the plan names."""
+    from ddp_plugin.plugins.adaptive import AutoCodec, candidate_names, codec_options
     from ddp_plugin.zero import ZeroSharder
 
     pm = new_plugin_manager()
     builtins: dict[str, object] = {
         "mean_allreduce": MeanAllReduce(),
-        "reducer": HierarchicalReducer() if hierarchical else FlatReducer(),
+        "reducer": planner if planner is not None else HierarchicalReducer() if hierarchical else FlatReducer(),
         "traffic": TrafficAccounting(),
     }
     if zero_stage:
         # Answers `on_bucket_ready` before the reducer: gradients are reduced to this rank's shard only.
         builtins["zero_sharder"] = ZeroSharder(zero_stage, shard_scope, auto_wrap_policy, prefetch_units)
-    if compression in BUILTIN_CODECS:
-        builtins[compression] = BUILTIN_CODECS[compression](**dict(compression_options or {}))
+    wanted = candidate_names(compression, dict(compression_options or {}))
+    for name in wanted:
+        if name in BUILTIN_CODECS:
+            builtins[name] = BUILTIN_CODECS[name](**codec_options(name, compression, dict(compression_options or {})))
     if sync is not None and sync["every"] > 1:
         from ddp_plugin.sync import OuterSync
 
         builtins["outer_sync"] = OuterSync(**sync)
     for name, plugin in builtins.items():
         pm.register(plugin, name=name)
-    _load_installed(pm, compression, keep=set(builtins))
-    if compression is not None and pm.get_plugin(compression) is None:
-        from ddp_plugin.codecs import check_compression
+    _load_installed(pm, set(wanted), keep=set(builtins))
+    for name in wanted:
+        if name != "none" and pm.get_plugin(name) is None:
+            from ddp_plugin.codecs import check_compression
 
-        check_compression(compression, compression_options or {})  # raises, naming the available codecs
+            check_compression(name, {})  # raises, naming the available codecs
+    if compression == "auto":
+        if planner is None:
+            raise ValueError("`compression='auto'` needs the link probe's plan (the strategy makes one).")
+        pm.register(AutoCodec(planner, pm), name="auto")
     for plugin in extra_plugins:
         pm.register(plugin)
     pm.check_pending()
     return pm
 
 
-def build_for(config: StrategyConfig, hierarchical: bool) -> pluggy.PluginManager:
+def build_for(config: StrategyConfig, hierarchical: bool, planner: object | None = None) -> pluggy.PluginManager:
     """The plugin manager of one ``fit`` with ``config``'s flags."""
     return build_plugin_manager(
-        config.compression, config.plugins, hierarchical=hierarchical, compression_options=config.compression_options,
+        config.compression, config.plugins, hierarchical=hierarchical, planner=planner,
+        compression_options=config.compression_options,
         zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
         prefetch_units=config.prefetch_units, sync={"every": config.sync_every, "outer_optimizer": config.outer_optimizer,
               "fragments": config.sync_fragments, "staleness": config.max_staleness,
@@ -82,11 +97,11 @@ def build_for(config: StrategyConfig, hierarchical: bool) -> pluggy.PluginManage
     )
 
 
-def _load_installed(pm: pluggy.PluginManager, compression: str | None, keep: set[str]) -> None:
-    """Installed plugins from entry points, except codecs that ``compression`` does not name."""
+def _load_installed(pm: pluggy.PluginManager, codecs: set[str], keep: set[str]) -> None:
+    """Installed plugins from entry points, except codecs not named in ``codecs``."""
     pm.load_setuptools_entrypoints(PROJECT_NAME)
     for name, plugin in list(pm.list_name_plugin()):
-        if name not in keep and implements(plugin, "on_cross_node_reduce") and name != compression:
+        if name not in keep and implements(plugin, "on_cross_node_reduce") and name not in codecs:
             pm.unregister(plugin=plugin)
 
 
@@ -111,7 +126,7 @@ def check_plugins(plugins: Iterable[object], compression: str | None, options: M
     pm.check_pending()
     if compression is not None or not options:
         return
-    _load_installed(pm, None, keep=set())
+    _load_installed(pm, set(), keep=set())
     readers = [impl.plugin for impl in pm.hook.on_setup.get_hookimpls() if "options" in impl.argnames]
     if readers:
         return

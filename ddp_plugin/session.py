@@ -23,6 +23,8 @@ from ddp_plugin.engine import GradientEngine
 from ddp_plugin.hookspecs import Options, local_tensor
 from ddp_plugin.plugin_manager import build_for, cross_node_codec
 from ddp_plugin.topology import Layout
+from ddp_plugin.planning import FLAT, HIERARCHICAL, CommPlan, CostModel, agree, probe
+from ddp_plugin.plugins.adaptive import AdaptivePlanner, candidate_names, probe_codecs
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -59,16 +61,26 @@ class FitSession:
         self.layout = layout if layout is not None else Layout(topology.world_size, topology.ranks_per_node)
         self.device = device
         self.comm = TracedCommunicator(self.layout.ranks_per_node, config.timeout)
-        self.plugin_manager: pluggy.PluginManager = build_for(config, hierarchical)
+        self.device = device
+        # Beating before the link probe: a rank that dies or hangs in it is then named (health.diagnosed).
+        self.heartbeat = health.Heartbeat()
+        self.planner: AdaptivePlanner | None = None
+        bucket_size_mb = config.bucket_size_mb
+        routes = plan_routes(config.hierarchical, topology)
+        if topology.world_size > 1 and (config.adaptive or len(routes) > 1):
+            hierarchical, bucket_size_mb = self._make_plan(config, module, topology, routes)
+        self.hierarchical = hierarchical
+        """Whether gradients take the hierarchical route (with a plan that chooses per bucket: whether any may)."""
+        self.plugin_manager: pluggy.PluginManager = build_for(config, hierarchical, self.planner)
         self.options = Options(
             zero_stage=config.zero_stage, shard_scope=config.shard_scope, hierarchical=hierarchical,  # type: ignore[arg-type]
             compression=config.compression, compression_options=MappingProxyType(dict(config.compression_options)),
-            cross_node_codec=cross_node_codec(self.plugin_manager), bucket_size_mb=config.bucket_size_mb,
+            cross_node_codec=cross_node_codec(self.plugin_manager), bucket_size_mb=bucket_size_mb,
             broadcast_buffers=config.broadcast_buffers, devices_per_node=config.devices_per_node,
         )
         hook = self.plugin_manager.hook
         self.engine = GradientEngine(
-            module, hook=hook, bucket_cap_bytes=int(config.bucket_size_mb * 2**20), flags_group=flags_group,
+            module, hook=hook, bucket_cap_bytes=int(bucket_size_mb * 2**20), flags_group=flags_group,
             device=device, comm=self.comm,
             pad_multiple=topology.world_size if config.zero_stage else 1,  # sharded buckets split without copies
             # At stage 0, one tensor-parallel peer reduces each bucket of replicated parameters for all of them
@@ -79,6 +91,11 @@ class FitSession:
             solo=solo,
         )
         self.engine.check_finite = config.skip_nonfinite
+        if self.planner is not None:
+            plan = self.planner.plan
+            plan.plan_buckets({str(b.index): b.nbytes for b in self.engine.buckets})
+            plan.history.append((plan.version, 0, plan.decisions()))
+            rank_zero_info(plan.table())
         self.flags_group = flags_group
         # The node's bookkeeping group, for the steps whose gradients stay inside the node (a sync mode's, whose
         # plugin answers ``on_gradient_scope``). Made here, where every rank is (making a group is collective).
@@ -88,7 +105,6 @@ class FitSession:
         self._step_size = self.layout.stage_size  # (the world, or a pipeline stage's ranks: the flags group's)
         self.module = module
         self.measure_memory = measure_memory
-        self.heartbeat = health.Heartbeat()
         self.active = True
         self.skipped_steps = 0
         self.metric_sums: dict[str, float] = {}
@@ -96,6 +112,44 @@ class FitSession:
         self._sample_weight: tuple[Any, Tensor, int, int] | None = None
         hook.on_setup(topology=topology, buckets=self.engine.buckets, hook=hook, options=self.options,
                       module=module, comm=self.comm)
+
+    # ------------------------------------------------------------------ the comm plan
+
+    @property
+    def comm_plan(self) -> CommPlan | None:
+        return self.planner.plan if self.planner is not None else None
+
+    def _probe(self, routes: tuple[str, ...]) -> tuple[CostModel, float]:
+        """Probe the links (collective); the candidates are fresh built-in codecs (installed ones: their plugin)."""
+        config = self.config
+        codecs = probe_codecs(self.planner_codecs, config.compression, dict(config.compression_options), self.comm,
+                              self._setup_kwargs)
+        with health.diagnosed("the link probe"):
+            # Global rank 0's figures for every rank: one decides, all agree.
+            return agree(probe(self.topology, self.comm, codecs, routes, self.device), self.topology)
+
+    def _make_plan(self, config: StrategyConfig, module: Module, topology: Topology, routes: tuple[str, ...]
+                   ) -> tuple[bool, float]:
+        """Probe, decide what is fixed for the fit (the bucket size; the route where a sharder's layout or a sync
+        mode fixes it), and make the planner; buckets are planned once the engine has built them."""
+        names = self.planner_codecs = candidate_names(config.compression, dict(config.compression_options))
+        self._setup_kwargs = {"topology": topology, "buckets": (), "hook": None, "module": module, "comm": self.comm,
+                              "options": None}
+        model, seconds = self._probe(routes)
+        total = sum(local_tensor(p).numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        if config.bucket_size_mb == "auto":
+            bucket_size_mb = model.bucket_bytes(total, routes, names) / 2**20
+        else:
+            bucket_size_mb = float(config.bucket_size_mb)
+        if len(routes) > 1 and (config.zero_stage or config.sync_every > 1):
+            # The route is the sharder's layout (or the sync mode's) for the whole fit: the one with the least
+            # predicted time over buckets of this size.
+            cap = int(bucket_size_mb * 2**20)
+            sizes = [cap] * (total // cap) + ([total % cap] if total % cap else [])
+            routes = (model.best_route(sizes, routes, names),)
+        plan = CommPlan(model, routes, names, bucket_size_mb, seconds)
+        self.planner = AdaptivePlanner(plan, lambda: self._probe(self.planner.plan.routes))
+        return HIERARCHICAL in routes, bucket_size_mb
 
     def close(self) -> None:
         """End of ``fit``: the plugins' teardown, the engine's hooks and thread, the heartbeat. The plugins stay."""
@@ -296,3 +350,13 @@ def memory_bytes(module_params: Iterable[Tensor], optimizers: Iterable[Optimizer
     grads = size([*buckets, *(p.grad for p in module_params), *(p.grad for p in opt_params)])
     state = size(v for opt in optimizers for st in opt.state.values() for v in st.values() if isinstance(v, Tensor))
     return {"params": params, "grads": grads, "optimizer_state": state, "total": params + grads + state}
+
+
+def plan_routes(hierarchical: bool | None, topology: Topology) -> tuple[str, ...]:
+    """The routes a plan chooses between: the flag's when set, both where the layout allows a choice (several
+    nodes of several ranks) and ``hierarchical`` is ``None``, else the flat one."""
+    if not (topology.num_nodes > 1 and topology.ranks_per_node > 1) or hierarchical is False:
+        return (FLAT,)
+    if hierarchical:
+        return (HIERARCHICAL,)
+    return (FLAT, HIERARCHICAL)

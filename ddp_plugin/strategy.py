@@ -39,6 +39,7 @@ from ddp_plugin.process_groups import ProcessGroups, check_ranks_per_node
 from ddp_plugin.session import FitSession
 
 if TYPE_CHECKING:
+    from ddp_plugin.planning import CommPlan
     import lightning.pytorch as pl
     import pluggy
     from torch.distributed.device_mesh import DeviceMesh
@@ -138,7 +139,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         hierarchical: bool | None = None,
         compression: str | None = None,
         compression_options: dict[str, Any] | None = None,
-        bucket_size_mb: float | None = None,
+        bucket_size_mb: float | str | None = None,
         plugins: Iterable[object] = (),
         broadcast_buffers: bool = True,
         progress_bar_metrics: bool = False,
@@ -236,8 +237,20 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         return self._session.engine if self._running() else None
 
     @property
+    def comm_plan(self) -> CommPlan | None:
+        """What the link probe measured and decided, per bucket (docs/adaptive.md); ``None`` when nothing was left
+        to decide (one rank, or every choice set by a flag) or before the first ``fit``."""
+        return self._session.comm_plan if self._session is not None else None
+
+    @property
     def uses_hierarchical_reducer(self) -> bool:
-        """Whether gradients are reduced in node, cross-node and gather stages (decided once the layout is known)."""
+        """Whether gradients are reduced in node, cross-node and gather stages (decided once the layout is known;
+        during a ``fit`` whose plan chooses per bucket: whether any bucket may be)."""
+        if self._session is not None:
+            return self._session.hierarchical
+        return self._hierarchical_by_flags()
+
+    def _hierarchical_by_flags(self) -> bool:
         if self.config.hierarchical is not None:
             return self.config.hierarchical
         layout = self._layout().data_parallel_layout
@@ -365,7 +378,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         if wanted and self.root_device.type == "cpu" and cpu_memory.release_freed_buffers():
             log.info("ddp_plugin: glibc's mmap threshold fixed at 1 MiB (release_cpu_memory)")
         self._session = FitSession(self.config, self.model, self._groups.topology, self._groups.bookkeeping,
-                                   self.root_device, self.uses_hierarchical_reducer, self.memory_bytes,
+                                   self.root_device, self._hierarchical_by_flags(), self.memory_bytes,
                                    node_flags_group=self._groups.node_bookkeeping, layout=self._groups.layout,
                                    tensor_parallel_peers=self._groups.tensor_parallel_peers, solo=solo)
         if self._pipeline is not None:

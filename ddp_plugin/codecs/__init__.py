@@ -66,6 +66,9 @@ def check_compression(compression: Any, options: Mapping[str, Any]) -> None:
     checks its own options when it receives them in ``on_setup``)."""
     if compression is None:
         return
+    if compression == "auto":
+        check_auto_options(options)
+        return
     if isinstance(compression, str) and compression in BUILTIN_CODECS:
         BUILTIN_CODECS[compression].check_options(options)
         return
@@ -73,9 +76,40 @@ def check_compression(compression: Any, options: Mapping[str, Any]) -> None:
     if compression in installed:
         return
     # Installed codecs first: they are the ones a user most likely meant when a name is not built in.
-    allowed = ", ".join(map(repr, [None, *installed, *BUILTIN_CODECS]))
+    allowed = ", ".join(map(repr, [None, "auto", *installed, *BUILTIN_CODECS]))
     raise ValueError(
         f"`compression={compression!r}` is not an available codec; allowed values: {allowed} (built-in:"
         f" {', '.join(BUILTIN_CODECS)}; installed: {', '.join(installed) or 'none'}). More codecs come from"
         " installed packages that declare an entry point in the group `ddp_plugin`."
     )
+
+
+def check_auto_options(options: Mapping[str, Any]) -> None:
+    """``compression="auto"``'s options: ``candidates`` (codec names, ``None`` for no codec; default ``[None,
+    "int8"]``) and, keyed by a candidate's name, that codec's own options."""
+    candidates = options.get("candidates", [None, "int8"])
+    names = available_codecs()
+    if (isinstance(candidates, (str, bytes)) or not hasattr(candidates, "__iter__")
+            or not list(candidates) or any(c is not None and c not in names for c in candidates)):
+        allowed = ", ".join(map(repr, [None, *names]))
+        raise ValueError(
+            f"`compression_options['candidates']={candidates!r}` is not valid for `compression='auto'`; allowed"
+            f" values: a non-empty list of {allowed} (None: no codec)."
+        )
+    listed = {c for c in candidates if c is not None}
+    for key, value in options.items():
+        if key == "candidates":
+            continue
+        if key not in listed:
+            raise ValueError(
+                f"`compression_options[{key!r}]` is not valid for `compression='auto'`; allowed keys: 'candidates'"
+                f" and the name of a listed candidate ({', '.join(map(repr, sorted(listed))) or 'none listed'})"
+                " whose options it holds."
+            )
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"`compression_options[{key!r}]={value!r}` is not valid for `compression='auto'`; allowed values: a"
+                f" mapping of the {key!r} codec's options."
+            )
+        if key in BUILTIN_CODECS:
+            BUILTIN_CODECS[key].check_options(value)

@@ -145,6 +145,16 @@ class Codec:
         state.to(tensor.device)
         return state
 
+    def fold_residual(self, key: int | str, tensor: Tensor, rank: int, n: int) -> None:
+        """Hand bucket ``key``'s error-feedback residual to the route the bucket takes next (``compression="auto"``
+        switched its codec): add it to ``tensor``, this rank's values about to be averaged over the ``n`` ranks of
+        the group (this one ``rank``), and forget the bucket's state. What the residual held back then reaches
+        the mean on this step instead of the next one this codec would have coded."""
+        state = self.states.pop(key, None)
+        residual = getattr(state, "residual", None)
+        if residual is not None and residual.numel() == tensor.numel():
+            tensor.add_(residual.to(tensor.dtype).view_as(tensor))
+
     # -------------------------------------------------------------- checkpoints
 
     @property

@@ -123,6 +123,20 @@ class Int8Codec(Codec):
     def keeps_rank_state(self) -> bool:
         return self.error_feedback
 
+    def fold_residual(self, key: int | str, tensor: Tensor, rank: int, n: int) -> None:
+        """Both residuals: the input's (this rank's own values), and the second quantization's, which is the error
+        of this rank's chunk of the mean: added n times to this rank's values there, it adds itself to the mean."""
+        state = self.states.get(key)
+        chunk_residual = getattr(state, "chunk_residual", None)
+        super().fold_residual(key, tensor, rank, n)
+        if chunk_residual is None:
+            return
+        blocks, width = self.layout(tensor.numel(), n)
+        lo = rank * blocks * width
+        hi = min(lo + blocks * width, tensor.numel())
+        if hi > lo:
+            tensor[lo:hi].add_(chunk_residual.reshape(-1)[: hi - lo].to(tensor.dtype), alpha=n)
+
     def layout(self, numel: int, n: int) -> tuple[int, int]:
         """(blocks per chunk, values per block): n equal chunks of equal blocks of at most ``block_size``,
         balanced so that padding stays below one value per block."""

@@ -48,7 +48,7 @@ from typing import IO, Any
 
 from ddp_plugin.testing.processes import RENDEZVOUS_ENV, kill_quietly, signal_group_quietly
 
-__all__ = ["NodeResult", "SimulatedCluster", "available", "link_bytes", "parse_rate"]
+__all__ = ["NodeResult", "SimulatedCluster", "available", "link_bytes", "parse_rate", "set_link_rate"]
 
 SUBNET = "10.77.0"  # private /24; it only ever exists inside the cluster's own namespaces
 BRIDGE = "simbr"
@@ -186,6 +186,22 @@ def link_bytes(interface: str | None = None) -> dict[str, int]:
     return {"tx": s["tx"]["bytes"], "rx": s["rx"]["bytes"]}
 
 
+def set_link_rate(interface: str | None = None, rate: str | None = "1gbit") -> None:
+    """Cap this node's link at ``rate`` from now on (``None``: uncapped), from a process a
+    :class:`SimulatedCluster` started (root, in the node's namespace); ``interface`` defaults to
+    ``$GLOO_SOCKET_IFNAME``. On a cluster of two nodes joined by one veth pair this is the node's whole egress, as
+    :meth:`SimulatedCluster.set_rate` sets it for every node."""
+    interface = interface or os.environ["GLOO_SOCKET_IFNAME"]
+    _set_rate([], interface, rate)
+
+
+def _set_rate(namespace_args: list[str], dev: str, rate: str | None) -> None:
+    if rate is None:
+        _run(["tc", *namespace_args, "qdisc", "del", "dev", dev, "root"], check=False)
+    else:
+        _run(["tc", *namespace_args, "qdisc", "replace", "dev", dev, "root", *_tbf_args(parse_rate(rate))])
+
+
 def _ip_link_stats(interface: str, namespace_args: list[str] | None = None) -> dict[str, Any]:
     """The ``stats64`` counters of ``interface`` over netlink (``ip [-n NS] -s -j link show dev IF``)."""
     proc = _run(["ip", *(namespace_args or []), "-s", "-j", "link", "show", "dev", interface])
@@ -297,6 +313,14 @@ class SimulatedCluster:
             _run(["ip", "-n", ns, "link", "set", dev, "up"])
             if self.rate_bits is not None:
                 _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *_tbf_args(self.rate_bits)])
+
+    def set_rate(self, rate: str | None) -> None:
+        """Cap every link end at ``rate`` from now on (``None``: uncapped), while processes run."""
+        for node in range(self.nodes):
+            _set_rate(["-n", self.node_namespace(node)], self.interfaces[node], rate)
+            if self._bridge_namespace is not None:
+                _set_rate(["-n", self._bridge_namespace], f"port{node}", rate)
+        self.rate, self.rate_bits = rate, parse_rate(rate) if rate is not None else None
 
     def close(self) -> None:
         """Kill everything still running in the cluster and delete its namespaces (and so its links). Idempotent."""

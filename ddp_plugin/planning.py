@@ -1,0 +1,359 @@
+"""Adaptive communication: measure the links, fit a cost model, and plan each bucket's route and codec.
+
+- :func:`probe` times the collectives a bucket's reduction is made of, on the groups it runs on, at two sizes
+  each: the in-node reduce-scatter and all-gather, and the cross-node stage of every candidate codec over the
+  inter-node group (the hierarchical route, 1/k of a bucket per rank, every local rank at once as in
+  training) and over the world (the flat route). A codec is timed as a whole (encode, collectives, decode),
+  so its arithmetic on this machine's cores is in its cost, not assumed. Every rank takes part; each figure is
+  the slowest rank's (one all-reduce), so every rank ends with the same numbers.
+- :class:`CostModel` turns them into a latency + bytes / bandwidth line per stage and predicts a route's time
+  for a bucket of any size; :meth:`CostModel.choose` is the cheapest (route, codec) for a bucket, and
+  :meth:`CostModel.bucket_bytes` the bucket size that balances per-bucket latency against the last bucket's
+  transfer, which nothing overlaps (sqrt(S * latency * bandwidth), the classic pipelining chunk).
+- :class:`CommPlan` is what was measured and decided, kept as ``strategy.comm_plan``: global rank 0 decides
+  and broadcasts it, so no two ranks can plan differently.
+
+The plugin that follows the plan while training (and re-plans when the measured times leave the prediction)
+is :class:`ddp_plugin.plugins.adaptive.AdaptivePlanner`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_plugin.hookspecs import Bucket
+
+if TYPE_CHECKING:
+    from ddp_plugin.hookspecs import Communicator, Topology
+
+log = logging.getLogger(__name__)
+
+FLAT, HIERARCHICAL = "flat", "hierarchical"
+NO_CODEC = "none"
+"""A plan's name for "no codec": the plain averaging all-reduce."""
+DEFAULT_CANDIDATES = (None, "int8")
+"""``compression="auto"``'s candidates unless ``compression_options["candidates"]`` lists others: PowerSGD and
+top-k change convergence, so they are chosen only when listed."""
+MIN_BUCKET_BYTES, MAX_BUCKET_BYTES = 2**20, 256 * 2**20
+PILOT_BYTES = 64 * 2**10
+SMALL_SECONDS, LARGE_SECONDS = 0.01, 0.06
+"""The two probe sizes are chosen from a pilot transfer so that the slowest stage takes about this long at each:
+the probe then lasts about as long on a 100 Mbit/s link as on a 10 Gbit/s one (under 2 s for two routes and two
+codecs), and both sizes are large enough for the bandwidth, not the latency, to dominate the second."""
+MIN_PROBE_BYTES, MAX_PROBE_BYTES = 64 * 2**10, 16 * 2**20
+
+CodecReduce = Callable[[torch.Tensor, dist.ProcessGroup, Bucket], Any]
+"""A candidate codec as the probe runs it: reduce ``tensor`` over ``group`` for ``bucket`` (returns a future or
+None); ``None`` in a candidates map stands for the plain mean."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Seconds to move ``nbytes``: ``latency_s + seconds_per_byte * nbytes`` (alpha + beta n)."""
+
+    latency_s: float
+    seconds_per_byte: float
+
+    def __call__(self, nbytes: float) -> float:
+        return self.latency_s + self.seconds_per_byte * nbytes
+
+    @classmethod
+    def through(cls, small: tuple[float, float], large: tuple[float, float]) -> Fit:
+        """The line through two (bytes, seconds) points, never negative in either coefficient."""
+        (n0, t0), (n1, t1) = small, large
+        slope = max((t1 - t0) / (n1 - n0), 0.0) if n1 > n0 else 0.0
+        if slope == 0.0:
+            slope = t1 / n1 if n1 else 0.0
+        return cls(latency_s=max(t0 - slope * n0, 0.0), seconds_per_byte=slope)
+
+    def describe(self) -> dict[str, float]:
+        return {"latency_ms": self.latency_s * 1e3,
+                "MB_per_s": 1e-6 / self.seconds_per_byte if self.seconds_per_byte > 0 else math.inf}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-stage fits for a layout of ``num_nodes`` x ``ranks_per_node`` ranks.
+
+    ``cross[(stage, codec)]``: the cross-node stage with ``codec`` (``"none"``: the plain mean), ``stage``
+    ``"inter"`` (the hierarchical route's, in bytes of the 1/k chunk a rank sends) or ``"world"`` (the flat
+    route's, in bytes of the bucket); ``reduce_scatter`` / ``all_gather``: the in-node stages (bytes of the
+    bucket), ``None`` without a hierarchical route."""
+
+    num_nodes: int
+    ranks_per_node: int
+    cross: Mapping[tuple[str, str], Fit]
+    reduce_scatter: Fit | None = None
+    all_gather: Fit | None = None
+
+    @property
+    def routes(self) -> tuple[str, ...]:
+        return tuple(r for r, stage in ((FLAT, "world"), (HIERARCHICAL, "inter"))
+                     if any(s == stage for s, _ in self.cross))
+
+    @property
+    def codecs(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(c for _, c in self.cross))
+
+    def route_seconds(self, route: str, codec: str, nbytes: int) -> float:
+        """Predicted seconds to average a bucket of ``nbytes`` by ``route`` with ``codec``."""
+        if route == FLAT:
+            return self.cross[("world", codec)](nbytes)
+        k = self.ranks_per_node
+        return (self.reduce_scatter(nbytes) + self.cross[("inter", codec)](nbytes / k)
+                + self.all_gather(nbytes))
+
+    def stage_seconds(self, stage: str, codec: str, nbytes: int) -> float:
+        return self.cross[(stage, codec)](nbytes)
+
+    def choose(self, nbytes: int, routes: Sequence[str] | None = None, codecs: Sequence[str] | None = None
+               ) -> tuple[str, str, float]:
+        """The cheapest ``(route, codec, seconds)`` for a bucket of ``nbytes``; ties go to the earlier route and
+        codec in the given orders (flat before hierarchical, no codec first)."""
+        options = [(self.route_seconds(r, c, nbytes), i, j, r, c)
+                   for i, r in enumerate(routes or self.routes)
+                   for j, c in enumerate(codecs or self.codecs) if (("world" if r == FLAT else "inter"), c) in self.cross]
+        seconds, _, _, route, codec = min(options)
+        return route, codec, seconds
+
+    def choose_codec(self, stage: str, nbytes: int, codecs: Sequence[str] | None = None) -> tuple[str, float]:
+        """The cheapest codec for a cross-node stage alone (a sharder's or a sync mode's, whose route is theirs)."""
+        seconds, _, codec = min((self.stage_seconds(stage, c, nbytes), j, c)
+                                for j, c in enumerate(codecs or self.codecs) if (stage, c) in self.cross)
+        return codec, seconds
+
+    def best_route(self, sizes: Sequence[int], routes: Sequence[str] | None = None,
+                   codecs: Sequence[str] | None = None) -> str:
+        """The route with the least predicted time over buckets of ``sizes``, each with its best codec (for a
+        fit whose route is fixed at setup: a sharder's layout)."""
+        routes = routes or self.routes
+        totals = [(sum(self.choose(n, [r], codecs)[2] for n in sizes), i, r) for i, r in enumerate(routes)]
+        return min(totals)[2]
+
+    def bucket_bytes(self, total_bytes: int, routes: Sequence[str] | None = None,
+                     codecs: Sequence[str] | None = None) -> int:
+        """The bucket size for ``total_bytes`` of gradients: per bucket a latency a, per byte b (the best route
+        and codec at the default 25 MiB); B buckets' latencies, S a / B, against the last bucket's transfer,
+        B b, which no backward overlaps; minimum at B = sqrt(S a / b), within 1-256 MiB."""
+        probe = 25 * 2**20
+        route, codec, _ = self.choose(probe, routes, codecs)
+        # The route's line through two sizes gives its own latency and per-byte cost.
+        small, large = probe // 16, probe
+        t_small, t_large = self.route_seconds(route, codec, small), self.route_seconds(route, codec, large)
+        per_byte = max((t_large - t_small) / (large - small), 1e-15)
+        latency = max(t_small - per_byte * small, 0.0)
+        best = math.sqrt(max(total_bytes, 1) * latency / per_byte)
+        return int(min(max(best, MIN_BUCKET_BYTES), MAX_BUCKET_BYTES))
+
+    def describe(self) -> dict[str, dict[str, float]]:
+        out = {f"{stage}/{codec}": fit.describe() for (stage, codec), fit in self.cross.items()}
+        if self.reduce_scatter is not None:
+            out["intra/reduce_scatter"] = self.reduce_scatter.describe()
+            out["intra/all_gather"] = self.all_gather.describe()
+        return out
+
+
+@dataclass
+class BucketPlan:
+    """One bucket's decision: its route and codec, the predicted time, and the measured one (mean over the
+    steps since the plan was made; ``None`` until a step ran). For buckets whose route is a sharder's or a sync
+    mode's, ``route`` is the stage the cross-node reduce runs on and the times are that stage's."""
+
+    key: str
+    nbytes: int
+    route: str
+    codec: str
+    predicted_ms: float
+    measured_ms: float | None = None
+    steps: int = 0
+
+    def record(self, seconds: float) -> None:
+        self.steps += 1
+        ms = seconds * 1e3
+        self.measured_ms = ms if self.measured_ms is None else self.measured_ms + (ms - self.measured_ms) / self.steps
+
+
+@dataclass
+class CommPlan:
+    """What the link probe measured and what was decided from it (``strategy.comm_plan``).
+
+    Attributes:
+        model: the fitted :class:`CostModel` (``model.describe()``: latency and bandwidth per stage).
+        buckets: per bucket key (``"3"``, ``"pseudo_gradient/0"``): its :class:`BucketPlan`.
+        routes: the routes the plan chooses between (one when ``hierarchical`` was set, or a sharder or sync mode
+            fixes it for the fit).
+        codecs: the candidate codecs (``"none"``: no codec).
+        bucket_size_mb: the bucket capacity in use (chosen with ``bucket_size_mb="auto"``).
+        version: 1 for the plan made at setup, +1 per re-plan.
+        probe_s: seconds the last probe took.
+        reason: why the last plan was made (``"setup"``, or the step whose times departed).
+        history: ``(version, step, {key: (route, codec)})`` of every plan, oldest first.
+    """
+
+    model: CostModel
+    routes: tuple[str, ...]
+    codecs: tuple[str, ...]
+    bucket_size_mb: float
+    probe_s: float
+    buckets: dict[str, BucketPlan] = field(default_factory=dict)
+    version: int = 1
+    reason: str = "setup"
+    history: list[tuple[int, int, dict[str, tuple[str, str]]]] = field(default_factory=list)
+
+    def plan_buckets(self, sizes: Mapping[str, int]) -> None:
+        """Decide every bucket of ``sizes`` (key -> bytes) from the model."""
+        for key, nbytes in sizes.items():
+            route, codec, seconds = self.model.choose(nbytes, self.routes, self.codecs)
+            self.buckets[key] = BucketPlan(key, nbytes, route, codec, seconds * 1e3)
+
+    def plan_stage(self, key: str, stage: str, nbytes: int) -> BucketPlan:
+        """Decide a cross-node stage whose route is not ours (first seen while training: every rank sees the same
+        key and size, and holds the same model, so every rank decides the same)."""
+        codec, seconds = self.model.choose_codec(stage, nbytes, self.codecs)
+        plan = self.buckets[key] = BucketPlan(key, nbytes, stage, codec, seconds * 1e3)
+        return plan
+
+    def decisions(self) -> dict[str, tuple[str, str]]:
+        return {key: (b.route, b.codec) for key, b in self.buckets.items()}
+
+    def table(self) -> str:
+        """The plan as text, for the log."""
+        lines = [f"ddp_plugin comm plan v{self.version} ({self.reason}; probe {self.probe_s:.2f} s, buckets of"
+                 f" {self.bucket_size_mb:.1f} MiB):"]
+        for name, fit in self.model.describe().items():
+            lines.append(f"  link {name:<24} latency {fit['latency_ms']:8.3f} ms   {fit['MB_per_s']:10.1f} MB/s")
+        for key, b in self.buckets.items():
+            lines.append(f"  bucket {key:<12} {b.nbytes / 1e6:8.2f} MB  {b.route:<12} {b.codec:<8}"
+                         f" predicted {b.predicted_ms:8.2f} ms")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- the probe
+
+
+def _numel_for(nbytes: int, unit: int) -> int:
+    """float32 elements for about ``nbytes``, a multiple of ``unit`` (so every split is exact)."""
+    return max(unit, (nbytes // 4) // unit * unit)
+
+
+def _probe_bucket(tensor: torch.Tensor, index: int) -> Bucket:
+    """A bucket around ``tensor`` that a codec can code like a gradient bucket: one matrix-shaped parameter (for
+    PowerSGD's low-rank products), ``kind="probe"`` (its state never mixes with a gradient bucket's)."""
+    numel = tensor.numel()
+    rows = math.gcd(numel, 1024)
+    param = torch.nn.Parameter(torch.empty(rows, numel // rows, device=tensor.device))
+    return Bucket(index=index, buffer=tensor, params=(param,), names=("probe",), offsets=(0,), kind="probe")
+
+
+def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, CodecReduce | None],
+          routes: Sequence[str], device: torch.device, reps: int = 3) -> tuple[CostModel, float]:
+    """Time the stages of ``routes`` with every candidate codec (name -> reduce, ``None``: the plain mean) and fit
+    a :class:`CostModel`; returns it with the probe's wall time. Collective over every rank of the data-parallel
+    world; runs on the topology's side groups (the training thread's)."""
+    started = time.perf_counter()
+    t = topology
+    k, m = t.ranks_per_node, t.num_nodes
+    world, inter, intra = t.side_world_group, t.side_inter_node_group, t.side_intra_node_group
+    unit = k * m * 64
+    gen = torch.Generator().manual_seed(1234)
+    flag = torch.zeros(1, device=device)
+
+    def barrier() -> None:
+        dist.all_reduce(flag, group=world)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        barrier()
+        start = time.perf_counter()
+        result = fn()
+        if result is not None and hasattr(result, "wait"):
+            result.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    def sample(numel: int) -> torch.Tensor:
+        return torch.randn(numel, generator=gen).to(device)
+
+    def cross_stage(stage: str, name: str) -> Callable[[int, int], float]:
+        group = world if stage == "world" else inter
+        reduce = candidates[name]
+
+        def run(numel: int, index: int) -> float:
+            x = sample(numel)
+            if reduce is None:
+                return timed(lambda: comm.all_reduce(x.div_(dist.get_world_size(group)), group=group,
+                                                     async_op=True))
+            bucket = _probe_bucket(x, index)
+            return timed(lambda: reduce(x, group, bucket))
+
+        return run
+
+    def intra_reduce_scatter(numel: int, index: int) -> float:
+        x = sample(numel)
+        c = numel // k
+        return timed(lambda: comm.reduce_scatter(x[t.local_rank * c:(t.local_rank + 1) * c], x, group=intra))
+
+    def intra_all_gather(numel: int, index: int) -> float:
+        x = sample(numel)
+        c = numel // k
+        return timed(lambda: comm.all_gather(x, x[t.local_rank * c:(t.local_rank + 1) * c], group=intra))
+
+    stages: list[tuple[tuple[str, str], Callable[[int, int], float]]] = []
+    if FLAT in routes:
+        stages += [(("world", name), cross_stage("world", name)) for name in candidates]
+    if HIERARCHICAL in routes:
+        stages += [(("intra", "reduce_scatter"), intra_reduce_scatter), (("intra", "all_gather"), intra_all_gather)]
+        stages += [(("inter", name), cross_stage("inter", name)) for name in candidates]
+
+    # The pilot: the plain mean over the world (or the node's chunk across nodes), the slowest stage per byte.
+    pilot_stage = ("world", NO_CODEC) if FLAT in routes else ("inter", NO_CODEC)
+    pilot_run = cross_stage(pilot_stage[0], NO_CODEC) if NO_CODEC in candidates else \
+        dict(stages)[(pilot_stage[0], next(iter(candidates)))]
+    pilot_numel = _numel_for(PILOT_BYTES, unit)
+    pilot_run(pilot_numel, -1)  # warm-up: first-call allocations, lazy connections
+    pilot = torch.tensor([pilot_run(pilot_numel, -1)], dtype=torch.float64)
+    dist.all_reduce(pilot, op=dist.ReduceOp.MAX, group=world)
+    per_byte = max(pilot.item() / (pilot_numel * 4), 1e-12)
+    small = int(min(max(SMALL_SECONDS / per_byte, MIN_PROBE_BYTES), MAX_PROBE_BYTES // 4))
+    large = int(min(max(LARGE_SECONDS / per_byte, 4 * small), MAX_PROBE_BYTES))
+    sizes = (_numel_for(small, unit), _numel_for(large, unit))
+
+    times: list[float] = []
+    for index, (_, run) in enumerate(stages):
+        run(sizes[0], 2 * index)  # warm-up (a codec's first call allocates its buffers)
+        for i, numel in enumerate(sizes):  # (a bucket index per size: a codec's state is per size)
+            times.append(min(run(numel, 2 * index + i) for _ in range(reps)))
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)
+    measured = slowest.tolist()
+    fits: dict[tuple[str, str], Fit] = {}
+    for index, (name, _) in enumerate(stages):
+        (t0, t1) = measured[2 * index: 2 * index + 2]
+        # Fits are in bytes of what the stage is handed: the bucket for the in-node stages and the flat route, a
+        # rank's 1/k chunk for the hierarchical cross-node stage.
+        fits[name] = Fit.through((sizes[0] * 4, t0), (sizes[1] * 4, t1))
+    model = CostModel(
+        num_nodes=m, ranks_per_node=k,
+        cross={key: fit for key, fit in fits.items() if key[0] != "intra"},
+        reduce_scatter=fits.get(("intra", "reduce_scatter")), all_gather=fits.get(("intra", "all_gather")),
+    )
+    comm.release_scratch()
+    return model, time.perf_counter() - started
+
+
+def agree(obj: Any, topology: Topology) -> Any:
+    """Global rank 0's ``obj`` (of the data-parallel world), on every rank: one decides, all agree."""
+    group = topology.side_world_group
+    if dist.get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]

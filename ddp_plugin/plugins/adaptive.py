@@ -1,0 +1,341 @@
+"""Following a :class:`~ddp_plugin.planning.CommPlan` while training, and re-planning when the link changes.
+
+- :class:`AdaptivePlanner` is the reducer when a plan is made (``hierarchical=None`` over several nodes of
+  several ranks, ``compression="auto"`` or ``bucket_size_mb="auto"``): each bucket takes the route its plan
+  names (the flat all-reduce or the hierarchical stages), and each step's measured time per bucket is set
+  against the prediction.
+- :class:`AutoCodec` (``compression="auto"``) answers ``on_cross_node_reduce`` with the codec the plan names
+  for the bucket, among the candidates, which are registered as plugins of their own (their state, their
+  checkpoints). A bucket whose codec changes hands the old codec's error-feedback residual to the new route
+  (added to the next gradient it sends), so nothing a codec held back is dropped.
+
+Re-planning: after a plan, the first step is a warm-up and the next three set the baseline (measured over
+predicted, per step); a step whose ratio leaves ``[1/tolerance, tolerance]`` times the baseline (2x by default)
+and whose time is more than 10 ms from what the baseline expects departs (after a re-plan, not before its tenth
+step: a probe costs up to seconds, and a busy machine's noise must not buy one after another).
+Every step each rank sends its count of consecutive departing steps in one all-reduce (MAX), started after the
+optimizer step and read after the next one, so it never waits on the link; when the agreed count reaches
+``patience`` every rank probes the links again and re-plans, at that step boundary, from global rank 0's
+measurements. Bucket sizes stay as built.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_plugin.codecs.base import state_key
+from ddp_plugin.hookspecs import hookimpl
+from ddp_plugin.planning import FLAT, HIERARCHICAL, NO_CODEC, CommPlan
+from ddp_plugin.plugins.flat_reducer import FlatReducer
+from ddp_plugin.plugins.hierarchical_reducer import HierarchicalReducer
+
+if TYPE_CHECKING:
+    import pluggy
+    from torch import Tensor
+
+    from ddp_plugin.hookspecs import Bucket, Communicator, Topology
+    from ddp_plugin.planning import CostModel
+
+log = logging.getLogger(__name__)
+
+MIN_TIMED_S = 2e-3
+"""A step whose timed communication is shorter than this says nothing about the link (timer and scheduler
+noise on a busy machine): it neither departs nor sets the baseline."""
+MIN_DEPARTURE_S = 10e-3
+"""A step departs only when its measured time is this far from the baseline's expectation as well: on a busy
+machine a few milliseconds of scheduling swing small steps by several times, and a re-probe costs more than
+such steps could gain."""
+MIN_STEPS_BETWEEN_PLANS = 10
+"""Optimizer steps after a plan before the next re-plan may start (a probe costs up to a few seconds)."""
+
+
+def _key(bucket: Bucket) -> str:
+    return str(state_key(bucket))
+
+
+class AdaptivePlanner(HierarchicalReducer):
+    """The reducer that follows the plan (see the module docstring). ``replan`` is the session's: probe again
+    and return the new model (collective)."""
+
+    def __init__(self, plan: CommPlan, replan: Callable[[], tuple[CostModel, float]], patience: int = 3,
+                 tolerance: float = 2.0) -> None:
+        super().__init__()
+        self.plan = plan
+        self._replan = replan
+        self.patience = patience
+        self.tolerance = tolerance
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._records: list[list[Any]] = []  # [key, start, done or None]
+        self._since_plan = 0
+        self._calibration: list[float] = []
+        self._baseline: float | None = None
+        self._streak = 0
+        self._pending: tuple[Any, Tensor] | None = None
+        self._agree_group: dist.ProcessGroup | None = None
+        self._step = 0
+        self._step_ms = (0.0, 0.0)
+
+    @hookimpl
+    def on_setup(self, topology: Topology, hook: Any, comm: Communicator) -> None:
+        super().on_setup(topology=topology, hook=hook, comm=comm)
+        # Every rank (all data-parallel replicas of a tensor- or pipeline-parallel mesh re-plan together).
+        self._agree_group = comm.new_group()
+
+    @property
+    def splits(self) -> bool:
+        return HIERARCHICAL in self.plan.routes and super().splits
+
+    # ------------------------------------------------------------------ following the plan
+
+    @hookimpl(trylast=True)
+    def on_bucket_ready(self, bucket: Bucket) -> torch.futures.Future:
+        key = _key(bucket)
+        planned = self.plan.buckets.get(key)
+        route = planned.route if planned is not None else self.plan.routes[0]
+        self._local.routing = True
+        start = time.perf_counter()
+        try:
+            if route == HIERARCHICAL and self.splits:
+                future = HierarchicalReducer.on_bucket_ready(self, bucket)
+            else:
+                future = FlatReducer.on_bucket_ready(self, bucket)
+        finally:
+            self._local.routing = False
+        self.time(key, start, future)
+        return future
+
+    def routing(self) -> bool:
+        """Whether this thread is inside a bucket this planner routes (its cross-node stage is timed with it)."""
+        return getattr(self._local, "routing", False)
+
+    def time(self, key: str, start: float, future: torch.futures.Future | None) -> None:
+        """Record when ``key``'s reduction started and (once ``future`` completes) ended."""
+        record = [key, start, None]
+        with self._lock:
+            self._records.append(record)
+
+        def done(_: torch.futures.Future) -> None:
+            record[2] = time.perf_counter()
+
+        if future is None:
+            record[2] = time.perf_counter()
+        else:
+            future.add_done_callback(done)
+
+    def _take_busy(self) -> dict[str, float]:
+        """Seconds each completed reduction kept the link busy: from its start, or from the end of the one before
+        it when it queued behind that one (collectives run one at a time per group), to its end."""
+        with self._lock:
+            finished = [r for r in self._records if r[2] is not None]
+            self._records = [r for r in self._records if r[2] is None]
+        busy: dict[str, float] = {}
+        previous_end = float("-inf")
+        for key, start, end in sorted(finished, key=lambda r: r[1]):
+            busy[key] = busy.get(key, 0.0) + max(end - max(start, previous_end), 0.0)
+            previous_end = max(previous_end, end)
+        return busy
+
+    # ------------------------------------------------------------------ measuring against the prediction
+
+    @hookimpl
+    def on_after_backward(self) -> None:
+        busy = self._take_busy()
+        measured = predicted = 0.0
+        for key, seconds in busy.items():
+            planned = self.plan.buckets.get(key)
+            if planned is None:
+                continue
+            planned.record(seconds)
+            measured += seconds
+            predicted += planned.predicted_ms / 1e3
+        self._step_ms = (predicted * 1e3, measured * 1e3)
+        if predicted <= 0 or measured < MIN_TIMED_S:
+            return
+        ratio = measured / predicted
+        self._since_plan += 1
+        if self._since_plan <= 1:
+            return  # the first step after a plan: first-use allocations
+        if self._baseline is None:
+            self._calibration.append(ratio)
+            if len(self._calibration) == 3:
+                self._baseline = statistics.median(self._calibration)
+            return
+        relative = ratio / self._baseline
+        departed = ((relative > self.tolerance or relative < 1 / self.tolerance)
+                    and abs(measured - self._baseline * predicted) > MIN_DEPARTURE_S
+                    and (self.plan.version == 1 or self._since_plan > MIN_STEPS_BETWEEN_PLANS - self.patience))
+        self._streak = self._streak + 1 if departed else 0
+        if departed:
+            self._last_relative = relative
+
+    @hookimpl
+    def on_after_optimizer_step(self) -> None:
+        self._step += 1
+        if self._pending is not None:
+            work, agreed = self._pending
+            self._pending = None
+            work.wait()
+            if agreed.item() >= self.patience:
+                self.replan(f"step {self._step}: measured {getattr(self, '_last_relative', 0.0):.2f}x the"
+                            f" time the plan's baseline predicts, for {int(agreed.item())} steps")
+        if self._agree_group is not None and dist.get_world_size(self._agree_group) > 1:
+            streak = torch.tensor([float(self._streak)])
+            self._pending = (dist.all_reduce(streak, op=dist.ReduceOp.MAX, group=self._agree_group, async_op=True),
+                             streak)
+        elif self._streak >= self.patience:
+            self.replan(f"step {self._step}: measured times departed from the prediction")
+
+    def replan(self, reason: str) -> None:
+        """Probe the links again and re-decide every bucket (collective: every rank, at a step boundary, with the
+        communication thread idle)."""
+        old = self.plan
+        model, seconds = self._replan()  # (global rank 0's, on every rank)
+        plan = CommPlan(model, old.routes, old.codecs, old.bucket_size_mb, seconds, version=old.version + 1,
+                        reason=reason, history=list(old.history))
+        plan.plan_buckets({k: b.nbytes for k, b in old.buckets.items() if b.route in (FLAT, HIERARCHICAL)})
+        for key, b in old.buckets.items():
+            if b.route not in (FLAT, HIERARCHICAL):
+                plan.plan_stage(key, b.route, b.nbytes)
+        plan.history.append((plan.version, self._step, plan.decisions()))
+        self.plan = plan
+        self._since_plan, self._calibration, self._baseline, self._streak = 0, [], None, 0
+        if dist.get_rank() == 0:
+            log.info(plan.table())
+
+    @hookimpl
+    def on_collect_metrics(self) -> dict[str, float]:
+        predicted, measured = self._step_ms
+        return {"comm/predicted_ms": predicted, "comm/measured_ms": measured,
+                "comm/plan_version": float(self.plan.version)}
+
+
+class AutoCodec:
+    """``compression="auto"``: the codec the plan names for each bucket, among the candidates (registered as
+    plugins of their own under their names; ``"none"`` is the plain mean)."""
+
+    def __init__(self, planner: AdaptivePlanner, pm: pluggy.PluginManager) -> None:
+        self.planner = planner
+        self._pm = pm
+        self._last: dict[str, str] = {}
+        self._impls: dict[str, Any] = {}
+        self._topology: Topology | None = None
+
+    @hookimpl
+    def on_setup(self, topology: Topology) -> None:
+        self._topology = topology
+        impls = self._pm.hook.on_cross_node_reduce.get_hookimpls()
+        for name in self.planner.plan.codecs:
+            plugin = self._pm.get_plugin("mean_allreduce" if name == NO_CODEC else name)
+            self._impls[name] = next(i for i in impls if i.plugin is plugin and not (i.wrapper or i.hookwrapper))
+
+    def _stage(self, group: dist.ProcessGroup) -> str:
+        t, cross = self._topology, self.planner.plan.model.cross
+        inter = any(s == "inter" for s, _ in cross)
+        world = any(s == "world" for s, _ in cross)
+        if inter and (not world or (t.ranks_per_node > 1 and dist.get_world_size(group) == t.num_nodes)):
+            return "inter"
+        return "world"
+
+    @hookimpl(tryfirst=True)
+    def on_cross_node_reduce(self, tensor: Tensor, group: dist.ProcessGroup, bucket: Bucket, offset: int
+                             ) -> torch.futures.Future:
+        key = _key(bucket)
+        plan = self.planner.plan
+        planned = plan.buckets.get(key)
+        nbytes = tensor.numel() * tensor.element_size()
+        if planned is None or (planned.route not in (FLAT, HIERARCHICAL) and planned.nbytes != nbytes):
+            planned = plan.plan_stage(key, self._stage(group), nbytes)
+        codec = planned.codec
+        last = self._last.get(key)
+        if last is not None and last != codec:
+            self._carry(last, state_key(bucket), tensor, group)
+        self._last[key] = codec
+        impl = self._impls[codec]
+        args = {"tensor": tensor, "group": group, "bucket": bucket, "offset": offset}
+        timed = not self.planner.routing()
+        start = time.perf_counter()
+        future = impl.function(**{name: args[name] for name in impl.argnames})
+        if timed:
+            self.planner.time(key, start, future)
+        return future
+
+    def _carry(self, old: str, key: int | str, tensor: Tensor, group: dist.ProcessGroup) -> None:
+        """Hand codec ``old``'s error-feedback residual for ``key`` to the route the bucket takes now."""
+        if old == NO_CODEC:
+            return
+        plugin = self._pm.get_plugin(old)
+        fold = getattr(plugin, "fold_residual", None)
+        if fold is None:
+            log.info("ddp_plugin: codec %r keeps its residual of bucket %s (it cannot hand it over); it is"
+                     " applied when the bucket takes that codec again.", old, key)
+            return
+        fold(key, tensor, dist.get_rank(group), dist.get_world_size(group))
+
+
+def candidate_names(compression: str | None, options: dict[str, Any]) -> tuple[str, ...]:
+    """The plan's codec names: ``compression="auto"``'s candidates (``None`` -> ``"none"``), or the one codec."""
+    from ddp_plugin.planning import DEFAULT_CANDIDATES
+
+    if compression == "auto":
+        listed = options.get("candidates", DEFAULT_CANDIDATES)
+        return tuple(dict.fromkeys(NO_CODEC if c is None else c for c in listed))
+    return (compression or NO_CODEC,)
+
+
+def codec_options(name: str, compression: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    """The constructor options of candidate ``name``: under ``"auto"`` the dict keyed by its name."""
+    if compression == "auto":
+        return dict(options.get(name, {}))
+    return dict(options)
+
+
+def probe_codecs(names: Sequence[str], compression: str | None, options: dict[str, Any], comm: Communicator,
+                 setup_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """name -> reduce(tensor, group, bucket) for the probe. A built-in codec is a fresh instance each probe (its
+    state thrown away after), PowerSGD without its uncompressed warm-up iterations; an installed codec is the
+    object its entry point names, the one registered for training, set up once more for the probe
+    (``on_setup`` without buckets), its probe state kept under ``kind="probe"`` keys."""
+    from importlib.metadata import entry_points
+
+    from ddp_plugin.codecs import BUILTIN_CODECS
+    from ddp_plugin.hookspecs import PROJECT_NAME
+
+    out: dict[str, Any] = {}
+    for name in names:
+        if name == NO_CODEC:
+            out[name] = None
+            continue
+        if name in BUILTIN_CODECS:
+            cls = BUILTIN_CODECS[name]
+            opts = codec_options(name, compression, options)
+            if "start_iter" in cls.defaults:
+                opts["start_iter"] = 0
+            codec = cls(**opts)
+            codec.comm = comm
+            out[name] = lambda x, group, bucket, c=codec: c.on_cross_node_reduce(
+                tensor=x, group=group, bucket=bucket, offset=0)
+            continue
+        plugin = next(ep.load() for ep in entry_points(group=PROJECT_NAME) if ep.name == name)
+        setup = getattr(plugin, "on_setup", None)
+        if setup is not None:
+            setup(**{a: setup_kwargs.get(a) for a in inspect.signature(setup).parameters})
+        reduce = plugin.on_cross_node_reduce
+        argnames = tuple(inspect.signature(reduce).parameters)
+
+        def run(x: Tensor, group: dist.ProcessGroup, bucket: Bucket, fn: Any = reduce,
+                argnames: tuple[str, ...] = argnames) -> Any:
+            args = {"tensor": x, "group": group, "bucket": bucket, "offset": 0}
+            return fn(**{a: args[a] for a in argnames})
+
+        out[name] = run
+    return out
