@@ -79,7 +79,7 @@ def test_installed_codec_becomes_a_compression_name(installed_plugin_dir):
 
 
 def test_unknown_codec_message_lists_installed_codecs(installed_plugin_dir):
-    with pytest.raises(ValueError, match=r"`compression='fp8'`.*allowed values: None, 'fp64_mean'"):
+    with pytest.raises(ValueError, match=r"`compression='fp8'`.*allowed values: None, 'auto', 'fp64_mean'"):
         HierarchicalZeroStrategy(compression="fp8")
 
 

@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         strategy = HierarchicalZeroStrategy(
             zero_stage=args.stage, shard_scope=args.scope, compression=args.compression,
             devices_per_node=args.devices_per_node, auto_wrap_policy=args.wrap.split(","),
+            hierarchical=True,  # (not measured: a resumed run must take the route the saving one took)
             checkpoint=args.checkpoint, timeout=args.timeout, bucket_size_mb=args.bucket_mb,
             checkpoint_io=TorchCheckpointIO() if args.lightning_io else None,
         )

@@ -35,6 +35,8 @@ CONFIGS: dict[str, tuple[str | None, dict]] = {
     "topk": ("topk", {}),
     "powersgd": ("powersgd", {}),
     "onebit": ("onebit", {}),  # the example package's codec, installed through its entry point
+    # The link probe chooses the route and, between no codec and int8, the codec per bucket (docs/adaptive.md).
+    "auto": ("auto", {}),
 }
 
 
@@ -45,7 +47,8 @@ def run(name: str, steps: int, ids: torch.Tensor, vocab: int, out_dir: str) -> d
     L.seed_everything(1234, verbose=False)
     model = CharModel(vocab, train)
     strategy = HierarchicalZeroStrategy(
-        devices_per_node=2, compression=compression, compression_options=options, bucket_size_mb=0.1
+        devices_per_node=2, compression=compression, compression_options=options, bucket_size_mb=0.1,
+        hierarchical=None if compression == "auto" else True,
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -83,6 +86,7 @@ def run(name: str, steps: int, ids: torch.Tensor, vocab: int, out_dir: str) -> d
         "identical_on_all_ranks": identical,
         "seconds": seconds,
         "hierarchical": strategy.uses_hierarchical_reducer,
+        "plan": None if strategy.comm_plan is None else strategy.comm_plan.decisions(),
         "saved_state": None if saved is None else {
             "world_size": saved["world_size"],
             "buckets_per_rank": [len(rank_state) for rank_state in saved["ranks"]],  # per-bucket entries

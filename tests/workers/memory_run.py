@@ -45,13 +45,13 @@ SETTINGS: dict[str, dict] = {
     "hier_powersgd": dict(hierarchical=True, compression="powersgd",
                           compression_options={"rank": 4, "start_iter": 2}),
     "flat_int8": dict(hierarchical=False, compression="int8"),
-    "diloco": dict(sync_every=4),
-    "streaming": dict(sync_every=4, sync_fragments=4, max_staleness=1),
-    "streaming_int8": dict(sync_every=4, sync_fragments=4, max_staleness=1, compression="int8"),
-    "zero1": dict(zero_stage=1),
-    "zero2": dict(zero_stage=2),
-    "zero3": dict(zero_stage=3, auto_wrap_policy=[torch.nn.Linear]),
-    "zero3_prefetch1": dict(zero_stage=3, auto_wrap_policy=[torch.nn.Linear], prefetch_units=1),
+    "diloco": dict(hierarchical=True, sync_every=4),
+    "streaming": dict(hierarchical=True, sync_every=4, sync_fragments=4, max_staleness=1),
+    "streaming_int8": dict(hierarchical=True, sync_every=4, sync_fragments=4, max_staleness=1, compression="int8"),
+    "zero1": dict(hierarchical=True, zero_stage=1),
+    "zero2": dict(hierarchical=True, zero_stage=2),
+    "zero3": dict(hierarchical=True, zero_stage=3, auto_wrap_policy=[torch.nn.Linear]),
+    "zero3_prefetch1": dict(hierarchical=True, zero_stage=3, auto_wrap_policy=[torch.nn.Linear], prefetch_units=1),
 }
 
 

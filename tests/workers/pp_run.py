@@ -115,7 +115,7 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
     model = GPTWithValidation(layers=layers, scheduler=scheduler)
     initial = {n: p.detach().clone() for n, p in model.state_dict().items()}
     strategy: object = "ddp" if reference else HierarchicalZeroStrategy(
-        devices_per_node=devices_per_node, bucket_size_mb=1 / 256, **(flags or {}))
+        devices_per_node=devices_per_node, bucket_size_mb=1 / 256, **{"hierarchical": True, **(flags or {})})
     checks = Checks()
     callbacks: list[L.Callback] = [checks]
     if save_at:

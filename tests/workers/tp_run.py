@@ -106,7 +106,8 @@ def run(out: str, devices: int, devices_per_node: int | None, tp: int, stage: in
     else:
         strategy = HierarchicalZeroStrategy(tensor_parallel_size=tp, devices_per_node=devices_per_node,
                                             zero_stage=stage, bucket_size_mb=1 / 256,
-                                            auto_wrap_policy=["Block"] if stage == 3 else None, **(flags or {}))
+                                            auto_wrap_policy=["Block"] if stage == 3 else None,
+                                            **{"hierarchical": True, **(flags or {})})
     check = ReplicaCheck()
     callbacks: list[L.Callback] = [check]
     if nan_at >= 0:

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
-    strategy = HierarchicalZeroStrategy(devices_per_node=args.devices_per_node, hierarchical=False if args.flat else None,
+    strategy = HierarchicalZeroStrategy(devices_per_node=args.devices_per_node, hierarchical=not args.flat,
                                         compression=args.compression, progress_bar_metrics=True,
                                         tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp)
     on_cluster = "GLOO_SOCKET_IFNAME" in os.environ

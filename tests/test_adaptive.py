@@ -1,0 +1,294 @@
+"""Adaptive communication (docs/adaptive.md): the cost model's choices, the flags, a codec switch that hands its
+residual to the new route, the plan in training on 2 simulated nodes x 2 (the same on every rank) with ZeRO and a
+sync mode, and, on a simulated cluster (root), a link that slows down mid-run and the plan that follows it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_plugin import Bucket, HierarchicalZeroStrategy
+from ddp_plugin.codecs import BUILTIN_CODECS
+from ddp_plugin.comm import TracedCommunicator
+from ddp_plugin.planning import FLAT, HIERARCHICAL, BucketPlan, CommPlan, CostModel, Fit
+from ddp_plugin.plugin_manager import build_plugin_manager
+from ddp_plugin.plugins.adaptive import AdaptivePlanner
+from ddp_plugin.testing.ranks import RankPool
+from tests.support import WORKERS, needs_cluster, run_python
+
+WORLD = 4
+MB = 1e6
+
+
+def link(latency_ms: float, mb_per_s: float) -> Fit:
+    return Fit(latency_ms / 1e3, 1 / (mb_per_s * MB))
+
+
+def model_of(cross_mb_per_s: float, int8_cpu_mb_per_s: float = 400.0) -> CostModel:
+    """2 nodes x 2: a link of ``cross_mb_per_s`` per node, shared by the node's 2 ranks across nodes; int8 sends
+    a quarter of the bytes and codes at ``int8_cpu_mb_per_s``; in-node stages at 2 GB/s."""
+    cpu = 1 / (int8_cpu_mb_per_s * MB)
+    world = 1.5 / (cross_mb_per_s * MB)  # a flat ring: 1.5 bucket sizes per node across
+    inter = 2 * 1.0 / (cross_mb_per_s * MB)  # per rank's chunk: 2(M-1)/M of it, 2 ranks sharing the link
+    return CostModel(num_nodes=2, ranks_per_node=2, cross={
+        ("world", "none"): Fit(1e-3, world), ("world", "int8"): Fit(2e-3, world / 4 + cpu),
+        ("inter", "none"): Fit(1e-3, inter), ("inter", "int8"): Fit(2e-3, inter / 4 + cpu),
+    }, reduce_scatter=link(0.5, 2000), all_gather=link(0.5, 2000))
+
+
+# ---------------------------------------------------------------------- the cost model
+
+
+def test_fit_through_two_points_recovers_latency_and_bandwidth():
+    fit = Fit.through((1e5, 0.002 + 1e5 / 1e8), (1e7, 0.002 + 1e7 / 1e8))
+    assert fit.latency_s == pytest.approx(0.002)
+    assert fit.describe()["MB_per_s"] == pytest.approx(100.0)
+    # Noise that makes the larger transfer look faster never gives a negative bandwidth.
+    assert Fit.through((1e5, 0.01), (1e6, 0.005)).seconds_per_byte > 0
+
+
+@pytest.mark.parametrize(("mb_per_s", "route", "codec"), [
+    (1250.0, FLAT, "none"),  # 10 Gbit/s: int8's arithmetic costs more than it saves, the flat ring is cheapest
+    (125.0, HIERARCHICAL, "int8"),  # 1 Gbit/s
+    (12.5, HIERARCHICAL, "int8"),  # 100 Mbit/s
+])
+def test_the_cheapest_route_and_codec_follow_the_link(mb_per_s, route, codec):
+    chosen_route, chosen_codec, seconds = model_of(mb_per_s).choose(25 * 2**20)
+    assert (chosen_route, chosen_codec) == (route, codec)
+    every = [model_of(mb_per_s).route_seconds(r, c, 25 * 2**20) for r in (FLAT, HIERARCHICAL) for c in ("none", "int8")]
+    assert seconds == min(every)
+
+
+def test_a_route_or_codec_left_out_is_never_chosen():
+    model = model_of(12.5)
+    assert model.choose(25 * 2**20, routes=[FLAT], codecs=["none"])[:2] == (FLAT, "none")
+    assert model.choose_codec("world", 25 * 2**20, ["none"])[0] == "none"
+    assert model.choose_codec("world", 25 * 2**20)[0] == "int8"
+
+
+def test_bucket_size_balances_latency_against_the_last_transfer():
+    model = model_of(12.5)
+    total = 400 * 2**20
+    route, codec, _ = model.choose(25 * 2**20)
+    per_byte = (model.route_seconds(route, codec, 2**25) - model.route_seconds(route, codec, 2**24)) / 2**24
+    latency = model.route_seconds(route, codec, 2**24) - per_byte * 2**24
+    assert model.bucket_bytes(total) == pytest.approx(math.sqrt(total * latency / per_byte), rel=1e-6)
+    assert model.bucket_bytes(10) == 2**20  # at least 1 MiB
+    slow_latency = CostModel(2, 2, {("world", "none"): Fit(10.0, 1e-12)})
+    assert slow_latency.bucket_bytes(2**40, [FLAT], ["none"]) == 256 * 2**20  # at most 256 MiB
+
+
+# ---------------------------------------------------------------------- flags
+
+
+@pytest.mark.parametrize("flags", [
+    {"compression": "auto"},
+    {"compression": "auto", "compression_options": {"candidates": [None, "int8", "powersgd"], "powersgd": {"rank": 2}}},
+    {"bucket_size_mb": "auto"},
+    {"compression": "auto", "bucket_size_mb": "auto", "hierarchical": None},
+])
+def test_auto_flags_are_accepted(flags):
+    HierarchicalZeroStrategy(**flags)
+
+
+@pytest.mark.parametrize(("flags", "names"), [
+    ({"compression": "auto", "compression_options": {"candidates": ["int9"]}}, ["candidates", "'int8'", "None"]),
+    ({"compression": "auto", "compression_options": {"candidates": []}}, ["candidates", "non-empty"]),
+    ({"compression": "auto", "compression_options": {"powersgd": {"rank": 2}}}, ["'powersgd'", "candidates"]),
+    ({"compression": "auto", "compression_options": {"candidates": ["int8"], "int8": {"block_size": 0}}},
+     ["block_size"]),
+    ({"bucket_size_mb": "big"}, ["bucket_size_mb", "'auto'"]),
+    ({"compression": "automatic"}, ["compression", "'auto'"]),
+])
+def test_bad_auto_flags_fail_at_construction_naming_the_flag(flags, names):
+    with pytest.raises(ValueError) as error:
+        HierarchicalZeroStrategy(**flags)
+    for name in names:
+        assert name in str(error.value)
+
+
+# ---------------------------------------------------------------------- a codec switch keeps the residual
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with RankPool(WORLD) as pool:
+        yield pool
+
+
+def _bucket(numel: int) -> Bucket:
+    p = nn.Parameter(torch.zeros(24, numel // 24))
+    return Bucket(index=0, buffer=torch.zeros(numel), params=(p,), names=("w",), offsets=(0,))
+
+
+def switch_codec(rank, world, name, options, data):
+    """Step 1 through codec ``name``, step 2 with no codec after ``fold_residual``; returns both outputs."""
+    codec = BUILTIN_CODECS[name](**options)
+    codec.on_setup(comm=TracedCommunicator())
+    bucket = _bucket(data.shape[-1])
+    first = data[rank, 0].clone()
+    codec.on_cross_node_reduce(tensor=first, group=dist.group.WORLD, bucket=bucket, offset=0).wait()
+    second = data[rank, 1].clone()
+    codec.fold_residual(0, second, rank, world)
+    dist.all_reduce(second.div_(world))
+    return first, second, 0 in codec.states
+
+
+@pytest.mark.parametrize(("name", "options"), [
+    ("int8", {"block_size": 128}), ("topk", {"ratio": 0.05}), ("powersgd", {"rank": 2, "start_iter": 0})])
+def test_a_codec_switch_hands_the_residual_to_the_new_route(ranks, name, options):
+    # What the codec held back on step 1 reaches the mean on step 2: the two steps' outputs sum to the exact means.
+    data = torch.randn(WORLD, 2, 24 * 40, generator=torch.Generator().manual_seed(5))
+    first, second, kept = ranks.run(switch_codec, name, options, data)[0]
+    exact = data.mean(0)
+    assert (first - exact[0]).abs().max() > 1e-2  # step 1 did hold something back
+    torch.testing.assert_close(first + second, exact.sum(0), atol=1e-5, rtol=1e-5)
+    assert not kept  # and the old codec forgot the bucket
+
+
+def auto_codec_switch(rank, world, data):
+    """The plugin path: ``compression="auto"`` with a plan that names int8 for bucket 0, then no codec."""
+    model = CostModel(1, world, {("world", "none"): Fit(0, 1e-9), ("world", "int8"): Fit(0, 1e-9)})
+    plan = CommPlan(model, (FLAT,), ("none", "int8"), 25.0, 0.0)
+    plan.buckets["0"] = BucketPlan("0", data.shape[-1] * 4, FLAT, "int8", 1.0)
+    planner = AdaptivePlanner(plan, replan=lambda: None)
+    pm = build_plugin_manager("auto", (), planner=planner, compression_options={"int8": {"block_size": 128}})
+    comm = TracedCommunicator()
+    for name in ("mean_allreduce", "int8", "traffic"):
+        pm.get_plugin(name).on_setup(comm=comm)
+    pm.get_plugin("auto").on_setup(topology=None)
+    bucket = _bucket(data.shape[-1])
+    outs = []
+    for step in range(2):
+        tensor = data[rank, step].clone()
+        pm.hook.on_cross_node_reduce(tensor=tensor, group=dist.group.WORLD, bucket=bucket, offset=0).wait()
+        outs.append(tensor)
+        plan.buckets["0"].codec = "none"
+    return outs, pm.get_plugin("int8").states.keys() == set()
+
+
+def test_auto_codec_follows_the_plan_and_carries_the_residual_across_a_switch(ranks):
+    data = torch.randn(WORLD, 2, 24 * 40, generator=torch.Generator().manual_seed(6))
+    (first, second), forgotten = ranks.run(auto_codec_switch, data)[0]
+    exact = data.mean(0)
+    assert (first - exact[0]).abs().max() > 1e-2  # int8 coded step 1
+    torch.testing.assert_close(first + second, exact.sum(0), atol=1e-5, rtol=1e-5)
+    assert forgotten
+
+
+# ---------------------------------------------------------------------- training with a plan (2 x 2, loopback)
+
+
+def train(tmp_path, configs: dict[str, dict], steps: int = 8) -> dict[str, list[dict]]:
+    """Every configuration one after the other in the same 4 processes (2 simulated nodes x 2)."""
+    runs = [["--out", str(tmp_path / name), "--flags", json.dumps(flags), "--steps", str(steps)]
+            for name, flags in configs.items()]
+    for name in configs:
+        (tmp_path / name).mkdir()
+    run_python(WORKERS / "adaptive_run.py", "--runs", json.dumps(runs), timeout=900)
+    return {name: [json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in range(WORLD)]
+            for name in configs}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    return train(tmp_path_factory.mktemp("adaptive"), {
+        "auto": {"compression": "auto", "bucket_size_mb": "auto"},
+        "route_only": {"bucket_size_mb": 0.25},
+        "zero2": {"compression": "auto", "zero_stage": 2, "bucket_size_mb": 0.25},
+        "diloco": {"compression": "auto", "sync_every": 3, "shard_scope": "node", "bucket_size_mb": 0.25},
+        "fixed": {"hierarchical": True, "compression": "int8"},
+    })
+
+
+@pytest.mark.parametrize("name", ["auto", "route_only", "zero2", "diloco"])
+def test_every_rank_holds_rank_0s_plan(runs, name):
+    results = runs[name]
+    plans = [r["plan"] for r in results]
+    assert plans[0] is not None
+    for plan in plans[1:]:
+        assert plan["history"] == plans[0]["history"]
+        assert plan["links"] == plans[0]["links"]
+    assert all(r["params_finite"] for r in results)
+
+
+def test_the_plan_decides_every_bucket_from_measured_links(runs):
+    result = runs["auto"][0]
+    plan = result["plan"]
+    assert set(plan["routes"]) == {FLAT, HIERARCHICAL} and plan["codecs"] == ["none", "int8"]
+    assert set(result["engine_buckets"]) <= set(plan["buckets"])
+    replanned_at_the_end = plan["history"][-1][1] == 8  # (a busy machine can make its times depart)
+    for b in plan["buckets"].values():
+        assert b["route"] in plan["routes"] and b["codec"] in plan["codecs"]
+        assert b["predicted_ms"] > 0
+        assert replanned_at_the_end or (b["measured_ms"] is not None and b["measured_ms"] > 0)
+    for fit in plan["links"].values():
+        assert fit["latency_ms"] >= 0 and fit["MB_per_s"] > 0
+    assert 1.0 <= plan["bucket_size_mb"] <= 256.0
+    assert 0 < plan["probe_s"] < 30
+    metrics = result["metrics"]
+    assert metrics["comm/predicted_ms"] > 0 and metrics["comm/measured_ms"] > 0 and metrics["comm/plan_version"] >= 1
+
+
+def test_without_auto_flags_the_plan_chooses_the_route_only(runs):
+    plan = runs["route_only"][0]["plan"]
+    assert plan["codecs"] == ["none"] and set(plan["routes"]) == {FLAT, HIERARCHICAL}
+    assert plan["bucket_size_mb"] == 0.25
+
+
+def test_a_sharder_gets_one_route_for_the_fit_and_a_codec_per_bucket(runs):
+    result = runs["zero2"][0]
+    plan = result["plan"]
+    assert len(plan["routes"]) == 1 and result["hierarchical"] == (plan["routes"] == [HIERARCHICAL])
+    assert set(result["engine_buckets"]) <= set(plan["buckets"])
+
+
+def test_a_sync_modes_outer_average_is_planned_too(runs):
+    plan = runs["diloco"][0]["plan"]
+    outer = [k for k in plan["buckets"] if k.startswith("pseudo_gradient/")]
+    assert outer, plan["buckets"].keys()
+    for key in outer:
+        assert plan["buckets"][key]["codec"] in ("none", "int8")
+        assert plan["buckets"][key]["measured_ms"] is not None
+
+
+def test_nothing_is_probed_when_every_choice_is_set(runs):
+    assert all(r["plan"] is None for r in runs["fixed"])
+
+
+# ---------------------------------------------------------------------- a link that changes (simulated cluster)
+
+
+@needs_cluster
+def test_the_plan_follows_a_link_that_slows_down_within_a_few_steps(cluster, tmp_path):
+    slow_at, steps = 6, 16
+    cluster.set_rate("10gbit")
+    try:
+        results = cluster.launch([str(WORKERS / "adaptive_run.py"), "--out", str(tmp_path), "--num-nodes", "2",
+                                  "--devices", "2", "--width", "512", "--layers", "3", "--steps", str(steps),
+                                  "--flags", json.dumps({"compression": "auto", "bucket_size_mb": 1}),
+                                  "--slow-at", str(slow_at), "--slow-rate", "20mbit"],
+                                 nproc_per_node=2, timeout=600)
+    finally:
+        cluster.set_rate("1gbit")
+    for r in sorted(results, key=lambda r: r.killed):
+        assert r.ok, f"node {r.node} exited with {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    plans = [r["plan"] for r in ranks]
+    for plan in plans[1:]:
+        assert plan["history"] == plans[0]["history"]  # no rank disagreed, at any version
+    history = plans[0]["history"]
+    replans = [step for version, step, _ in history if version > 1]
+    assert replans, history
+    # Detected within a few steps of the slowdown: 1 warm-up + 3 baseline steps happened before it, then 3
+    # departing steps, and the agreement on them comes back after the next step.
+    assert slow_at < replans[0] <= slow_at + 6, history
+    # At 20 Mbit/s int8 carries a quarter of the bytes: every large bucket takes it after the re-plan.
+    final = history[-1][2]
+    large = [k for k, b in plans[0]["buckets"].items() if b["nbytes"] >= 2**19]
+    assert large and all(final[k][1] == "int8" for k in large), final
