@@ -60,6 +60,10 @@ LIGHTNING_CONTENDERS = {
     # smallest start_powerSGD_iter torch's hook accepts with error feedback, so both PowerSGDs compress from step 2.
     "ours_hier_powersgd": {"hierarchical": True, "compression": "powersgd",
                            "compression_options": {"rank": 4, "start_iter": 2}},
+    # The link probe decides the route and codec per bucket (between no codec and int8) and the bucket size.
+    "ours_auto": {"hierarchical": None, "compression": "auto", "bucket_size_mb": "auto"},
+    # The same with the bucket size fixed (the run's --bucket-size-mb).
+    "ours_auto_fixed_buckets": {"hierarchical": None, "compression": "auto"},
     # ZeRO stages, hierarchical reduction (the default); shard_scope "global" shards over all ranks, "node" inside a node.
     "ours_zero1": {"zero_stage": 1, "shard_scope": "global"},
     "ours_zero2": {"zero_stage": 2, "shard_scope": "global"},
@@ -352,7 +356,7 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     model = TinyModule(build_net(args), loss="cross_entropy", optimizer=lambda params: make_optimizer(args, params))
     if ours:
-        strategy = HierarchicalZeroStrategy(bucket_size_mb=args.bucket_size_mb, **kwargs)
+        strategy = HierarchicalZeroStrategy(**{"bucket_size_mb": args.bucket_size_mb, **kwargs})
     else:
         strategy = DDPStrategy(bucket_cap_mb=args.bucket_size_mb)  # strategy="ddp", bucket cap spelled out
     loader = build_loader(args)
@@ -373,6 +377,15 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
         res["ours_window"] = cb.ours_window
         res["ours_fit_means"] = trainer.strategy.metric_means
         res["hierarchical"] = trainer.strategy.uses_hierarchical_reducer
+        plan = trainer.strategy.comm_plan
+        if plan is not None:
+            res["comm_plan"] = {
+                "version": plan.version, "probe_s": plan.probe_s, "bucket_size_mb": plan.bucket_size_mb,
+                "decisions": plan.decisions(), "links": plan.model.describe(),
+                "buckets": {k: {"MB": b.nbytes / 1e6, "route": b.route, "codec": b.codec,
+                                "predicted_ms": b.predicted_ms, "measured_ms": b.measured_ms}
+                            for k, b in plan.buckets.items()},
+            }
         res["buckets"] = cb.buckets
     return res
 
