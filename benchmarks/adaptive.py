@@ -47,12 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--verbose", action="store_true", help="print each plan's link fits and per-bucket times")
     args, rest = p.parse_known_args(argv)
     # Everything else (model size, batch, bucket size, optimizer) is cluster.py's, with its defaults.
     base = cluster.parse_args(["--contenders", args.contenders, "--steps", str(args.steps), "--warmup",
                                str(args.warmup), "--timeout", "900", *rest])
     base.rates = [r.strip() for r in args.rates.split(",") if r.strip()]
-    base.repeats, base.out = args.repeats, args.out
+    base.repeats, base.out, base.verbose = args.repeats, args.out, args.verbose
     return base
 
 
@@ -95,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         print(f"{rate} {name:<16} mean {mean_interval(res):.3f} s/step  {plan_summary(res)}",
                               flush=True)
+                        plan = res["ranks"][0].get("comm_plan")
+                        if plan is not None and args.verbose:
+                            for stage, fit in plan["links"].items():
+                                print(f"    {stage:<22} {fit['latency_ms']:8.2f} ms {fit['MB_per_s']:9.1f} MB/s")
+                            for key, b in plan["buckets"].items():
+                                print(f"    bucket {key:<4} {b['MB']:6.2f} MB {b['route']:<12} {b['codec']:<5}"
+                                      f" predicted {b['predicted_ms']:7.1f} ms measured {b['measured_ms'] or 0:7.1f} ms")
             net.close()
     elapsed = time.perf_counter() - started
 

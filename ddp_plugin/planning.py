@@ -43,12 +43,16 @@ DEFAULT_CANDIDATES = (None, "int8")
 """``compression="auto"``'s candidates unless ``compression_options["candidates"]`` lists others: PowerSGD and
 top-k change convergence, so they are chosen only when listed."""
 MIN_BUCKET_BYTES, MAX_BUCKET_BYTES = 2**20, 256 * 2**20
-PILOT_BYTES = 64 * 2**10
-SMALL_SECONDS, LARGE_SECONDS = 0.01, 0.06
-"""The two probe sizes are chosen from a pilot transfer so that the slowest stage takes about this long at each:
-the probe then lasts about as long on a 100 Mbit/s link as on a 10 Gbit/s one (under 2 s for two routes and two
-codecs), and both sizes are large enough for the bandwidth, not the latency, to dominate the second."""
-MIN_PROBE_BYTES, MAX_PROBE_BYTES = 64 * 2**10, 16 * 2**20
+PILOT_BYTES = 256 * 2**10
+LARGE_SECONDS = 0.08
+"""The probe's larger size is grown from a pilot transfer until the slowest stage (the plain mean over the
+world) takes about this long, its smaller size an eighth of it: the probe then lasts about as long on a 100
+Mbit/s link as on a 10 Gbit/s one (under 2 s for two routes and two codecs), and at both sizes the bandwidth,
+not the latency or the link's burst allowance, dominates."""
+MAX_PROBE_BYTES = 16 * 2**20
+CODEC_MARGIN = 0.05
+"""A codec is chosen over no codec only when it is predicted this much faster: a lossy codec that saves nothing
+measurable is not worth its rounding."""
 
 CodecReduce = Callable[[torch.Tensor, dist.ProcessGroup, Bucket], Any]
 """A candidate codec as the probe runs it: reduce ``tensor`` over ``group`` for ``bucket`` (returns a future or
@@ -117,17 +121,25 @@ class CostModel:
     def choose(self, nbytes: int, routes: Sequence[str] | None = None, codecs: Sequence[str] | None = None
                ) -> tuple[str, str, float]:
         """The cheapest ``(route, codec, seconds)`` for a bucket of ``nbytes``; ties go to the earlier route and
-        codec in the given orders (flat before hierarchical, no codec first)."""
+        codec in the given orders (flat before hierarchical, no codec first), and a codec must beat no codec by
+        :data:`CODEC_MARGIN`."""
         options = [(self.route_seconds(r, c, nbytes), i, j, r, c)
                    for i, r in enumerate(routes or self.routes)
                    for j, c in enumerate(codecs or self.codecs) if (("world" if r == FLAT else "inter"), c) in self.cross]
         seconds, _, _, route, codec = min(options)
+        plain = [o for o in options if o[4] == NO_CODEC]
+        if codec != NO_CODEC and plain and min(plain)[0] * (1 - CODEC_MARGIN) <= seconds:
+            seconds, _, _, route, codec = min(plain)
         return route, codec, seconds
 
     def choose_codec(self, stage: str, nbytes: int, codecs: Sequence[str] | None = None) -> tuple[str, float]:
         """The cheapest codec for a cross-node stage alone (a sharder's or a sync mode's, whose route is theirs)."""
-        seconds, _, codec = min((self.stage_seconds(stage, c, nbytes), j, c)
-                                for j, c in enumerate(codecs or self.codecs) if (stage, c) in self.cross)
+        options = [(self.stage_seconds(stage, c, nbytes), j, c)
+                   for j, c in enumerate(codecs or self.codecs) if (stage, c) in self.cross]
+        seconds, _, codec = min(options)
+        plain = [o for o in options if o[2] == NO_CODEC]
+        if codec != NO_CODEC and plain and plain[0][0] * (1 - CODEC_MARGIN) <= seconds:
+            seconds, _, codec = plain[0]
         return codec, seconds
 
     def best_route(self, sizes: Sequence[int], routes: Sequence[str] | None = None,
@@ -313,24 +325,27 @@ def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, Codec
         stages += [(("intra", "reduce_scatter"), intra_reduce_scatter), (("intra", "all_gather"), intra_all_gather)]
         stages += [(("inter", name), cross_stage("inter", name)) for name in candidates]
 
-    # The pilot: the plain mean over the world (or the node's chunk across nodes), the slowest stage per byte.
-    pilot_stage = ("world", NO_CODEC) if FLAT in routes else ("inter", NO_CODEC)
-    pilot_run = cross_stage(pilot_stage[0], NO_CODEC) if NO_CODEC in candidates else \
-        dict(stages)[(pilot_stage[0], next(iter(candidates)))]
-    pilot_numel = _numel_for(PILOT_BYTES, unit)
-    pilot_run(pilot_numel, -1)  # warm-up: first-call allocations, lazy connections
-    pilot = torch.tensor([pilot_run(pilot_numel, -1)], dtype=torch.float64)
-    dist.all_reduce(pilot, op=dist.ReduceOp.MAX, group=world)
-    per_byte = max(pilot.item() / (pilot_numel * 4), 1e-12)
-    small = int(min(max(SMALL_SECONDS / per_byte, MIN_PROBE_BYTES), MAX_PROBE_BYTES // 4))
-    large = int(min(max(LARGE_SECONDS / per_byte, 4 * small), MAX_PROBE_BYTES))
-    sizes = (_numel_for(small, unit), _numel_for(large, unit))
+    # The pilot: the plain mean over the world (or the node's chunk across nodes), the slowest stage per byte,
+    # grown until it takes about LARGE_SECONDS (every rank takes the slowest rank's time, so all grow alike).
+    pilot_stage = "world" if FLAT in routes else "inter"
+    pilot_run = cross_stage(pilot_stage, NO_CODEC if NO_CODEC in candidates else next(iter(candidates)))
+    numel = _numel_for(PILOT_BYTES, unit)
+    pilot_run(numel, -1)  # warm-up: first-call allocations, lazy connections
+    while True:
+        took = torch.tensor([pilot_run(numel, -1)], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=world)
+        if took.item() >= LARGE_SECONDS / 2 or numel * 4 >= MAX_PROBE_BYTES:
+            break
+        numel = _numel_for(int(min(numel * 4 * min(LARGE_SECONDS / max(took.item(), 1e-6), 8.0), MAX_PROBE_BYTES)),
+                           unit)
+    sizes = (_numel_for(numel * 4 // 8, unit), numel)
 
     times: list[float] = []
     for index, (_, run) in enumerate(stages):
         run(sizes[0], 2 * index)  # warm-up (a codec's first call allocates its buffers)
         for i, numel in enumerate(sizes):  # (a bucket index per size: a codec's state is per size)
-            times.append(min(run(numel, 2 * index + i) for _ in range(reps)))
+            # The fastest of a few: noise only ever adds time. The large size, where it matters less, twice.
+            times.append(min(run(numel, 2 * index + i) for _ in range(reps if i == 0 else max(reps - 1, 1))))
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)
     measured = slowest.tolist()
