@@ -304,8 +304,11 @@ class FitSession:
             self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value
         self.metric_steps += 1
         module = self.module
-        if module._current_fx_name is not None:
-            # Through LightningModule.log, so every logger and `log_every_n_steps` apply as to the user's metrics.
+        if module._current_fx_name is not None and (self.config.progress_bar_metrics or _logs_this_step(module)):
+            # Through LightningModule.log, so every logger and `log_every_n_steps` apply as to the user's metrics;
+            # only on the steps whose logs the Trainer writes (or for the progress bar): a dozen `log` calls cost
+            # Lightning ~7 % of a step's main-thread time (measured on 4 CPU ranks, 0.2 s steps), for values no
+            # logger would have seen.
             module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=self.config.progress_bar_metrics)
 
     @property
@@ -360,3 +363,13 @@ def plan_routes(hierarchical: bool | None, topology: Topology) -> tuple[str, ...
     if hierarchical:
         return (HIERARCHICAL,)
     return (FLAT, HIERARCHICAL)
+
+
+def _logs_this_step(module: pl.LightningModule) -> bool:
+    """Whether the Trainer writes this training step's logs (``log_every_n_steps``), by its own rule; True where
+    that cannot be asked (another Lightning version)."""
+    connector = getattr(module.trainer, "_logger_connector", None)
+    try:
+        return bool(connector.should_update_logs)
+    except Exception:  # noqa: BLE001 - an unknown Lightning: log every step, as before
+        return True
