@@ -50,6 +50,8 @@ world) takes about this long, its smaller size an eighth of it: the probe then l
 Mbit/s link as on a 10 Gbit/s one (under 2 s for two routes and two codecs), and at both sizes the bandwidth,
 not the latency or the link's burst allowance, dominates."""
 MAX_PROBE_BYTES = 16 * 2**20
+BUCKET_CAPS_MIB = (1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
+"""The bucket capacities ``bucket_size_mb="auto"`` weighs, with the one the sqrt rule gives."""
 CODEC_MARGIN = 0.05
 """A codec is chosen over no codec only when it is predicted this much faster: a lossy codec that saves nothing
 measurable is not worth its rounding."""
@@ -149,6 +151,23 @@ class CostModel:
         routes = routes or self.routes
         totals = [(sum(self.choose(n, [r], codecs)[2] for n in sizes), i, r) for i, r in enumerate(routes)]
         return min(totals)[2]
+
+    def choose_bucket_bytes(self, buckets_for: Callable[[int], Sequence[int]], total_bytes: int,
+                            routes: Sequence[str] | None = None, codecs: Sequence[str] | None = None) -> int:
+        """The bucket capacity, among :data:`BUCKET_CAPS_MIB` and :meth:`bucket_bytes`'s, whose buckets (as the
+        engine would pack them: ``buckets_for(cap)``, bytes in launch order) cost least: every bucket's predicted
+        time (its own route and codec) plus the last one's again, which no backward overlaps. Packing matters: a
+        capacity just below a layer's size puts each layer and each bias in buckets of their own, twice the
+        latencies of one just above it."""
+        caps = sorted({*(int(c * 2**20) for c in BUCKET_CAPS_MIB), self.bucket_bytes(total_bytes, routes, codecs)})
+
+        def cost(cap: int) -> float:
+            sizes = [s for s in buckets_for(cap) if s > 0]
+            if not sizes:
+                return 0.0
+            return sum(self.choose(s, routes, codecs)[2] for s in sizes) + self.choose(sizes[-1], routes, codecs)[2]
+
+        return min(caps, key=lambda c: (cost(c), c))
 
     def bucket_bytes(self, total_bytes: int, routes: Sequence[str] | None = None,
                      codecs: Sequence[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from ddp_plugin.engine import GradientEngine
 from ddp_plugin.hookspecs import Options, local_tensor
 from ddp_plugin.plugin_manager import build_for, cross_node_codec
 from ddp_plugin.topology import Layout
-from ddp_plugin.planning import FLAT, HIERARCHICAL, CommPlan, CostModel, agree, probe
+from ddp_plugin.planning import FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel, agree, probe
 from ddp_plugin.plugins.adaptive import AdaptivePlanner, candidate_names, probe_codecs
 
 if TYPE_CHECKING:
@@ -110,8 +110,18 @@ class FitSession:
         self.metric_sums: dict[str, float] = {}
         self.metric_steps = 0
         self._sample_weight: tuple[Any, Tensor, int, int] | None = None
-        hook.on_setup(topology=topology, buckets=self.engine.buckets, hook=hook, options=self.options,
-                      module=module, comm=self.comm)
+        setup = {"topology": topology, "buckets": self.engine.buckets, "hook": hook, "options": self.options,
+                 "module": module, "comm": self.comm}
+        installed = self._installed_candidates()
+        if installed:
+            # An installed codec among "auto"'s candidates gets its own name and options, as if `compression` named
+            # it (its options are the ones under its name), the others the strategy's.
+            pm = self.plugin_manager
+            pm.subset_hook_caller("on_setup", remove_plugins=[pm.get_plugin(n) for n in installed])(**setup)
+            for name in installed:
+                _call_impl(pm, "on_setup", pm.get_plugin(name), {**setup, "options": self._codec_options(name)})
+        else:
+            hook.on_setup(**setup)
 
     # ------------------------------------------------------------------ the comm plan
 
@@ -123,10 +133,30 @@ class FitSession:
         """Probe the links (collective); the candidates are fresh built-in codecs (installed ones: their plugin)."""
         config = self.config
         codecs = probe_codecs(self.planner_codecs, config.compression, dict(config.compression_options), self.comm,
-                              self._setup_kwargs)
+                              self._setup_kwargs, self._codec_options)
         with health.diagnosed("the link probe"):
             # Global rank 0's figures for every rank: one decides, all agree.
             return agree(probe(self.topology, self.comm, codecs, routes, self.device), self.topology)
+
+    def _installed_candidates(self) -> list[str]:
+        """``compression="auto"``'s candidates that are installed codecs (not built in)."""
+        from ddp_plugin.codecs import BUILTIN_CODECS
+
+        if self.config.compression != "auto":
+            return []
+        names = candidate_names(self.config.compression, dict(self.config.compression_options))
+        return [n for n in names if n not in BUILTIN_CODECS and n != NO_CODEC]
+
+    def _codec_options(self, name: str) -> Options:
+        """The options an installed candidate ``name`` sees: ``compression=name`` and the options under its name."""
+        options = dict(self.config.compression_options).get(name, {})
+        return Options(
+            zero_stage=self.config.zero_stage, shard_scope=self.config.shard_scope,  # type: ignore[arg-type]
+            hierarchical=getattr(self, "hierarchical", False), compression=name,
+            compression_options=MappingProxyType(dict(options)), cross_node_codec=name,
+            bucket_size_mb=float(self.config.bucket_size_mb) if self.config.bucket_size_mb != "auto" else 25.0,
+            broadcast_buffers=self.config.broadcast_buffers, devices_per_node=self.config.devices_per_node,
+        )
 
     def _make_plan(self, config: StrategyConfig, module: Module, topology: Topology, routes: tuple[str, ...]
                    ) -> tuple[bool, float]:
@@ -134,11 +164,19 @@ class FitSession:
         mode fixes it), and make the planner; buckets are planned once the engine has built them."""
         names = self.planner_codecs = candidate_names(config.compression, dict(config.compression_options))
         self._setup_kwargs = {"topology": topology, "buckets": (), "hook": None, "module": module, "comm": self.comm,
-                              "options": None}
+                              "options": None}  # (an installed candidate's `options` are its own: _codec_options)
         model, seconds = self._probe(routes)
         total = sum(local_tensor(p).numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         if config.bucket_size_mb == "auto":
-            bucket_size_mb = model.bucket_bytes(total, routes, names) / 2**20
+            from ddp_plugin.engine import FIRST_BUCKET_BYTES, pack
+
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+            def buckets_for(cap: int) -> list[int]:
+                return [sum(local_tensor(p).numel() * p.element_size() for _, p in group)
+                        for group in pack(reversed(named), cap, FIRST_BUCKET_BYTES)]
+
+            bucket_size_mb = model.choose_bucket_bytes(buckets_for, total, routes, names) / 2**20
         else:
             bucket_size_mb = float(config.bucket_size_mb)
         if len(routes) > 1 and (config.zero_stage or config.sync_every > 1):
@@ -373,3 +411,11 @@ def _logs_this_step(module: pl.LightningModule) -> bool:
         return bool(connector.should_update_logs)
     except Exception:  # noqa: BLE001 - an unknown Lightning: log every step, as before
         return True
+
+
+def _call_impl(pm: pluggy.PluginManager, hook_name: str, plugin: object, kwargs: dict[str, Any]) -> Any:
+    """``plugin``'s own implementation of ``hook_name`` alone, with the arguments it names."""
+    for impl in getattr(pm.hook, hook_name).get_hookimpls():
+        if impl.plugin is plugin:
+            return impl.function(**{a: kwargs[a] for a in impl.argnames})
+    return None

@@ -281,14 +281,15 @@ class Options:
     Attributes:
         zero_stage: 0 (plain data parallel), 1, 2 or 3.
         shard_scope: ``"global"`` (shards over every rank) or ``"node"`` (over the ranks of a node).
-        hierarchical: whether gradients are reduced in node, cross-node and gather stages.
-        compression: the ``compression=`` name, or ``None``.
+        hierarchical: whether gradients are reduced in node, cross-node and gather stages (when the link probe
+            chooses the route per bucket: whether any bucket may be).
+        compression: the ``compression=`` name (``"auto"``: the link probe's choice per bucket), or ``None``.
         compression_options: the codec's options, read-only (a third-party codec validates its own).
         cross_node_codec: the name of the plugin that answers ``on_cross_node_reduce`` ahead of the plain
             averaging all-reduce (the codec, or a plugin of the user's), or ``None`` when the cross-node stage
             is the plain mean; a plugin that could take a cheaper path for a plain mean (a sharder's
             reduce-scatter) asks this instead of inspecting other plugins.
-        bucket_size_mb: gradient bucket capacity in MiB.
+        bucket_size_mb: gradient bucket capacity in MiB (with ``"auto"``, the one chosen).
         broadcast_buffers: whether module buffers are broadcast from rank 0 before each training step.
         devices_per_node: the ``devices_per_node`` flag (``None``: the launcher's ranks per node).
     """

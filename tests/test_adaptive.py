@@ -83,6 +83,30 @@ def test_bucket_size_balances_latency_against_the_last_transfer():
     assert slow_latency.bucket_bytes(2**40, [FLAT], ["none"]) == 256 * 2**20  # at most 256 MiB
 
 
+def greedy(sizes: list[int], cap: int) -> list[int]:
+    """Bucket bytes as the engine packs ``sizes`` (launch order) under ``cap``."""
+    out, current = [], 0
+    for s in sizes:
+        if current and current + s > cap:
+            out.append(current)
+            current = 0
+        current += s
+    return out + ([current] if current else [])
+
+
+def test_bucket_size_weighs_how_the_layers_pack():
+    # 11 layers of a 4 MiB weight and a 4 KiB bias: a capacity just below 4 MiB gives 22 buckets (each weight and
+    # each bias alone), twice the latencies of one just above; the choice is never such a capacity.
+    layers = [4096, 4 * 2**20] * 11
+    model = model_of(125.0)
+    cap = model.choose_bucket_bytes(lambda c: greedy(layers, c), sum(layers))
+    assert len(greedy(layers, cap)) < 22
+    costs = {c: sum(model.choose(s)[2] for s in greedy(layers, c)) + model.choose(greedy(layers, c)[-1])[2]
+             for c in (2**20, 2**22, 2**23, 25 * 2**20)}
+    chosen = sum(model.choose(s)[2] for s in greedy(layers, cap)) + model.choose(greedy(layers, cap)[-1])[2]
+    assert chosen <= min(costs.values()) + 1e-12
+
+
 # ---------------------------------------------------------------------- flags
 
 
@@ -259,6 +283,21 @@ def test_a_sync_modes_outer_average_is_planned_too(runs):
 
 def test_nothing_is_probed_when_every_choice_is_set(runs):
     assert all(r["plan"] is None for r in runs["fixed"])
+
+
+def test_auto_composes_with_tensor_and_pipeline_parallelism(tmp_path):
+    # TP 2 inside each of 2 simulated nodes (data parallelism across them), and 2 pipeline stages x 2 data-parallel
+    # ranks: the plan is made over each mesh's data-parallel ranks, and replicas and tied copies stay bit-identical.
+    auto = json.dumps({"hierarchical": None, "compression": "auto"})
+    run_python(WORKERS / "tp_run.py", "--out", tmp_path, "--devices", "4", "--devices-per-node", "2", "--tp", "2",
+               "--variants", "0:replicated:auto", "--flags", auto, timeout=600)
+    tp = torch.load(tmp_path / "0-replicated-auto.pt")
+    assert tp["max_replica_diff"] == 0 and tp["metrics"]["comm/plan_version"] >= 1
+    run_python(WORKERS / "pp_run.py", "--out", tmp_path, "--devices", "4", "--devices-per-node", "2", "--pp", "2",
+               "--variants", "1f1b:0:auto", "--flags", auto, timeout=600)
+    pp = torch.load(tmp_path / "1f1b-0-auto.pt")
+    assert pp["max_replica_diff"] == 0 and pp["max_tie_diff"] == 0
+    assert all(math.isfinite(loss) for loss in pp["losses"])
 
 
 # ---------------------------------------------------------------------- a link that changes (simulated cluster)

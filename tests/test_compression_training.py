@@ -27,7 +27,8 @@ from tests.support import ROOT, WORKERS, run_python
 from ddp_plugin.plugin_manager import available_codecs, installed_codecs
 
 TOLERANCE = {"fp16": 0.005, "bf16": 0.005, "int8": 0.01, "powersgd": 0.06, "topk": 0.15, "onebit": 0.12,
-             "auto": 0.01}  # (auto chooses between no codec and int8: int8's tolerance)
+             "auto": 0.01,  # (auto chooses between no codec and int8: int8's tolerance)
+             "auto_onebit": 0.12}
 # Cross-node bytes per step must shrink at least by these factors (top-k 1% of 2 ranks: 50x; PowerSGD includes
 # its 10 uncompressed warm-up steps).
 MIN_REDUCTION = {"fp16": 1.9, "bf16": 1.9, "int8": 3.5, "powersgd": 5.0, "topk": 30.0, "onebit": 20.0}
@@ -93,6 +94,13 @@ def test_stateless_codecs_and_no_codec_save_no_codec_state(c3):
 
 def test_onebit_trained_from_the_installed_package(c3, onebit_install):
     assert c3["onebit"]["module"].startswith(str(onebit_install))
+
+
+def test_auto_plans_every_bucket_among_its_candidates_installed_ones_included(c3):
+    for name, codecs in (("auto", ["none", "int8"]), ("auto_onebit", ["none", "onebit"])):
+        run = c3[name]
+        assert run["plan_codecs"] == codecs
+        assert len(run["plan"]) >= run["buckets"] and all(c in codecs for _, c in run["plan"].values())
 
 
 def test_installed_example_codec_becomes_a_compression_name(onebit_install, monkeypatch):

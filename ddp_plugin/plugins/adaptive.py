@@ -300,7 +300,7 @@ def codec_options(name: str, compression: str | None, options: dict[str, Any]) -
 
 
 def probe_codecs(names: Sequence[str], compression: str | None, options: dict[str, Any], comm: Communicator,
-                 setup_kwargs: dict[str, Any]) -> dict[str, Any]:
+                 setup_kwargs: dict[str, Any], options_of: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """name -> reduce(tensor, group, bucket) for the probe. A built-in codec is a fresh instance each probe (its
     state thrown away after), PowerSGD without its uncompressed warm-up iterations; an installed codec is the
     object its entry point names, the one registered for training, set up once more for the probe
@@ -328,7 +328,8 @@ def probe_codecs(names: Sequence[str], compression: str | None, options: dict[st
         plugin = next(ep.load() for ep in entry_points(group=PROJECT_NAME) if ep.name == name)
         setup = getattr(plugin, "on_setup", None)
         if setup is not None:
-            setup(**{a: setup_kwargs.get(a) for a in inspect.signature(setup).parameters})
+            given = {**setup_kwargs, "options": options_of(name) if options_of is not None else None}
+            setup(**{a: given.get(a) for a in inspect.signature(setup).parameters})
         reduce = plugin.on_cross_node_reduce
         argnames = tuple(inspect.signature(reduce).parameters)
 

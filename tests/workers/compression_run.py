@@ -37,6 +37,8 @@ CONFIGS: dict[str, tuple[str | None, dict]] = {
     "onebit": ("onebit", {}),  # the example package's codec, installed through its entry point
     # The link probe chooses the route and, between no codec and int8, the codec per bucket (docs/adaptive.md).
     "auto": ("auto", {}),
+    # ... with the installed example codec as a candidate, timed by the probe through its entry point.
+    "auto_onebit": ("auto", {"candidates": [None, "onebit"]}),
 }
 
 
@@ -87,6 +89,7 @@ def run(name: str, steps: int, ids: torch.Tensor, vocab: int, out_dir: str) -> d
         "seconds": seconds,
         "hierarchical": strategy.uses_hierarchical_reducer,
         "plan": None if strategy.comm_plan is None else strategy.comm_plan.decisions(),
+        "plan_codecs": None if strategy.comm_plan is None else list(strategy.comm_plan.codecs),
         "saved_state": None if saved is None else {
             "world_size": saved["world_size"],
             "buckets_per_rank": [len(rank_state) for rank_state in saved["ranks"]],  # per-bucket entries
