@@ -43,13 +43,16 @@ DEFAULT_CANDIDATES = (None, "int8")
 """``compression="auto"``'s candidates unless ``compression_options["candidates"]`` lists others: PowerSGD and
 top-k change convergence, so they are chosen only when listed."""
 MIN_BUCKET_BYTES, MAX_BUCKET_BYTES = 2**20, 256 * 2**20
-PILOT_BYTES = 256 * 2**10
+PILOT_BYTES = 2**20
 LARGE_SECONDS = 0.08
-"""The probe's larger size is grown from a pilot transfer until the slowest stage (the plain mean over the
-world) takes about this long, its smaller size an eighth of it: the probe then lasts about as long on a 100
+"""The probe's larger size is grown from a pilot transfer of 1 MiB until the slowest stage (the plain mean over
+the world) takes about this long, its smaller size a quarter of it: the probe then lasts about as long on a 100
 Mbit/s link as on a 10 Gbit/s one (under 2 s for two routes and two codecs), and at both sizes the bandwidth,
-not the latency or the link's burst allowance, dominates."""
+not the latency or a link's burst allowance, dominates (at 20 Mbit/s, sizes of 32 and 256 KiB, within a
+128 KiB token bucket's burst, had measured the link 4x faster than training then saw it)."""
 MAX_PROBE_BYTES = 16 * 2**20
+TINY_BYTES = 16 * 2**10
+"""The probe's latency size: a message this small costs what any collective costs, whatever its size."""
 BUCKET_CAPS_MIB = (1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
 """The bucket capacities ``bucket_size_mb="auto"`` weighs, with the one the sqrt rule gives."""
 CODEC_MARGIN = 0.05
@@ -133,6 +136,12 @@ class CostModel:
         if codec != NO_CODEC and plain and min(plain)[0] * (1 - CODEC_MARGIN) <= seconds:
             seconds, _, _, route, codec = min(plain)
         return route, codec, seconds
+
+    def ranked(self, nbytes: int, routes: Sequence[str] | None = None, codecs: Sequence[str] | None = None
+               ) -> list[tuple[float, str, str]]:
+        """Every ``(seconds, route, codec)`` for a bucket of ``nbytes``, cheapest first."""
+        return sorted((self.route_seconds(r, c, nbytes), r, c) for r in (routes or self.routes)
+                      for c in (codecs or self.codecs) if (("world" if r == FLAT else "inter"), c) in self.cross)
 
     def choose_codec(self, stage: str, nbytes: int, codecs: Sequence[str] | None = None) -> tuple[str, float]:
         """The cheapest codec for a cross-node stage alone (a sharder's or a sync mode's, whose route is theirs)."""
@@ -226,7 +235,9 @@ class CommPlan:
         version: 1 for the plan made at setup, +1 per re-plan.
         probe_s: seconds the last probe took.
         reason: why the last plan was made (``"setup"``, or the step whose times departed).
-        history: ``(version, step, {key: (route, codec)})`` of every plan, oldest first.
+        history: ``(version, step, {key: (route, codec)})`` of every plan, oldest first (and of every settling of
+            close calls, under the same version).
+        settled: the close calls settled by measurement while training.
     """
 
     model: CostModel
@@ -238,12 +249,33 @@ class CommPlan:
     version: int = 1
     reason: str = "setup"
     history: list[tuple[int, int, dict[str, tuple[str, str]]]] = field(default_factory=list)
+    settled: dict[str, list[list[str]]] = field(default_factory=dict)
+    """The close calls this plan settled by timing both options while training: key -> [chosen by the model,
+    runner-up] (the decision is in ``buckets``)."""
 
     def plan_buckets(self, sizes: Mapping[str, int]) -> None:
         """Decide every bucket of ``sizes`` (key -> bytes) from the model."""
         for key, nbytes in sizes.items():
             route, codec, seconds = self.model.choose(nbytes, self.routes, self.codecs)
             self.buckets[key] = BucketPlan(key, nbytes, route, codec, seconds * 1e3)
+
+    def contested(self, margin: float = 0.25) -> dict[str, list[tuple[str, str]]]:
+        """The buckets whose chosen ``(route, codec)`` is predicted less than ``margin`` faster than the next best:
+        key -> [chosen, runner-up], to be settled by timing both while training (the probe runs without backward
+        beside it; training does not, and a close call can go either way there)."""
+        out = {}
+        for key, b in self.buckets.items():
+            if b.route not in (FLAT, HIERARCHICAL):
+                continue
+            options = [(r, c) for _, r, c in self.model.ranked(b.nbytes, self.routes, self.codecs)
+                       if (r, c) != (b.route, b.codec)]
+            if not options:
+                continue
+            chosen = self.model.route_seconds(b.route, b.codec, b.nbytes)
+            runner_up = self.model.route_seconds(*options[0], b.nbytes)
+            if runner_up <= chosen * (1 + margin):
+                out[key] = [(b.route, b.codec), options[0]]
+        return out
 
     def plan_stage(self, key: str, stage: str, nbytes: int) -> BucketPlan:
         """Decide a cross-node stage whose route is not ours (first seen while training: every rank sees the same
@@ -351,29 +383,32 @@ def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, Codec
     numel = _numel_for(PILOT_BYTES, unit)
     pilot_run(numel, -1)  # warm-up: first-call allocations, lazy connections
     while True:
-        took = torch.tensor([pilot_run(numel, -1)], dtype=torch.float64)
+        took = torch.tensor([pilot_run(numel, -1)], dtype=torch.float64, device=device)
         dist.all_reduce(took, op=dist.ReduceOp.MAX, group=world)
         if took.item() >= LARGE_SECONDS / 2 or numel * 4 >= MAX_PROBE_BYTES:
             break
         numel = _numel_for(int(min(numel * 4 * min(LARGE_SECONDS / max(took.item(), 1e-6), 8.0), MAX_PROBE_BYTES)),
                            unit)
-    sizes = (_numel_for(numel * 4 // 8, unit), numel)
+    # Three sizes: a tiny one for the latency (what every bucket pays, the call's own overhead included), and a
+    # quarter of the pilot's and the pilot's for the bandwidth.
+    sizes = (_numel_for(TINY_BYTES, unit), max(unit, numel // 4 // unit * unit), numel)
 
     times: list[float] = []
     for index, (_, run) in enumerate(stages):
-        run(sizes[0], 2 * index)  # warm-up (a codec's first call allocates its buffers)
+        run(sizes[1], 3 * index + 1)  # warm-up (a codec's first call allocates its buffers)
         for i, numel in enumerate(sizes):  # (a bucket index per size: a codec's state is per size)
             # The fastest of a few: noise only ever adds time. The large size, where it matters less, twice.
-            times.append(min(run(numel, 2 * index + i) for _ in range(reps if i == 0 else max(reps - 1, 1))))
-    slowest = torch.tensor(times, dtype=torch.float64)
+            times.append(min(run(numel, 3 * index + i) for _ in range(reps if i < 2 else max(reps - 1, 1))))
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)
     measured = slowest.tolist()
     fits: dict[tuple[str, str], Fit] = {}
     for index, (name, _) in enumerate(stages):
-        (t0, t1) = measured[2 * index: 2 * index + 2]
+        tiny, small, large = measured[3 * index: 3 * index + 3]
         # Fits are in bytes of what the stage is handed: the bucket for the in-node stages and the flat route, a
         # rank's 1/k chunk for the hierarchical cross-node stage.
-        fits[name] = Fit.through((sizes[0] * 4, t0), (sizes[1] * 4, t1))
+        line = Fit.through((sizes[1] * 4, small), (sizes[2] * 4, large))
+        fits[name] = Fit(latency_s=max(min(tiny, large), 0.0), seconds_per_byte=line.seconds_per_byte)
     model = CostModel(
         num_nodes=m, ranks_per_node=k,
         cross={key: fit for key, fit in fits.items() if key[0] != "intra"},

@@ -96,6 +96,7 @@ class FitSession:
             plan.plan_buckets({str(b.index): b.nbytes for b in self.engine.buckets})
             plan.history.append((plan.version, 0, plan.decisions()))
             rank_zero_info(plan.table())
+            self.planner.start_trials()
         self.flags_group = flags_group
         # The node's bookkeeping group, for the steps whose gradients stay inside the node (a sync mode's, whose
         # plugin answers ``on_gradient_scope``). Made here, where every rank is (making a group is collective).

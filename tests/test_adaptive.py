@@ -305,7 +305,7 @@ def test_auto_composes_with_tensor_and_pipeline_parallelism(tmp_path):
 
 @needs_cluster
 def test_the_plan_follows_a_link_that_slows_down_within_a_few_steps(cluster, tmp_path):
-    slow_at, steps = 6, 16
+    slow_at, steps = 12, 22
     cluster.set_rate("10gbit")
     try:
         results = cluster.launch([str(WORKERS / "adaptive_run.py"), "--out", str(tmp_path), "--num-nodes", "2",
@@ -324,8 +324,8 @@ def test_the_plan_follows_a_link_that_slows_down_within_a_few_steps(cluster, tmp
     history = plans[0]["history"]
     replans = [step for version, step, _ in history if version > 1]
     assert replans, history
-    # Detected within a few steps of the slowdown: 1 warm-up + 3 baseline steps happened before it, then 3
-    # departing steps, and the agreement on them comes back after the next step.
+    # Detected within a few steps of the slowdown: close calls settled (steps 2-5), 1 warm-up + 3 baseline steps
+    # happened before it, then 3 departing steps, and the agreement on them comes back after the next step.
     assert slow_at < replans[0] <= slow_at + 6, history
     # At 20 Mbit/s int8 carries a quarter of the bytes: every large bucket takes it after the re-plan.
     final = history[-1][2]

@@ -54,6 +54,8 @@ MIN_DEPARTURE_S = 10e-3
 """A step departs only when its measured time is this far from the baseline's expectation as well: on a busy
 machine a few milliseconds of scheduling swing small steps by several times, and a re-probe costs more than
 such steps could gain."""
+TRIAL_STEPS = 4
+"""Steps after a plan on which close calls alternate between their two options (after one warm-up step)."""
 MIN_STEPS_BETWEEN_PLANS = 10
 """Optimizer steps after a plan before the next re-plan may start (a probe costs up to a few seconds)."""
 
@@ -84,6 +86,32 @@ class AdaptivePlanner(HierarchicalReducer):
         self._agree_group: dist.ProcessGroup | None = None
         self._step = 0
         self._step_ms = (0.0, 0.0)
+        self._plan_steps = 0
+        """Optimizer steps since the current plan was made."""
+        self.trials: dict[str, list[tuple[str, str]]] = {}
+        """Close calls being settled by measurement: key -> [chosen, runner-up] (see :meth:`start_trials`)."""
+        self._trial_times: dict[str, list[list[float]]] = {}
+        self._last_choice: dict[str, tuple[str, str]] = {}
+        self.codec_plugins: dict[str, object] = {}
+        """Candidate name -> codec plugin (set by :class:`AutoCodec`), to hand a residual over on a route switch."""
+
+    def start_trials(self) -> None:
+        """Time both options of every close call (:meth:`CommPlan.contested`) on alternate steps while training:
+        steps 2-5 after the plan (the first is a warm-up), runner-up, chosen, runner-up, chosen; then every rank
+        takes, per bucket, the option with the least measured time summed over the ranks (one all-reduce)."""
+        self.trials = self.plan.contested()
+        self._trial_times = {key: [[], []] for key in self.trials}
+        self._plan_steps = 0
+
+    def choice(self, key: str) -> tuple[str, str] | None:
+        """The ``(route, codec)`` bucket ``key`` takes this step (``None``: not a bucket the planner routes)."""
+        trial = self.trials.get(key)
+        if trial is not None:
+            return trial[self._plan_steps % 2]
+        planned = self.plan.buckets.get(key)
+        if planned is None or planned.route not in (FLAT, HIERARCHICAL):
+            return None
+        return planned.route, planned.codec
 
     @hookimpl
     def on_setup(self, topology: Topology, hook: Any, comm: Communicator) -> None:
@@ -100,8 +128,12 @@ class AdaptivePlanner(HierarchicalReducer):
     @hookimpl(trylast=True)
     def on_bucket_ready(self, bucket: Bucket) -> torch.futures.Future:
         key = _key(bucket)
-        planned = self.plan.buckets.get(key)
-        route = planned.route if planned is not None else self.plan.routes[0]
+        chosen = self.choice(key) or (self.plan.routes[0], NO_CODEC)
+        route = chosen[0]
+        last = self._last_choice.get(key)
+        if last is not None and last[0] != route and last[1] != NO_CODEC:
+            self._hand_over(bucket, last)
+        self._last_choice[key] = chosen
         self._local.routing = True
         start = time.perf_counter()
         try:
@@ -113,6 +145,24 @@ class AdaptivePlanner(HierarchicalReducer):
             self._local.routing = False
         self.time(key, start, future)
         return future
+
+    def _hand_over(self, bucket: Bucket, last: tuple[str, str]) -> None:
+        """The bucket leaves route ``last[0]``, where codec ``last[1]`` kept an error-feedback residual shaped for
+        that route's cross-node tensor: add it to the bucket's gradients (this rank's), scaled so that it reaches
+        the global mean as it would have on that route's next step, before the new route starts."""
+        fold = getattr(self.codec_plugins.get(last[1]), "fold_residual", None)
+        if fold is None:
+            return
+        t, key = self._topology, state_key(bucket)
+        if last[0] == FLAT:  # the whole bucket, averaged over every rank: the bucket's own units
+            fold(key, bucket.buffer, t.rank, t.world_size)
+            return
+        # This rank's chunk of the node's mean, averaged over the nodes: k times its units in the bucket.
+        c = self.shard_numel(bucket)
+        owed = bucket.buffer.new_zeros(c)
+        fold(key, owed, t.node_rank, t.num_nodes)
+        mine = bucket.buffer[t.local_rank * c: min((t.local_rank + 1) * c, bucket.numel)]
+        mine.add_(owed[: mine.numel()], alpha=t.ranks_per_node)
 
     def routing(self) -> bool:
         """Whether this thread is inside a bucket this planner routes (its cross-node stage is timed with it)."""
@@ -150,6 +200,12 @@ class AdaptivePlanner(HierarchicalReducer):
     @hookimpl
     def on_after_backward(self) -> None:
         busy = self._take_busy()
+        if self.trials:
+            if 1 <= self._plan_steps <= TRIAL_STEPS:
+                for key, times in self._trial_times.items():
+                    if key in busy:
+                        times[self._plan_steps % 2].append(busy[key])
+            return
         measured = predicted = 0.0
         for key, seconds in busy.items():
             planned = self.plan.buckets.get(key)
@@ -175,25 +231,49 @@ class AdaptivePlanner(HierarchicalReducer):
                     and abs(measured - self._baseline * predicted) > MIN_DEPARTURE_S
                     and (self.plan.version == 1 or self._since_plan > MIN_STEPS_BETWEEN_PLANS - self.patience))
         self._streak = self._streak + 1 if departed else 0
-        if departed:
-            self._last_relative = relative
 
     @hookimpl
     def on_after_optimizer_step(self) -> None:
         self._step += 1
+        self._plan_steps += 1
+        if self.trials and self._plan_steps > TRIAL_STEPS:
+            self._settle_trials()
         if self._pending is not None:
             work, agreed = self._pending
             self._pending = None
             work.wait()
             if agreed.item() >= self.patience:
-                self.replan(f"step {self._step}: measured {getattr(self, '_last_relative', 0.0):.2f}x the"
-                            f" time the plan's baseline predicts, for {int(agreed.item())} steps")
+                self.replan(f"step {self._step}: {int(agreed.item())} steps more than {self.tolerance:g}x off the"
+                            " times the baseline expects")
         if self._agree_group is not None and dist.get_world_size(self._agree_group) > 1:
-            streak = torch.tensor([float(self._streak)])
+            # (on the device: an NCCL group takes CUDA tensors only)
+            streak = torch.tensor([float(self._streak)], device=self._topology.device)
             self._pending = (dist.all_reduce(streak, op=dist.ReduceOp.MAX, group=self._agree_group, async_op=True),
                              streak)
         elif self._streak >= self.patience:
             self.replan(f"step {self._step}: measured times departed from the prediction")
+
+    def _settle_trials(self) -> None:
+        """Every rank's mean time per option and bucket, summed over the ranks (one all-reduce, every rank the
+        same figures): each close call takes the option measured faster (collective)."""
+        keys = sorted(self.trials, key=lambda k: (len(k), k))
+        means = [statistics.mean(times) if times else float("inf")
+                 for key in keys for times in self._trial_times[key]]
+        totals = torch.tensor(means, dtype=torch.float64, device=self._topology.device)
+        if self._agree_group is not None and dist.get_world_size(self._agree_group) > 1:
+            dist.all_reduce(totals, group=self._agree_group)
+        totals_s = totals.tolist()
+        for i, key in enumerate(keys):
+            runner_up, chosen = totals_s[2 * i + 1], totals_s[2 * i]
+            route, codec = self.trials[key][1] if runner_up < chosen else self.trials[key][0]
+            planned = self.plan.buckets[key]
+            planned.route, planned.codec = route, codec
+            planned.predicted_ms = self.plan.model.route_seconds(route, codec, planned.nbytes) * 1e3
+            planned.measured_ms, planned.steps = None, 0
+        self.plan.history.append((self.plan.version, self._step, self.plan.decisions()))
+        self.plan.settled = {key: [list(option) for option in self.trials[key]] for key in keys}
+        self.trials, self._trial_times = {}, {}
+        self._since_plan, self._calibration, self._baseline, self._streak = 0, [], None, 0
 
     def replan(self, reason: str) -> None:
         """Probe the links again and re-decide every bucket (collective: every rank, at a step boundary, with the
@@ -209,6 +289,7 @@ class AdaptivePlanner(HierarchicalReducer):
         plan.history.append((plan.version, self._step, plan.decisions()))
         self.plan = plan
         self._since_plan, self._calibration, self._baseline, self._streak = 0, [], None, 0
+        self.start_trials()
         if dist.get_rank() == 0:
             log.info(plan.table())
 
@@ -237,6 +318,7 @@ class AutoCodec:
         for name in self.planner.plan.codecs:
             plugin = self._pm.get_plugin("mean_allreduce" if name == NO_CODEC else name)
             self._impls[name] = next(i for i in impls if i.plugin is plugin and not (i.wrapper or i.hookwrapper))
+            self.planner.codec_plugins[name] = plugin
 
     def _stage(self, group: dist.ProcessGroup) -> str:
         t, cross = self._topology, self.planner.plan.model.cross
@@ -251,11 +333,15 @@ class AutoCodec:
                              ) -> torch.futures.Future:
         key = _key(bucket)
         plan = self.planner.plan
-        planned = plan.buckets.get(key)
-        nbytes = tensor.numel() * tensor.element_size()
-        if planned is None or (planned.route not in (FLAT, HIERARCHICAL) and planned.nbytes != nbytes):
-            planned = plan.plan_stage(key, self._stage(group), nbytes)
-        codec = planned.codec
+        chosen = self.planner.choice(key)  # (a gradient bucket's, under trial or as planned)
+        if chosen is not None:
+            codec = chosen[1]
+        else:
+            planned = plan.buckets.get(key)
+            nbytes = tensor.numel() * tensor.element_size()
+            if planned is None or (planned.route not in (FLAT, HIERARCHICAL) and planned.nbytes != nbytes):
+                planned = plan.plan_stage(key, self._stage(group), nbytes)
+            codec = planned.codec
         last = self._last.get(key)
         if last is not None and last != codec:
             self._carry(last, state_key(bucket), tensor, group)
