@@ -83,6 +83,17 @@ def test_bucket_size_balances_latency_against_the_last_transfer():
     assert slow_latency.bucket_bytes(2**40, [FLAT], ["none"]) == 256 * 2**20  # at most 256 MiB
 
 
+def test_close_calls_are_left_to_measurement_and_clear_ones_are_not():
+    # 1 Gbit/s: hierarchical + int8 is predicted 28 % faster than flat + int8, twice as fast as no codec.
+    plan = CommPlan(model_of(125.0), (FLAT, HIERARCHICAL), ("none", "int8"), 25.0, 0.0)
+    plan.plan_buckets({"0": 25 * 2**20})
+    assert plan.contested(margin=0.3) == {"0": [(HIERARCHICAL, "int8"), (FLAT, "int8")]}
+    assert plan.contested(margin=0.25) == {}
+    one_option = CommPlan(model_of(125.0), (FLAT,), ("none",), 25.0, 0.0)
+    one_option.plan_buckets({"0": 25 * 2**20})
+    assert one_option.contested() == {}
+
+
 def greedy(sizes: list[int], cap: int) -> list[int]:
     """Bucket bytes as the engine packs ``sizes`` (launch order) under ``cap``."""
     out, current = [], 0
@@ -194,6 +205,43 @@ def auto_codec_switch(rank, world, data):
         outs.append(tensor)
         plan.buckets["0"].codec = "none"
     return outs, pm.get_plugin("int8").states.keys() == set()
+
+
+def route_switch(rank, world, first, second, data):
+    """2 nodes x 2: bucket 0 takes ``first`` = (route, codec) on step 1 and ``second`` on step 2, through the plugins
+    a plan sets up (reducer, auto codec, int8)."""
+    from ddp_plugin.topology import Layout, build_topology
+
+    topology = build_topology(Layout(world, 2), torch.device("cpu"))
+    model = CostModel(2, 2, {(s, c): Fit(0, 1e-9) for s in ("world", "inter") for c in ("none", "int8")},
+                      reduce_scatter=Fit(0, 1e-9), all_gather=Fit(0, 1e-9))
+    plan = CommPlan(model, (FLAT, HIERARCHICAL), ("none", "int8"), 25.0, 0.0)
+    plan.buckets["0"] = BucketPlan("0", data.shape[-1] * 4, *first, 1.0)
+    planner = AdaptivePlanner(plan, replan=lambda: None)
+    pm = build_plugin_manager("auto", (), hierarchical=True, planner=planner,
+                              compression_options={"int8": {"block_size": 128}})
+    bucket = _bucket(data.shape[-1])
+    pm.hook.on_setup(topology=topology, buckets=[bucket], hook=pm.hook, options=None, module=None,
+                     comm=TracedCommunicator(2))
+    outs = []
+    for step, (route, codec) in enumerate((first, second)):
+        plan.buckets["0"].route, plan.buckets["0"].codec = route, codec
+        bucket.buffer.copy_(data[rank, step])
+        pm.hook.on_bucket_ready(bucket=bucket).wait()
+        outs.append(bucket.buffer.clone())
+    return outs
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    ((HIERARCHICAL, "int8"), (FLAT, "none")), ((FLAT, "int8"), (HIERARCHICAL, "none")),
+    ((HIERARCHICAL, "int8"), (HIERARCHICAL, "none"))])
+def test_a_route_switch_hands_the_residual_over_in_the_old_routes_units(ranks, first, second):
+    data = torch.randn(WORLD, 2, 24 * 40, generator=torch.Generator().manual_seed(7))
+    outs = ranks.run(route_switch, first, second, data)
+    exact = data.mean(0)
+    assert (outs[0][0] - exact[0]).abs().max() > 1e-3  # int8 held something back on step 1
+    for first_out, second_out in outs:  # every rank, and the two steps together exact
+        torch.testing.assert_close(first_out + second_out, exact.sum(0), atol=1e-5, rtol=1e-5)
 
 
 def test_auto_codec_follows_the_plan_and_carries_the_residual_across_a_switch(ranks):
