@@ -19,7 +19,6 @@ is :class:`ddp_plugin.plugins.adaptive.AdaptivePlanner`.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,8 +32,6 @@ from ddp_plugin.hookspecs import Bucket
 
 if TYPE_CHECKING:
     from ddp_plugin.hookspecs import Communicator, Topology
-
-log = logging.getLogger(__name__)
 
 FLAT, HIERARCHICAL = "flat", "hierarchical"
 NO_CODEC = "none"
