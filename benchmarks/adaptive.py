@@ -24,7 +24,6 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +70,22 @@ def plan_summary(res: dict[str, Any]) -> str:
             f" plan v{plan['version']}")
 
 
+def report(rate: str, name: str, res: dict[str, Any], verbose: bool) -> None:
+    """One contender's run as it ends; with ``verbose`` the plan's fits and per-bucket times."""
+    if "error" in res:
+        print(f"{rate} {name}: FAILED {res['error']}\n{res['log']}", flush=True)
+        return
+    print(f"{rate} {name:<16} mean {mean_interval(res):.3f} s/step  {plan_summary(res)}", flush=True)
+    plan = res["ranks"][0].get("comm_plan")
+    if plan is None or not verbose:
+        return
+    for stage, fit in plan["links"].items():
+        print(f"    {stage:<22} {fit['latency_ms']:8.2f} ms {fit['MB_per_s']:9.1f} MB/s")
+    for key, b in plan["buckets"].items():
+        print(f"    bucket {key:<4} {b['MB']:6.2f} MB {b['route']:<12} {b['codec']:<5}"
+              f" predicted {b['predicted_ms']:7.1f} ms measured {b['measured_ms'] or 0:7.1f} ms")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -83,27 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     revision = cluster._library_revision()
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     started = time.perf_counter()
-    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="adaptive_bench_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="adaptive_bench_") as tmp:
         for rate in args.rates:
-            net = stack.enter_context(SimulatedCluster(nodes=args.nodes, rate=rate, prefix="ddpadapt"))
             results[rate] = {c: [] for c in args.contenders}
-            for repeat in range(args.repeats):
-                for name in args.contenders:
-                    res = cluster.run_one(net, args, name, Path(tmp) / f"{rate}_{repeat}_{name}")
-                    results[rate][name].append(res)
-                    if "error" in res:
-                        print(f"{rate} {name}: FAILED {res['error']}\n{res['log']}", flush=True)
-                    else:
-                        print(f"{rate} {name:<16} mean {mean_interval(res):.3f} s/step  {plan_summary(res)}",
-                              flush=True)
-                        plan = res["ranks"][0].get("comm_plan")
-                        if plan is not None and args.verbose:
-                            for stage, fit in plan["links"].items():
-                                print(f"    {stage:<22} {fit['latency_ms']:8.2f} ms {fit['MB_per_s']:9.1f} MB/s")
-                            for key, b in plan["buckets"].items():
-                                print(f"    bucket {key:<4} {b['MB']:6.2f} MB {b['route']:<12} {b['codec']:<5}"
-                                      f" predicted {b['predicted_ms']:7.1f} ms measured {b['measured_ms'] or 0:7.1f} ms")
-            net.close()
+            with SimulatedCluster(nodes=args.nodes, rate=rate, prefix="ddpadapt") as net:
+                for repeat in range(args.repeats):
+                    for name in args.contenders:
+                        res = cluster.run_one(net, args, name, Path(tmp) / f"{rate}_{repeat}_{name}")
+                        results[rate][name].append(res)
+                        report(rate, name, res, args.verbose)
     elapsed = time.perf_counter() - started
 
     lines = [

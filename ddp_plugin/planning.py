@@ -281,6 +281,10 @@ class CommPlan:
         plan = self.buckets[key] = BucketPlan(key, nbytes, stage, codec, seconds * 1e3)
         return plan
 
+    def record(self, step: int) -> None:
+        """Add the current decisions to ``history``, as made at optimizer step ``step``."""
+        self.history.append((self.version, step, self.decisions()))
+
     def decisions(self) -> dict[str, tuple[str, str]]:
         return {key: (b.route, b.codec) for key, b in self.buckets.items()}
 

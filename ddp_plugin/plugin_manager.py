@@ -47,6 +47,7 @@ def build_plugin_manager(
     ``compression="auto"`` every candidate codec is registered under its name (a built-in one constructed with
     ``compression_options[name]``), and :class:`~ddp_plugin.plugins.adaptive.AutoCodec` answers
     ``on_cross_node_reduce`` ahead of them with the one the plan names."""
+    from ddp_plugin.planning import NO_CODEC
     from ddp_plugin.plugins.adaptive import AutoCodec, candidate_names, codec_options
     from ddp_plugin.zero import ZeroSharder
 
@@ -71,7 +72,7 @@ def build_plugin_manager(
         pm.register(plugin, name=name)
     _load_installed(pm, set(wanted), keep=set(builtins))
     for name in wanted:
-        if name != "none" and pm.get_plugin(name) is None:
+        if name != NO_CODEC and pm.get_plugin(name) is None:
             from ddp_plugin.codecs import check_compression
 
             check_compression(name, {})  # raises, naming the available codecs

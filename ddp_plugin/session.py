@@ -5,6 +5,7 @@ save during it writes) until the next ``fit`` replaces it."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
@@ -24,7 +25,7 @@ from ddp_plugin.hookspecs import Options, local_tensor
 from ddp_plugin.plugin_manager import build_for, cross_node_codec
 from ddp_plugin.topology import Layout
 from ddp_plugin.planning import FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel, agree, probe
-from ddp_plugin.plugins.adaptive import AdaptivePlanner, candidate_names, probe_codecs
+from ddp_plugin.plugins.adaptive import AdaptivePlanner, call_impl, candidate_names, own_impl, probe_codecs
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -61,7 +62,9 @@ class FitSession:
         self.layout = layout if layout is not None else Layout(topology.world_size, topology.ranks_per_node)
         self.device = device
         self.comm = TracedCommunicator(self.layout.ranks_per_node, config.timeout)
-        self.device = device
+        self.module = module
+        self.candidates = candidate_names(config.compression, dict(config.compression_options))
+        """The codecs a plan chooses between (``"none"``: no codec): ``compression="auto"``'s candidates, or the one."""
         # Beating before the link probe: a rank that dies or hangs in it is then named (health.diagnosed).
         self.heartbeat = health.Heartbeat()
         self.planner: AdaptivePlanner | None = None
@@ -72,12 +75,7 @@ class FitSession:
         self.hierarchical = hierarchical
         """Whether gradients take the hierarchical route (with a plan that chooses per bucket: whether any may)."""
         self.plugin_manager: pluggy.PluginManager = build_for(config, hierarchical, self.planner)
-        self.options = Options(
-            zero_stage=config.zero_stage, shard_scope=config.shard_scope, hierarchical=hierarchical,  # type: ignore[arg-type]
-            compression=config.compression, compression_options=MappingProxyType(dict(config.compression_options)),
-            cross_node_codec=cross_node_codec(self.plugin_manager), bucket_size_mb=bucket_size_mb,
-            broadcast_buffers=config.broadcast_buffers, devices_per_node=config.devices_per_node,
-        )
+        self.options = _options(config, hierarchical, bucket_size_mb, cross_node_codec(self.plugin_manager))
         hook = self.plugin_manager.hook
         self.engine = GradientEngine(
             module, hook=hook, bucket_cap_bytes=int(bucket_size_mb * 2**20), flags_group=flags_group,
@@ -104,7 +102,6 @@ class FitSession:
                                   else None)
         self._step_group: dist.ProcessGroup | None = flags_group
         self._step_size = self.layout.stage_size  # (the world, or a pipeline stage's ranks: the flags group's)
-        self.module = module
         self.measure_memory = measure_memory
         self.active = True
         self.skipped_steps = 0
@@ -120,7 +117,9 @@ class FitSession:
             pm = self.plugin_manager
             pm.subset_hook_caller("on_setup", remove_plugins=[pm.get_plugin(n) for n in installed])(**setup)
             for name in installed:
-                _call_impl(pm, "on_setup", pm.get_plugin(name), {**setup, "options": self._codec_options(name)})
+                impl = own_impl(pm, "on_setup", pm.get_plugin(name))
+                if impl is not None:
+                    call_impl(impl, {**setup, "options": self._codec_options(name)})
         else:
             hook.on_setup(**setup)
 
@@ -133,8 +132,10 @@ class FitSession:
     def _probe(self, routes: tuple[str, ...]) -> tuple[CostModel, float]:
         """Probe the links (collective); the candidates are fresh built-in codecs (installed ones: their plugin)."""
         config = self.config
-        codecs = probe_codecs(self.planner_codecs, config.compression, dict(config.compression_options), self.comm,
-                              self._setup_kwargs, self._codec_options)
+        # (an installed candidate is set up once more for the probe, without buckets, with its own options)
+        setup = {"topology": self.topology, "buckets": (), "hook": None, "module": self.module, "comm": self.comm}
+        codecs = probe_codecs(self.candidates, config.compression, dict(config.compression_options), self.comm,
+                              setup, self._codec_options)
         with health.diagnosed("the link probe"):
             # Global rank 0's figures for every rank: one decides, all agree.
             return agree(probe(self.topology, self.comm, codecs, routes, self.device), self.topology)
@@ -145,27 +146,21 @@ class FitSession:
 
         if self.config.compression != "auto":
             return []
-        names = candidate_names(self.config.compression, dict(self.config.compression_options))
-        return [n for n in names if n not in BUILTIN_CODECS and n != NO_CODEC]
+        return [n for n in self.candidates if n not in BUILTIN_CODECS and n != NO_CODEC]
 
     def _codec_options(self, name: str) -> Options:
         """The options an installed candidate ``name`` sees: ``compression=name`` and the options under its name."""
-        options = dict(self.config.compression_options).get(name, {})
-        return Options(
-            zero_stage=self.config.zero_stage, shard_scope=self.config.shard_scope,  # type: ignore[arg-type]
-            hierarchical=getattr(self, "hierarchical", False), compression=name,
-            compression_options=MappingProxyType(dict(options)), cross_node_codec=name,
-            bucket_size_mb=float(self.config.bucket_size_mb) if self.config.bucket_size_mb != "auto" else 25.0,
-            broadcast_buffers=self.config.broadcast_buffers, devices_per_node=self.config.devices_per_node,
-        )
+        config = self.config
+        options = _options(config, getattr(self, "hierarchical", False),
+                           float(config.bucket_size_mb) if config.bucket_size_mb != "auto" else 25.0, name)
+        return dataclasses.replace(options, compression=name, compression_options=MappingProxyType(
+            dict(dict(config.compression_options).get(name, {}))))
 
     def _make_plan(self, config: StrategyConfig, module: Module, topology: Topology, routes: tuple[str, ...]
                    ) -> tuple[bool, float]:
         """Probe, decide what is fixed for the fit (the bucket size; the route where a sharder's layout or a sync
         mode fixes it), and make the planner; buckets are planned once the engine has built them."""
-        names = self.planner_codecs = candidate_names(config.compression, dict(config.compression_options))
-        self._setup_kwargs = {"topology": topology, "buckets": (), "hook": None, "module": module, "comm": self.comm,
-                              "options": None}  # (an installed candidate's `options` are its own: _codec_options)
+        names = self.candidates
         model, seconds = self._probe(routes)
         total = sum(local_tensor(p).numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         if config.bucket_size_mb == "auto":
@@ -414,9 +409,12 @@ def _logs_this_step(module: pl.LightningModule) -> bool:
         return True
 
 
-def _call_impl(pm: pluggy.PluginManager, hook_name: str, plugin: object, kwargs: dict[str, Any]) -> Any:
-    """``plugin``'s own implementation of ``hook_name`` alone, with the arguments it names."""
-    for impl in getattr(pm.hook, hook_name).get_hookimpls():
-        if impl.plugin is plugin:
-            return impl.function(**{a: kwargs[a] for a in impl.argnames})
-    return None
+def _options(config: StrategyConfig, hierarchical: bool, bucket_size_mb: float, cross_node_codec: str | None
+             ) -> Options:
+    """The :class:`Options` plugins see, from the validated flags and what was decided at setup."""
+    return Options(
+        zero_stage=config.zero_stage, shard_scope=config.shard_scope, hierarchical=hierarchical,  # type: ignore[arg-type]
+        compression=config.compression, compression_options=MappingProxyType(dict(config.compression_options)),
+        cross_node_codec=cross_node_codec, bucket_size_mb=bucket_size_mb, broadcast_buffers=config.broadcast_buffers,
+        devices_per_node=config.devices_per_node,
+    )

@@ -87,7 +87,9 @@ def check_compression(compression: Any, options: Mapping[str, Any]) -> None:
 def check_auto_options(options: Mapping[str, Any]) -> None:
     """``compression="auto"``'s options: ``candidates`` (codec names, ``None`` for no codec; default ``[None,
     "int8"]``) and, keyed by a candidate's name, that codec's own options."""
-    candidates = options.get("candidates", [None, "int8"])
+    from ddp_plugin.planning import DEFAULT_CANDIDATES
+
+    candidates = options.get("candidates", list(DEFAULT_CANDIDATES))
     names = available_codecs()
     if (isinstance(candidates, (str, bytes)) or not hasattr(candidates, "__iter__")
             or not list(candidates) or any(c is not None and c not in names for c in candidates)):

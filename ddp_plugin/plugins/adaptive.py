@@ -64,6 +64,17 @@ def _key(bucket: Bucket) -> str:
     return str(state_key(bucket))
 
 
+def own_impl(pm: pluggy.PluginManager, hook_name: str, plugin: object) -> Any:
+    """``plugin``'s own implementation of ``hook_name`` (not a wrapper), or ``None``."""
+    return next((i for i in getattr(pm.hook, hook_name).get_hookimpls()
+                 if i.plugin is plugin and not (i.wrapper or i.hookwrapper)), None)
+
+
+def call_impl(impl: Any, kwargs: dict[str, Any]) -> Any:
+    """One hook implementation alone, with the arguments it names (as pluggy would pass them)."""
+    return impl.function(**{name: kwargs[name] for name in impl.argnames})
+
+
 class AdaptivePlanner(HierarchicalReducer):
     """The reducer that follows the plan (see the module docstring). ``replan`` is the session's: probe again
     and return the new model (collective)."""
@@ -270,9 +281,13 @@ class AdaptivePlanner(HierarchicalReducer):
             planned.route, planned.codec = route, codec
             planned.predicted_ms = self.plan.model.route_seconds(route, codec, planned.nbytes) * 1e3
             planned.measured_ms, planned.steps = None, 0
-        self.plan.history.append((self.plan.version, self._step, self.plan.decisions()))
+        self.plan.record(self._step)
         self.plan.settled = {key: [list(option) for option in self.trials[key]] for key in keys}
         self.trials, self._trial_times = {}, {}
+        self._restart_baseline()
+
+    def _restart_baseline(self) -> None:
+        """A plan changed: the measured-over-predicted baseline is set again, from the next steps."""
         self._since_plan, self._calibration, self._baseline, self._streak = 0, [], None, 0
 
     def replan(self, reason: str) -> None:
@@ -286,9 +301,9 @@ class AdaptivePlanner(HierarchicalReducer):
         for key, b in old.buckets.items():
             if b.route not in (FLAT, HIERARCHICAL):
                 plan.plan_stage(key, b.route, b.nbytes)
-        plan.history.append((plan.version, self._step, plan.decisions()))
+        plan.record(self._step)
         self.plan = plan
-        self._since_plan, self._calibration, self._baseline, self._streak = 0, [], None, 0
+        self._restart_baseline()
         self.start_trials()
         if dist.get_rank() == 0:
             log.info(plan.table())
@@ -314,10 +329,9 @@ class AutoCodec:
     @hookimpl
     def on_setup(self, topology: Topology) -> None:
         self._topology = topology
-        impls = self._pm.hook.on_cross_node_reduce.get_hookimpls()
         for name in self.planner.plan.codecs:
             plugin = self._pm.get_plugin("mean_allreduce" if name == NO_CODEC else name)
-            self._impls[name] = next(i for i in impls if i.plugin is plugin and not (i.wrapper or i.hookwrapper))
+            self._impls[name] = own_impl(self._pm, "on_cross_node_reduce", plugin)
             self.planner.codec_plugins[name] = plugin
 
     def _stage(self, group: dist.ProcessGroup) -> str:
@@ -346,11 +360,9 @@ class AutoCodec:
         if last is not None and last != codec:
             self._carry(last, state_key(bucket), tensor, group)
         self._last[key] = codec
-        impl = self._impls[codec]
-        args = {"tensor": tensor, "group": group, "bucket": bucket, "offset": offset}
         timed = not self.planner.routing()
         start = time.perf_counter()
-        future = impl.function(**{name: args[name] for name in impl.argnames})
+        future = call_impl(self._impls[codec], {"tensor": tensor, "group": group, "bucket": bucket, "offset": offset})
         if timed:
             self.planner.time(key, start, future)
         return future
