@@ -26,6 +26,10 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+RS_PIECE_BYTES = 4 << 20
+"""The most bytes one message of a gloo reduce-scatter carries (its receive buffer in the arena)."""
+
+
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
@@ -95,14 +99,32 @@ class TracedCommunicator:
             self._record(group, [(_next_in_ring(group), (n - 1) / n * _nbytes(input))])
             _reduce_scatter_single(output, input, group=group)
             return output
-        # gloo emulates reduce-scatter with a full all-reduce (2(n-1)/n of the input); an all-to-all sends each
-        # chunk once, (n-1)/n, into the arena, and the sum is local (it may land in the input's own chunk: the
-        # input is no longer read once the chunks are exchanged). Point-to-point sends would need a receive
-        # buffer of one chunk only, but a send left pending to a peer that stopped holds the process at exit
-        # (tests/test_reliability.py), where a collective's buffers time out with it.
-        received = self.scratch(input.numel(), input.dtype, input.device)
-        self.all_to_all(received, input.reshape(-1), group=group)
-        torch.sum(received.view(n, output.numel()), dim=0, out=output.view(-1))
+        # gloo emulates reduce-scatter with a full all-reduce (2(n-1)/n of the input). Here each chunk is sent
+        # once, (n-1)/n of the input, by n-1 rounds of all-to-alls in which every rank sends one chunk, in
+        # pieces of at most RS_PIECE_BYTES, to the rank `s` after it and receives its own chunk from the rank
+        # `s` before it into the arena, then adds it: the receive buffer is one piece, not a whole input (a
+        # single all-to-all receives every chunk at once). Collectives, not point-to-point sends: a send left
+        # pending to a peer that stopped holds the process at exit (tests/test_reliability.py), where a
+        # collective's buffers time out with it. The sum starts from this rank's own chunk and adds the others
+        # in the order received (with 2 ranks: the same bits as any order).
+        me = dist.get_rank(group)
+        c = output.numel()
+        chunks = input.reshape(-1).split(c)
+        acc = output.view(-1)
+        if acc.data_ptr() != chunks[me].data_ptr():
+            acc.copy_(chunks[me])
+        piece = max(1, min(c, RS_PIECE_BYTES // input.element_size()))
+        received = self.scratch(piece, input.dtype, input.device)
+        for s in range(1, n):
+            dst, src = (me + s) % n, (me - s) % n
+            for a in range(0, c, piece):
+                size = min(piece, c - a)
+                send_splits, recv_splits = [0] * n, [0] * n
+                send_splits[dst] = recv_splits[src] = size
+                self._record(group, [(dst, size * input.element_size())])
+                dist.all_to_all_single(received[:size], chunks[dst][a : a + size], recv_splits, send_splits,
+                                       group=group)
+                acc[a : a + size].add_(received[:size])
         return output
 
     def all_gather(self, output, input, group=None, async_op=False):  # noqa: A002
