@@ -11,6 +11,7 @@ from torch import nn
 
 from ddp_plugin import Bucket, HierarchicalZeroStrategy
 from ddp_plugin.codecs import BUILTIN_CODECS, dequantize_int8, matrix_segments, quantize_int8
+from ddp_plugin.codecs.int8 import ROW_BLOCK_VALUES
 from ddp_plugin.comm import TracedCommunicator
 from ddp_plugin.plugin_manager import available_codecs, build_plugin_manager
 from ddp_plugin.testing.ranks import RankPool
@@ -154,6 +155,26 @@ def test_int8_sends_a_quarter_of_the_float32_bytes(ranks):
     results = ranks.run(traffic_of, "int8", {"block_size": 1024}, 1 << 16)
     fp32 = 2 * (WORLD - 1) / WORLD * 4 * (1 << 16)
     assert results[0] == pytest.approx(fp32 / 4 * (1 + 4 / 1024), rel=0.01)
+
+
+def int8_buffers(rank, world, numel):
+    """Bytes of every buffer the int8 codec and the communicator keep after a reduce of ``numel`` values."""
+    comm = TracedCommunicator()
+    codec = new_codec("int8", {}, comm)
+    reduce(codec, torch.randn(numel), make_bucket([(numel,)]))
+    arenas = sum(a.numel() for a in comm._local.__dict__.get("arenas", {}).values())
+    scratch = {key[0]: b.numel() * b.element_size() for key, b in codec.scratch().buffers.items()}
+    return arenas, scratch
+
+
+def test_int8_works_in_its_residual_and_small_buffers_not_a_tensor_sized_float_copy(ranks):
+    numel = 1 << 21  # 8 MiB of float32
+    for arenas, scratch in ranks.run(int8_buffers, numel):
+        assert arenas == 0  # the communicator's arena is not borrowed
+        # the int8 codes sent and received (a byte per value each), and two float blocks of rows
+        assert scratch.pop("q") == scratch.pop("q_in") == numel
+        assert scratch.pop("work") == 2 * ROW_BLOCK_VALUES * 4 < numel
+        assert sum(scratch.values()) < numel // 64  # the scales
 
 
 def traffic_of(rank, world, name, options, numel):

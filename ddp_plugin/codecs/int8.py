@@ -157,24 +157,27 @@ class Int8Codec(Codec):
         blocks, width = self.layout(numel, n)
         rows, dev = n * blocks, tensor.device
         scratch = self.scratch()
-        # Every step works in the same memory, nothing bucket-sized is allocated: x (float32, the input padded
-        # to n chunks of whole blocks, later the dequantized values) in the communicator's arena (the
-        # hierarchical reducer's reduce-scatter received there, and is done with it), the int8 codes sent (q,
-        # later every rank's chunk of the mean) and received (q_in, later this rank's chunk of the mean), and
-        # the residuals, updated in place.
-        x = self.comm.scratch(rows * width, torch.float32, dev).view(rows, width)
-        flat = x.view(-1)
-        residual = state.residual_rows(rows, width, dev) if self.error_feedback else None
-        if residual is not None:
-            torch.add(tensor, residual.view(-1)[:numel], out=flat[:numel])
-        else:
-            flat[:numel].copy_(tensor)
-        flat[numel:].zero_()
+        # Nothing of the tensor's size is allocated or borrowed per step: with error feedback, gradient +
+        # residual is formed in the residual's own (padded) memory and quantized there, block of rows by block
+        # of rows, leaving the next residual behind; the int8 codes sent (q, later every rank's chunk of the
+        # mean) and received (q_in, later this rank's chunk of the mean) are kept from step to step; the float
+        # work (the rounding, the mean of the received chunks) runs in two buffers of ROW_BLOCK_VALUES each.
+        # Every value goes through the same operations as on the whole tensor at once: the same bits.
+        step = min(rows, max(1, ROW_BLOCK_VALUES // width))
+        work = scratch.get("work", 2 * step * width, torch.float32, dev).view(2, step, width)
         q = scratch.get("q", rows * width, torch.int8, dev).view(rows, width)
         scales = scratch.get("scales", rows, torch.float32, dev)
-        y = residual if residual is not None else scratch.get("y", rows * width, torch.float32, dev).view(rows, width)
-        if not quantize_into(x, q, scales, y) and residual is not None:
-            residual.zero_()
+        if self.error_feedback:
+            x = state.residual_rows(rows, width, dev)  # becomes x - q * s: the next residual
+            x.view(-1)[:numel].add_(tensor)
+        else:
+            x = _padded_rows(tensor, rows, width, scratch)
+        finite = True
+        for a in range(0, rows, step):
+            z = min(a + step, rows)
+            finite &= quantize_into(x[a:z], q[a:z], scales[a:z], work[0, : z - a], in_place=self.error_feedback)
+        if not finite and self.error_feedback:
+            x.zero_()
 
         # Shot 1: chunk j (blocks j*blocks ... ) to rank j.
         q_in = scratch.get("q_in", rows * width, torch.int8, dev).view(n, blocks, width)
@@ -183,50 +186,78 @@ class Int8Codec(Codec):
             self.comm.all_to_all(q_in.view(rows, width), q, group=group, async_op=True),
             self.comm.all_to_all(s_in.view(-1), scales, group=group, async_op=True),
         ]
-        for work in works:
-            work.wait()
-        # The mean of the n versions of this rank's chunk, summed in rank order (x is free again).
-        chunk = x[:blocks]
-        chunk.copy_(q_in[0]).mul_(s_in[0].unsqueeze(1))
-        for j in range(1, n):
-            part = x[blocks : 2 * blocks]
-            part.copy_(q_in[j]).mul_(s_in[j].unsqueeze(1))
-            chunk.add_(part)
-        chunk.div_(n)
+        for w in works:
+            w.wait()
+        # The mean of the n versions of this rank's chunk, summed in rank order, plus the second residual,
+        # quantized again into q_in[0] and s_in[0] (read first, block by block: free once summed).
         chunk_residual = None
         if self.error_feedback:
-            if state.chunk_residual is None or state.chunk_residual.shape != chunk.shape:
-                state.chunk_residual = torch.zeros_like(chunk)
-            chunk.add_(state.chunk_residual)
+            if state.chunk_residual is None or state.chunk_residual.shape != (blocks, width):
+                state.chunk_residual = torch.zeros(blocks, width, device=dev)
             chunk_residual = state.chunk_residual
-        q2, s2 = q_in[0], s_in[0]  # received and summed: free
-        y2 = chunk_residual if chunk_residual is not None else y[:blocks]
-        if not quantize_into(chunk, q2, s2, y2) and chunk_residual is not None:
+        q2, s2 = q_in[0], s_in[0]
+        finite = True
+        for a in range(0, blocks, step):
+            z = min(a + step, blocks)
+            mean, part = work[0, : z - a], work[1, : z - a]
+            mean.copy_(q_in[0, a:z]).mul_(s_in[0, a:z].unsqueeze(1))
+            for j in range(1, n):
+                part.copy_(q_in[j, a:z]).mul_(s_in[j, a:z].unsqueeze(1))
+                mean.add_(part)
+            mean.div_(n)
+            if chunk_residual is not None:
+                mean.add_(chunk_residual[a:z])
+            y = chunk_residual[a:z] if chunk_residual is not None else part
+            finite &= quantize_into(mean, q2[a:z], s2[a:z], y)
+        if not finite and chunk_residual is not None:
             chunk_residual.zero_()
 
-        # Shot 2: everyone gets every rank's quantized chunk of the mean (into q and scales, sent and free).
-        q_all, s_all = q, scales
+        # Shot 2: everyone gets every rank's quantized chunk of the mean (into q and scales, sent and free),
+        # dequantized straight into the tensor (the padding's rows through the work buffer).
         works = [
-            self.comm.all_gather(q_all, q2, group=group, async_op=True),
-            self.comm.all_gather(s_all, s2, group=group, async_op=True),
+            self.comm.all_gather(q, q2, group=group, async_op=True),
+            self.comm.all_gather(scales, s2, group=group, async_op=True),
         ]
-        for work in works:
-            work.wait()
-        x.copy_(q_all).mul_(s_all.unsqueeze(1))
-        tensor.copy_(flat[:numel])
+        for w in works:
+            w.wait()
+        whole = numel // width
+        tensor[: whole * width].view(whole, width).copy_(q[:whole]).mul_(scales[:whole].unsqueeze(1))
+        for a in range(whole, rows, step):
+            z = min(a + step, rows)
+            tail = work[0, : z - a]
+            tail.copy_(q[a:z]).mul_(scales[a:z].unsqueeze(1))
+            lo = a * width
+            tensor[lo : min(z * width, numel)].copy_(tail.view(-1)[: max(0, min(z * width, numel) - lo)])
         return completed_future(tensor)
 
 
-def quantize_into(x: Tensor, q: Tensor, scales: Tensor, y: Tensor) -> bool:
+ROW_BLOCK_VALUES = 1 << 17
+"""Float values per block of rows the int8 codec works on at a time (512 KiB of float32 per work buffer)."""
+
+
+def _padded_rows(tensor: Tensor, rows: int, width: int, scratch: Scratch) -> Tensor:
+    """``tensor`` as ``rows x width`` (zero padding after it): a view when it fills them exactly, else a copy
+    in a buffer reused from call to call (without error feedback only)."""
+    numel = tensor.numel()
+    if numel == rows * width:
+        return tensor.view(rows, width)
+    x = scratch.get("x", rows * width, torch.float32, tensor.device)
+    x[:numel].copy_(tensor)
+    x[numel:].zero_()
+    return x.view(rows, width)
+
+
+def quantize_into(x: Tensor, q: Tensor, scales: Tensor, y: Tensor, in_place: bool = False) -> bool:
     """:func:`quantize_rows` of the float32 rows ``x`` into given buffers: the int8 codes into ``q``, the scales
     into ``scales``, and what rounding took, ``x - q * s``, into ``y`` (shaped as ``x``, not aliasing it; the
-    rounding's scratch first). False when a block holds a non-finite value, whose scale is then non-finite
-    (``y`` holds nothing of use then; see :func:`finite_or_zero`). Allocates only a row of clamped scales."""
+    rounding's scratch first), or with ``in_place`` into ``x`` itself (``y`` then only the rounding's scratch).
+    False when a block holds a non-finite value, whose scale is then non-finite (the error holds nothing of
+    use then; see :func:`finite_or_zero`). Allocates only a row of clamped scales."""
     torch.linalg.vector_norm(x, float("inf"), dim=1, out=scales).div_(INT8_MAX)  # NaN and inf propagate
     tiny = torch.finfo(torch.float32).tiny
     torch.div(x, scales.clamp_min(tiny).unsqueeze(1), out=y).round_().clamp_(-INT8_MAX, INT8_MAX)
     q.copy_(y)
     if not torch.isfinite(scales).all():
         return False
-    torch.addcmul(x, y, scales.unsqueeze(1), value=-1, out=y)
+    torch.addcmul(x, y, scales.unsqueeze(1), value=-1, out=x if in_place else y)
     return True
