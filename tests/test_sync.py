@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ddp_plugin import HierarchicalZeroStrategy
-from ddp_plugin.sync import SyncSchedule, fragment_bounds
+from ddp_plugin.sync import SyncSchedule, build_outer_optimizer, fragment_bounds
 from ddp_plugin.testing.processes import clean_env, runs_argument
 from ddp_plugin.testing.ranks import free_port
 from tests.support import ROOT, interpreter, run_python
@@ -340,3 +340,21 @@ def test_fragments_are_contiguous_ranges_of_equal_size():
     assert fragment_bounds(10, 3) == [0, 3, 6, 10]
     with pytest.raises(ValueError):
         fragment_bounds(3, 4)
+
+
+def test_diloco_outer_optimizer_is_torchs_nesterov_sgd_to_the_bit_without_a_gradient_sized_temporary():
+    torch.manual_seed(0)
+    start = torch.randn(1000)
+    grads = [torch.randn(1000) for _ in range(4)]
+    ours_p, torch_p = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    ours = build_outer_optimizer("nesterov", [ours_p])
+    reference = torch.optim.SGD([torch_p], lr=0.7, momentum=0.9, nesterov=True)
+    for g in grads:
+        ours_p.grad, torch_p.grad = g.clone(), g.clone()
+        storages = {ours_p.grad.untyped_storage().data_ptr()}
+        ours.step()
+        reference.step()
+        assert torch.equal(ours_p, torch_p)
+        assert ours_p.grad.untyped_storage().data_ptr() in storages  # the Nesterov term went into the gradient
+    assert torch.equal(ours.state[ours_p]["momentum_buffer"], reference.state[torch_p]["momentum_buffer"])
+    assert ours.state_dict()["param_groups"] == reference.state_dict()["param_groups"]

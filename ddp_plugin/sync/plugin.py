@@ -74,11 +74,37 @@ def build_outer_optimizer(spec: Any, params: list[nn.Parameter]) -> torch.optim.
     if spec == "average":
         return torch.optim.SGD(params, lr=1.0)
     if spec == "nesterov":
-        return torch.optim.SGD(params, lr=NESTEROV["lr"], momentum=NESTEROV["momentum"], nesterov=True)
+        return NesterovSGD(params, lr=NESTEROV["lr"], momentum=NESTEROV["momentum"], nesterov=True)
     optimizer = spec(params)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"`outer_optimizer` must return a torch.optim.Optimizer, got {type(optimizer).__name__}.")
     return optimizer
+
+
+class NesterovSGD(torch.optim.SGD):
+    """``torch.optim.SGD`` with Nesterov momentum (no weight decay, no dampening), computed as torch computes it,
+    the same bits, but with the Nesterov term added into the gradient's own memory: torch's ``grad.add(buf,
+    alpha=momentum)`` allocates a tensor of the gradient's size per step (at a DiLoCo sync, S/k per rank). The
+    gradients are pseudo-gradients this plugin made for the step, and are consumed by it."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        if closure is not None:
+            raise ValueError("the outer optimizer takes no closure")
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = state["momentum_buffer"] = torch.clone(grad).detach()
+                else:
+                    buf.mul_(momentum).add_(grad)
+                grad.add_(buf, alpha=momentum)
+                p.add_(grad, alpha=-lr)
 
 
 @dataclasses.dataclass(eq=False)
@@ -118,7 +144,7 @@ class Update:
 class ModuleChunks:
     """The parameter parts of ZeRO stage 0, where the module's parameters are whole on every rank: the ranks of a
     node split each bucket's flat parameters into k chunks (local rank l owns chunk l), read from and written to
-    the module; :meth:`publish` all-gathers ranges of them inside the node."""
+    the module; :meth:`publish` broadcasts ranges of them inside the node."""
 
     def __init__(self, buckets: Sequence[Bucket], topology: Topology, comm: Communicator) -> None:
         self.buckets, self.topology, self.comm = list(buckets), topology, comm
@@ -192,14 +218,16 @@ class ModuleChunks:
 
     def publish(self, ranges: Sequence[tuple[int, int, int]]) -> None:
         """Every rank of the node gets the elements ``[lo, hi)`` of bucket ``b`` (for each ``(b, lo, hi)``) from
-        the ranks whose chunks hold them (on the training thread's side group)."""
+        the ranks whose chunks hold them (on the training thread's side group): each rank's part broadcast from
+        its parameters straight into the others', one parameter's slice at a time, so no buffer of a range's
+        size is allocated (a DiLoCo sync publishes whole buckets)."""
         t = self.topology
         if t.ranks_per_node == 1:
             return
-        for b, _, _, spans, full, width in self._gathered(ranges, self.read, t.side_intra_node_group):
-            for l, (a, z) in enumerate(spans):
-                if z > a and l != t.local_rank:
-                    self.write(b, a, z, full[l * width : l * width + z - a])
+        for b, lo, hi in ranges:
+            for l, (a, z) in enumerate(self._spans(b, lo, hi)):
+                for p, pa, pz, _ in self._slices(b, a, z):
+                    self.comm.broadcast(p.detach().view(-1)[pa:pz], src=l, group=t.side_intra_node_group)
 
 
 class ShardParts:
