@@ -16,6 +16,8 @@ import json
 
 import pytest
 
+from ddp_plugin.codecs.int8 import ROW_BLOCK_VALUES
+from ddp_plugin.comm import RS_PIECE_BYTES
 from ddp_plugin.testing import heap
 from tests.support import WORKERS, run_python
 
@@ -39,7 +41,8 @@ def budget(setting: str, m: dict) -> float:
     S, B, G, U = m["grads"], m["largest_bucket"], m["largest_param"], m["largest_unit"]
     k, n, N, F = PER_NODE, NODES, WORLD, FRAGMENTS
     step = 2 * G  # autograd's fresh gradient of a parameter before it lands in its bucket; gloo's ring chunks
-    arena = B  # the communicator's arena: the reduce-scatter receives a bucket's chunks there, a codec codes in it
+    piece = min(B / k, RS_PIECE_BYTES)  # the communicator's arena: the reduce-scatter receives a piece of a chunk
+    int8_work = 2 * min(B / k, ROW_BLOCK_VALUES * 4)  # int8's two float work buffers (blocks of rows of a shard)
     outer = 2 * S / k  # sync modes: the global copy of this rank's chunk and its outer momentum
     int8_state = S / k + S / (k * n)  # int8's residuals: the shard's, and its chunk's of the mean
     fragment = S / (k * F)  # this rank's part of a fragment
@@ -50,20 +53,22 @@ def budget(setting: str, m: dict) -> float:
     return {
         "ddp": 4 * S + step + G,  # (+ its all-reduce's work buffers, about a parameter's size here)
         "flat": 3 * S + step,
-        "hier": 3 * S + arena + step,
-        "hier_fp16": 3 * S + arena + step,  # cast into the arena
-        "hier_int8": 3 * S + arena + int8_state + B / (2 * k) + step,  # + two int8 copies of a shard
+        "hier": 3 * S + piece + step,
+        "hier_fp16": 3 * S + max(piece, B / (2 * k)) + step,  # the shard cast into the arena
+        # + two int8 copies of a shard (codes sent and received) and the work buffers
+        "hier_int8": 3 * S + piece + int8_state + B / (2 * k) + int8_work + step,
         # + residual, the uncompressed part's mask, and that part gathered (its values and their int64 indices,
         # bounded by a shard)
-        "hier_powersgd": 3 * S + arena + S / k + S / (4 * k) + B / k + step,
-        "flat_int8": 3 * S + B + S + S / N + B / 2 + step,  # the whole bucket is coded (in the arena)
+        "hier_powersgd": 3 * S + piece + S / k + S / (4 * k) + B / k + step,
+        # the whole bucket is coded: residuals S and S/N, codes 2 x B/4, work buffers of a whole bucket's rows
+        "flat_int8": 3 * S + S + S / N + B / 2 + 2 * min(B, ROW_BLOCK_VALUES * 4) + step,
         "diloco": 3 * S + outer + S / k + B + step,  # at a sync: the pseudo-gradient, one range gathered
         "streaming": 3 * S + outer + streaming + step,
         "streaming_int8": 3 * S + outer + streaming + int8_state + fragment + step,
-        "zero1": S + 2 * S / N + arena + B / k + step,  # whole gradients, 1/N of the state, the node's block
-        "zero2": 3 * S / N + arena + B / k + S + step,  # + the buckets a backward fills before they are reduced
-        "zero3": -S + 4 * S / N + arena + B / k + S + 3 * U + step,  # parameters sharded; a unit + two prefetched
-        "zero3_prefetch1": -S + 4 * S / N + arena + B / k + S + 2 * U + step,
+        "zero1": S + 2 * S / N + piece + B / k + step,  # whole gradients, 1/N of the state, the node's block
+        "zero2": 3 * S / N + piece + B / k + S + step,  # + the buckets a backward fills before they are reduced
+        "zero3": -S + 4 * S / N + piece + B / k + S + 3 * U + step,  # parameters sharded; a unit + two prefetched
+        "zero3_prefetch1": -S + 4 * S / N + piece + B / k + S + 2 * U + step,
     }[setting]
 
 
