@@ -169,11 +169,10 @@ def int8_buffers(rank, world, numel):
 
 def test_int8_works_in_its_residual_and_small_buffers_not_a_tensor_sized_float_copy(ranks):
     numel = 1 << 21  # 8 MiB of float32
+    work = 2 * ROW_BLOCK_VALUES * 4  # two float blocks of rows
     for arenas, scratch in ranks.run(int8_buffers, numel):
-        assert arenas == 0  # the communicator's arena is not borrowed
-        # the int8 codes sent and received (a byte per value each), and two float blocks of rows
-        assert scratch.pop("q") == scratch.pop("q_in") == numel
-        assert scratch.pop("work") == 2 * ROW_BLOCK_VALUES * 4 < numel
+        assert arenas == numel + work < 4 * numel  # the communicator's arena: the codes received and the work
+        assert scratch.pop("q") == numel  # the int8 codes sent: a byte per value
         assert sum(scratch.values()) < numel // 64  # the scales
 
 

@@ -55,14 +55,16 @@ def budget(setting: str, m: dict) -> float:
         "flat": 3 * S + step,
         "hier": 3 * S + piece + step,
         "hier_fp16": 3 * S + max(piece, B / (2 * k)) + step,  # the shard cast into the arena
-        # + two int8 copies of a shard (codes sent and received) and the work buffers
-        "hier_int8": 3 * S + piece + int8_state + B / (2 * k) + int8_work + step,
+        # + the int8 codes sent; the codes received and the work buffers share the arena with the piece
+        "hier_int8": 3 * S + max(piece, B / (4 * k) + int8_work) + int8_state + B / (4 * k) + step,
         # + residual, the uncompressed part's mask, and that part gathered (its values and their int64 indices,
         # bounded by a shard)
         "hier_powersgd": 3 * S + piece + S / k + S / (4 * k) + B / k + step,
         # the whole bucket is coded: residuals S and S/N, codes 2 x B/4, work buffers of a whole bucket's rows
         "flat_int8": 3 * S + S + S / N + B / 2 + 2 * min(B, ROW_BLOCK_VALUES * 4) + step,
-        "diloco": 3 * S + outer + S / k + B + step,  # at a sync: the pseudo-gradient, one range gathered
+        # at a sync: the pseudo-gradient and gloo's all-reduce of it across nodes (which allocates half the tensor
+        # with 2 ranks; inside the node, every step, half a bucket)
+        "diloco": 3 * S + outer + S / k + max(B, S / k) / 2 + step,
         "streaming": 3 * S + outer + streaming + step,
         "streaming_int8": 3 * S + outer + streaming + int8_state + fragment + step,
         "zero1": S + 2 * S / N + piece + B / k + step,  # whole gradients, 1/N of the state, the node's block

@@ -157,14 +157,18 @@ class Int8Codec(Codec):
         blocks, width = self.layout(numel, n)
         rows, dev = n * blocks, tensor.device
         scratch = self.scratch()
-        # Nothing of the tensor's size is allocated or borrowed per step: with error feedback, gradient +
-        # residual is formed in the residual's own (padded) memory and quantized there, block of rows by block
-        # of rows, leaving the next residual behind; the int8 codes sent (q, later every rank's chunk of the
-        # mean) and received (q_in, later this rank's chunk of the mean) are kept from step to step; the float
-        # work (the rounding, the mean of the received chunks) runs in two buffers of ROW_BLOCK_VALUES each.
+        # Nothing of the tensor's size is allocated per step: with error feedback, gradient + residual is formed
+        # in the residual's own (padded) memory and quantized there, block of rows by block of rows, leaving the
+        # next residual behind; the int8 codes sent (q, later every rank's chunk of the mean) are kept from step
+        # to step; the codes received (q_in, later this rank's chunk of the mean) and the float work (the
+        # rounding, the mean of the received chunks: two buffers of ROW_BLOCK_VALUES) lie in the communicator's
+        # arena, where the hierarchical reducer's reduce-scatter received its pieces and is done with them.
         # Every value goes through the same operations as on the whole tensor at once: the same bits.
         step = min(rows, max(1, ROW_BLOCK_VALUES // width))
-        work = scratch.get("work", 2 * step * width, torch.float32, dev).view(2, step, width)
+        codes = -(-rows * width // 64) * 64  # (the float work starts on an aligned byte)
+        arena = self.comm.scratch(codes + 2 * step * width * 4, torch.uint8, dev)
+        q_in = arena[: rows * width].view(torch.int8).view(n, blocks, width)
+        work = arena[codes:].view(torch.float32).view(2, step, width)
         q = scratch.get("q", rows * width, torch.int8, dev).view(rows, width)
         scales = scratch.get("scales", rows, torch.float32, dev)
         if self.error_feedback:
@@ -180,7 +184,6 @@ class Int8Codec(Codec):
             x.zero_()
 
         # Shot 1: chunk j (blocks j*blocks ... ) to rank j.
-        q_in = scratch.get("q_in", rows * width, torch.int8, dev).view(n, blocks, width)
         s_in = scratch.get("s_in", rows, torch.float32, dev).view(n, blocks)
         works = [
             self.comm.all_to_all(q_in.view(rows, width), q, group=group, async_op=True),
