@@ -117,11 +117,11 @@ class TracedCommunicator:
         received = self.scratch(piece, input.dtype, input.device)
         for s in range(1, n):
             dst, src = (me + s) % n, (me - s) % n
+            self._record(group, [(dst, c * input.element_size())])
             for a in range(0, c, piece):
                 size = min(piece, c - a)
                 send_splits, recv_splits = [0] * n, [0] * n
                 send_splits[dst] = recv_splits[src] = size
-                self._record(group, [(dst, size * input.element_size())])
                 dist.all_to_all_single(received[:size], chunks[dst][a : a + size], recv_splits, send_splits,
                                        group=group)
                 acc[a : a + size].add_(received[:size])

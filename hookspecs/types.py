@@ -347,8 +347,9 @@ class Communicator(Protocol):
     def reduce_scatter(self, output: Tensor, input: Tensor, group: ProcessGroup | None = None) -> Tensor:  # noqa: A002
         """Sum ``input`` (n equal chunks) over ``group`` and write chunk ``rank in group`` into ``output``;
         return ``output``, which may be ``input``'s own chunk (in place). Blocking. NCCL runs its native
-        reduce-scatter; on gloo, which emulates one with a full all-reduce, an all-to-all plus a local sum, half
-        the bytes: (n-1)/n of ``input`` either way."""
+        reduce-scatter; on gloo, which emulates one with a full all-reduce, rounds of all-to-alls that send each
+        chunk once and add it into ``output`` a piece at a time, half the bytes: (n-1)/n of ``input`` either
+        way."""
 
     def all_gather(self, output: Tensor, input: Tensor, group: ProcessGroup | None = None,  # noqa: A002
                    async_op: bool = False) -> Work | None:

@@ -229,8 +229,9 @@ class Int8Codec(Codec):
             z = min(a + step, rows)
             tail = work[0, : z - a]
             tail.copy_(q[a:z]).mul_(scales[a:z].unsqueeze(1))
-            lo = a * width
-            tensor[lo : min(z * width, numel)].copy_(tail.view(-1)[: max(0, min(z * width, numel) - lo)])
+            lo, hi = a * width, min(z * width, numel)
+            if hi > lo:  # (rows past the tensor's end are padding only)
+                tensor[lo:hi].copy_(tail.view(-1)[: hi - lo])
         return completed_future(tensor)
 
 

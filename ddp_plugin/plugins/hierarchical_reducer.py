@@ -28,8 +28,8 @@ class HierarchicalReducer(FlatReducer):
 
     With one node (or one rank per node) there is nothing to split: the whole bucket goes through
     ``on_cross_node_reduce`` over the world, exactly as the flat reducer does. The reduce-scatter is the
-    communicator's (an all-to-all plus a local sum on gloo, which emulates reduce-scatter with a full
-    all-reduce; NCCL's own).
+    communicator's (on gloo, which emulates reduce-scatter with a full all-reduce, rounds of all-to-alls that
+    send each chunk once and add it where it lands, one piece at a time; NCCL's own).
     """
 
     @property
