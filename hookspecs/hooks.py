@@ -16,7 +16,8 @@ implementation that returns something other than ``None`` answers and the rest a
 Threads: ``on_bucket_ready`` and ``on_cross_node_reduce`` run on the engine's communication thread, one bucket
 at a time in bucket order, the same order on every rank (``on_cross_node_reduce`` of a sync mode's
 pseudo-gradients, ``bucket.kind == "pseudo_gradient"``, runs on the sync mode's own thread, over groups of its
-own, one at a time in the same order on every rank). An implementation may therefore issue several
+own, one at a time in the same order on every rank; they are offered only when a plugin answers ahead of the
+plain mean, which the sync mode computes itself from its sharded outer state). An implementation may therefore issue several
 collectives one after the other, and even wait between them (PowerSGD's two all-reduces with an
 orthogonalization between), without any risk of ranks issuing collectives in different orders. It must not
 issue collectives from future callbacks (``.then``), which run on arbitrary threads: that is how torch's own

@@ -10,17 +10,22 @@ Across nodes, after the optimizer steps the schedule names (:class:`~ddp_plugin.
 a fragment of the parameters is synchronized:
 
 1. sent (after step ``t``): this rank's part of the fragment, ``s`` (the ranks of a node split every bucket's
-   flat parameters into k parts: the sharder's shards at ZeRO stages 1-3, else chunks of its own), and the
-   pseudo-gradient ``g = x - s`` against the global copy ``x`` (the outer parameters, kept for this rank's part
-   only); ``g`` is averaged over the ranks with this local rank on every node through ``on_cross_node_reduce``,
-   so a codec compresses it (error feedback per fragment and bucket: ``Bucket.kind == "pseudo_gradient"``), on
-   a thread of its own over process groups of its own. On that thread, as soon as the average is in, the outer
-   optimizer steps ``x`` with it as its gradient ("average": SGD with lr 1, so ``x`` becomes the mean of the
-   replicas; "nesterov": SGD with Nesterov momentum, DiLoCo), and (at stage 0) the ranks of the node
-   all-gather what their replicas take from it, so the training thread has no collective of its own to run;
+   flat parameters into k parts: the sharder's shards at ZeRO stages 1-3, else chunks of its own); the outer
+   optimizer ("average": SGD with lr 1, so the global copy ``x`` becomes the mean of the replicas; "nesterov":
+   SGD with Nesterov momentum, DiLoCo) steps ``x`` with the mean over the nodes of the pseudo-gradient
+   ``g = x - s`` as its gradient. With a codec (any plugin answering ``on_cross_node_reduce`` ahead of the plain
+   mean), ``x`` and the outer state are kept for this rank's whole part and ``g`` is averaged over the ranks with
+   this local rank on every node through ``on_cross_node_reduce``, so the codec compresses it (error feedback
+   per fragment and bucket: ``Bucket.kind == "pseudo_gradient"``). With the plain mean they are sharded over
+   those ranks too (1/n of the part each, 2S/N per rank for DiLoCo instead of 2S/k): ``s`` is reduce-scattered,
+   the rank steps its share with ``x - mean(s)``, and the stepped shares are all-gathered back (the bytes of
+   the all-reduce of ``g``). With staleness this runs on a thread of its own over process groups of its own,
+   behind the next inner steps; without, the training thread would wait for it anyway, and with the plain mean
+   runs it itself, one bucket's part at a time;
 2. applied (after step ``t + max_staleness``): the replica's part becomes ``now + (x - s)``: the global copy
    plus the inner progress made while the average was in flight (none with ``max_staleness=0``, where the
-   replica becomes ``x`` itself and every rank then holds the same bits).
+   replica becomes ``x`` itself and every rank then holds the same bits). At stage 0 each rank then broadcasts
+   its part into the other ranks' of the node (at stages 1-3 the sharder's after-step all-gather spreads it).
 
 Each rank sends 2(M-1)/M of its part of a fragment per sync: per node, S/F every H/F steps, S/H per step.
 """
@@ -39,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddp_plugin import health
-from ddp_plugin.comm import gather_flat_to_root
+from ddp_plugin.comm import RS_PIECE_BYTES, gather_flat_to_root
 from ddp_plugin.hookspecs import (
     DeferredStorage,
     DeferredTensor,
@@ -116,8 +121,11 @@ class Piece:
     bucket: int
     lo: int
     hi: int
-    outer: nn.Parameter  # the global copy of these elements
+    outer: nn.Parameter  # the global copy of elements [own_lo, own_hi)
     pseudo: Bucket  # what the codec sees: the bucket's layout, kind "pseudo_gradient", its own index
+    own_lo: int  # the elements whose global copy (and outer optimizer state) this rank keeps: [lo, hi) itself,
+    own_hi: int  # or with the outer state sharded over the nodes, this node's 1/n of it
+    width: int  # with the outer state sharded, each node's share of [lo, hi) (the last one padded to it)
 
 
 @dataclasses.dataclass
@@ -160,8 +168,11 @@ class ModuleChunks:
             if a < z:
                 yield p, a - bucket.offsets[i], z - bucket.offsets[i], a - lo
 
-    def read(self, b: int, lo: int, hi: int) -> Tensor:
-        out = torch.zeros(hi - lo, dtype=self.buckets[b].buffer.dtype, device=self.topology.device)
+    def read(self, b: int, lo: int, hi: int, out: Tensor | None = None) -> Tensor:
+        if out is None:
+            out = torch.zeros(hi - lo, dtype=self.buckets[b].buffer.dtype, device=self.topology.device)
+        else:
+            out.zero_()
         for p, a, z, at in self._slices(b, lo, hi):
             out[at : at + z - a].copy_(p.detach().reshape(-1)[a:z])
         return out
@@ -180,41 +191,6 @@ class ModuleChunks:
         """Each local rank's part of ``[lo, hi)`` in bucket ``b`` (its chunk's intersection; empty ones at lo)."""
         c = self.chunk[b]
         return [(max(lo, l * c), max(max(lo, l * c), min(hi, (l + 1) * c))) for l in range(self.topology.ranks_per_node)]
-
-    def _gathered(self, ranges: Sequence[tuple[int, int, int]], mine: Callable[[int, int, int], Tensor],
-                  group: dist.ProcessGroup):
-        """For each ``(b, lo, hi)`` range, ``(b, lo, hi, spans, full, width)``: every local rank's part of it (``mine(b, a, z)``
-        on this rank, for its span ``[a, z)``) all-gathered over ``group`` (a group of the node), rank l's
-        part at ``full[l * width:]``, with width the largest part: one all-gather per range, so a fragment's
-        sync moves the fragment inside the node, not its whole buckets."""
-        t = self.topology
-        for b, lo, hi in ranges:
-            spans = self._spans(b, lo, hi)
-            width = max(z - a for a, z in spans)
-            if width == 0:
-                continue
-            # This rank's part is written straight into its place in the gathered buffer (an in-place
-            # all-gather): one range-sized buffer per range, not two.
-            full = torch.empty(width * t.ranks_per_node, dtype=self.buckets[b].buffer.dtype, device=t.device)
-            part = full[t.local_rank * width : (t.local_rank + 1) * width]
-            a, z = spans[t.local_rank]
-            if z > a:
-                part[: z - a].copy_(mine(b, a, z))
-            part[max(z - a, 0) :].zero_()
-            self.comm.all_gather(full, part, group=group)
-            yield b, lo, hi, spans, full, width
-
-    def spread(self, ranges: Sequence[tuple[int, int, int]], mine: Mapping[int, Update],
-               group: dist.ProcessGroup) -> list[Update]:
-        """Every ``(b, lo, hi)`` range whole, from each rank's part of it (``mine``, by bucket: this rank's
-        chunk's intersection with the range), as one update per part, viewing the buffer it was gathered into."""
-        if self.topology.ranks_per_node == 1:
-            return list(mine.values())
-        out = []
-        for b, _, _, spans, full, width in self._gathered(ranges, lambda b, a, z: mine[b].values, group):
-            # One update per local rank's part, viewing the gathered buffer: nothing is copied into a range.
-            out += [Update(b, a, z, full[l * width : l * width + z - a]) for l, (a, z) in enumerate(spans) if z > a]
-        return out
 
     def publish(self, ranges: Sequence[tuple[int, int, int]]) -> None:
         """Every rank of the node gets the elements ``[lo, hi)`` of bucket ``b`` (for each ``(b, lo, hi)``) from
@@ -237,9 +213,11 @@ class ShardParts:
         self.shards = shards
         self.parts = [(offset, offset + part.numel()) for _, offset, part in shards.parts]
 
-    def read(self, b: int, lo: int, hi: int) -> Tensor:
+    def read(self, b: int, lo: int, hi: int, out: Tensor | None = None) -> Tensor:
         _, offset, part = self.shards.parts[b]
-        return part[lo - offset : hi - offset].clone()
+        if out is None:
+            return part[lo - offset : hi - offset].clone()
+        return out.copy_(part[lo - offset : hi - offset])
 
     def write(self, b: int, lo: int, hi: int, values: Tensor) -> None:
         _, offset, part = self.shards.parts[b]
@@ -300,6 +278,9 @@ class OuterSync:
                     self.intra = g
         shards = hook.on_parameter_shards()
         self.access = ShardParts(shards) if shards is not None else ModuleChunks(self.buckets, t, comm)
+        # With the plain mean across nodes (no codec answers for the pseudo-gradients) the global copy and the
+        # outer optimizer's state are sharded over the nodes too: 1/N of them per rank instead of 1/k.
+        self.sharded_outer = m > 1 and _plain_mean(hook, self)
         sizes = [local_tensor(p).numel() for b in self.buckets for p in b.params]
         if self.schedule.fragments > len(sizes):
             raise ValueError(
@@ -325,10 +306,14 @@ class OuterSync:
                 lo, hi = max(lo, part_lo), min(hi, part_hi)
                 if lo >= hi:
                     continue
-                outer = nn.Parameter(self.access.read(b, lo, hi), requires_grad=False)
+                width, own_lo, own_hi = hi - lo, lo, hi
+                if self.sharded_outer:
+                    width = -(-(hi - lo) // m)
+                    own_lo, own_hi = min(lo + t.node_rank * width, hi), min(lo + (t.node_rank + 1) * width, hi)
+                outer = nn.Parameter(self.access.read(b, own_lo, own_hi), requires_grad=False)
                 pseudo = dataclasses.replace(bucket, index=f * len(self.buckets) + b, kind="pseudo_gradient",
                                              state={}, grad_used=[])
-                self.pieces.append(Piece(f, b, lo, hi, outer, pseudo))
+                self.pieces.append(Piece(f, b, lo, hi, outer, pseudo, own_lo, own_hi, width))
             start += used[b]
         self.outer = build_outer_optimizer(self.outer_spec, [p.outer for p in self.pieces])
         self.state_kinds, self.state_kinds_example = _state_kinds(self.outer_spec)
@@ -387,7 +372,18 @@ class OuterSync:
         if t.ranks_per_node == 1:
             return completed_future(bucket.buffer)
         bucket.buffer.div_(t.ranks_per_node)
-        return self.comm.all_reduce(bucket.buffer, group=t.intra_node_group, async_op=True).get_future()
+        return self._all_reduce_in_pieces(bucket.buffer, t.intra_node_group)
+
+    def _all_reduce_in_pieces(self, tensor: Tensor, group: dist.ProcessGroup) -> torch.futures.Future:
+        """Sum ``tensor`` over ``group`` in pieces of at most ``RS_PIECE_BYTES``, queued at once: gloo's all-reduce
+        allocates half its tensor while it runs (measured with the heap tracker), half a piece instead of half a
+        bucket; the same sums element by element."""
+        flat = tensor.view(-1)
+        piece = max(1, RS_PIECE_BYTES // flat.element_size())
+        works = [self.comm.all_reduce(flat[a : a + piece], group=group, async_op=True)
+                 for a in range(0, flat.numel(), piece)]
+        done = torch.futures.collect_all([w.get_future() for w in works])
+        return done.then(lambda _: tensor)
 
     @hookimpl(tryfirst=True)
     def on_cross_node_reduce(self, tensor: Tensor, group: dist.ProcessGroup, bucket: Bucket
@@ -400,7 +396,7 @@ class OuterSync:
         if group is t.world_group and t.ranks_per_node > 1:
             # The flat path (hierarchical=False): the node's mean instead of the world's.
             tensor.div_(t.ranks_per_node)
-            self.comm.all_reduce(tensor, group=t.intra_node_group)
+            self._all_reduce_in_pieces(tensor, t.intra_node_group).wait()
         return completed_future(tensor)  # across nodes: nothing, this step
 
     # ------------------------------------------------------------------ the outer step
@@ -414,32 +410,122 @@ class OuterSync:
                 # The synchronous steps are over, every rank holds the same bits: the global copy starts here.
                 with torch.no_grad():
                     for piece in self.pieces:
-                        piece.outer.copy_(self.access.read(piece.bucket, piece.lo, piece.hi))
+                        piece.outer.copy_(self.access.read(piece.bucket, piece.own_lo, piece.own_hi))
             return
+        # The syncs sent earlier are applied first, then this step's sent (and applied now without staleness):
+        # fragments are disjoint, so the order changes no value, and the buffers of the syncs applied are free
+        # before the next one's are allocated.
+        self._apply_due()
         for f in self.schedule.sent_after(self.step - self.warmup):
             self._send(f)
+        self._apply_due()  # (without staleness: the syncs just sent)
+
+    def _apply_due(self) -> None:
         for flight in [x for x in self.in_flight if x.apply_after == self.step]:
             self._apply(flight)
 
     def _send(self, fragment: int) -> None:
         pieces = self._pieces_of(fragment)
-        snapshots = [self.access.read(p.bucket, p.lo, p.hi) for p in pieces]
-        if self.schedule.staleness:
-            pseudo = [p.outer.detach() - s for p, s in zip(pieces, snapshots)]
+        if self.sharded_outer and not self.schedule.staleness:
+            self._sync_now(fragment, pieces)
+            return
+        if self.sharded_outer:
+            # Every buffer the outer step works in is allocated here, on the training thread, which frees them
+            # once the sync is applied: the outer thread's own heap stays small.
+            # The snapshots are what is reduced, each padded to n equal shares.
+            padded = [self._read_padded(p) for p in pieces]
+            snapshots = [x[: p.hi - p.lo] for p, x in zip(pieces, padded)]
+            shares = [torch.empty(p.width, dtype=x.dtype, device=x.device) for p, x in zip(pieces, padded)]
+            gathered = [torch.empty_like(x) for x in padded]
+            result = self._thread.submit(self._outer_step_sharded, pieces, padded, shares, gathered)
         else:
-            # Without staleness the snapshots serve only here (a sync is applied in the step that sent it, so
-            # none is in flight when a checkpoint saves them): the pseudo-gradients take their memory.
-            pseudo = [torch.sub(p.outer.detach(), s, out=s) for p, s in zip(pieces, snapshots)]
-            snapshots = [None] * len(pieces)
-        result = self._thread.submit(self._outer_step, fragment, pieces, pseudo, snapshots)
-        self.in_flight.append(InFlight(fragment, self.step + self.schedule.staleness, snapshots, result))
+            snapshots = [self.access.read(p.bucket, p.lo, p.hi) for p in pieces]
+            if self.schedule.staleness:
+                pseudo = [p.outer.detach() - s for p, s in zip(pieces, snapshots)]
+            else:
+                # Without staleness the snapshots serve only here (a sync is applied in the step that sent it, so
+                # none is in flight when a checkpoint saves them): the pseudo-gradients take their memory.
+                pseudo = [torch.sub(p.outer.detach(), s, out=s) for p, s in zip(pieces, snapshots)]
+                snapshots = None
+            result = self._thread.submit(self._outer_step, pieces, pseudo, snapshots)
+        self.in_flight.append(InFlight(fragment, self.step + self.schedule.staleness,
+                                       snapshots or [None] * len(pieces), result))
 
-    def _outer_step(self, fragment: int, pieces: list[Piece], pseudo: list[Tensor], snapshots: list[Tensor]
+    def _part_buffer(self, piece: Piece) -> Tensor:
+        """A buffer for the piece's elements ``[lo, hi)``, padded to n shares of ``width`` (zeros past the end)."""
+        n = self.topology.num_nodes if self.sharded_outer else 1
+        buf = torch.empty(piece.width * n, dtype=piece.outer.dtype, device=self.topology.device)
+        buf[piece.hi - piece.lo :].zero_()
+        return buf
+
+    def _read_padded(self, piece: Piece) -> Tensor:
+        """The replica's values of the piece, padded to n shares."""
+        buf = self._part_buffer(piece)
+        self.access.read(piece.bucket, piece.lo, piece.hi, out=buf[: piece.hi - piece.lo])
+        return buf
+
+    def _mean_share(self, piece: Piece, values: Tensor, share: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The outer state sharded over the nodes: ``values`` (the replica's, padded) reduce-scattered over the
+        nodes (this rank sends ``(n - 1) / n`` of them and receives the sum of its share), and the outer gradient
+        of its share, ``x - mean(s)``, in that share's buffer (``share``, or a new one): ``(buffer, gradient)``."""
+        if share is None:
+            share = torch.empty(piece.width, dtype=values.dtype, device=values.device)
+        self.comm.reduce_scatter(share, values, group=self.inter)
+        g = share[: piece.own_hi - piece.own_lo].div_(self.topology.num_nodes)
+        return share, torch.sub(piece.outer.detach(), g, out=g)
+
+    def _into_global_copy(self, piece: Piece, values: Tensor, recv: Tensor) -> Tensor:
+        """Turn ``values`` (the replica's, padded) into the stepped global copy, share by share from the nodes
+        that keep them (``recv``: a share's buffer; as many bytes as an all-gather), and return the squared norm
+        of the replica's distance to it."""
+        t = self.topology
+        drift = torch.zeros((), dtype=torch.float64, device=t.device)
+        own = piece.own_hi - piece.own_lo
+        for j in range(t.num_nodes):
+            if j == t.node_rank:
+                recv[:own].copy_(piece.outer.detach())
+                recv[own:].zero_()
+            self.comm.broadcast(recv, src=j, group=self.inter)
+            share = values[j * piece.width : (j + 1) * piece.width]
+            share.sub_(recv)
+            drift += torch.linalg.vector_norm(share, dtype=torch.float32).double().square()
+            share.copy_(recv)
+        return drift
+
+    def _sync_now(self, fragment: int, pieces: list[Piece]) -> None:
+        """A sync without staleness, with the outer state sharded over the nodes, on the training thread (which
+        would wait for it anyway), one piece at a time: each piece's values reduce-scattered over the nodes, one
+        outer step, then each piece read again and turned into the new global copy in place, written and
+        spread inside the node before the next is read. At the peak: one piece of a bucket and the shares."""
+        started = time.perf_counter()
+        t = self.topology
+        mine = {p.bucket: p for p in pieces}
+        with health.diagnosed(OUTER_SYNC):
+            shares, grads = zip(*[self._mean_share(p, self._read_padded(p)) for p in pieces]) if pieces else ((), ())
+            self._outer_optimizer_step(pieces, list(grads))
+            drift = torch.zeros((), dtype=torch.float64, device=t.device)
+            recv = dict(zip([p.bucket for p in pieces], shares))
+            for b, lo, hi in self.fragment_ranges[fragment]:
+                piece = mine.get(b)
+                if piece is not None:
+                    values = self._read_padded(piece)
+                    drift += self._into_global_copy(piece, values, recv.pop(b))
+                    self.access.write(b, piece.lo, piece.hi, values[: piece.hi - piece.lo])
+                    del values
+                if self.spreads:
+                    self.access.publish([(b, lo, hi)])
+            if t.ranks_per_node > 1:
+                self.comm.all_reduce(drift, group=t.side_intra_node_group)
+        self.comm.release_scratch()  # the reduce-scatter's piece: syncs are `sync_every` steps apart
+        self._wait_s += time.perf_counter() - started
+        self.syncs += 1
+        self._drift.append(float(drift.sqrt()))
+
+    def _outer_step(self, pieces: list[Piece], pseudo: list[Tensor], snapshots: list[Tensor] | None
                     ) -> tuple[list[Update], float]:
         """On the outer thread, behind the next inner steps: the pseudo-gradients averaged over the nodes, the
-        outer optimizer's step, and what the replica takes from it, spread over the ranks of the node (at stage
-        0; the sharder spreads its shards itself); plus the node's drift (the norm of its pseudo-gradient of
-        this fragment)."""
+        outer optimizer's step, and what this rank's part of the replica takes from it; plus the node's drift
+        (the norm of its pseudo-gradient of this fragment)."""
         local = torch.zeros((), dtype=torch.float64, device=self.topology.device)
         for g in pseudo:
             # A metric: float32's norm is 3x faster than float64's (and bf16 parameters get a float32 one).
@@ -452,28 +538,64 @@ class OuterSync:
             self.hook.on_cross_node_reduce(tensor=g, group=self.inter, bucket=piece.pseudo, offset=piece.lo).wait()
         if node_sum is not None:
             node_sum.wait()
+        self._outer_optimizer_step(pieces, pseudo)
+        # (the pseudo-gradients' memory takes the updates)
+        return self._updates(pieces, snapshots, pseudo), float(local.sqrt())
+
+    def _outer_optimizer_step(self, pieces: list[Piece], grads: list[Tensor]) -> None:
         # Only this fragment's pieces have a gradient, so the step moves only them (the training thread reads
         # other fragments' global copies meanwhile, never these: a fragment is sent again only once applied).
-        for piece, g in zip(pieces, pseudo):
+        for piece, g in zip(pieces, grads):
             piece.outer.grad = g
         self.outer.step()
         for piece in pieces:
             piece.outer.grad = None
-        return self._updates(fragment, pieces, snapshots), float(local.sqrt())
 
-    def _updates(self, fragment: int, pieces: list[Piece], snapshots: list[Tensor]) -> list[Update]:
-        """What the replica takes from the stepped global copy ``x``: ``x`` itself with ``max_staleness=0`` (every
-        rank then holds the same bits), else ``x - s``, added to the replica at apply time so the inner steps
-        taken while the average was in flight are kept. At stage 0 with staleness every range of the fragment,
-        gathered inside the node (a collective over the node); else this rank's pieces (at stages 1-3 the sharder
-        spreads them, at stage 0 :meth:`_apply` gathers the fragment inside the node)."""
-        mine = {p.bucket: Update(p.bucket, p.lo, p.hi, p.outer.detach() if not self.schedule.staleness
-                                 else p.outer.detach() - s) for p, s in zip(pieces, snapshots)}
-        if self.spreads and self.schedule.staleness:
-            return self.access.spread(self.fragment_ranges[fragment], mine, self.intra)
-        # Without staleness the training thread waits for the sync anyway: it writes this rank's part and the
-        # node gathers the fragment range by range there (_apply), holding one range at a time, not all of them.
-        return list(mine.values())
+    def _outer_step_sharded(self, pieces: list[Piece], padded: list[Tensor], shares: list[Tensor],
+                            gathered: list[Tensor]) -> tuple[list[Update], float]:
+        """:meth:`_outer_step` with the outer state sharded over the nodes and staleness (without it,
+        :meth:`_sync_now`): each piece's snapshot reduce-scattered over the nodes, the outer step on this rank's
+        share (``x - mean(s)`` as its gradient), and the stepped global copy's shares all-gathered back (as many
+        bytes again: those of the all-reduce it replaces, with 1/n of the state), less the snapshot. The drift is
+        the norm of that update: the node's distance to the new global copy (its pseudo-gradient would need the
+        old copy of the whole piece, which no rank keeps)."""
+        t = self.topology
+        self._outer_optimizer_step(pieces, [self._mean_share(p, s, share)[1]
+                                            for p, s, share in zip(pieces, padded, shares)])
+        drift = torch.zeros((), dtype=torch.float64, device=t.device)
+        updates = []
+        for piece, s, full in zip(pieces, padded, gathered):
+            values = self._gathered_outer(piece, out=full).sub_(s)[: piece.hi - piece.lo]
+            drift += torch.linalg.vector_norm(values, dtype=torch.float32).double().square()
+            updates.append(Update(piece.bucket, piece.lo, piece.hi, values))
+        if t.ranks_per_node > 1:
+            self.comm.all_reduce(drift, group=self.intra)
+        return updates, float(drift.sqrt())
+
+    def _gathered_outer(self, piece: Piece, values: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+        """``values`` (default: the piece's global copy) of this rank's share of the piece, all-gathered over the
+        nodes into a buffer of the piece's padded size (``out``, or a new one): the whole piece's values."""
+        values = piece.outer.detach() if values is None else values
+        n, me = self.topology.num_nodes, self.topology.node_rank
+        full = torch.empty(piece.width * n, dtype=values.dtype, device=self.topology.device) if out is None else out
+        share = full[me * piece.width : (me + 1) * piece.width]
+        share[: values.numel()].copy_(values)
+        share[values.numel() :].zero_()
+        self.comm.all_gather(full, share, group=self.inter)
+        return full
+
+    def _updates(self, pieces: list[Piece], snapshots: list[Tensor] | None, out: list[Tensor] | None = None
+                 ) -> list[Update]:
+        """What this rank's part of the replica takes from the stepped global copy ``x``: ``x`` itself with
+        ``max_staleness=0`` (every rank then holds the same bits), else ``x - s`` (into ``out`` where given), added
+        to the replica at apply time so the inner steps taken while the average was in flight are kept."""
+        if self.sharded_outer:  # (a sync in flight, restored from a checkpoint: staleness > 0)
+            return [Update(p.bucket, p.lo, p.hi, self._gathered_outer(p)[: p.hi - p.lo].sub_(s))
+                    for p, s in zip(pieces, snapshots)]
+        if self.schedule.staleness:
+            return [Update(p.bucket, p.lo, p.hi, torch.sub(p.outer.detach(), s, out=o))
+                    for p, s, o in zip(pieces, snapshots, out or [None] * len(pieces))]
+        return [Update(p.bucket, p.lo, p.hi, p.outer.detach()) for p in pieces]
 
     def _apply(self, flight: InFlight) -> None:
         started = time.perf_counter()
@@ -486,7 +608,9 @@ class OuterSync:
                 self.access.add(u.bucket, u.lo, u.hi, u.values)
             else:
                 self.access.write(u.bucket, u.lo, u.hi, u.values)
-        if self.spreads and not self.schedule.staleness:
+        if self.spreads:
+            # Each rank broadcasts its part into the others' parameters (the ranks of a node hold the same replica,
+            # so that is what adding the others' updates would give, to the bit), without a buffer.
             self.access.publish(self.fragment_ranges[flight.fragment])
         self.syncs += 1
         self._drift.append(drift)
@@ -521,13 +645,15 @@ class OuterSync:
                 flight.result.result()
 
     def _names(self, piece: Piece) -> list[tuple[str, int, int, int]]:
-        """(parameter name, start in the parameter, end, start in the piece) of every parameter in the piece."""
+        """(parameter name, start in the parameter, end, start in the piece's global copy) of every parameter in
+        the elements whose global copy this rank keeps."""
         bucket = self.buckets[piece.bucket]
         out = []
         for i, p in enumerate(bucket.params):
-            a, z = max(piece.lo, bucket.offsets[i]), min(piece.hi, bucket.offsets[i] + local_tensor(p).numel())
+            a = max(piece.own_lo, bucket.offsets[i])
+            z = min(piece.own_hi, bucket.offsets[i] + local_tensor(p).numel())
             if a < z:
-                out.append((bucket.names[i], a - bucket.offsets[i], z - bucket.offsets[i], a - piece.lo))
+                out.append((bucket.names[i], a - bucket.offsets[i], z - bucket.offsets[i], a - piece.own_lo))
         return out
 
     def _consolidated(self, values: Callable[[Piece], Tensor | None], dtype: torch.dtype | None = None
@@ -538,6 +664,8 @@ class OuterSync:
         if t.tensor_parallel_size > 1 or t.pipeline_parallel_size > 1:
             # (with pipeline stages, each stage's node 0 holds its stage's values; the strategy gathers them)
             return self._whole(values, dtype)
+        # (with the outer state sharded over the nodes, every node's ranks take part: each gathers its chunks'
+        # values over the nodes first)
         out: dict[str, DeferredTensor | Tensor] = {}
         for b, bucket in enumerate(self.buckets):
             width = -(-bucket.numel // t.ranks_per_node)
@@ -574,13 +702,18 @@ class OuterSync:
                             device=self.topology.device)
         for piece in self.pieces:
             v = values(piece) if piece.bucket == b else None
+            if v is not None and self.sharded_outer:  # this node's share: the others' from them
+                v = self._gathered_outer(piece, v.to(dtype))[: piece.hi - piece.lo]
             if v is not None:
                 local[piece.lo - part_lo : piece.hi - part_lo].copy_(v)
         return local
 
     def _producer(self, b: int, values: Callable[[Piece], Tensor | None], dtype: torch.dtype):
         def produce() -> Tensor | None:
-            return gather_flat_to_root(self._local_part(b, values, dtype), self.topology.side_intra_node_group,
+            local = self._local_part(b, values, dtype)
+            if self.topology.node_rank != 0:
+                return None  # (its part of the gather over the nodes is done)
+            return gather_flat_to_root(local, self.topology.side_intra_node_group,
                                        list(range(self.topology.ranks_per_node)))
 
         return produce
@@ -588,7 +721,7 @@ class OuterSync:
     @hookimpl
     def on_save_state_dict(self) -> dict[str, Any] | None:
         self._drain()
-        if self.topology.node_rank != 0:
+        if self.topology.node_rank != 0 and not self.sharded_outer:
             return {}  # node 0 holds every value (the nodes share them); nothing of this node is written
         # The outer thread has stepped the global copy of every fragment in flight (drained above): what is saved
         # is that copy; each rank's snapshot (its rank state) gives what its replica takes when it is applied.
@@ -606,11 +739,14 @@ class OuterSync:
                                     for k, tensor in self.state_kinds.items()}},
             "in_flight": in_flight,
         }
+        t = self.topology
+        if t.node_rank != 0 and (t.tensor_parallel_size > 1 or t.pipeline_parallel_size > 1):
+            return {}  # its part of the gathers over the nodes is done (_whole gathers at once)
         return {STATE_KEY: state}
 
     def _opt_values(self, piece: Piece, key: str) -> Tensor:
         st = self.outer.state.get(piece.outer)
-        n = piece.hi - piece.lo
+        n = piece.own_hi - piece.own_lo
         if not st or key not in st:
             return torch.full((n,), float("nan"), dtype=torch.float64)
         v = st[key]
@@ -678,8 +814,8 @@ class OuterSync:
             return blocks[(id(full), name)]
 
         def piece_values(piece: Piece, full: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> Tensor:
-            """The piece's elements of ``full`` (saved per parameter, in its shape)."""
-            out = torch.empty(piece.hi - piece.lo, dtype=dtype or piece.outer.dtype, device=device)
+            """The elements of ``full`` (saved per parameter, in its shape) whose global copy the piece keeps."""
+            out = torch.empty(piece.own_hi - piece.own_lo, dtype=dtype or piece.outer.dtype, device=device)
             for name, a, z, at in self._names(piece):
                 out[at : at + z - a].copy_(block(full, name).reshape(-1)[a:z])
             return out
@@ -724,7 +860,7 @@ class OuterSync:
             else:
                 snapshots = [self.access.read(p.bucket, p.lo, p.hi) for p in pieces]
             done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result((self._updates(flight["fragment"], pieces, snapshots), 0.0))  # every rank of the node
+            done.set_result((self._updates(pieces, snapshots), 0.0))
             self.in_flight.append(InFlight(flight["fragment"], flight["apply_after"], snapshots, done))
 
 
@@ -771,3 +907,13 @@ def _scalar_like(example: Any, value: float) -> Any:
     if isinstance(example, Tensor):
         return torch.tensor(value, dtype=example.dtype, device=example.device)
     return type(example)(value)
+
+
+def _plain_mean(hook: HookRelay, sync: OuterSync) -> bool:
+    """Whether the pseudo-gradients take the plain mean across nodes: no plugin (a codec, ``compression="auto"``'s
+    choice, one of the user's) answers ``on_cross_node_reduce`` ahead of the default averaging all-reduce."""
+    for impl in hook.on_cross_node_reduce.get_hookimpls():
+        if impl.hookwrapper or impl.wrapper or impl.plugin is sync or impl.plugin_name == "mean_allreduce":
+            continue
+        return False
+    return True

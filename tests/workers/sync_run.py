@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.hookspecs import hookimpl
 from ddp_plugin.testing.callbacks import ExitReport
 from ddp_plugin.testing.data import rank_loader, sine_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
@@ -98,6 +99,21 @@ class KillAfter(L.Callback):
             inject_fault("sigkill")
 
 
+class UserMean:
+    """A plugin of the user's that answers ``on_cross_node_reduce`` with the plain mean: the pseudo-gradients then go
+    through it (as through a codec), so the sync mode keeps its outer state per node (``"user_mean": true`` in
+    ``--flags``)."""
+
+    @hookimpl
+    def on_setup(self, comm) -> None:
+        self.comm = comm
+
+    @hookimpl
+    def on_cross_node_reduce(self, tensor: torch.Tensor, group):
+        tensor.div_(torch.distributed.get_world_size(group))
+        return self.comm.all_reduce(tensor, group=group, async_op=True).get_future()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -118,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     # The route fixed, not measured: runs are compared bit for bit with each other.
     flags = {"devices_per_node": 2, "hierarchical": True, "timeout": args.timeout, **json.loads(args.flags)}
+    if flags.pop("user_mean", False):  # (not a flag of the strategy's: this worker's own)
+        flags["plugins"] = [UserMean()]
     strategy = HierarchicalZeroStrategy(**flags)
     net = model(args.inner)
     if args.scheduler:
