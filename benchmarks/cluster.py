@@ -94,8 +94,11 @@ CONTENDERS.update({f"{name}_keep_heap": (f"{label}, `release_cpu_memory=False`",
                    if name in ("ours_zero2", "ours_zero3", "ours_zero3_prefetch1")})
 GLIBC_CONTENDERS = tuple(c for c in CONTENDERS if c.endswith(("_release", "_keep_heap")))
 ZERO_CONTENDERS = tuple(c for c in CONTENDERS if c.startswith(("deepspeed_zero", "ours_zero")))
-SYNC_CONTENDERS = {"ours_diloco16": (16, 1), "ours_diloco16_streaming": (16, 1), "ours_diloco16_streaming_int8": (16, 4)}
-"""Sync-mode contenders: (sync_every H, codec ratio c); the acceptance bound on cross-node bytes is S / (c H)."""
+SYNC_CONTENDERS = {"ours_diloco16": (16, 1, 1), "ours_diloco16_streaming": (16, 1, 16),
+                   "ours_diloco16_streaming_int8": (16, 4, 16)}
+"""Sync-mode contenders: (sync_every H, codec ratio c, fragments F); the acceptance bound on cross-node bytes is
+S / (c H), plus, without a codec (the outer state sharded over the nodes), the padding of each part to n equal
+shares: at most n - 1 fp32 values per part, each way (:func:`_share_padding_mb`)."""
 SYNC_FLOOR_RATIO = 1.10  # the acceptance bound on a sync mode's step time, x the uncapped floor's
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ZERO_CONTENDERS and c not in SYNC_CONTENDERS
                            and c not in GLIBC_CONTENDERS and c not in ("fsdp2_full", "ours_auto_fixed_buckets"))
@@ -194,6 +197,7 @@ def summarize(name: str, runs: list[dict[str, Any]], nodes: int) -> dict[str, An
     row["params"] = first["params"]
     row["environment"] = first.get("environment")
     row["buckets"] = first.get("buckets")
+    row["nodes"], row["ranks_per_node"] = nodes, len(ok[0]["ranks"]) // nodes
     row["final_loss"] = statistics.mean(r["ranks"][0]["losses"][-1] for r in ok)
     row["peak_rss_mb"] = max(rank["maxrss_mb"] for r in ok for rank in r["ranks"])
     row["optimizer"] = first.get("optimizer", "sgd")
@@ -482,6 +486,14 @@ def _memory_section(ok: list[dict[str, Any]], ref: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _share_padding_mb(r: dict[str, Any], every: int, fragments: int) -> float:
+    """The most a node sends per step for padding in a sync mode with the outer state sharded over the nodes: each
+    rank's part of a fragment in a bucket (at most F + buckets - 1 such parts a cycle) is reduce-scattered and
+    all-gathered in n equal shares, padded by up to n - 1 fp32 values."""
+    n, k = r["nodes"], r["ranks_per_node"]
+    return k * (fragments + (r["buckets"] or 1) - 1) * (n - 1) * 4 * 2 / every / MB
+
+
 def _sync_section(ok: list[dict[str, Any]]) -> list[str]:
     """Each sync-mode contender's step time as a multiple of the uncapped floor's (limit 1.10) and its cross-node
     bytes per node and step against S / (c H) (c: the codec's ratio)."""
@@ -491,11 +503,12 @@ def _sync_section(ok: list[dict[str, Any]]) -> list[str]:
              " equally often in the window). Limits: step time <= "
              f"{SYNC_FLOOR_RATIO:.2f}x the uncapped floor; cross-node bytes per node and step <= S/H, S/(4H) with"
              " int8 (the kernel's count includes frame headers; our accounting counts payload).", ""]
-    for name, (every, ratio) in SYNC_CONTENDERS.items():
+    for name, (every, ratio, fragments) in SYNC_CONTENDERS.items():
         r = by_name.get(name)
         if r is None:
             continue
         bound = r["grad_bytes"] / MB / (ratio * every)
+        padding = _share_padding_mb(r, every, fragments) if ratio == 1 else 0.0
         # The mean, not the median: a sync that blocks one step in 16 hardly moves the median.
         parts = [f"- {r['label']}: mean {r['mean_s']:.3f} s/step (median {r['median_s']:.3f})"]
         if floor is not None:
@@ -507,7 +520,8 @@ def _sync_section(ok: list[dict[str, Any]]) -> list[str]:
         parts.append(f"; cross-node {r['tx_mb']:.3f} MB per node and step (kernel)"
                      + (f", {ours:.4f} MB (our accounting)" if ours is not None else "")
                      + f" against S/{ratio * every} = {bound:.4f} MB"
-                     f" (**{'holds' if measured <= bound else 'FAILS'}**)")
+                     + (f" + {padding * MB:.0f} B of the shares' padding" if padding else "")
+                     + f" (**{'holds' if measured <= bound + padding else 'FAILS'}**)")
         sync_twin = by_name.get("ours_hier_int8" if ratio == 4 else "ours_hier")
         if sync_twin is not None and sync_twin.get("ours_mb") and ours is not None:
             parts.append(f"; {sync_twin['ours_mb'] / ours:.1f}x less than synchronous {sync_twin['label']}"
