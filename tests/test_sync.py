@@ -124,6 +124,8 @@ VARIANTS = {
                 "sync_warmup_steps": 3}, "sgd"),
     "stage3_node": ({"sync_every": 4, "outer_optimizer": "nesterov", "zero_stage": 3, "shard_scope": "node",
                      "sync_fragments": 2, "max_staleness": 1}, "adamw"),
+    # A DiLoCo sync in windows of 5 values per share (the model's parts are about 110 values).
+    "diloco_windows": ({"sync_every": 4, "outer_optimizer": "nesterov", "sync_window_bytes": 40}, "sgd"),
     # A plugin of the user's answers for the pseudo-gradients (as a codec would): the outer state is kept per node.
     "diloco_node_state": ({"sync_every": 4, "outer_optimizer": "nesterov", "user_mean": True}, "sgd"),
     "staleness_node_state": ({"sync_every": 4, "outer_optimizer": "nesterov", "sync_fragments": 2,
@@ -191,7 +193,7 @@ def test_ranks_of_a_node_hold_the_same_bits_after_every_step(runs, name):
             assert torch.equal(got[:, rank], got[:, first])
 
 
-@pytest.mark.parametrize("name", ["local_sgd", "diloco", "stage2_node"])
+@pytest.mark.parametrize("name", ["local_sgd", "diloco", "stage2_node", "diloco_windows"])
 def test_every_rank_holds_the_same_bits_right_after_a_full_sync(runs, name):
     got = runs[name]["history"]
     for t in (4, 8, 12):  # steps after which the single fragment was synced (staleness 0)
@@ -378,6 +380,13 @@ def test_diloco_outer_optimizer_is_torchs_nesterov_sgd_to_the_bit_without_a_grad
         assert ours_p.grad.untyped_storage().data_ptr() in storages  # the Nesterov term went into the gradient
     assert torch.equal(ours.state[ours_p]["momentum_buffer"], reference.state[torch_p]["momentum_buffer"])
     assert ours.state_dict()["param_groups"] == reference.state_dict()["param_groups"]
+
+
+def test_a_sync_in_windows_gives_the_same_bits_as_in_one_go(runs):
+    # The same sums of the same values, element by element: the windows change what is held at once, not the result.
+    assert torch.equal(runs["diloco_windows"]["history"], runs["diloco"]["history"])
+    # (the drift is summed window by window: the same up to float rounding)
+    assert runs["diloco_windows"]["metrics"]["sync/drift"] == pytest.approx(runs["diloco"]["metrics"]["sync/drift"])
 
 
 def test_with_the_plain_mean_the_outer_state_is_sharded_over_the_nodes(runs):

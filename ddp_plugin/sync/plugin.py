@@ -71,6 +71,10 @@ NESTEROV = {"lr": 0.7, "momentum": 0.9}
 STATE_KEY = "sync/outer"
 
 
+WINDOW_BYTES = RS_PIECE_BYTES
+"""A sync without staleness (outer state sharded over the nodes) reads and reduces each rank's part this much at a
+time (the n shares' windows together)."""
+
 OUTER_SYNC = "the outer (cross-node) sync"
 """What a failed sync's error says failed."""
 
@@ -474,44 +478,54 @@ class OuterSync:
         g = share[: piece.own_hi - piece.own_lo].div_(self.topology.num_nodes)
         return share, torch.sub(piece.outer.detach(), g, out=g)
 
-    def _into_global_copy(self, piece: Piece, values: Tensor, recv: Tensor) -> Tensor:
-        """Turn ``values`` (the replica's, padded) into the stepped global copy, share by share from the nodes
-        that keep them (``recv``: a share's buffer; as many bytes as an all-gather), and return the squared norm
-        of the replica's distance to it."""
-        t = self.topology
-        drift = torch.zeros((), dtype=torch.float64, device=t.device)
-        own = piece.own_hi - piece.own_lo
-        for j in range(t.num_nodes):
-            if j == t.node_rank:
-                recv[:own].copy_(piece.outer.detach())
-                recv[own:].zero_()
-            self.comm.broadcast(recv, src=j, group=self.inter)
-            share = values[j * piece.width : (j + 1) * piece.width]
-            share.sub_(recv)
-            drift += torch.linalg.vector_norm(share, dtype=torch.float32).double().square()
-            share.copy_(recv)
-        return drift
+    def _windows(self, piece: Piece, window: int):
+        """The piece's part in windows: for each offset ``q`` into the n shares, ``(q, size, spans)`` with
+        ``spans[j] = (a, z)``, the replica's elements ``[a, z)`` of share j's window (empty past the part's end)."""
+        n, w = self.topology.num_nodes, piece.width
+        for q in range(0, w, window):
+            size = min(window, w - q)
+            spans = [(min(piece.lo + j * w + q, piece.hi), min(piece.lo + j * w + q + size, piece.hi))
+                     for j in range(n)]
+            yield q, size, spans
+
+    def _read_into(self, b: int, a: int, z: int, out: Tensor) -> None:
+        """The replica's elements ``[a, z)`` of bucket ``b`` into ``out``, zeros past them."""
+        if z > a:
+            self.access.read(b, a, z, out=out[: z - a])
+        out[max(z - a, 0) :].zero_()
 
     def _sync_now(self, fragment: int, pieces: list[Piece]) -> None:
         """A sync without staleness, with the outer state sharded over the nodes, on the training thread (which
-        would wait for it anyway), one piece at a time: each piece's values reduce-scattered over the nodes, one
-        outer step, then each piece read again and turned into the new global copy in place, written and
-        spread inside the node before the next is read. At the peak: one piece of a bucket and the shares."""
+        would wait for it anyway), in windows of at most ``RS_PIECE_BYTES`` of each piece's part: each window's
+        shares reduce-scattered over the nodes (the same sums as the whole part's, element by element), one
+        outer step, then each window's stepped shares broadcast from the nodes that keep them, written into the
+        replica (the node's drift counted on the way), and each bucket's range spread inside the node. At the
+        peak: this rank's shares of the mean (S/N) and a window, instead of a bucket's part."""
         started = time.perf_counter()
         t = self.topology
+        n, me = t.num_nodes, t.node_rank
+        window = max(1, WINDOW_BYTES // (n * 4))  # elements of a share per window (fp32: a buffer of 4 MiB)
         mine = {p.bucket: p for p in pieces}
         with health.diagnosed(OUTER_SYNC):
-            shares, grads = zip(*[self._mean_share(p, self._read_padded(p)) for p in pieces]) if pieces else ((), ())
-            self._outer_optimizer_step(pieces, list(grads))
+            grads = []
+            for piece in pieces:
+                share = torch.empty(piece.width, dtype=piece.outer.dtype, device=t.device)
+                buf = torch.empty(n * min(window, piece.width), dtype=share.dtype, device=t.device)
+                for q, size, spans in self._windows(piece, window):
+                    win = buf[: n * size]
+                    for j, (a, z) in enumerate(spans):
+                        self._read_into(piece.bucket, a, z, win[j * size : (j + 1) * size])
+                    self.comm.reduce_scatter(share[q : q + size], win, group=self.inter)
+                g = share[: piece.own_hi - piece.own_lo].div_(n)
+                grads.append(torch.sub(piece.outer.detach(), g, out=g))
+                del share, buf
+            self._outer_optimizer_step(pieces, grads)
+            del grads  # (their memory is free again)
             drift = torch.zeros((), dtype=torch.float64, device=t.device)
-            recv = dict(zip([p.bucket for p in pieces], shares))
             for b, lo, hi in self.fragment_ranges[fragment]:
                 piece = mine.get(b)
                 if piece is not None:
-                    values = self._read_padded(piece)
-                    drift += self._into_global_copy(piece, values, recv.pop(b))
-                    self.access.write(b, piece.lo, piece.hi, values[: piece.hi - piece.lo])
-                    del values
+                    drift += self._take_global_copy(piece, window)
                 if self.spreads:
                     self.access.publish([(b, lo, hi)])
             if t.ranks_per_node > 1:
@@ -520,6 +534,28 @@ class OuterSync:
         self._wait_s += time.perf_counter() - started
         self.syncs += 1
         self._drift.append(float(drift.sqrt()))
+
+    def _take_global_copy(self, piece: Piece, window: int) -> Tensor:
+        """The stepped global copy of the piece into this rank's replica, window by window from the nodes that keep
+        its shares (broadcasts: the bytes of an all-gather); the squared norm of the replica's distance to it."""
+        t = self.topology
+        own = piece.own_hi - piece.own_lo
+        drift = torch.zeros((), dtype=torch.float64, device=t.device)
+        recv = torch.empty(min(window, piece.width), dtype=piece.outer.dtype, device=t.device)
+        now = torch.empty_like(recv)
+        for q, size, spans in self._windows(piece, window):
+            for j, (a, z) in enumerate(spans):
+                if j == t.node_rank:
+                    mine = max(0, min(size, own - q))
+                    recv[:mine].copy_(piece.outer.detach()[q : q + mine])
+                    recv[mine:size].zero_()
+                self.comm.broadcast(recv[:size], src=j, group=self.inter)
+                if z > a:
+                    self.access.read(piece.bucket, a, z, out=now[: z - a])
+                    drift += torch.linalg.vector_norm(now[: z - a].sub_(recv[: z - a]),
+                                                      dtype=torch.float32).double().square()
+                    self.access.write(piece.bucket, a, z, recv[: z - a])
+        return drift
 
     def _outer_step(self, pieces: list[Piece], pseudo: list[Tensor], snapshots: list[Tensor] | None
                     ) -> tuple[list[Update], float]:

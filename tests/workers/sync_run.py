@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.hookspecs import hookimpl
+from ddp_plugin.sync import plugin as sync_plugin
 from ddp_plugin.testing.callbacks import ExitReport
 from ddp_plugin.testing.data import rank_loader, sine_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
@@ -134,8 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     # The route fixed, not measured: runs are compared bit for bit with each other.
     flags = {"devices_per_node": 2, "hierarchical": True, "timeout": args.timeout, **json.loads(args.flags)}
-    if flags.pop("user_mean", False):  # (not a flag of the strategy's: this worker's own)
+    if flags.pop("user_mean", False):  # (not flags of the strategy's: this worker's own)
         flags["plugins"] = [UserMean()]
+    if "sync_window_bytes" in flags:  # a DiLoCo sync's windows, made small enough for this model to have many
+        sync_plugin.WINDOW_BYTES = flags.pop("sync_window_bytes")
     strategy = HierarchicalZeroStrategy(**flags)
     net = model(args.inner)
     if args.scheduler:
