@@ -18,6 +18,7 @@ import pytest
 
 from ddp_plugin.codecs.int8 import ROW_BLOCK_VALUES
 from ddp_plugin.comm import RS_PIECE_BYTES
+from ddp_plugin.sync.plugin import WINDOW_BYTES
 from ddp_plugin.testing import heap
 from tests.support import WORKERS, run_python
 
@@ -70,9 +71,9 @@ def budget(setting: str, m: dict) -> float:
         "hier_powersgd": 3 * S + piece + S / k + S / (4 * k) + B / k + step,
         # the whole bucket is coded: residuals S and S/N, codes 2 x B/4, work buffers of a whole bucket's rows
         "flat_int8": 3 * S + S + S / N + B / 2 + 2 * min(B, ROW_BLOCK_VALUES * 4) + step,
-        # at a sync: every share of the mean (S/N) and one bucket's part of the replica at a time (B/k); in a
-        # backward the node's mean of a bucket, a piece at a time
-        "diloco": 3 * S + outer + max(S / N + B / k + share_piece, node_mean) + step,
+        # at a sync: every share of the mean (S/N) and a window of a bucket's part of the replica (at most
+        # WINDOW_BYTES); in a backward the node's mean of a bucket, a piece at a time
+        "diloco": 3 * S + outer + max(S / N + min(B / k, WINDOW_BYTES) + share_piece, node_mean) + step,
         "streaming": 3 * S + outer + streaming + share_piece + node_mean + step,
         "streaming_int8": 3 * S + outer_codec + streaming_codec + int8_state + node_mean + step,
         "zero1": S + 2 * S / N + piece + B / k + step,  # whole gradients, 1/N of the state, the node's block
