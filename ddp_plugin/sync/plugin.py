@@ -21,7 +21,7 @@ a fragment of the parameters is synchronized:
    the rank steps its share with ``x - mean(s)``, and the stepped shares are all-gathered back (the bytes of
    the all-reduce of ``g``). With staleness this runs on a thread of its own over process groups of its own,
    behind the next inner steps; without, the training thread would wait for it anyway, and with the plain mean
-   runs it itself, one bucket's part at a time;
+   runs it itself, in windows of a rank's part (``WINDOW_BYTES``);
 2. applied (after step ``t + max_staleness``): the replica's part becomes ``now + (x - s)``: the global copy
    plus the inner progress made while the average was in flight (none with ``max_staleness=0``, where the
    replica becomes ``x`` itself and every rank then holds the same bits). At stage 0 each rank then broadcasts
@@ -435,8 +435,8 @@ class OuterSync:
             return
         if self.sharded_outer:
             # Every buffer the outer step works in is allocated here, on the training thread, which frees them
-            # once the sync is applied: the outer thread's own heap stays small.
-            # The snapshots are what is reduced, each padded to n equal shares.
+            # once the sync is applied (the outer thread's own heap stays small); the snapshots are what is
+            # reduced, each padded to n equal shares.
             padded = [self._read_padded(p) for p in pieces]
             snapshots = [x[: p.hi - p.lo] for p, x in zip(pieces, padded)]
             shares = [torch.empty(p.width, dtype=x.dtype, device=x.device) for p, x in zip(pieces, padded)]
@@ -496,7 +496,7 @@ class OuterSync:
 
     def _sync_now(self, fragment: int, pieces: list[Piece]) -> None:
         """A sync without staleness, with the outer state sharded over the nodes, on the training thread (which
-        would wait for it anyway), in windows of at most ``RS_PIECE_BYTES`` of each piece's part: each window's
+        would wait for it anyway), in windows of at most ``WINDOW_BYTES`` of each piece's part: each window's
         shares reduce-scattered over the nodes (the same sums as the whole part's, element by element), one
         outer step, then each window's stepped shares broadcast from the nodes that keep them, written into the
         replica (the node's drift counted on the way), and each bucket's range spread inside the node. At the
