@@ -455,28 +455,17 @@ class OuterSync:
         self.in_flight.append(InFlight(fragment, self.step + self.schedule.staleness,
                                        snapshots or [None] * len(pieces), result))
 
-    def _part_buffer(self, piece: Piece) -> Tensor:
-        """A buffer for the piece's elements ``[lo, hi)``, padded to n shares of ``width`` (zeros past the end)."""
-        n = self.topology.num_nodes if self.sharded_outer else 1
-        buf = torch.empty(piece.width * n, dtype=piece.outer.dtype, device=self.topology.device)
-        buf[piece.hi - piece.lo :].zero_()
-        return buf
-
     def _read_padded(self, piece: Piece) -> Tensor:
-        """The replica's values of the piece, padded to n shares."""
-        buf = self._part_buffer(piece)
-        self.access.read(piece.bucket, piece.lo, piece.hi, out=buf[: piece.hi - piece.lo])
+        """The replica's values of the piece, padded to n shares of ``width`` (zeros past its end)."""
+        buf = torch.empty(piece.width * self.topology.num_nodes, dtype=piece.outer.dtype, device=self.topology.device)
+        self._read_into(piece.bucket, piece.lo, piece.hi, buf)
         return buf
 
-    def _mean_share(self, piece: Piece, values: Tensor, share: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """The outer state sharded over the nodes: ``values`` (the replica's, padded) reduce-scattered over the
-        nodes (this rank sends ``(n - 1) / n`` of them and receives the sum of its share), and the outer gradient
-        of its share, ``x - mean(s)``, in that share's buffer (``share``, or a new one): ``(buffer, gradient)``."""
-        if share is None:
-            share = torch.empty(piece.width, dtype=values.dtype, device=values.device)
-        self.comm.reduce_scatter(share, values, group=self.inter)
+    def _outer_gradient(self, piece: Piece, share: Tensor) -> Tensor:
+        """This rank's share of the replicas' sum over the nodes (``share``, reduce-scattered over them) turned, in
+        its own memory, into the outer gradient of the share: ``x - mean(s)``."""
         g = share[: piece.own_hi - piece.own_lo].div_(self.topology.num_nodes)
-        return share, torch.sub(piece.outer.detach(), g, out=g)
+        return torch.sub(piece.outer.detach(), g, out=g)
 
     def _windows(self, piece: Piece, window: int):
         """The piece's part in windows: for each offset ``q`` into the n shares, ``(q, size, spans)`` with
@@ -516,8 +505,7 @@ class OuterSync:
                     for j, (a, z) in enumerate(spans):
                         self._read_into(piece.bucket, a, z, win[j * size : (j + 1) * size])
                     self.comm.reduce_scatter(share[q : q + size], win, group=self.inter)
-                g = share[: piece.own_hi - piece.own_lo].div_(n)
-                grads.append(torch.sub(piece.outer.detach(), g, out=g))
+                grads.append(self._outer_gradient(piece, share))
                 del share, buf
             self._outer_optimizer_step(pieces, grads)
             del grads  # (their memory is free again)
@@ -596,8 +584,9 @@ class OuterSync:
         the norm of that update: the node's distance to the new global copy (its pseudo-gradient would need the
         old copy of the whole piece, which no rank keeps)."""
         t = self.topology
-        self._outer_optimizer_step(pieces, [self._mean_share(p, s, share)[1]
-                                            for p, s, share in zip(pieces, padded, shares)])
+        for s, share in zip(padded, shares):
+            self.comm.reduce_scatter(share, s, group=self.inter)
+        self._outer_optimizer_step(pieces, [self._outer_gradient(p, share) for p, share in zip(pieces, shares)])
         drift = torch.zeros((), dtype=torch.float64, device=t.device)
         updates = []
         for piece, s, full in zip(pieces, padded, gathered):
