@@ -253,19 +253,21 @@ def test_auto_codec_follows_the_plan_and_carries_the_residual_across_a_switch(ra
     assert forgotten
 
 
-def settle_trials_per_stage(rank, world, seconds):
-    """2 pipeline stages of 2 ranks, each with its own bucket "0" contested between no codec and int8: times each
-    option as measured (``seconds[stage] = (none, int8)``) on the trial steps; returns the codec each rank settles
-    on, and the keys it settled."""
+def settle_trials_per_position(rank, world, dimension, seconds):
+    """4 ranks in 2 positions of ``dimension`` (pipeline stages, or tensor-parallel ranks) x 2 data-parallel ranks,
+    each position with its own bucket "0" contested between no codec and int8: times each option as measured
+    (``seconds[position] = (none, int8)``) on the trial steps; returns the codec each rank settles on, and the keys
+    it settled."""
     import time
 
     from ddp_plugin.topology import Layout, build_topology
 
-    topology = build_topology(Layout(world, 2, pipeline_parallel_size=2), torch.device("cpu"))
-    stage = topology.pipeline_parallel_rank
+    layout = Layout(world, 2, **{f"{dimension}_parallel_size": 2})
+    topology = build_topology(layout, torch.device("cpu"))
+    position = topology.pipeline_parallel_rank if dimension == "pipeline" else topology.tensor_parallel_rank
     model = CostModel(1, 2, {("world", "none"): Fit(0, 1e-9), ("world", "int8"): Fit(0, 1e-9)})
     plan = CommPlan(model, (FLAT,), ("none", "int8"), 25.0, 0.0)
-    keys = [str(i) for i in range(1 + stage)]  # the stages' buckets differ (stage 1 has one more close call)
+    keys = [str(i) for i in range(1 + position)]  # the positions' buckets differ (position 1 has one more)
     for key in keys:
         plan.buckets[key] = BucketPlan(key, 4096, FLAT, "none", 1.0)
     planner = AdaptivePlanner(plan, replan=lambda: None)
@@ -275,18 +277,20 @@ def settle_trials_per_stage(rank, world, seconds):
     for _ in range(6):  # a warm-up step, 4 timed ones, and the step that settles them
         for key in keys:
             option = planner.trials[key][planner._plan_steps % 2][1] if planner.trials else "none"
-            planner.time(key, time.perf_counter() - seconds[stage][option == "int8"], None)
+            planner.time(key, time.perf_counter() - seconds[position][option == "int8"], None)
         planner.on_after_backward()
         planner.on_after_optimizer_step()
-    return plan.buckets["0"].codec, sorted(plan.settled)
+    return position, plan.buckets["0"].codec, sorted(plan.settled)
 
 
-def test_close_calls_are_settled_by_the_ranks_of_the_pipeline_stage_that_owns_the_bucket(ranks):
-    # Bucket "0" of stage 0 and bucket "0" of stage 1 are different buckets: each stage's ranks settle theirs by
-    # their own times (summed over every rank, stage 0's 50 ms would outvote stage 1), and a stage with more close
-    # calls than the other settles them all (different numbers of values to sum must not meet in one collective).
-    codecs = ranks.run(settle_trials_per_stage, {0: (0.05, 0.01), 1: (0.01, 0.02)})
-    assert codecs == [("int8", ["0"]), ("int8", ["0"]), ("none", ["0", "1"]), ("none", ["0", "1"])]
+@pytest.mark.parametrize("dimension", ["pipeline", "tensor"])
+def test_close_calls_are_settled_by_the_data_parallel_ranks_that_hold_the_bucket(ranks, dimension):
+    # Bucket "0" of one pipeline stage (or tensor-parallel shard) and bucket "0" of the other are different
+    # buckets: each position's data-parallel ranks settle theirs by their own times (summed over every rank,
+    # position 0's 50 ms would outvote position 1), and a position with more close calls than the other settles
+    # them all (different numbers of values to sum must not meet in one collective).
+    settled = ranks.run(settle_trials_per_position, dimension, {0: (0.05, 0.01), 1: (0.01, 0.02)})
+    assert sorted(settled) == [(0, "int8", ["0"])] * 2 + [(1, "none", ["0", "1"])] * 2
 
 
 # ---------------------------------------------------------------------- training with a plan (2 x 2, loopback)

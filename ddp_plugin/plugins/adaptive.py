@@ -110,8 +110,8 @@ class AdaptivePlanner(HierarchicalReducer):
     def start_trials(self) -> None:
         """Time both options of every close call (:meth:`CommPlan.contested`) on alternate steps while training:
         steps 2-5 after the plan (the first is a warm-up), runner-up, chosen, runner-up, chosen; then every rank
-        takes, per bucket, the option with the least measured time summed over the ranks of its pipeline stage
-        (one all-reduce)."""
+        takes, per bucket, the option with the least measured time summed over the data-parallel ranks that hold
+        the bucket (one all-reduce)."""
         self.trials = self.plan.contested()
         self._trial_times = {key: [[], []] for key in self.trials}
         self._plan_steps = 0
@@ -131,15 +131,17 @@ class AdaptivePlanner(HierarchicalReducer):
         super().on_setup(topology=topology, hook=hook, comm=comm)
         # Every rank (all data-parallel replicas of a tensor- or pipeline-parallel mesh re-plan together).
         self._agree_group = comm.new_group()
-        # A close call is settled by the ranks that hold its bucket: a pipeline stage's (its buckets are not the
-        # other stages'; their keys are the same numbers). Stage p is global ranks p * n .. (p + 1) * n - 1.
-        p, n = topology.pipeline_parallel_size, topology.world_size * topology.tensor_parallel_size
+        # A close call is settled by the ranks that hold its bucket: the data-parallel ranks of this rank's pipeline
+        # stage and tensor-parallel position (another stage's or shard's buckets are other buckets, with the same
+        # keys, and may have other close calls). Global rank = (stage * D + data-parallel rank) * T + position.
+        d, t, p = topology.world_size, topology.tensor_parallel_size, topology.pipeline_parallel_size
         self._trial_group = self._agree_group
-        if p > 1:
-            for stage in range(p):  # (creating a group is collective: every rank creates every stage's)
-                group = comm.new_group(list(range(stage * n, (stage + 1) * n)))
-                if stage == topology.pipeline_parallel_rank:
-                    self._trial_group = group
+        if t * p > 1:
+            for stage in range(p):  # (creating a group is collective: every rank creates every position's)
+                for position in range(t):
+                    group = comm.new_group([(stage * d + r) * t + position for r in range(d)])
+                    if (stage, position) == (topology.pipeline_parallel_rank, topology.tensor_parallel_rank):
+                        self._trial_group = group
 
     @property
     def splits(self) -> bool:
@@ -276,9 +278,9 @@ class AdaptivePlanner(HierarchicalReducer):
             self.replan(f"step {self._step}: measured times departed from the prediction")
 
     def _settle_trials(self) -> None:
-        """Every rank's mean time per option and bucket, summed over the ranks of this rank's pipeline stage, the
-        ones that hold its buckets (one all-reduce, every rank of the stage the same figures): each close call
-        takes the option measured faster (collective over the stage)."""
+        """Every rank's mean time per option and bucket, summed over the data-parallel ranks of this rank's pipeline
+        stage and tensor-parallel position, the ones that hold its buckets (one all-reduce, every one of them the
+        same figures): each close call takes the option measured faster (collective over those ranks)."""
         keys = sorted(self.trials, key=lambda k: (len(k), k))
         means = [statistics.mean(times) if times else float("inf")
                  for key in keys for times in self._trial_times[key]]
