@@ -133,14 +133,14 @@ class AdaptivePlanner(HierarchicalReducer):
         self._agree_group = comm.new_group()
         # A close call is settled by the ranks that hold its bucket: the data-parallel ranks of this rank's pipeline
         # stage and tensor-parallel position (another stage's or shard's buckets are other buckets, with the same
-        # keys, and may have other close calls). Global rank = (stage * D + data-parallel rank) * T + position.
-        d, t, p = topology.world_size, topology.tensor_parallel_size, topology.pipeline_parallel_size
+        # keys, and may have other close calls).
+        t = topology
         self._trial_group = self._agree_group
-        if t * p > 1:
-            for stage in range(p):  # (creating a group is collective: every rank creates every position's)
-                for position in range(t):
-                    group = comm.new_group([(stage * d + r) * t + position for r in range(d)])
-                    if (stage, position) == (topology.pipeline_parallel_rank, topology.tensor_parallel_rank):
+        if t.tensor_parallel_size * t.pipeline_parallel_size > 1:
+            for stage in range(t.pipeline_parallel_size):  # (creating a group is collective: every position's)
+                for position in range(t.tensor_parallel_size):
+                    group = comm.new_group([t.global_rank(r, position, stage) for r in range(t.world_size)])
+                    if (stage, position) == (t.pipeline_parallel_rank, t.tensor_parallel_rank):
                         self._trial_group = group
 
     @property
