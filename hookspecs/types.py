@@ -341,8 +341,10 @@ class Communicator(Protocol):
     """
 
     def all_reduce(self, tensor: Tensor, op: ReduceOp = ..., group: ProcessGroup | None = None,
-                   async_op: bool = False) -> Work | None:
-        """Reduce ``tensor`` in place over ``group`` (sum by default). Sends 2(n-1)/n of it (ring)."""
+                   async_op: bool = False, piece_bytes: int | None = None) -> Work | None:
+        """Reduce ``tensor`` in place over ``group`` (sum by default). Sends 2(n-1)/n of it (ring). With
+        ``piece_bytes``, on gloo, in pieces of at most that size queued at once (gloo allocates half of what it
+        all-reduces while it runs): the same bytes and sums."""
 
     def reduce_scatter(self, output: Tensor, input: Tensor, group: ProcessGroup | None = None) -> Tensor:  # noqa: A002
         """Sum ``input`` (n equal chunks) over ``group`` and write chunk ``rank in group`` into ``output``;

@@ -50,3 +50,22 @@ def test_gloo_reduce_scatter_sums_each_chunk_receiving_one_piece_at_a_time(ranks
             assert torch.equal(x, data(numel)[rank])
         assert sent == (WORLD - 1) * 25 * 4  # each other rank's chunk, once
         assert arena_bytes == min(piece_bytes, 25 * 4) + (-min(piece_bytes, 25 * 4)) % 8  # one piece, in words
+
+
+def all_reduce_in_pieces(rank, world, numel, async_op):
+    comm = TracedCommunicator(ranks_per_node=1)
+    x = data(numel)[rank].clone()
+    work = comm.all_reduce(x, group=dist.group.WORLD, async_op=async_op, piece_bytes=24)
+    if async_op:
+        assert len(work.works) == -(-numel // 6)  # pieces of 24 bytes, each its own collective
+        assert work.get_future().wait() == [x]  # one work for them all, its value the whole tensor
+    return x, comm.take_traffic().cross_node_bytes
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
+def test_gloo_all_reduce_in_pieces_sums_the_whole_tensor_and_counts_it_once(ranks, async_op):
+    numel = 25  # pieces of 6 values: the last one shorter
+    results = ranks.run(all_reduce_in_pieces, numel, async_op)
+    for out, sent in results:
+        assert torch.equal(out, data(numel).sum(0))
+        assert sent == 2 * (WORLD - 1) / WORLD * numel * 4  # the ring's bytes for the whole tensor

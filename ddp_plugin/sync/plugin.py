@@ -376,18 +376,9 @@ class OuterSync:
         if t.ranks_per_node == 1:
             return completed_future(bucket.buffer)
         bucket.buffer.div_(t.ranks_per_node)
-        return self._all_reduce_in_pieces(bucket.buffer, t.intra_node_group)
-
-    def _all_reduce_in_pieces(self, tensor: Tensor, group: dist.ProcessGroup) -> torch.futures.Future:
-        """Sum ``tensor`` over ``group`` in pieces of at most ``RS_PIECE_BYTES``, queued at once: gloo's all-reduce
-        allocates half its tensor while it runs (measured with the heap tracker), half a piece instead of half a
-        bucket; the same sums element by element."""
-        flat = tensor.view(-1)
-        piece = max(1, RS_PIECE_BYTES // flat.element_size())
-        works = [self.comm.all_reduce(flat[a : a + piece], group=group, async_op=True)
-                 for a in range(0, flat.numel(), piece)]
-        done = torch.futures.collect_all([w.get_future() for w in works])
-        return done.then(lambda _: tensor)
+        # (in pieces: gloo allocates half of what it all-reduces, half a piece then instead of half a bucket)
+        return self.comm.all_reduce(bucket.buffer, group=t.intra_node_group, async_op=True,
+                                    piece_bytes=RS_PIECE_BYTES).get_future()
 
     @hookimpl(tryfirst=True)
     def on_cross_node_reduce(self, tensor: Tensor, group: dist.ProcessGroup, bucket: Bucket
@@ -400,7 +391,7 @@ class OuterSync:
         if group is t.world_group and t.ranks_per_node > 1:
             # The flat path (hierarchical=False): the node's mean instead of the world's.
             tensor.div_(t.ranks_per_node)
-            self._all_reduce_in_pieces(tensor, t.intra_node_group).wait()
+            self.comm.all_reduce(tensor, group=t.intra_node_group, piece_bytes=RS_PIECE_BYTES)
         return completed_future(tensor)  # across nodes: nothing, this step
 
     # ------------------------------------------------------------------ the outer step
@@ -492,7 +483,7 @@ class OuterSync:
         peak: this rank's shares of the mean (S/N) and a window, instead of a bucket's part."""
         started = time.perf_counter()
         t = self.topology
-        n, me = t.num_nodes, t.node_rank
+        n = t.num_nodes
         window = max(1, WINDOW_BYTES // (n * 4))  # elements of a share per window (fp32: a buffer of 4 MiB)
         mine = {p.bucket: p for p in pieces}
         with health.diagnosed(OUTER_SYNC):
