@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.hookspecs import hookimpl
+from ddp_plugin.plugins.mean_allreduce import MeanAllReduce
 from ddp_plugin.sync import plugin as sync_plugin
 from ddp_plugin.testing.callbacks import ExitReport
 from ddp_plugin.testing.data import rank_loader, sine_dataset
@@ -100,19 +101,14 @@ class KillAfter(L.Callback):
             inject_fault("sigkill")
 
 
-class UserMean:
-    """A plugin of the user's that answers ``on_cross_node_reduce`` with the plain mean: the pseudo-gradients then go
-    through it (as through a codec), so the sync mode keeps its outer state per node (``"user_mean": true`` in
-    ``--flags``)."""
-
-    @hookimpl
-    def on_setup(self, comm) -> None:
-        self.comm = comm
+class UserMean(MeanAllReduce):
+    """The built-in plain mean as a plugin of the user's, answering ``on_cross_node_reduce`` ahead of the default
+    one: the pseudo-gradients then go through it (as through a codec), so the sync mode keeps its outer state per
+    node (``"user_mean": true`` in ``--flags``)."""
 
     @hookimpl
     def on_cross_node_reduce(self, tensor: torch.Tensor, group):
-        tensor.div_(torch.distributed.get_world_size(group))
-        return self.comm.all_reduce(tensor, group=group, async_op=True).get_future()
+        return super().on_cross_node_reduce(tensor, group)
 
 
 def main(argv: list[str] | None = None) -> None:
