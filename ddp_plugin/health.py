@@ -267,14 +267,29 @@ def _read(store: dist.Store, kind: str, rank: int) -> str | None:
     return store.get(key).decode() if store.check([key]) else None
 
 
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says a collective failed or timed out (a peer or a link is the cause), rather than this
+    rank's own code raising (a bug, a bad value)."""
+    return isinstance(exc, (dist.DistError, TimeoutError)) or is_communication_error(exc)
+
+
 @contextmanager
 def diagnosed(what: str = "gradient synchronization") -> Iterator[None]:
-    """Re-raise an error of the collective ``what`` inside as a ``RuntimeError`` that names the ranks that failed,
-    died or are stuck (:func:`diagnose`), the original chained."""
+    """Re-raise a failed collective inside ``what`` as a ``RuntimeError`` that names the ranks that failed, died or
+    are stuck (:func:`diagnose`), the original chained. Any other exception is this rank's own, and is re-raised
+    as it is, with its traceback and a note naming the rank and ``what``; it is left on the store first, so the
+    ranks waiting for this one in a collective name it and quote it."""
     try:
         yield
     except Exception as err:
-        raise RuntimeError(diagnose(err, what=what)) from err
+        if is_collective_failure(err):
+            raise RuntimeError(diagnose(err, what=what)) from err
+        report_exception(err)
+        if hasattr(err, "add_note"):  # Python 3.11+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            err.add_note(f"ddp_plugin: raised on rank {rank} in {what} (by code running on this rank; no collective"
+                         " failed)")
+        raise
 
 
 class _News:

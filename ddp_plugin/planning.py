@@ -19,6 +19,7 @@ is :class:`ddp_plugin.plugins.adaptive.AdaptivePlanner`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -321,7 +322,10 @@ def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, Codec
           routes: Sequence[str], device: torch.device, reps: int = 3) -> tuple[CostModel, float]:
     """Time the stages of ``routes`` with every candidate codec (name -> reduce, ``None``: the plain mean) and fit
     a :class:`CostModel`; returns it with the probe's wall time. Collective over every rank of the data-parallel
-    world; runs on the topology's side groups (the training thread's)."""
+    world; runs on the topology's side groups (the training thread's).
+
+    A codec is timed in its steady state: every size on a bucket key of its own (``kind="probe"``, so its state
+    never meets another size's or a gradient bucket's), after one untimed call that makes that state."""
     started = time.perf_counter()
     t = topology
     k, m = t.ranks_per_node, t.num_nodes
@@ -350,15 +354,28 @@ def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, Codec
         group = world if stage == "world" else inter
         reduce = candidates[name]
 
-        def run(numel: int, index: int) -> float:
+        def run(numel: int, key: int) -> float:
             x = sample(numel)
             if reduce is None:
                 return timed(lambda: comm.all_reduce(x.div_(dist.get_world_size(group)), group=group,
                                                      async_op=True))
-            bucket = _probe_bucket(x, index)
+            bucket = _probe_bucket(x, key)
             return timed(lambda: reduce(x, group, bucket))
 
         return run
+
+    # Every timed size gets a bucket key of its own: a codec keeps state per bucket (PowerSGD its layout, int8
+    # and top-k their residuals), and one key's state met with another size is what crashed PowerSGD here.
+    keys = itertools.count()
+
+    def steady(run: Callable[[int, int], float], numel: int, repeats: int, codec: bool) -> float:
+        """The fastest of ``repeats`` calls at ``numel`` on a fresh bucket key, after an untimed first call on it
+        where ``run`` is a ``codec``'s: its state is made then (buffers, residuals, PowerSGD's Q), so what is
+        timed is its cost on every later step, as in training."""
+        key = next(keys)
+        if codec:
+            run(numel, key)
+        return min(run(numel, key) for _ in range(repeats))
 
     def intra_reduce_scatter(numel: int, index: int) -> float:
         x = sample(numel)
@@ -370,21 +387,25 @@ def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, Codec
         c = numel // k
         return timed(lambda: comm.all_gather(x, x[t.local_rank * c:(t.local_rank + 1) * c], group=intra))
 
-    stages: list[tuple[tuple[str, str], Callable[[int, int], float]]] = []
+    # (stage, what), how to time it at a size, whether a codec runs it
+    stages: list[tuple[tuple[str, str], Callable[[int, int], float], bool]] = []
     if FLAT in routes:
-        stages += [(("world", name), cross_stage("world", name)) for name in candidates]
+        stages += [(("world", name), cross_stage("world", name), candidates[name] is not None) for name in candidates]
     if HIERARCHICAL in routes:
-        stages += [(("intra", "reduce_scatter"), intra_reduce_scatter), (("intra", "all_gather"), intra_all_gather)]
-        stages += [(("inter", name), cross_stage("inter", name)) for name in candidates]
+        stages += [(("intra", "reduce_scatter"), intra_reduce_scatter, False),
+                   (("intra", "all_gather"), intra_all_gather, False)]
+        stages += [(("inter", name), cross_stage("inter", name), candidates[name] is not None) for name in candidates]
 
     # The pilot: the plain mean over the world (or the node's chunk across nodes), the slowest stage per byte,
     # grown until it takes about LARGE_SECONDS (every rank takes the slowest rank's time, so all grow alike).
     pilot_stage = "world" if FLAT in routes else "inter"
-    pilot_run = cross_stage(pilot_stage, NO_CODEC if NO_CODEC in candidates else next(iter(candidates)))
+    pilot_name = NO_CODEC if NO_CODEC in candidates else next(iter(candidates))
+    pilot_run, pilot_codec = cross_stage(pilot_stage, pilot_name), candidates[pilot_name] is not None
     numel = _numel_for(PILOT_BYTES, unit)
-    pilot_run(numel, -1)  # warm-up: first-call allocations, lazy connections
+    if not pilot_codec:  # (a codec warms up at every size, in `steady`)
+        pilot_run(numel, next(keys))  # warm-up: first-call allocations, lazy connections
     while True:
-        took = torch.tensor([pilot_run(numel, -1)], dtype=torch.float64, device=device)
+        took = torch.tensor([steady(pilot_run, numel, 1, pilot_codec)], dtype=torch.float64, device=device)
         dist.all_reduce(took, op=dist.ReduceOp.MAX, group=world)
         if took.item() >= LARGE_SECONDS / 2 or numel * 4 >= MAX_PROBE_BYTES:
             break
@@ -395,16 +416,17 @@ def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, Codec
     sizes = (_numel_for(TINY_BYTES, unit), max(unit, numel // 4 // unit * unit), numel)
 
     times: list[float] = []
-    for index, (_, run) in enumerate(stages):
-        run(sizes[1], 3 * index + 1)  # warm-up (a codec's first call allocates its buffers)
-        for i, numel in enumerate(sizes):  # (a bucket index per size: a codec's state is per size)
+    for _, run, codec in stages:
+        if not codec:
+            run(sizes[1], next(keys))  # warm-up of the stage's group (a codec warms up per size, in `steady`)
+        for i, numel in enumerate(sizes):
             # The fastest of a few: noise only ever adds time. The large size, where it matters less, twice.
-            times.append(min(run(numel, 3 * index + i) for _ in range(reps if i < 2 else max(reps - 1, 1))))
+            times.append(steady(run, numel, reps if i < 2 else max(reps - 1, 1), codec))
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)
     measured = slowest.tolist()
     fits: dict[tuple[str, str], Fit] = {}
-    for index, (name, _) in enumerate(stages):
+    for index, (name, _, _) in enumerate(stages):
         tiny, small, large = measured[3 * index: 3 * index + 3]
         # Fits are in bytes of what the stage is handed: the bucket for the in-node stages and the flat route, a
         # rank's 1/k chunk for the hierarchical cross-node stage.

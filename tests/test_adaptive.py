@@ -293,6 +293,51 @@ def test_close_calls_are_settled_by_the_data_parallel_ranks_that_hold_the_bucket
     assert sorted(settled) == [(0, "int8", ["0"])] * 2 + [(1, "none", ["0", "1"])] * 2
 
 
+# ---------------------------------------------------------------------- the link probe
+
+
+def probe_with(rank, world, names):
+    """The link probe of 2 nodes x 2 over both routes, timing the codecs ``names`` alone (as ``compression=``
+    one of them sets it up: no plain mean among the candidates), each a fresh instance; returns every call each
+    codec got, as (bucket kind, key, values), and whether the probe fitted a model."""
+    from ddp_plugin.planning import probe
+    from ddp_plugin.plugins.adaptive import probe_codecs
+    from ddp_plugin.topology import Layout, build_topology
+
+    topology = build_topology(Layout(world, 2), torch.device("cpu"))
+    comm = TracedCommunicator(2)
+    calls: dict[str, list[tuple[str, int | str, int]]] = {name: [] for name in names}
+
+    def recorded(name, reduce):
+        def run(x, group, bucket):
+            calls[name].append((bucket.kind, bucket.index, x.numel()))
+            return reduce(x, group, bucket)
+        return run
+
+    codecs = probe_codecs(names, names[0] if len(names) == 1 else "auto", {}, comm, {})
+    model, _ = probe(topology, comm, {n: recorded(n, r) for n, r in codecs.items()}, (FLAT, HIERARCHICAL),
+                     torch.device("cpu"), reps=2)
+    return calls, sorted(model.cross)
+
+
+@pytest.mark.parametrize("names", [("powersgd",), ("int8", "topk", "powersgd")])
+def test_the_probe_times_every_size_on_a_codec_state_of_its_own_after_a_warm_up(ranks, names):
+    # PowerSGD alone (compression="powersgd", the route left to the plan) used to crash the probe: its pilot grew
+    # the tensor under one bucket key, and the second size met the first size's state.
+    for calls, fitted in ranks.run(probe_with, names):
+        assert fitted == sorted((stage, n) for stage in ("inter", "world") for n in names)
+        for name in names:
+            sizes: dict[int | str, set[int]] = {}
+            counts: dict[int | str, int] = {}
+            for kind, key, numel in calls[name]:
+                assert kind == "probe"
+                sizes.setdefault(key, set()).add(numel)
+                counts[key] = counts.get(key, 0) + 1
+            assert all(len(s) == 1 for s in sizes.values()), (name, sizes)  # one size per key: its own state
+            assert min(counts.values()) >= 2, (name, counts)  # an untimed first call, then the timed ones
+            assert len(counts) >= 6  # three sizes per route, at least
+
+
 # ---------------------------------------------------------------------- training with a plan (2 x 2, loopback)
 
 

@@ -96,6 +96,28 @@ def test_every_rank_gets_identical_bits(ranks, name):
         assert torch.equal(out, results[0][0])
 
 
+def resize_bucket(rank, world, name, options, before, after, data):
+    """Two steps of a bucket of ``before`` shapes, then one of ``after`` shapes under the same index (as a bucket
+    rebuilt for another layout, or the link probe's growing sizes); and that last step on a fresh codec."""
+    codec = new_codec(name, options)
+    for step in range(2):
+        reduce(codec, data[rank, step, : sum(torch.Size(s).numel() for s in before)].clone(), make_bucket(before))
+    resized, fresh = (data[rank, 2, : sum(torch.Size(s).numel() for s in after)].clone() for _ in range(2))
+    reduce(codec, resized, make_bucket(after))
+    reduce(new_codec(name, options), fresh, make_bucket(after))
+    return resized, fresh
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_CODECS))
+def test_a_bucket_that_changes_size_starts_afresh(ranks, name):
+    # PowerSGD used to keep the layout of the first size (which values travel uncompressed) under the bucket's
+    # index, and indexed the next size's tensor with it: an IndexError at the link probe's second size.
+    options = {"start_iter": 0} if name == "powersgd" else {}
+    data = inputs(3, 48 * 40 + 48)
+    for resized, fresh in ranks.run(resize_bucket, name, options, [(16, 40), (40,)], [(48, 40), (48,)], data):
+        assert torch.equal(resized, fresh)
+
+
 def test_available_codecs_lists_the_built_ins():
     assert available_codecs()[:5] == ["fp16", "bf16", "int8", "topk", "powersgd"]
 

@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import importlib
 import json
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from ddp_plugin.comm import TracedCommunicator
 from ddp_plugin.hookspecs import Options
-from tests.support import ROOT, WORKERS, run_python
+from tests.support import WORKERS, run_python
 from ddp_plugin.plugin_manager import available_codecs, installed_codecs
 
 TOLERANCE = {"fp16": 0.005, "bf16": 0.005, "int8": 0.01, "powersgd": 0.06, "topk": 0.15, "onebit": 0.12,
@@ -32,21 +29,6 @@ TOLERANCE = {"fp16": 0.005, "bf16": 0.005, "int8": 0.01, "powersgd": 0.06, "topk
 # Cross-node bytes per step must shrink at least by these factors (top-k 1% of 2 ranks: 50x; PowerSGD includes
 # its 10 uncompressed warm-up steps).
 MIN_REDUCTION = {"fp16": 1.9, "bf16": 1.9, "int8": 3.5, "powersgd": 5.0, "topk": 30.0, "onebit": 20.0}
-
-
-@pytest.fixture(scope="module")
-def onebit_install(tmp_path_factory):
-    """``pip install --no-deps --target`` of the example package (from a copy, so no build files land in the
-    checkout); the folder goes on PYTHONPATH like site-packages would."""
-    base = tmp_path_factory.mktemp("onebit")
-    source, target = base / "src", base / "site"
-    shutil.copytree(ROOT / "examples" / "onebit_codec", source)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
-         str(source)],
-        check=True, capture_output=True, text=True, timeout=120,
-    )
-    return target
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +97,24 @@ def test_installed_example_codec_checks_its_options(onebit_install, monkeypatch)
     with pytest.raises(ValueError, match=r"compression_options\['block_size'\]=0`.*positive integer"):
         onebit_codec.OneBitCodec().on_setup(options=Options(compression_options={"block_size": 0}),
                                             comm=TracedCommunicator())
+
+
+def test_the_link_probe_times_an_installed_codec_on_an_instance_training_never_sees(onebit_install, monkeypatch):
+    # The registered object is the one training sets up; the probe (at setup, and again on every re-plan during
+    # the fit) must neither set it up again (the example's on_setup empties its residuals) nor leave state in it.
+    from ddp_plugin.plugins.adaptive import probe_codecs
+
+    monkeypatch.syspath_prepend(str(onebit_install))
+    registered = importlib.import_module("onebit_codec").codec
+    training_state = {"gradients/0": torch.ones(3)}
+    monkeypatch.setattr(registered, "residuals", training_state)
+    seen = []
+    codecs = probe_codecs(("onebit",), "onebit", {"block_size": 64}, TracedCommunicator(), {},
+                          lambda name: seen.append(name) or Options(compression_options={"block_size": 64}))
+    probed = codecs["onebit"].__defaults__[0].__self__  # the object whose on_cross_node_reduce the probe calls
+    assert type(probed) is type(registered) and probed is not registered
+    assert probed.block_size == 64 and seen == ["onebit"]  # set up with the options training gets
+    assert registered.residuals is training_state
 
 
 def test_example_sign_packing_round_trips(onebit_install, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import traceback
 
 import pytest
 import torch.distributed as dist
@@ -144,3 +145,40 @@ def test_every_rank_beating_names_nobody(pool):
     for rank in (0, 1):
         assert "every rank is alive" in messages[rank], messages[rank]
         assert "stopped responding" not in messages[rank], messages[rank]
+
+
+def _rank_0_raises_in_its_own_code(rank, world_size):
+    """Rank 0 raises an ``IndexError`` of its own inside ``diagnosed``; ranks 1 and 2, blocked in a collective
+    with it, meet a failed collective there afterwards (as they would when rank 0 exits)."""
+    heartbeat = health.Heartbeat()
+    try:
+        if rank == 0:
+            try:
+                with health.diagnosed("the link probe"):
+                    [][0]  # noqa: B018 - an error in local code
+            except Exception as err:  # noqa: BLE001
+                frames = [frame.f_code.co_name for frame, _ in traceback.walk_tb(err.__traceback__)]
+                result = (type(err).__name__, str(err), getattr(err, "__notes__", []), frames)
+            dist.barrier()  # reported before the others diagnose
+            return result
+        dist.barrier()
+        try:
+            with health.diagnosed("the link probe"):
+                raise ERROR
+        except RuntimeError as err:
+            return str(err)
+    finally:
+        dist.barrier()
+        heartbeat.stop()
+
+
+def test_an_error_of_a_ranks_own_code_is_raised_as_itself_and_named_by_the_others(pool):
+    (kind, message, notes, frames), *others = pool.run(_rank_0_raises_in_its_own_code)
+    # Itself, with its traceback down to where it was raised, and the phase named; not "a link failed".
+    assert (kind, message) == ("IndexError", "list index out of range")
+    assert frames[-1] == "_rank_0_raises_in_its_own_code"
+    assert notes == ["ddp_plugin: raised on rank 0 in the link probe (by code running on this rank; no collective"
+                     " failed)"]
+    for rank, text in enumerate(others, start=1):
+        assert text.startswith(f"rank {rank}: the link probe failed because rank 0 failed with IndexError: list"
+                               " index out of range. Original error:"), text

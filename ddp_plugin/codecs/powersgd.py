@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ddp_plugin.checks import check_bool, check_int, check_number
-from ddp_plugin.codecs.base import BucketState, Codec, state_key
+from ddp_plugin.codecs.base import BucketState, Codec
 from ddp_plugin.codecs.int8 import finite_or_zero
 from ddp_plugin.finite import all_finite
 from ddp_plugin.hookspecs import completed_future, local_tensor
@@ -71,6 +71,13 @@ class PowerSGDState(BucketState):
     shared = ("iteration", "q")
     per_rank = ("residual",)
 
+    def __init__(self, numel: int) -> None:
+        super().__init__(numel)
+        # Derived from the bucket's layout, never saved: they live and die with the state, which starts afresh
+        # when the bucket's size changes (a layout kept apart from it met the next size's tensor).
+        self.segments: list[tuple[int, int, int]] | None = None
+        self.rest: Tensor | None = None  # True where values travel uncompressed
+
 
 class PowerSGDCodec(Codec):
     """PowerSGD (Vogels et al., 2019): each gradient matrix M (m x n, summed with its residual) is replaced by a
@@ -125,8 +132,6 @@ class PowerSGDCodec(Codec):
         self.rank, self.start_iter, self.seed = o["rank"], o["start_iter"], o["seed"]
         self.min_compression_rate, self.epsilon = float(o["min_compression_rate"]), float(o["epsilon"])
         self.warm_start, self.error_feedback = o["warm_start"], o["error_feedback"]
-        self._segments: dict[int | str, list[tuple[int, int, int]]] = {}
-        self._rest: dict[int | str, Tensor] = {}  # per bucket: True where values travel uncompressed
 
     @classmethod
     def check_values(cls, o: dict[str, Any]) -> None:
@@ -144,11 +149,11 @@ class PowerSGDCodec(Codec):
     def keeps_rank_state(self) -> bool:
         return self.error_feedback
 
-    def segments(self, tensor: Tensor, bucket: Bucket, offset: int) -> list[tuple[int, int, int]]:
+    def segments(self, tensor: Tensor, bucket: Bucket, offset: int, state: PowerSGDState
+                 ) -> list[tuple[int, int, int]]:
         """The compressed matrices of this bucket's tensor, as ``(offset, rows, cols)``, sorted by offset."""
-        found = self._segments.get(state_key(bucket))
-        if found is not None:
-            return found
+        if state.segments is not None:
+            return state.segments
         length = tensor.numel()
         if bucket.params:
             # (a tensor-parallel parameter's local shard: that is what the bucket holds)
@@ -156,10 +161,8 @@ class PowerSGDCodec(Codec):
         else:
             cols = max(1, math.isqrt(length))
             shapes, offsets, start = [torch.Size((length // cols, cols))], [0], 0
-        found = self._segments[state_key(bucket)] = matrix_segments(
-            shapes, offsets, start, length, self.rank, self.min_compression_rate
-        )
-        return found
+        state.segments = matrix_segments(shapes, offsets, start, length, self.rank, self.min_compression_rate)
+        return state.segments
 
     def reduce(self, tensor, group, n, bucket, offset, state):
         iteration = state.iteration or 0
@@ -168,7 +171,7 @@ class PowerSGDCodec(Codec):
             tensor.div_(n)
             return self.comm.all_reduce(tensor, group=group, async_op=True).get_future()
 
-        segments = self.segments(tensor, bucket, offset)
+        segments = self.segments(tensor, bucket, offset, state)
         x = tensor
         if self.error_feedback:
             # x = gradient + residual, in the residual's own memory (it becomes the next residual below): no
@@ -178,12 +181,11 @@ class PowerSGDCodec(Codec):
             x = residual.add_(tensor) if usable else tensor.clone()
 
         # The uncompressed rest first, averaged exactly; it travels while the matrix products run.
-        rest = self._rest.get(state_key(bucket))
+        rest = state.rest
         if rest is None or rest.device != tensor.device:
-            rest = torch.ones(tensor.numel(), dtype=torch.bool, device=tensor.device)
+            rest = state.rest = torch.ones(tensor.numel(), dtype=torch.bool, device=tensor.device)
             for o, rows, cols in segments:
                 rest[o : o + rows * cols] = False
-            self._rest[state_key(bucket)] = rest
         rest_values = x[rest].div_(n)
         rest_work = self.comm.all_reduce(rest_values, group=group, async_op=True)
 

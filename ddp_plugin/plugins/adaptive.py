@@ -26,6 +26,7 @@ import logging
 import statistics
 import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -413,10 +414,13 @@ def codec_options(name: str, compression: str | None, options: dict[str, Any]) -
 
 def probe_codecs(names: Sequence[str], compression: str | None, options: dict[str, Any], comm: Communicator,
                  setup_kwargs: dict[str, Any], options_of: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """name -> reduce(tensor, group, bucket) for the probe. A built-in codec is a fresh instance each probe (its
-    state thrown away after), PowerSGD without its uncompressed warm-up iterations; an installed codec is the
-    object its entry point names, the one registered for training, set up once more for the probe
-    (``on_setup`` without buckets), its probe state kept under ``kind="probe"`` keys."""
+    """name -> reduce(tensor, group, bucket) for the probe, each on a codec of its own that training never sees
+    (its state thrown away after the probe): a built-in codec is a fresh instance, PowerSGD without its
+    uncompressed warm-up iterations; an installed codec is a fresh instance of the class of the object its entry
+    point names, built without arguments and set up for the probe (``on_setup`` without buckets, with the options
+    training gets). Only where that class cannot be built so (the entry point names a module, or a class that
+    needs arguments) is it the registered object itself, set up once more, its probe state under
+    ``kind="probe"`` keys."""
     from importlib.metadata import entry_points
 
     from ddp_plugin.codecs import BUILTIN_CODECS
@@ -437,7 +441,7 @@ def probe_codecs(names: Sequence[str], compression: str | None, options: dict[st
             out[name] = lambda x, group, bucket, c=codec: c.on_cross_node_reduce(
                 tensor=x, group=group, bucket=bucket, offset=0)
             continue
-        plugin = next(ep.load() for ep in entry_points(group=PROJECT_NAME) if ep.name == name)
+        plugin = _fresh(next(ep.load() for ep in entry_points(group=PROJECT_NAME) if ep.name == name))
         setup = getattr(plugin, "on_setup", None)
         if setup is not None:
             given = {**setup_kwargs, "options": options_of(name) if options_of is not None else None}
@@ -452,3 +456,16 @@ def probe_codecs(names: Sequence[str], compression: str | None, options: dict[st
 
         out[name] = run
     return out
+
+
+def _fresh(plugin: Any) -> Any:
+    """A new instance of ``plugin``'s class, built without arguments; ``plugin`` itself where there is none to
+    build (a module, a class that needs arguments)."""
+    if isinstance(plugin, (type, types.ModuleType)):
+        return plugin
+    try:
+        return type(plugin)()
+    except TypeError:
+        log.info("ddp_plugin: the link probe times the codec %r itself (its class needs constructor arguments);"
+                 " its probe state is kept under keys of kind 'probe'.", plugin)
+        return plugin

@@ -1,0 +1,116 @@
+"""Worker for the default-paths matrix (tests/test_default_paths.py): every codec, with every other flag at its
+default, on the layouts users run, a few steps each, one fit after the other in the same 4 processes.
+
+    python tests/workers/defaults_run.py --out result.jsonl [--cases one_node/int8,2x2/powersgd] [--steps 12]
+
+4 CPU ranks: one node of 4, 2 simulated nodes x 2 (``devices_per_node=2``; ``hierarchical`` left at ``None``, so
+the link probe chooses the route), the same with ZeRO stages 1-3, and tensor or pipeline parallelism of 2 with
+data parallelism of 2 across the nodes. The model is the tiny tied GPT of the tensor-parallel tests
+(``ddp_plugin.testing.gpt``). 12 steps: PowerSGD's 10 uncompressed warm-up steps, then compressed ones.
+
+Rank 0 appends one JSON line per case to ``--out`` as soon as the case is done: a case the strategy refuses at
+construction (a codec a layout does not allow) records the error; a case that crashes ends the launch (Lightning's
+launcher stops every rank), and the cases after it have no line. Before each case rank 0 prints its name, so the
+output of a crashed launch says which case it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.hookspecs import local_tensor
+from ddp_plugin.testing.gpt import GPTModule, token_dataset
+
+CODECS: dict[str, str | None] = {
+    "none": None, "fp16": "fp16", "bf16": "bf16", "int8": "int8", "topk": "topk", "powersgd": "powersgd",
+    "onebit": "onebit",  # the example package's codec, installed through its entry point
+    "auto": "auto",
+}
+LAYOUTS: dict[str, dict] = {
+    "one_node": {},
+    "2x2": {"devices_per_node": 2},
+    "2x2_zero1": {"devices_per_node": 2, "zero_stage": 1},
+    "2x2_zero2": {"devices_per_node": 2, "zero_stage": 2},
+    "2x2_zero3": {"devices_per_node": 2, "zero_stage": 3},
+    "tp2_dp2": {"devices_per_node": 2, "tensor_parallel_size": 2},
+    "pp2_dp2": {"devices_per_node": 2, "pipeline_parallel_size": 2},
+}
+CASES = [f"{layout}/{codec}" for layout in LAYOUTS for codec in CODECS]
+
+
+class Losses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+
+def replicas_identical(strategy: HierarchicalZeroStrategy, module: L.LightningModule) -> bool:
+    """Whether every data-parallel replica holds the same bits of every parameter as the first one (with pipeline
+    or tensor parallelism: among the ranks that hold the same stage and shard)."""
+    group = strategy.device_mesh.get_group("data_parallel") if strategy.device_mesh is not None else None
+    with strategy.full_parameters():
+        mine = torch.cat([local_tensor(p).detach().flatten() for p in module.parameters()])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return all(bool((t == every[0]).all()) for t in every)
+
+
+def run(case: str, steps: int) -> dict:
+    layout, codec = case.split("/")
+    flags = {**LAYOUTS[layout], "compression": CODECS[codec]}
+    try:
+        strategy = HierarchicalZeroStrategy(**flags)
+    except ValueError as err:  # refused at construction, naming the flag: what a user would read
+        return {"case": case, "refused": str(err)}
+    L.seed_everything(1234, verbose=False)
+    model = GPTModule(vocab=32, d_model=32, heads=2, layers=2, seq=8, lr=3e-3)
+    losses = Losses()
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[losses])
+    trainer.fit(model, DataLoader(token_dataset(8 * 4 * steps, seq=8, vocab=32), batch_size=8))
+    plan = strategy.comm_plan
+    return {
+        "case": case,
+        "steps": trainer.global_step,
+        "losses": losses.losses,
+        "finite": all(math.isfinite(x) for x in losses.losses),
+        "replicas_identical": replicas_identical(strategy, model),
+        "hierarchical": strategy.uses_hierarchical_reducer,
+        "plan": None if plan is None else plan.decisions(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    # (Lightning's launcher starts ranks 1-3 at the first fit, and they run the script from its start: a case
+    # refused before that is refused in every process, and only rank 0's line is written.)
+    first = os.environ.get("LOCAL_RANK", "0") == "0"
+    for case in args.cases.split(","):
+        if first:
+            print(f"== case {case}", flush=True)
+        result = run(case, args.steps)
+        if first:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
