@@ -34,6 +34,7 @@ from ddp_plugin.environment import DistributedEnvironment
 from ddp_plugin.health import diagnosed
 from ddp_plugin.hookspecs.types import PIPELINE_COPIES_ATTRIBUTE
 from ddp_plugin.inspection import FitInspection
+from ddp_plugin.materialize import has_meta_tensors, materialize
 from ddp_plugin.precision import ShardedGradientClipping, with_sharded_clipping
 from ddp_plugin.process_groups import ProcessGroups, check_ranks_per_node
 from ddp_plugin.session import FitSession
@@ -172,6 +173,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         self._pending_plugin_state = None
         self._ties: list[tuple[str, ...]] = []
         self._pipeline: PipelineRunner | None = None
+        self._materialized = False  # this fit's setup materialized a model built on the meta device
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -262,6 +264,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
     def setup_environment(self) -> None:
         super().setup_environment()
         self._groups = None
+        self._materialized = False
         module = self.lightning_module
         tp = self._layout().tensor_parallel_size
         if tp > 1 and (module is None or not is_overridden("configure_model", module)):
@@ -288,6 +291,28 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         self._groups = ProcessGroups.get(self._layout(), self.root_device, self._backend, self.config.timeout)
 
     @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        # `trainer.init_module(empty_init=True)`: on the meta device, as ModelParallelStrategy and FSDPStrategy;
+        # `setup` materializes and initializes what this rank holds once it is split, parallelized and (ZeRO-3)
+        # about to be sharded.
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # A model built on the meta device takes `fit(ckpt_path=...)`'s checkpoint once `setup` has materialized it
+        # (as under ModelParallelStrategy): loaded before, its values would land in no memory and training would
+        # start from the initialization instead.
+        module = self.lightning_module
+        return self._materialized or (module is not None and has_meta_tensors(module))
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         if self._groups is None:
@@ -304,6 +329,10 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
+        if has_meta_tensors(self.model):
+            # (each rank draws its own values; replicas and tied copies are made equal just below)
+            materialize(self.model, self.root_device, seed_offset=self.global_rank)
+            self._materialized = True
         self.model_to_device()
         if topology.pipeline_parallel_size > 1:
             # Each stage from its first rank (its shards from their data-parallel rank 0), and every copy of a

@@ -83,6 +83,17 @@ class GPT(nn.Module):
         nn.init.normal_(self.tok.weight, std=0.02)
         nn.init.normal_(self.pos.weight, std=0.02)
 
+    def init_weights(self) -> None:
+        """Initialize every parameter in place, as the constructor does (each layer's ``reset_parameters``, then
+        GPT-2's scale for the embeddings): what a model built on the meta device (``trainer.init_module(
+        empty_init=True)``) is initialized with once materialized. A pipeline stage initializes what it holds."""
+        for module in self.modules():
+            if module is not self and callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+        for embedding in (self.tok, self.pos):
+            if embedding is not None:
+                nn.init.normal_(embedding.weight, std=0.02)
+
     def forward(self, x: Tensor) -> Tensor:
         # With pipeline stages a stage holds some of the modules (the others are None) and a later stage gets the
         # activations of the one before.

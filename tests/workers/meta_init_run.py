@@ -1,0 +1,139 @@
+"""Worker for tests/test_meta_init.py: Lightning's big-model recipe, ``trainer.init_module(empty_init=True)``,
+on every layout, one fit after the other in the same 4 processes.
+
+    python tests/workers/meta_init_run.py --out result.jsonl [--cases dp,pp2_tp2,resume:2x2] [--steps 8]
+
+The tiny tied GPT (``ddp_plugin.testing.gpt``, which defines ``init_weights()``) is built under the recipe; at
+the start of training every rank records what it holds: where its tensors are, whether they are finite, the
+LayerNorms (``reset_parameters``: weights exactly 1, biases exactly 0), the token embedding's standard deviation
+(``init_weights``: 0.02), whether the tie survived, whether its data-parallel replicas hold the same bits, and
+the first attention matrix's local values (tensor-parallel shards must differ). A ``resume:<layout>`` case saves
+a checkpoint from an eagerly built run and resumes it into a model built on meta (``fit(ckpt_path=...)``): training
+must start from the checkpoint's values. Rank 0 gathers every rank's record and appends one JSON line per case to
+``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.hookspecs import local_tensor
+from ddp_plugin.testing.gpt import GPTModule, token_dataset
+
+LAYOUTS: dict[str, dict] = {
+    "dp": {},
+    "2x2": {"devices_per_node": 2},
+    "2x2_zero1": {"devices_per_node": 2, "zero_stage": 1},
+    "2x2_zero2": {"devices_per_node": 2, "zero_stage": 2},
+    "2x2_zero3": {"devices_per_node": 2, "zero_stage": 3},
+    "tp2_dp2": {"devices_per_node": 2, "tensor_parallel_size": 2},
+    "pp2_dp2": {"devices_per_node": 2, "pipeline_parallel_size": 2},
+    "pp2_tp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+}
+
+RESUMED = ["resume:2x2", "resume:2x2_zero3", "resume:pp2_tp2"]
+
+
+class Record(L.Callback):
+    def __init__(self) -> None:
+        self.start: dict = {}
+        self.losses: list[float] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        strategy, gpt = trainer.strategy, pl_module.model
+        tensors = [*pl_module.parameters(), *pl_module.buffers()]
+        with strategy.full_parameters():
+            flat = self.start_flat = torch.cat([local_tensor(p).detach().flatten() for p in pl_module.parameters()])
+            norms = [m for m in gpt.modules() if isinstance(m, torch.nn.LayerNorm)]
+            group = strategy.device_mesh.get_group("data_parallel") if strategy.device_mesh is not None else None
+            every = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(every, flat, group=group)
+            q = next((b.attn.q.weight for b in gpt.blocks if b is not None), None)  # (this stage's first block)
+            self.start = {
+                "meta_left": any(local_tensor(t).is_meta for t in tensors),
+                "devices": sorted({str(local_tensor(t).device) for t in tensors}),
+                "finite": bool(torch.isfinite(flat).all()),
+                "norms_reset": all(bool((local_tensor(m.weight) == 1).all() and (local_tensor(m.bias) == 0).all())
+                                   for m in norms),
+                "norms": len(norms),
+                "tok_std": float(local_tensor(gpt.tok.weight).std()) if gpt.tok is not None else None,
+                "tied": gpt.head.weight is gpt.tok.weight if gpt.head is not None and gpt.tok is not None else None,
+                "replicas_identical": all(bool((t == every[0]).all()) for t in every),
+                "q_local": local_tensor(q).detach().flatten()[:64].tolist() if q is not None else None,
+                "tp_rank": strategy.device_mesh["tensor_parallel"].get_local_rank()
+                if strategy.device_mesh is not None else 0,
+            }
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+
+def flat_parameters(strategy: HierarchicalZeroStrategy, module: L.LightningModule) -> torch.Tensor:
+    with strategy.full_parameters():
+        return torch.cat([local_tensor(p).detach().flatten() for p in module.parameters()])
+
+
+def fit(layout: str, steps: int, meta: bool, ckpt_path: str | None = None) -> tuple:
+    L.seed_everything(1234, verbose=False)
+    strategy = HierarchicalZeroStrategy(**LAYOUTS[layout])
+    record = Record()
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[record])
+    with trainer.init_module(empty_init=meta):
+        model = GPTModule(vocab=32, d_model=32, heads=2, layers=2, seq=8, lr=3e-3)
+    built_on = str(next(model.parameters()).device)
+    trainer.fit(model, DataLoader(token_dataset(8 * 4 * steps, seq=8, vocab=32), batch_size=8), ckpt_path=ckpt_path)
+    return trainer, model, record, built_on
+
+
+def run(case: str, steps: int, out_dir: str) -> dict:
+    extra = {}
+    if case.startswith("resume:"):
+        # Saved by an eagerly built run; resumed into a model built on meta: the checkpoint's values, not the
+        # initialization's, are what training starts from.
+        layout = case.split(":")[1]
+        trainer, model, _, _ = fit(layout, steps // 2, meta=False)
+        path = os.path.join(out_dir, f"{layout}.ckpt")
+        trainer.save_checkpoint(path)
+        saved = flat_parameters(trainer.strategy, model)
+        trainer, model, record, built_on = fit(layout, steps, meta=True, ckpt_path=path)
+        extra = {"resumed_equal_to_saved": bool(torch.equal(record.start_flat, saved))}
+    else:
+        trainer, model, record, built_on = fit(case, steps, meta=True)
+    mine = {**record.start, **extra, "built_on": built_on, "losses": record.losses,
+            "finite_losses": all(math.isfinite(x) for x in record.losses), "steps": trainer.global_step}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"case": case, "ranks": every}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", default=",".join([*LAYOUTS, *RESUMED]))
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    first = os.environ.get("LOCAL_RANK", "0") == "0"
+    for case in args.cases.split(","):
+        if first:
+            print(f"== case {case}", flush=True)
+        result = run(case, args.steps, os.path.dirname(os.path.abspath(args.out)))
+        if first:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
