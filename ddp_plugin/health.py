@@ -86,6 +86,8 @@ class Heartbeat(threading.Thread):
             return
         world = dist.get_world_size() if me is not None else 0
         _peer_processes.clear()
+        _found_gone.clear()
+        _ended_at.clear()
         next_beat = time.monotonic() + BEAT_INTERVAL_S
         while self._group_alive():
             try:
@@ -94,14 +96,21 @@ class Heartbeat(threading.Thread):
                 for r in range(world):
                     if r not in _peer_processes and (entry := _read(store, "process", r)) is not None:
                         _peer_processes[r] = entry
-                wait = next_beat - time.monotonic()
-                if len(_peer_processes) < world:
-                    wait = min(wait, POLL_S)
+                # Which peers of this machine have ended, and in what order (one that gave up after another is
+                # not the cause): looked at every POLL_S, reading /proc only.
+                for r, entry in _peer_processes.items():
+                    if r != self._rank and r not in _ended_at and process_gone(entry):
+                        _ended_at[r] = time.monotonic()
+                wait = min(next_beat - time.monotonic(), POLL_S)
                 if self._stopping.wait(max(wait, 0.0)) or not self._group_alive():
                     break
                 if time.monotonic() >= next_beat:
                     store.add(f"{_PREFIX}/beat/{self._rank}", 1)
                     store.set(f"{_PREFIX}/step/{self._rank}", str(self.step))
+                    # Another rank's finding, kept here too: a rank whose collective times out after the store's
+                    # host has exited (it raised after finding the gone rank) can still name the cause.
+                    if not _found_gone and store.check([f"{_PREFIX}/gone"]):
+                        _found_gone.extend(int(r) for r in store.get(f"{_PREFIX}/gone").decode().split(","))
                     next_beat = time.monotonic() + BEAT_INTERVAL_S
             except Exception:  # noqa: BLE001 - the store's host is gone; diagnose() will say so
                 break
@@ -171,6 +180,19 @@ def _ended_peers(me: int, settle_s: float = 1.0) -> list[int]:
 _diagnosed = False
 _store_unreachable = False  # found by diagnose(): a heartbeat may be stuck in a store call, not worth waiting for
 _peer_processes: dict[int, str] = {}  # rank -> process_id(), read by this rank's heartbeat
+_found_gone: list[int] = []  # the gone ranks another rank's diagnosis found, as this rank's heartbeat read them
+_ended_at: dict[int, float] = {}  # rank -> when this rank's heartbeat first saw its process (this machine) ended
+
+
+def _first_ended(ranks: list[int]) -> list[int]:
+    """Of ``ranks``, whose processes on this machine have ended, the ones that ended first: the cause, the others
+    having given up after it. As this rank's heartbeat saw them end (it looks every ``POLL_S`` until the store is
+    lost, so one it did not see ended later); where it saw none, rank 0 if it is among them (under Lightning's
+    launcher it hosts the store, which the others then lost)."""
+    seen = [_ended_at[r] for r in ranks if r in _ended_at]
+    if seen:
+        return [r for r in ranks if r in _ended_at and _ended_at[r] < min(seen) + POLL_S]
+    return [0] if 0 in ranks else ranks
 
 # What gloo and NCCL say when a peer is gone or a collective timed out; such an error is a consequence.
 _COMM_ERROR_MARKS = ("gloo", "NCCL", "pair closure", "Connection closed", "Connection reset", "Timed out waiting",
@@ -267,6 +289,9 @@ def _read(store: dist.Store, kind: str, rank: int) -> str | None:
     return store.get(key).decode() if store.check([key]) else None
 
 
+_PHASE = "_ddp_plugin_phase"  # set on an error `diagnosed` raised: the phase it was diagnosed or noted in
+
+
 def is_collective_failure(exc: BaseException) -> bool:
     """Whether ``exc`` says a collective failed or timed out (a peer or a link is the cause), rather than this
     rank's own code raising (a bug, a bad value)."""
@@ -274,17 +299,25 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 
 @contextmanager
-def diagnosed(what: str = "gradient synchronization") -> Iterator[None]:
-    """Re-raise a failed collective inside ``what`` as a ``RuntimeError`` that names the ranks that failed, died or
-    are stuck (:func:`diagnose`), the original chained. Any other exception is this rank's own, and is re-raised
-    as it is, with its traceback and a note naming the rank and ``what``; it is left on the store first, so the
-    ranks waiting for this one in a collective name it and quote it."""
+def diagnosed(what: str | Callable[[], str] = "gradient synchronization") -> Iterator[None]:
+    """Re-raise a failed collective inside ``what`` (the phase, or a callable that tells it when the failure
+    comes) as a ``RuntimeError`` that names the ranks that failed, died or are stuck (:func:`diagnose`), the
+    original chained. Any other exception is this rank's own, and is re-raised as it is, with its traceback and a
+    note naming the rank and ``what``; it is left on the store first, so the ranks waiting for this one in a
+    collective name it and quote it. Either passes a phase around this one as it is."""
     try:
         yield
     except Exception as err:
+        if getattr(err, _PHASE, None) is not None:
+            raise  # diagnosed, or noted, by a phase inside
+        if callable(what):
+            what = what()
         if is_collective_failure(err):
-            raise RuntimeError(diagnose(err, what=what)) from err
+            diagnosis = RuntimeError(diagnose(err, what=what))
+            setattr(diagnosis, _PHASE, what)
+            raise diagnosis from err
         report_exception(err)
+        setattr(err, _PHASE, what)
         if hasattr(err, "add_note"):  # Python 3.11+
             rank = dist.get_rank() if dist.is_initialized() else 0
             err.add_note(f"ddp_plugin: raised on rank {rank} in {what} (by code running on this rank; no collective"
@@ -358,11 +391,16 @@ def diagnose(error: BaseException, what: str = "gradient synchronization") -> st
             _within(STORE_TIMEOUT_S + 1, lambda: _tell(store, f"{_PREFIX}/gone", ",".join(map(str, gone))))
     except Exception:  # noqa: BLE001
         _store_unreachable = True
+        if _found_gone:
+            found = sorted(set(_found_gone))
+            return (
+                f"rank {me}: {what} failed because rank{'s' if len(found) > 1 else ''} {', '.join(map(str, found))}"
+                " stopped responding (killed, crashed or hung), as another rank found before the rendezvous store"
+                f" became unreachable. Original error: {error}"
+            )
         ended_here = sorted(set(ended_here) | set(_ended_peers(me)))
         if ended_here:
-            # Under Lightning's launcher rank 0 hosts the store: when its process has ended it is the cause, and
-            # the others whose processes ended since may have given up after it.
-            ended = [0] if 0 in ended_here else ended_here
+            ended = _first_ended(ended_here)
             return (
                 f"rank {me}: {what} failed because rank{'s' if len(ended) > 1 else ''} {', '.join(map(str, ended))}"
                 " stopped responding (killed, crashed or hung); its process on this machine has ended, and the"

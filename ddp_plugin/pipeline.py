@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -283,12 +284,39 @@ class PipelineOutput:
         )
 
 
+@contextmanager
+def bounded_p2p_waits(group: dist.ProcessGroup, timeout: timedelta | None) -> Generator[None, None, None]:
+    """Inside, the schedule's point-to-point sends and receives fail after ``timeout`` on gloo. gloo bounds a
+    collective by the group's timeout, but a receive only by the timeout the group was created with (the connect
+    timeout, minutes): a survivor of a stopped stage (SIGSTOP, a hung host, whose connections stay open) waited
+    there for good. ``torch.distributed.pipelining`` waits for them through its ``_wait_batch_p2p``, which this
+    replaces for the schedule's step with one that passes ``timeout`` to ``Work.wait`` (NCCL is left alone: its
+    waits are stream waits, bounded by its watchdog)."""
+    from torch.distributed.pipelining import schedules
+
+    original = getattr(schedules, "_wait_batch_p2p", None)
+    if timeout is None or original is None or dist.get_backend(group) != "gloo":
+        yield
+        return
+
+    def wait_within_timeout(work: list[dist.Work]) -> None:
+        for w in work:
+            w.wait(timeout)
+
+    schedules._wait_batch_p2p = wait_within_timeout
+    try:
+        yield
+    finally:
+        schedules._wait_batch_p2p = original
+
+
 class PipelineRunner:
     """The stages of this rank and their schedule; runs a training or evaluation step."""
 
     def __init__(self, module: nn.Module, plan: StagePlan, schedule: str, microbatches: int,
                  pipeline_size: int, pipeline_rank: int, group: dist.ProcessGroup, device: torch.device,
-                 ties: list[Tie], order: Sequence[str], loss_group: dist.ProcessGroup | None = None) -> None:
+                 ties: list[Tie], order: Sequence[str], loss_group: dist.ProcessGroup | None = None,
+                 timeout: timedelta | None = None) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.module = module
@@ -296,6 +324,7 @@ class PipelineRunner:
         self.plan = plan
         self.microbatches = microbatches
         self.size, self.rank, self.group = pipeline_size, pipeline_rank, group
+        self.timeout = timeout
         self.ties = ties
         self.order = list(order)
         """The unsplit model's parameter names in ``named_parameters()`` order (a tied parameter once)."""
@@ -366,11 +395,12 @@ class PipelineRunner:
         args = output.args if self.is_first else ()
         kwargs = output.kwargs if self.is_first else {}
         extra = {"target": target, "losses": []} if self.is_last else {}
-        if train:
-            self.schedule.step(*args, **kwargs, **extra)
-            self._count_sends()
-        else:
-            self.schedule.eval(*args, **kwargs, **extra)
+        with bounded_p2p_waits(self.group, self.timeout):
+            if train:
+                self.schedule.step(*args, **kwargs, **extra)
+                self._count_sends()
+            else:
+                self.schedule.eval(*args, **kwargs, **extra)
         # (The first step's shape inference computes one loss on placeholder values before the microbatches'.)
         losses = self._losses[-self.microbatches:]
         mean = (torch.stack(losses).float().mean() if losses

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -174,6 +175,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         self._ties: list[tuple[str, ...]] = []
         self._pipeline: PipelineRunner | None = None
         self._materialized = False  # this fit's setup materialized a model built on the meta device
+        self._whereabouts: tensor_parallel.Whereabouts | None = None
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -346,6 +348,11 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             _sync_module_states(self.model)  # every rank starts from rank 0's parameters and buffers
         if topology.pipeline_parallel_size > 1:
             self._start_pipeline(ties)
+        if self._whereabouts is not None:
+            self._whereabouts.remove()
+        # (which split module a failed tensor-parallel collective was in, for the diagnosis)
+        self._whereabouts = (tensor_parallel.Whereabouts(self.model)
+                             if tensor_parallel.has_tensor_parallel_parameters(self.model) else None)
         if fitting:
             self._start_session([t.param for t in ties if t.param is not None])
             self.setup_optimizers(trainer)
@@ -397,7 +404,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             self.lightning_module, plan, self.config.pipeline_schedule, self.config.pipeline_microbatches or p, p,
             topology.pipeline_parallel_rank, topology.pipeline_parallel_group, self.root_device, ties, order,
             # the mean loss travels on a group of its own, beside the schedule's last sends
-            loss_group=self._groups.stage_peers(tuple(range(p))))
+            loss_group=self._groups.stage_peers(tuple(range(p))), timeout=self.config.timeout)
 
     def _start_session(self, solo: Iterable[torch.nn.Parameter] = ()) -> None:
         if self._running():
@@ -418,12 +425,30 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
 
     @override
     def teardown(self) -> None:
+        # Lightning tears down inside its `except` when the fit failed: then the error the user reads must stay the
+        # first one. Each step runs on its own, and one that fails too is logged, not raised.
+        failing = sys.exc_info()[1]
+        if self._whereabouts is not None:
+            self._whereabouts.remove()
+            self._whereabouts = None
         if self._running():
-            self._session.close()
-        if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            _after(failing, self._session.close)
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:
+            if module.trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
                 self.model = self._layer_sync.revert(self.model)
-        super().teardown()
+        if failing is None:
+            super().teardown()
+            return
+        # Lightning's teardown steps (ParallelStrategy's, then Strategy's). Moving the model to the CPU is skipped
+        # for a tensor-parallel model: after a failed collective its DTensor parameters are still referenced by
+        # the broken step's autograd graph, and `module.cpu()` fails ("Couldn't swap Linear.weight").
+        move = module is not None and not tensor_parallel.has_tensor_parallel_parameters(module)
+        for step in (self.cluster_environment.teardown,
+                     lambda: _optimizers_to_device(self.optimizers, torch.device("cpu")),
+                     module.cpu if move else (lambda: None),
+                     self.precision_plugin.teardown, self.accelerator.teardown, self.checkpoint_io.teardown):
+            _after(failing, step)
 
     def release_process_groups(self) -> None:
         """At interpreter exit: drop the fit's plugins and engine and the groups (see ddp_plugin.process_groups)."""
@@ -446,7 +471,18 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             session.before_training_step(self.model, args[0] if args else None)
         if self._pipeline is not None:
             return self._pipelined("training_step", args, kwargs, train=True)
-        return super().training_step(*args, **kwargs)
+        if self._whereabouts is None:
+            return super().training_step(*args, **kwargs)
+        self._whereabouts.where = None
+        with diagnosed(lambda: self._phase("the forward")):  # (the tensor-parallel collectives inside)
+            output = super().training_step(*args, **kwargs)
+        self._whereabouts.where = None  # (the backward's split modules are marked as their backward starts)
+        return output
+
+    def _phase(self, outside: str) -> str:
+        """The phase a failed collective was in: a split module's forward or backward where one was, else
+        ``outside``."""
+        return self._whereabouts.phase(outside) if self._whereabouts is not None else outside
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -477,15 +513,22 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
                     module.optimizer_zero_grad(module.trainer.current_epoch, batch_idx, optimizer)
                 module.optimizer_zero_grad = _no_zero_grad
 
+        def schedule(output: pipeline.PipelineOutput, target: Any, scale: float) -> Tensor:
+            # Its sends and receives, the tensor-parallel collectives inside the stages, the loss broadcast.
+            if self._whereabouts is not None:
+                self._whereabouts.where = None
+            with diagnosed(lambda: self._phase(f"the pipeline schedule of stage {runner.rank}")):
+                return runner.run(output, target, train=train, scale=scale)
+
         def run(output: pipeline.PipelineOutput, target: Any) -> Tensor:
             if session is None:
-                return runner.run(output, target, train=train, scale=1.0)
+                return schedule(output, target, 1.0)
             engine = session.engine
             # The loss scaled as Lightning scales it before its backward, which the schedule replaces.
             scale = session.sample_weight() / self.lightning_module.trainer.accumulate_grad_batches
             synchronizing, engine.require_sync = engine.require_sync, False
             try:
-                loss = runner.run(output, target, train=True, scale=scale)
+                loss = schedule(output, target, scale)
             finally:
                 engine.require_sync = synchronizing
             if synchronizing:
@@ -535,8 +578,22 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         def step(closure: Callable[[], Any]) -> Any:
             return super(HierarchicalZeroStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
 
+        if self._whereabouts is not None:
+            closure = self._named_backward(closure)
         session = self._running()
         return session.optimizer_step(optimizer, closure, step) if session else step(closure)
+
+    def _named_backward(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """Lightning's closure (training step, backward) with a failed tensor-parallel collective of the backward
+        diagnosed and named. (Here and not in an override of ``backward``: Lightning's tests wrap
+        ``Strategy.backward`` in a mock that calls the strategy's own, which would recurse. The forward's and
+        the gradient sync's failures are named by their own phases inside.)"""
+
+        def closure_with_phases() -> Any:
+            with diagnosed(lambda: self._phase("the backward")):
+                return closure()
+
+        return closure_with_phases
 
     @classmethod
     @override
@@ -558,3 +615,16 @@ def _no_zero_grad(*args: Any, **kwargs: Any) -> None:
 def _restore_zero_grad(module: Any) -> None:
     if module.__dict__.get("optimizer_zero_grad") is _no_zero_grad:
         del module.__dict__["optimizer_zero_grad"]
+
+
+def _after(failing: BaseException | None, step: Callable[[], Any]) -> None:
+    """Run a teardown ``step``; after a failure (``failing``, the error the fit raises), an error of its own is
+    logged instead of raised."""
+    if failing is None:
+        step()
+        return
+    try:
+        step()
+    except Exception as err:  # noqa: BLE001 - the fit's own error is the one to report
+        log.warning("ddp_plugin: teardown after %s also failed, not raised: %s: %s", type(failing).__name__,
+                    type(err).__name__, err)

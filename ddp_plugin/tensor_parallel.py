@@ -15,7 +15,9 @@ groups of :class:`~ddp_plugin.hookspecs.Topology`. This module holds what is spe
 - :func:`full_state_dict` / :func:`distribute_state_dict`: checkpoints hold whole, plain tensors, loadable into the
   unsplit model in one process, and load back into any split;
 - :func:`local_blocks`: for ``checkpoint="sharded"``, each rank writes its own blocks of the split tensors (no
-  gather), under keys that say where a block lies in the whole tensor.
+  gather), under keys that say where a block lies in the whole tensor;
+- :class:`Whereabouts`: which split module's forward or backward a rank is in, for the failure diagnosis of the
+  tensor-parallel collectives (they run inside DTensor's operations, where nothing else can name them).
 """
 
 from __future__ import annotations
@@ -318,3 +320,42 @@ def block_shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def has_tensor_parallel_parameters(module: Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+class Whereabouts:
+    """The split module whose forward or backward this rank entered last, so that a collective failing there is
+    named ("the tensor-parallel forward of model.blocks.0.attn.o"): a forward pre-hook on every module holding
+    DTensor parameters of its own, and a gradient hook on its output, which runs as its backward starts. DTensor
+    waits for a collective's result only where it is used, so a failure surfaces in the module that issued it
+    or in the next one: the last one entered. Only bookkeeping: no collective, nothing kept beyond a name."""
+
+    def __init__(self, module: Module) -> None:
+        self.where: str | None = None
+        self._handles = []
+        for name, sub in module.named_modules():
+            if any(isinstance(p, DTensor) for p in sub.parameters(recurse=False)):
+                self._handles += [sub.register_forward_pre_hook(self._entering(f"forward of {name}")),
+                                  sub.register_forward_hook(self._leaving(f"backward of {name}"))]
+
+    def _entering(self, where: str) -> Callable[..., None]:
+        def hook(module: Module, args: Any) -> None:
+            self.where = where
+        return hook
+
+    def _leaving(self, backward: str) -> Callable[..., None]:
+        def mark(grad: Tensor) -> None:
+            self.where = backward
+
+        def hook(module: Module, args: Any, output: Any) -> None:
+            if isinstance(output, Tensor) and output.requires_grad:
+                output.register_hook(mark)
+        return hook
+
+    def phase(self, outside: str) -> str:
+        """The phase to name: the split module's forward or backward, else ``outside``."""
+        return f"the tensor-parallel {self.where}" if self.where is not None else outside
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

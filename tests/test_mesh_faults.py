@@ -1,0 +1,105 @@
+"""Faults in the 3-D mesh: a rank killed, stopped or raising meets the others inside the mesh's own collectives
+(tensor-parallel forward and backward, the pipeline's sends and receives), not in the gradient sync. The survivors
+name it and the phase, as the gradient sync's diagnosis does, and no teardown error follows the cause
+(moving DTensor parameters to the CPU after a failed collective raised "Couldn't swap Linear.weight").
+
+4 CPU ranks under Lightning's launcher (tests/workers/mesh_fault_run.py), the tiny tied GPT, the fault at the start
+of step 5 on one rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_plugin.testing.processes import alive, clean_env, end_run, pid_files, stopped
+from tests.support import ROOT, WORKERS, interpreter
+
+TIMEOUT_S = 8
+STARTUP_S = 600  # a busy machine may take minutes to start 4 ranks; only what follows the fault is timed
+
+LAYOUTS = {
+    "tp2_dp2": {"devices_per_node": 2, "tensor_parallel_size": 2},
+    "pp2_tp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+}
+
+
+def run_fault(tmp_path: Path, mode: str, rank: int, flags: dict) -> tuple[dict[int, str], dict[int, float], str]:
+    """Run the worker until the faulty rank has faulted and every other rank's process has ended (at most the
+    timeout plus a minute after the fault). Returns each survivor's exit line, how many seconds after the fault
+    each was gone, and the output."""
+    log = tmp_path / "log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [interpreter(), str(WORKERS / "mesh_fault_run.py"), "--mode", mode, "--rank", str(rank), "--flags",
+             json.dumps(flags), "--timeout", str(TIMEOUT_S), "--out", str(tmp_path)],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=clean_env(),
+        )
+    pids: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        mark = {"die": r"rank \d kills itself \(SIGKILL\) at ([\d.]+)", "raise": r"rank \d raises at ([\d.]+)",
+                "stop": None}[mode]
+        fault_at = None
+        while fault_at is None:
+            assert time.monotonic() < deadline, "training never reached the fault"
+            if mode == "stop":
+                if (tmp_path / "stopped").exists():
+                    time.sleep(0.2)
+                    fault_at = float((tmp_path / "stopped").read_text().split()[1])
+            elif found := re.search(mark, log.read_text()):
+                fault_at = float(found.group(1))
+            if fault_at is None:
+                assert proc.poll() is None, log.read_text()[-4000:]
+                time.sleep(0.1)
+        pids = pid_files(tmp_path)
+        others = {r: pid for r, pid in pids.items() if r != rank}
+        gone_after: dict[int, float] = {}
+        while time.time() - fault_at < TIMEOUT_S + 60 and len(gone_after) < len(others):
+            for r, pid in others.items():
+                if r not in gone_after and (not alive(pid) or stopped(pid)):
+                    gone_after[r] = time.time() - fault_at
+            proc.poll()
+            time.sleep(0.1)
+        if mode != "stop":
+            proc.wait(timeout=60)
+        out = log.read_text()
+        lines = {int(r): line for r, line in re.findall(r"rank (\d) exits after \S+ s \(at [\d.]+\): (.*)", out)}
+        return lines, gone_after, out
+    finally:
+        end_run(proc, tmp_path, also=set(pids.values()), timeout=60)
+
+
+@pytest.mark.parametrize(("layout", "mode", "rank"), [
+    ("tp2_dp2", "die", 1),  # a tensor-parallel peer of rank 0
+    ("tp2_dp2", "stop", 3),
+    ("tp2_dp2", "raise", 2),
+    ("pp2_tp2", "die", 2),  # the last stage's first tensor-parallel rank
+    ("pp2_tp2", "stop", 1),  # the first stage
+])
+def test_a_fault_inside_the_mesh_is_named_by_every_survivor_and_teardown_adds_nothing(tmp_path, layout, mode, rank):
+    lines, gone_after, out = run_fault(tmp_path, mode, rank, LAYOUTS[layout])
+    survivors = {0, 1, 2, 3} - {rank}
+    assert set(gone_after) == survivors, f"still running a minute past the timeout:\n{out[-4000:]}"
+    assert "Couldn't swap" not in out and "teardown after" not in out.split("Traceback")[0], out[-4000:]
+    cause = (f"rank {rank} failed with ValueError: the user's training_step broke on purpose" if mode == "raise"
+             else f"rank {rank} stopped responding (killed, crashed or hung)")
+    named = [r for r in survivors if r in lines and cause in lines[r]]
+    # Every survivor that raised names the rank; one killed by the launcher first (it stops every rank once a
+    # child has died) may print nothing.
+    assert named, out[-6000:]
+    for r, line in lines.items():
+        if r in survivors:
+            assert cause in line or "failed because" not in line, line  # nobody else is blamed
+    phases = set(re.findall(r"rank \d: (the .*?) failed because", out))
+    assert phases and all(p.startswith(("the tensor-parallel forward of", "the tensor-parallel backward of",
+                                        "the pipeline schedule of stage", "gradient synchronization"))
+                          for p in phases), phases
+    # Within the fault matrix's bounds: at once for a kill or a raise; the timeout and the watch for a stop.
+    bound = TIMEOUT_S + 8 if mode == "stop" else 10
+    assert max(gone_after.values()) < bound + 30, gone_after  # (+ exit: CPU work on a busy 2-core machine)
