@@ -25,6 +25,7 @@ STARTUP_S = 600  # a busy machine may take minutes to start 4 ranks; only what f
 
 LAYOUTS = {
     "tp2_dp2": {"devices_per_node": 2, "tensor_parallel_size": 2},
+    "pp2_dp2": {"devices_per_node": 2, "pipeline_parallel_size": 2},
     "pp2_tp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
 }
 
@@ -79,6 +80,8 @@ def run_fault(tmp_path: Path, mode: str, rank: int, flags: dict) -> tuple[dict[i
     ("tp2_dp2", "die", 1),  # a tensor-parallel peer of rank 0
     ("tp2_dp2", "stop", 3),
     ("tp2_dp2", "raise", 2),
+    ("pp2_dp2", "die", 0),  # the first stage's (and the store's) rank
+    ("pp2_dp2", "raise", 3),  # the last stage
     ("pp2_tp2", "die", 2),  # the last stage's first tensor-parallel rank
     ("pp2_tp2", "stop", 1),  # the first stage
 ])
