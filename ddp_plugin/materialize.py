@@ -18,10 +18,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ddp_plugin.hookspecs import local_tensor
+
 
 def has_meta_tensors(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` is on the meta device (or is a DTensor whose shard is)."""
-    return any(_local(t).is_meta for t in _tensors(module))
+    return any(local_tensor(t).is_meta for t in _tensors(module))
 
 
 def materialize(module: nn.Module, device: torch.device, seed_offset: int = 0) -> None:
@@ -41,7 +43,7 @@ def materialize(module: nn.Module, device: torch.device, seed_offset: int = 0) -
     fresh: set[int] = set()
     for sub in module.modules():
         for t in (*sub._parameters.values(), *sub._buffers.values()):
-            if t is None or id(t) in fresh or not _local(t).is_meta:
+            if t is None or id(t) in fresh or not local_tensor(t).is_meta:
                 continue
             empty = torch.empty_like(t, device=device)
             torch.utils.swap_tensors(t, nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter)
@@ -62,13 +64,13 @@ def _initializers(root: nn.Module) -> list:
     calls, missing = [], []
 
     def visit(name: str, module: nn.Module) -> None:
-        if not any(_local(t).is_meta for t in _tensors(module)):
+        if not any(local_tensor(t).is_meta for t in _tensors(module)):
             return
         init_weights = getattr(module, "init_weights", None)
         if callable(init_weights):
             calls.append(init_weights)
             return
-        own = [t for t in _tensors(module, recurse=False) if _local(t).is_meta]
+        own = [t for t in _tensors(module, recurse=False) if local_tensor(t).is_meta]
         if own:
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
@@ -93,9 +95,3 @@ def _initializers(root: nn.Module) -> list:
 def _tensors(module: nn.Module, recurse: bool = True) -> Iterator[torch.Tensor]:
     yield from module.parameters(recurse=recurse)
     yield from module.buffers(recurse=recurse)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from ddp_plugin.hookspecs import local_tensor
-
-    return local_tensor(t)

@@ -27,6 +27,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "RENDEZVOUS_ENV",
@@ -38,6 +39,7 @@ __all__ = [
     "pid_files",
     "print_line",
     "process_state",
+    "run_cases",
     "run_each",
     "runs_argument",
     "signal_group_quietly",
@@ -143,6 +145,21 @@ def inject_fault(kind: str) -> None:
         raise ValueError("the user's training_step broke on purpose")
     else:
         raise ValueError(f"kind={kind!r}: one of {', '.join(FAULT_KINDS)}")
+
+
+def run_cases(cases: Iterable[str], run: Callable[[str], Any], out: str | os.PathLike) -> None:
+    """A worker's fits, one per case, one after another in these processes: ``run(case)`` on every rank, and rank 0
+    prints ``== case <case>`` before it (a crashed launch's output says which) and appends the JSON line of its
+    result to ``out`` after it. (Lightning's launcher starts the other ranks at the first fit, and they run the
+    script from its start: whatever is done before it is done in every process, and written by rank 0 only.)"""
+    first = os.environ.get("LOCAL_RANK", "0") == "0"
+    for case in cases:
+        if first:
+            print(f"== case {case}", flush=True)
+        result = run(case)
+        if first:
+            with open(out, "a") as f:
+                f.write(json.dumps(result) + "\n")
 
 
 def runs_argument(runs: Sequence[Sequence[str | os.PathLike]]) -> list[str]:

@@ -11,6 +11,8 @@ parameters", checked the same way everywhere.
 - :func:`flat_parameters`, :func:`gather_parameters`: one flat vector of a module's parameters, and every rank's
   (at ZeRO stage 3 gathered whole through ``strategy.full_parameters()``).
 - :func:`identical_on_all_ranks`, :func:`all_ranks_equal`: whether those are the same bits on every rank.
+- :func:`local_parameters`, :func:`replicas_identical`: the same for a mesh's data-parallel replicas, which hold
+  the same pipeline stage and tensor-parallel shard (a rank's local shards, whole at ZeRO stage 3).
 - :func:`max_rank_difference`: the largest elementwise difference of a tensor between any rank and rank 0.
 
 The strategy functions take a Lightning strategy (``trainer.strategy``) and are collectives: call them on every
@@ -39,7 +41,9 @@ __all__ = [
     "free_port",
     "gather_parameters",
     "identical_on_all_ranks",
+    "local_parameters",
     "max_rank_difference",
+    "replicas_identical",
 ]
 
 
@@ -78,6 +82,25 @@ def all_ranks_equal(every_rank: Tensor) -> bool:
 def identical_on_all_ranks(strategy: Any, module: nn.Module) -> bool:
     """C1: whether every rank holds exactly the same parameters of ``module`` as rank 0."""
     return all_ranks_equal(gather_parameters(strategy, module))
+
+
+def local_parameters(strategy: Any, module: nn.Module) -> Tensor:
+    """This rank's part of every parameter of ``module`` (a DTensor's local shard), flattened into one new vector,
+    inside ``strategy.full_parameters()`` (whole at ZeRO stage 3)."""
+    from ddp_plugin.hookspecs import local_tensor
+
+    with strategy.full_parameters():
+        return torch.cat([local_tensor(p).detach().flatten() for p in module.parameters()])
+
+
+def replicas_identical(strategy: Any, module: nn.Module, mine: Tensor | None = None) -> bool:
+    """Whether every data-parallel replica of this rank (``strategy.device_mesh["data_parallel"]``, or every rank
+    without a mesh) holds the same :func:`local_parameters` (or the given ``mine``) as the first one."""
+    mine = local_parameters(strategy, module) if mine is None else mine
+    group = strategy.device_mesh.get_group("data_parallel") if strategy.device_mesh is not None else None
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return all_ranks_equal(torch.stack(every))
 
 
 def max_rank_difference(strategy: Any, tensor: Tensor) -> float:

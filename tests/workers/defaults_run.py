@@ -17,18 +17,16 @@ output of a crashed launch says which case it was.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
-from ddp_plugin.hookspecs import local_tensor
 from ddp_plugin.testing.gpt import GPTModule, token_dataset
+from ddp_plugin.testing.processes import run_cases
+from ddp_plugin.testing.ranks import replicas_identical
 
 CODECS: dict[str, str | None] = {
     "none": None, "fp16": "fp16", "bf16": "bf16", "int8": "int8", "topk": "topk", "powersgd": "powersgd",
@@ -54,17 +52,6 @@ class Losses(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
-
-
-def replicas_identical(strategy: HierarchicalZeroStrategy, module: L.LightningModule) -> bool:
-    """Whether every data-parallel replica holds the same bits of every parameter as the first one (with pipeline
-    or tensor parallelism: among the ranks that hold the same stage and shard)."""
-    group = strategy.device_mesh.get_group("data_parallel") if strategy.device_mesh is not None else None
-    with strategy.full_parameters():
-        mine = torch.cat([local_tensor(p).detach().flatten() for p in module.parameters()])
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    return all(bool((t == every[0]).all()) for t in every)
 
 
 def run(case: str, steps: int) -> dict:
@@ -100,16 +87,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    # (Lightning's launcher starts ranks 1-3 at the first fit, and they run the script from its start: a case
-    # refused before that is refused in every process, and only rank 0's line is written.)
-    first = os.environ.get("LOCAL_RANK", "0") == "0"
-    for case in args.cases.split(","):
-        if first:
-            print(f"== case {case}", flush=True)
-        result = run(case, args.steps)
-        if first:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+    run_cases(args.cases.split(","), lambda case: run(case, args.steps), args.out)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ must start from the checkpoint's values. Rank 0 gathers every rank's record and 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 
@@ -28,6 +27,8 @@ from torch.utils.data import DataLoader
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.hookspecs import local_tensor
 from ddp_plugin.testing.gpt import GPTModule, token_dataset
+from ddp_plugin.testing.processes import run_cases
+from ddp_plugin.testing.ranks import local_parameters, replicas_identical
 
 LAYOUTS: dict[str, dict] = {
     "dp": {},
@@ -51,12 +52,9 @@ class Record(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         strategy, gpt = trainer.strategy, pl_module.model
         tensors = [*pl_module.parameters(), *pl_module.buffers()]
+        flat = self.start_flat = local_parameters(strategy, pl_module)
         with strategy.full_parameters():
-            flat = self.start_flat = torch.cat([local_tensor(p).detach().flatten() for p in pl_module.parameters()])
             norms = [m for m in gpt.modules() if isinstance(m, torch.nn.LayerNorm)]
-            group = strategy.device_mesh.get_group("data_parallel") if strategy.device_mesh is not None else None
-            every = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(every, flat, group=group)
             q = next((b.attn.q.weight for b in gpt.blocks if b is not None), None)  # (this stage's first block)
             self.start = {
                 "meta_left": any(local_tensor(t).is_meta for t in tensors),
@@ -67,7 +65,7 @@ class Record(L.Callback):
                 "norms": len(norms),
                 "tok_std": float(local_tensor(gpt.tok.weight).std()) if gpt.tok is not None else None,
                 "tied": gpt.head.weight is gpt.tok.weight if gpt.head is not None and gpt.tok is not None else None,
-                "replicas_identical": all(bool((t == every[0]).all()) for t in every),
+                "replicas_identical": replicas_identical(strategy, pl_module, flat),
                 "q_local": local_tensor(q).detach().flatten()[:64].tolist() if q is not None else None,
                 "tp_rank": strategy.device_mesh["tensor_parallel"].get_local_rank()
                 if strategy.device_mesh is not None else 0,
@@ -76,11 +74,6 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
-
-
-def flat_parameters(strategy: HierarchicalZeroStrategy, module: L.LightningModule) -> torch.Tensor:
-    with strategy.full_parameters():
-        return torch.cat([local_tensor(p).detach().flatten() for p in module.parameters()])
 
 
 def fit(layout: str, steps: int, meta: bool, ckpt_path: str | None = None) -> tuple:
@@ -106,7 +99,7 @@ def run(case: str, steps: int, out_dir: str) -> dict:
         trainer, model, _, _ = fit(layout, steps // 2, meta=False)
         path = os.path.join(out_dir, f"{layout}.ckpt")
         trainer.save_checkpoint(path)
-        saved = flat_parameters(trainer.strategy, model)
+        saved = local_parameters(trainer.strategy, model)
         trainer, model, record, built_on = fit(layout, steps, meta=True, ckpt_path=path)
         extra = {"resumed_equal_to_saved": bool(torch.equal(record.start_flat, saved))}
     else:
@@ -125,14 +118,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    first = os.environ.get("LOCAL_RANK", "0") == "0"
-    for case in args.cases.split(","):
-        if first:
-            print(f"== case {case}", flush=True)
-        result = run(case, args.steps, os.path.dirname(os.path.abspath(args.out)))
-        if first:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    run_cases(args.cases.split(","), lambda case: run(case, args.steps, out_dir), args.out)
 
 
 if __name__ == "__main__":
