@@ -16,6 +16,7 @@ from ddp_plugin import tensor_parallel
 from ddp_plugin.session import memory_bytes
 
 if TYPE_CHECKING:
+    from torch.amp import GradScaler
     from torch.optim import Optimizer
 
     from ddp_plugin.session import FitSession
@@ -48,6 +49,10 @@ class FitInspection:
     def clip_grad_norm_sharded(self, optimizer: Optimizer, max_norm: float) -> Tensor | None:
         session = self._running()
         return session.clip_grad_norm(optimizer, max_norm) if session else None
+
+    def after_closure(self, optimizer: Optimizer, scaler: GradScaler | None) -> None:
+        if session := self._running():
+            session.after_closure(optimizer, scaler)
 
     def clip_module_grads_by_value(self, clip_val: float) -> None:
         if self._running() and self.config.zero_stage and self.model is not None:

@@ -32,6 +32,7 @@ from ddp_plugin.hookspecs import local_tensor
 
 if TYPE_CHECKING:
     from ddp_plugin.engine import GradientEngine
+    from torch.amp import GradScaler
 
 
 # ------------------------------------------------------------------ where the stages split
@@ -337,6 +338,7 @@ class PipelineRunner:
                        for s in self.stage_indices]
         self._losses: list[Tensor] = []
         self._scale = 1.0
+        self._loss_scaler: GradScaler | None = None
         self.comm: Any = None
         """The fit's communicator (``TracedCommunicator``): the schedule's sends, the tied gradients' sums and
         the loss are counted in the traffic metrics. ``None`` outside a fit (not counted)."""
@@ -350,7 +352,10 @@ class PipelineRunner:
     def _loss(self, output: Any, target: Any) -> Tensor:
         loss = type(self.module).pipeline_loss(self.module, output, target)
         self._losses.append(loss.detach())
-        return loss * self._scale
+        loss = loss * self._scale
+        # Under a loss scaler (fp16), scaled as Lightning scales the loss before its backward, which the schedule
+        # replaces: the scaler's unscale_ then finds the gradients it expects (as a tensor op: no host sync).
+        return self._loss_scaler.scale(loss) if self._loss_scaler is not None else loss
 
     @contextmanager
     def placeholders(self, run: Callable[[PipelineOutput, Any], Tensor]) -> Generator[list[bool], None, None]:
@@ -380,9 +385,11 @@ class PipelineRunner:
             del owner.__dict__["forward"]
             del module.__dict__["pipeline_loss"]
 
-    def run(self, output: PipelineOutput, target: Any, train: bool, scale: float) -> Tensor:
+    def run(self, output: PipelineOutput, target: Any, train: bool, scale: float,
+            loss_scaler: GradScaler | None = None) -> Tensor:
         """One schedule step over the microbatches of ``output.args`` (the first stage's input) and ``target``
-        (the last stage's); returns the mean loss over the microbatches, on every stage."""
+        (the last stage's); returns the mean loss over the microbatches, on every stage. Each microbatch's loss
+        is multiplied by ``scale`` / microbatches, then scaled by ``loss_scaler`` (fp16's) if given."""
         batch = _batch_size(output.args, target)
         if batch % self.microbatches:
             raise ValueError(
@@ -392,6 +399,7 @@ class PipelineRunner:
             )
         self._losses = []
         self._scale = scale / self.microbatches
+        self._loss_scaler = loss_scaler
         args = output.args if self.is_first else ()
         kwargs = output.kwargs if self.is_first else {}
         extra = {"target": target, "losses": []} if self.is_last else {}

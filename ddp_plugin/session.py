@@ -30,6 +30,7 @@ from ddp_plugin.plugins.adaptive import AdaptivePlanner, call_impl, candidate_na
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     import pluggy
+    from torch.amp import GradScaler
     from torch.nn import Module
     from torch.optim import Optimizer
 
@@ -264,23 +265,24 @@ class FitSession:
         finally:
             self.engine.require_sync = True
 
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], step: Callable[[Callable], Any]
-                       ) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], step: Callable[[Callable], Any],
+                       scaler: GradScaler | None = None) -> Any:
         """``step(closure)`` (Lightning's optimizer step) with the plugins' hooks around it; with
-        ``skip_nonfinite`` a step any rank saw NaN/Inf gradients for is skipped on every rank."""
+        ``skip_nonfinite`` a step any rank saw NaN/Inf gradients for is skipped on every rank (under a loss
+        ``scaler``, by the scaler, which then backs its scale off)."""
         hook = self.plugin_manager.hook
 
         def closure_then_hook() -> Any:
             result = closure()
             hook.on_pre_optimizer_step(optimizer=optimizer)
-            if self.config.gradient_clip_norm is not None:
-                self.clip_grad_norm(optimizer, self.config.gradient_clip_norm)
             return result
 
+        # (The strategy's clipping runs after the closure, in after_closure: after a loss scaler's unscale_.)
         if self.config.skip_nonfinite:
             # Run forward and backward first: whether to step is known only after the gradients are synchronized.
             result = closure_then_hook()
-            if self.engine.nonfinite:
+            if self.engine.nonfinite and scaler is None:
+                # (With a loss scaler, the scaler skips the step, told so in after_closure, and backs its scale off.)
                 self.skipped_steps += 1
                 optimizer.zero_grad(set_to_none=True)
                 self._log_metrics()
@@ -292,6 +294,43 @@ class FitSession:
         self._log_metrics()
         self.heartbeat.step += 1
         return output
+
+    def after_closure(self, optimizer: Optimizer, scaler: GradScaler | None) -> None:
+        """After the closure, before the optimizer steps (the precision plugin's ``_after_closure``, after a loss
+        scaler's ``unscale_``): every rank's scaler agrees on skipping, and ``gradient_clip_norm`` clips the
+        unscaled gradients."""
+        if scaler is not None:
+            self._agree_on_skipping(optimizer, scaler)
+        if self.config.gradient_clip_norm is not None:
+            self.clip_grad_norm(optimizer, self.config.gradient_clip_norm)
+
+    def _agree_on_skipping(self, optimizer: Optimizer, scaler: GradScaler) -> None:
+        """A loss scaler skips the step (and backs its scale off) when its ``unscale_`` finds an infinity or a NaN
+        among the gradients the optimizer holds. After a full all-reduce every replica holds the same gradients
+        and finds the same; but a ZeRO sharder's optimizer holds this rank's shard, a pipeline stage its own
+        layers, a tensor-parallel rank its own slices, and with ``skip_nonfinite`` a codec may have turned a
+        NaN into a finite value on the wire: there the ranks agree (one small all-reduce over every rank, the
+        same every step), so they skip the same steps and their scales stay equal, as torch's
+        ``ShardedGradScaler`` does for FSDP."""
+        found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
+        if not found:
+            return  # (unscale_ did not run: Lightning skips it when the closure returned None)
+        layout = self.layout
+        sharded = bool(self.config.zero_stage) or layout.pipeline_parallel_size > 1 or layout.tensor_parallel_size > 1
+        nonfinite = self.config.skip_nonfinite and self.engine.nonfinite  # (agreed over the ranks already)
+        if not sharded and not nonfinite:
+            return
+        flags = list(found.values())
+        any_found = torch.stack([f.reshape(()).to(flags[0].device) for f in flags]).amax()
+        if nonfinite:
+            any_found.fill_(1.0)
+        if sharded and layout.world_size > 1:
+            with health.diagnosed("agreeing on the loss scaler's skipped steps"):
+                dist.all_reduce(any_found, op=dist.ReduceOp.MAX)
+        for f in flags:
+            f.copy_(any_found)
+        if self.config.skip_nonfinite and bool(any_found):
+            self.skipped_steps += 1
 
     # ------------------------------------------------------------------ gradients
 

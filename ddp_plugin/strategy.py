@@ -36,7 +36,7 @@ from ddp_plugin.health import diagnosed
 from ddp_plugin.hookspecs.types import PIPELINE_COPIES_ATTRIBUTE
 from ddp_plugin.inspection import FitInspection
 from ddp_plugin.materialize import has_meta_tensors, materialize
-from ddp_plugin.precision import ShardedGradientClipping, with_sharded_clipping
+from ddp_plugin.precision import ShardedGradientClipping, loss_scaler, with_sharded_clipping
 from ddp_plugin.process_groups import ProcessGroups, check_ranks_per_node
 from ddp_plugin.session import FitSession
 
@@ -518,7 +518,8 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             if self._whereabouts is not None:
                 self._whereabouts.where = None
             with diagnosed(lambda: self._phase(f"the pipeline schedule of stage {runner.rank}")):
-                return runner.run(output, target, train=train, scale=scale)
+                return runner.run(output, target, train=train, scale=scale,
+                                  loss_scaler=loss_scaler(self.precision_plugin) if train else None)
 
         def run(output: pipeline.PipelineOutput, target: Any) -> Tensor:
             if session is None:
@@ -581,7 +582,8 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         if self._whereabouts is not None:
             closure = self._named_backward(closure)
         session = self._running()
-        return session.optimizer_step(optimizer, closure, step) if session else step(closure)
+        return (session.optimizer_step(optimizer, closure, step, loss_scaler(self.precision_plugin)) if session
+                else step(closure))
 
     def _named_backward(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """Lightning's closure (training step, backward) with a failed tensor-parallel collective of the backward
