@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -16,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ddp_plugin import health
-from ddp_plugin.finite import all_finite
+from ddp_plugin.clock import Clock
+from ddp_plugin.streams import SideStream
 from ddp_plugin.hookspecs import Bucket, completed_future, is_tensor_parallel_shard, local_tensor, set_local_grad
 
 if TYPE_CHECKING:
@@ -121,7 +121,12 @@ class GradientEngine:
       produced gradients in.
     - Launching means calling ``on_bucket_ready`` on a single communication thread, so collectives are issued
       in one order on every rank, overlap the rest of backward, and a multi-stage codec may wait between its
-      collectives without stalling backward.
+      collectives without stalling backward. On CUDA that thread queues its work on a stream of its own (as
+      DDP's reducer and FSDP do), so a codec's waits hold back only the communication, never the backward's
+      kernels: a bucket is handed over with an event recorded on the backward's stream after its last gradient
+      (the communication stream waits for it), its buffer is marked as used by the communication stream
+      (``record_stream``: the allocator keeps it until that stream is done with it), and at the sync point the
+      training stream waits for the communication stream before anything reads the gradients.
     - At the end of backward (an autograd callback, with ``finish()`` as a fallback) the engine launches what
       is left (parameters that got no gradient contribute zeros), agrees with the other ranks on which
       parameters got a gradient anywhere, waits for every bucket, and leaves ``.grad = None`` on parameters no
@@ -162,7 +167,6 @@ class GradientEngine:
         self.check_finite = False
         self.nonfinite = False
         """After a synchronizing backward with ``check_finite``: whether any rank had a NaN/Inf gradient."""
-        self._local_nonfinite = False
         self._hook = hook
         self.flags_group: dist.ProcessGroup | None = flags_group
         """Bookkeeping (which parameters got a gradient) runs on a group of its own, so gloo moves it alongside the
@@ -193,13 +197,15 @@ class GradientEngine:
         self._next_launch = 0
         self._in_flight: list[concurrent.futures.Future] = []
         self._armed = False
-
-        def _bind_device() -> None:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.buckets[0].buffer.device
+                                      if self.buckets else device)
+        """With ``check_finite``: whether a bucket launched in this backward held a NaN/Inf, kept on the device
+        (a host read per bucket would stall the CPU on CUDA); read once, at the sync point."""
+        self.clock = Clock(device)
+        self._side = SideStream(device)
+        """The communication thread's CUDA stream (see ddp_plugin.streams)."""
         self._thread = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="ddp_plugin-comm", initializer=_bind_device
+            max_workers=1, thread_name_prefix="ddp_plugin-comm", initializer=self._side.bind
         )
 
     # ------------------------------------------------------------------ backward
@@ -230,7 +236,7 @@ class GradientEngine:
         self._pending = [len(b.params) for b in self.buckets]
         self._next_launch = 0
         self._in_flight = []
-        self._local_nonfinite = False
+        self._nonfinite.zero_()
         if at_end_of_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
@@ -246,13 +252,18 @@ class GradientEngine:
             self._launch(self.buckets[self._next_launch])
 
     def _launch(self, bucket: Bucket) -> None:
-        if self.check_finite and not self._local_nonfinite:
-            # Checked before the reduction: a codec could turn a NaN into a finite value on the wire.
-            self._local_nonfinite = not all_finite(bucket.buffer)
-        self._in_flight.append(self._thread.submit(self._reduce, bucket))
+        if self.check_finite:
+            # Checked before the reduction (a codec could turn a NaN into a finite value on the wire), on the
+            # device: the largest magnitude is finite exactly when every value is (see ddp_plugin.finite).
+            largest = torch.linalg.vector_norm(bucket.buffer, float("inf"))
+            self._nonfinite.logical_or_(torch.isfinite(largest).logical_not_())
+        # (On CUDA: past this bucket's last gradient and the check above, on the backward's stream.)
+        ready = self._side.hand_over(bucket.buffer)
+        self._in_flight.append(self._thread.submit(self._reduce, bucket, ready))
         self._next_launch = bucket.index + 1
 
-    def _reduce(self, bucket: Bucket) -> torch.futures.Future:
+    def _reduce(self, bucket: Bucket, ready: torch.cuda.Event | None = None) -> torch.futures.Future:
+        self._side.receive(ready)
         owner = self._owner.get(bucket.index)
         if owner is not None:  # a bucket of replicated parameters under tensor parallelism (see _owner)
             if dist.get_rank(self._peers) == owner:
@@ -295,12 +306,13 @@ class GradientEngine:
         # any rank saw a NaN/Inf): one small all-reduce on the bookkeeping group, which gloo runs beside the
         # bucket reductions. The same collective runs on every rank every step, so ranks whose data skipped a
         # branch cannot hang.
-        flags.append(self._local_nonfinite)
+        flags.append(False)
         counts = torch.tensor(flags, dtype=torch.int32, device=self.buckets[0].buffer.device)
+        counts[-1] = self._nonfinite  # (device to device)
         flags_work = (self._comm.all_reduce(counts, group=self.flags_group, async_op=True)
                       if self.flags_group is not None else None)
 
-        waiting_since = time.perf_counter()
+        waiting_since = self.clock.stamp()
         try:
             # A peer died or hung: say which one, rather than gloo's "Connection closed by peer [ip]:port".
             with health.diagnosed():
@@ -310,7 +322,10 @@ class GradientEngine:
                     flags_work.wait()
         finally:
             self._in_flight = []
-        sync_wait_s = time.perf_counter() - waiting_since
+        self._side.join()
+        # How long the training stream waited for the communication past its own work (on CUDA between two
+        # events of that stream; the host waits for the second one here, as it would reading the flags below).
+        sync_wait_s = self.clock.elapsed(waiting_since, self.clock.stamp(), wait=True)
 
         # A parameter some rank used holds the mean (zeros from the ranks that did not use it were averaged
         # in); one no rank used has no gradient at all, so optimizers skip it as they would in one process.

@@ -336,6 +336,9 @@ def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, Codec
 
     def barrier() -> None:
         dist.all_reduce(flag, group=world)
+        if device.type == "cuda":
+            # (NCCL's all-reduce returns once queued: the clock starts when every rank is here, not before)
+            torch.cuda.synchronize(device)
 
     def timed(fn: Callable[[], Any]) -> float:
         barrier()

@@ -25,7 +25,6 @@ import inspect
 import logging
 import statistics
 import threading
-import time
 import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ddp_plugin.clock import Clock, Stamp
 from ddp_plugin.codecs.base import state_key
 from ddp_plugin.hookspecs import hookimpl
 from ddp_plugin.planning import FLAT, HIERARCHICAL, NO_CODEC, CommPlan
@@ -89,7 +89,10 @@ class AdaptivePlanner(HierarchicalReducer):
         self.tolerance = tolerance
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._records: list[list[Any]] = []  # [key, start, done or None]
+        self._records: list[list[Any]] = []  # [key, start, done or None]: stamps of self.clock
+        self.clock = Clock(torch.device("cpu"))
+        """Stamps the reductions (on CUDA, events on the communication thread's stream: a collective's call and its
+        future's completion only mark its enqueueing there); set for the topology's device at setup."""
         self._since_plan = 0
         self._calibration: list[float] = []
         self._baseline: float | None = None
@@ -130,6 +133,7 @@ class AdaptivePlanner(HierarchicalReducer):
     @hookimpl
     def on_setup(self, topology: Topology, hook: Any, comm: Communicator) -> None:
         super().on_setup(topology=topology, hook=hook, comm=comm)
+        self.clock = Clock(topology.device)
         # Every rank (all data-parallel replicas of a tensor- or pipeline-parallel mesh re-plan together).
         self._agree_group = comm.new_group()
         # A close call is settled by the ranks that hold its bucket: the data-parallel ranks of this rank's pipeline
@@ -160,7 +164,7 @@ class AdaptivePlanner(HierarchicalReducer):
             self._hand_over(bucket, last)
         self._last_choice[key] = chosen
         self._local.routing = True
-        start = time.perf_counter()
+        start = self.clock.stamp()
         try:
             if route == HIERARCHICAL and self.splits:
                 future = HierarchicalReducer.on_bucket_ready(self, bucket)
@@ -193,26 +197,32 @@ class AdaptivePlanner(HierarchicalReducer):
         """Whether this thread is inside a bucket this planner routes (its cross-node stage is timed with it)."""
         return getattr(self._local, "routing", False)
 
-    def time(self, key: str, start: float, future: torch.futures.Future | None) -> None:
-        """Record when ``key``'s reduction started and (once ``future`` completes) ended."""
+    def time(self, key: str, start: Stamp, future: torch.futures.Future | None) -> None:
+        """Record when ``key``'s reduction started and (once ``future`` completes) ended: a stamp taken in the
+        future's done-callback, which on CUDA runs on a stream that waits for the future's work, so the stamp
+        completes with the work, not with its enqueueing."""
         record = [key, start, None]
         with self._lock:
             self._records.append(record)
 
         def done(_: torch.futures.Future) -> None:
-            record[2] = time.perf_counter()
+            record[2] = self.clock.stamp()
 
         if future is None:
-            record[2] = time.perf_counter()
+            record[2] = self.clock.stamp()
         else:
             future.add_done_callback(done)
 
     def _take_busy(self) -> dict[str, float]:
         """Seconds each completed reduction kept the link busy: from its start, or from the end of the one before
         it when it queued behind that one (collectives run one at a time per group), to its end."""
+        clock = self.clock
         with self._lock:
-            finished = [r for r in self._records if r[2] is not None]
-            self._records = [r for r in self._records if r[2] is None]
+            # (seconds once the device has reached both stamps; the others wait for the next step's reading)
+            times = [(r, clock.seconds(r[1]), clock.seconds(r[2]) if r[2] is not None else None)
+                     for r in self._records]
+            finished = [(r[0], a, b) for r, a, b in times if a is not None and b is not None]
+            self._records = [r for r, a, b in times if a is None or b is None]
         busy: dict[str, float] = {}
         previous_end = float("-inf")
         for key, start, end in sorted(finished, key=lambda r: r[1]):
@@ -376,7 +386,7 @@ class AutoCodec:
             self._carry(last, state_key(bucket), tensor, group)
         self._last[key] = codec
         timed = not self.planner.routing()
-        start = time.perf_counter()
+        start = self.planner.clock.stamp()
         future = call_impl(self._impls[codec], {"tensor": tensor, "group": group, "bucket": bucket, "offset": offset})
         if timed:
             self.planner.time(key, start, future)

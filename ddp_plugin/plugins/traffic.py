@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from ddp_plugin.clock import Clock, Stamp
 from ddp_plugin.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -30,10 +30,18 @@ class TrafficAccounting:
     - ``comm/time_ms``: from the first bucket's launch to the last bucket's completion;
       ``comm/wait_ms``: how long backward waited for it at its end;
       ``comm/hidden_share``: the share of communication time hidden behind backward, 1 - wait / time.
+
+    Times are device times (:mod:`ddp_plugin.clock`): on CUDA, events on the communication stream and in the
+    futures' callbacks, read once the device has passed them, so a step's ``comm/time_ms`` may be counted in
+    the next step's metrics instead of its own (never lost, never counted twice).
     """
 
     def __init__(self) -> None:
         self._comm: Communicator | None = None
+        self._clock = Clock(torch.device("cpu"))
+        self._steps: list[tuple[Stamp, list[Stamp], list[int], float]] = []
+        """Steps whose communication time is not known yet: the first launch, the buckets' completions, how many
+        buckets launched (a one-item list), and the wait at the end of backward."""
         self._reset()
 
     def _reset(self) -> None:
@@ -43,21 +51,28 @@ class TrafficAccounting:
         self.comm_s = 0.0
         self.plain_bytes = 0.0
         self.codec_bytes = 0
-        self._first_launch: float | None = None
-        self._last_done = 0.0
+        self._first_launch: Stamp | None = None
+        self._done: list[Stamp] = []
+        self._launched = [0]
 
     @hookimpl(wrapper=True)
     def on_bucket_ready(self, bucket: Bucket):
-        now = time.perf_counter()
+        if self._clock.on_device != (bucket.buffer.device.type == "cuda"):
+            self._clock = Clock(bucket.buffer.device)  # (the first bucket's device: where the stamps go)
+        now = self._clock.stamp()
         if self._first_launch is None:
             self._first_launch = now
+        done_stamps, launched = self._done, self._launched  # (this step's, also for a late callback)
+        launched[0] += 1
         future = yield
 
         def done(_: torch.futures.Future) -> None:
-            self._last_done = max(self._last_done, time.perf_counter())
+            done_stamps.append(self._clock.stamp())
 
         if future is not None:
             future.add_done_callback(done)
+        else:
+            done_stamps.append(self._clock.stamp())
         return future
 
     @hookimpl(wrapper=True)
@@ -81,11 +96,25 @@ class TrafficAccounting:
         self.cross_node_bytes += traffic.cross_node_bytes
         self.wait_s += sync_wait_s
         if self._first_launch is not None:
-            self.comm_s += max(self._last_done - self._first_launch, sync_wait_s)
-        self._first_launch = None
+            self._steps.append((self._first_launch, self._done, self._launched, sync_wait_s))
+        self._first_launch, self._done, self._launched = None, [], [0]
+        self._settle()
+
+    def _settle(self) -> None:
+        """Count the communication time of the steps whose every bucket the device has finished."""
+        clock, left = self._clock, []
+        for first, done, launched, wait in self._steps:
+            start = clock.seconds(first)
+            ends = [clock.seconds(d) for d in list(done)]
+            if start is None or len(ends) < launched[0] or None in ends:
+                left.append((first, done, launched, wait))
+                continue
+            self.comm_s += max(max(ends) - start, wait)
+        self._steps = left[-64:]  # (a future that never completed must not keep every step)
 
     @hookimpl
     def on_collect_metrics(self) -> dict[str, float]:
+        self._settle()
         metrics = {
             "comm/intra_node_MB": self.intra_node_bytes / MB,
             "comm/cross_node_MB": self.cross_node_bytes / MB,

@@ -35,7 +35,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +43,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddp_plugin import health
+from ddp_plugin.clock import Clock, Intervals
+from ddp_plugin.streams import SideStream
 from ddp_plugin.comm import RS_PIECE_BYTES, gather_flat_to_root
 from ddp_plugin.hookspecs import (
     DeferredStorage,
@@ -250,6 +251,11 @@ class OuterSync:
         self.syncs = 0
         self._syncs_logged = 0
         self._wait_s = 0.0
+        self._clock = Clock(torch.device("cpu"))
+        self._waits = Intervals(self._clock)
+        """The training thread's waits for syncs, as stamps of its stream (CUDA events: read once passed)."""
+        self._side = SideStream(torch.device("cpu"))
+        """The outer thread's CUDA stream (see ddp_plugin.streams)."""
         self._drift: list[float] = []
         self._pending_state: tuple[Mapping[str, Any], Mapping[str, Any] | None] | None = None
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
@@ -321,7 +327,11 @@ class OuterSync:
             start += used[b]
         self.outer = build_outer_optimizer(self.outer_spec, [p.outer for p in self.pieces])
         self.state_kinds, self.state_kinds_example = _state_kinds(self.outer_spec)
-        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp_plugin-outer")
+        self._clock = Clock(t.device)
+        self._waits = Intervals(self._clock)
+        self._side = SideStream(t.device)
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp_plugin-outer",
+                                                             initializer=self._side.bind)
         if self._pending_state is not None:
             self._restore(*self._pending_state)
             self._pending_state = None
@@ -432,7 +442,8 @@ class OuterSync:
             snapshots = [x[: p.hi - p.lo] for p, x in zip(pieces, padded)]
             shares = [torch.empty(p.width, dtype=x.dtype, device=x.device) for p, x in zip(pieces, padded)]
             gathered = [torch.empty_like(x) for x in padded]
-            result = self._thread.submit(self._outer_step_sharded, pieces, padded, shares, gathered)
+            result = self._thread.submit(self._on_side, self._side.hand_over(), self._outer_step_sharded, pieces,
+                                         padded, shares, gathered)
         else:
             snapshots = [self.access.read(p.bucket, p.lo, p.hi) for p in pieces]
             if self.schedule.staleness:
@@ -442,9 +453,17 @@ class OuterSync:
                 # none is in flight when a checkpoint saves them): the pseudo-gradients take their memory.
                 pseudo = [torch.sub(p.outer.detach(), s, out=s) for p, s in zip(pieces, snapshots)]
                 snapshots = None
-            result = self._thread.submit(self._outer_step, pieces, pseudo, snapshots)
+            result = self._thread.submit(self._on_side, self._side.hand_over(), self._outer_step, pieces, pseudo,
+                                         snapshots)
         self.in_flight.append(InFlight(fragment, self.step + self.schedule.staleness,
                                        snapshots or [None] * len(pieces), result))
+
+    def _on_side(self, ready: torch.cuda.Event | None, step: Callable[..., Any], *args: Any) -> Any:
+        """``step(*args)`` on the outer thread, its stream past what the training thread queued before the send.
+        (The tensors it uses stay referenced by the sync in flight until the training stream has waited for the
+        outer one, in _apply: their memory is not reused meanwhile.)"""
+        self._side.receive(ready)
+        return step(*args)
 
     def _read_padded(self, piece: Piece) -> Tensor:
         """The replica's values of the piece, padded to n shares of ``width`` (zeros past its end)."""
@@ -481,7 +500,7 @@ class OuterSync:
         outer step, then each window's stepped shares broadcast from the nodes that keep them, written into the
         replica (the node's drift counted on the way), and each bucket's range spread inside the node. At the
         peak: this rank's shares of the mean (S/N) and a window, instead of a bucket's part."""
-        started = time.perf_counter()
+        started = self._clock.stamp()
         t = self.topology
         n = t.num_nodes
         window = max(1, WINDOW_BYTES // (n * 4))  # elements of a share per window (fp32: a buffer of 4 MiB)
@@ -510,7 +529,7 @@ class OuterSync:
             if t.ranks_per_node > 1:
                 self.comm.all_reduce(drift, group=t.side_intra_node_group)
         self.comm.release_scratch()  # the reduce-scatter's piece: syncs are `sync_every` steps apart
-        self._wait_s += time.perf_counter() - started
+        self._waits.add(started, self._clock.stamp())
         self.syncs += 1
         self._drift.append(float(drift.sqrt()))
 
@@ -614,10 +633,11 @@ class OuterSync:
         return [Update(p.bucket, p.lo, p.hi, p.outer.detach()) for p in pieces]
 
     def _apply(self, flight: InFlight) -> None:
-        started = time.perf_counter()
+        started = self._clock.stamp()
         with health.diagnosed(OUTER_SYNC):
             updates, drift = flight.result.result()
-        self._wait_s += time.perf_counter() - started
+        self._side.join()
+        self._waits.add(started, self._clock.stamp())
         self.in_flight.remove(flight)
         for u in updates:
             if self.schedule.staleness:
@@ -637,6 +657,7 @@ class OuterSync:
     def on_collect_metrics(self) -> dict[str, float]:
         # Per step: fragment syncs applied, the time the training thread waited for them, and (on steps that sent
         # one) the node's drift from the global copy (the norm of its pseudo-gradient over what was sent).
+        self._wait_s += self._waits.take()  # (on CUDA, the waits the device has passed; the others count next time)
         metrics = {"sync/outer_syncs": float(self.syncs - self._syncs_logged), "sync/wait_ms": self._wait_s * 1e3}
         if self._drift:
             metrics["sync/drift"] = sum(d * d for d in self._drift) ** 0.5
@@ -659,6 +680,7 @@ class OuterSync:
         with health.diagnosed(OUTER_SYNC):
             for flight in self.in_flight:
                 flight.result.result()
+        self._side.join()
 
     def _names(self, piece: Piece) -> list[tuple[str, int, int, int]]:
         """(parameter name, start in the parameter, end, start in the piece's global copy) of every parameter in
