@@ -5,6 +5,8 @@ settings from the subclass's ``config``."""
 
 from __future__ import annotations
 
+import os
+
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -117,6 +119,12 @@ class DistributedEnvironment(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         backend = self._backend = self._get_process_group_backend()
+        if backend == "nccl":
+            # On a failed or timed-out collective NCCL's watchdog aborts the communicators and lets the collective
+            # raise (2, "CleanUpOnly"), where torch's default (3) ends the process without a word: the raised
+            # error is what the survivors' diagnosis names the rank at fault from (ddp_plugin.health). Read when
+            # the group is made; a value the user set is kept.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         initializing = not dist.is_initialized()
         # The rendezvous waits for the other ranks at least minutes (a rank still importing on a loaded machine is
         # late, not dead); `timeout` bounds the collectives that follow.

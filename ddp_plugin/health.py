@@ -12,10 +12,19 @@ when every rank is accounted for (seen beating, diagnosing a failure itself, or 
 as soon as another rank has reported an error or already found the gone ranks (then its finding is taken: a
 failure spreads from rank to rank, and each would otherwise watch again). If every rank is alive, the ranks
 furthest behind in steps are the stuck ones. Counters, not clocks, so hosts need not agree on the time.
+
+On NCCL a failed peer raises nothing by itself: a collective returns once queued, ``wait()`` makes a stream
+wait, and the host blocks later, in whatever reads a result, until NCCL's watchdog acts at the group's timeout.
+So there the heartbeat also watches (:class:`PeerWatch`): once this rank's step has not moved for a while it
+reads its peers' counters, and when a peer has stopped beating (or the store says a peer failed or was found
+gone, or a peer process on this machine ended) it leaves the finding on the store and aborts this rank's NCCL
+communicators (``ProcessGroupNCCL``'s abort, as torch's own error handling does): the blocked collective then
+fails, and :func:`diagnose` names the rank as on gloo.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -30,6 +39,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 _PREFIX = "ddp_plugin/health"
 BEAT_INTERVAL_S = 0.5
@@ -38,6 +48,11 @@ BEAT_INTERVAL_S = 0.5
 MISSED_BEATS_S = 2 * BEAT_INTERVAL_S
 POLL_S = 0.1
 STORE_TIMEOUT_S = 3.0
+# PeerWatch: a rank whose step has not moved for WATCH_IDLE_S starts reading its peers' counters (one store
+# read per peer and beat: only while it waits), and names a peer whose counter stood still for WATCH_STALL_S.
+# Longer than the diagnosis's MISSED_BEATS_S: this acts on a run nothing has failed in yet.
+WATCH_IDLE_S = 5.0
+WATCH_STALL_S = 5.0
 
 
 def _store(probe: bool = False) -> dist.Store:
@@ -63,10 +78,13 @@ class Heartbeat(threading.Thread):
     strategy set up and never torn down (as some of Lightning's tests do) leaves nothing running beyond its
     process group. ``stop`` is also what tools that stop leftover daemon threads call."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: PeerWatch | None = None) -> None:
         super().__init__(name="ddp_plugin-heartbeat", daemon=True)
         self.step = 0
+        self.watch = watch
+        """On NCCL: what this heartbeat also does every beat (see :class:`PeerWatch`)."""
         self._rank = dist.get_rank()
+        self._world_size = dist.get_world_size()
         # An id, not a reference: the heartbeat must not keep a destroyed group alive.
         self._world = id(dist.group.WORLD)
         self._stopping = threading.Event()
@@ -89,6 +107,7 @@ class Heartbeat(threading.Thread):
         _found_gone.clear()
         _ended_at.clear()
         next_beat = time.monotonic() + BEAT_INTERVAL_S
+        lost_since: float | None = None
         while self._group_alive():
             try:
                 # The peers' process ids, kept here: when the store's host dies they cannot be read any more. Looked
@@ -111,9 +130,26 @@ class Heartbeat(threading.Thread):
                     # host has exited (it raised after finding the gone rank) can still name the cause.
                     if not _found_gone and store.check([f"{_PREFIX}/gone"]):
                         _found_gone.extend(int(r) for r in store.get(f"{_PREFIX}/gone").decode().split(","))
+                    if self.watch is not None:
+                        self.watch.poll(store, self._rank, self._world_size, self.step, time.monotonic())
                     next_beat = time.monotonic() + BEAT_INTERVAL_S
             except Exception:  # noqa: BLE001 - the store's host is gone; diagnose() will say so
-                break
+                if self.watch is None or not self._group_alive() or self._stopping.is_set():
+                    break
+                # On NCCL nothing else would release this rank's waits: once the store has not answered for the
+                # watch's stall time (not one slow reply), its host (rank 0 under Lightning's launcher) is gone.
+                lost_since = lost_since if lost_since is not None else time.monotonic()
+                if time.monotonic() - lost_since >= self.watch.stall_s:
+                    self.watch.fire("the rendezvous store stopped answering (its host, rank 0 under Lightning's"
+                                    " launcher, is gone or hung)")
+                    break
+                self._stopping.wait(BEAT_INTERVAL_S)
+                try:
+                    store = _within(STORE_TIMEOUT_S + 1, _store)
+                except Exception:  # noqa: BLE001 - still gone
+                    pass
+                continue
+            lost_since = None
         del store
 
     def stop(self) -> None:
@@ -122,6 +158,106 @@ class Heartbeat(threading.Thread):
         # be unreachable, when it may be stuck in one for good (its host stopped).
         if self is not threading.current_thread():
             self.join(timeout=0 if _store_unreachable else 5)
+
+
+class PeerWatch:
+    """What a heartbeat does on NCCL, where a failed peer makes nothing raise (see the module's docstring): every
+    beat, :meth:`poll` looks for a reason to give up, and :meth:`fire` calls ``abort`` (NCCL's abort of every
+    communicator of this process) once, with the reason, after logging it. A reason is:
+
+    - another rank's news on the store: a rank it found gone, an error a rank reported, a rank diagnosing a failed
+      collective (its run is over; this rank's collectives with it will not complete);
+    - a peer process on this machine that has ended;
+    - this rank's step has not moved for ``idle_s``, and a peer's heartbeat counter has stood still for
+      ``stall_s`` since (the peer is named gone on the store, for every rank's diagnosis);
+    - this rank's step has not moved for ``timeout_s`` (the process group's timeout) while every peer beats: a
+      collective that never completes (a deadlock, a mismatch); the diagnosis then names the ranks furthest
+      behind.
+    """
+
+    def __init__(self, abort: Callable[[str], None], timeout_s: float | None, idle_s: float = WATCH_IDLE_S,
+                 stall_s: float = WATCH_STALL_S) -> None:
+        self.abort = abort
+        self.timeout_s, self.idle_s, self.stall_s = timeout_s, idle_s, stall_s
+        self.fired: str | None = None
+        self._step: int | None = None
+        self._progress_at = 0.0
+        self._news: int | None = None
+        self._before: _News | None = None
+        self._beats: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it last moved)
+
+    def poll(self, store: dist.Store, me: int, world: int, step: int, now: float) -> None:
+        if self.fired is not None:
+            return
+        if step != self._step:
+            self._step, self._progress_at = step, now
+            self._beats.clear()
+        reason = None
+        news = store.add(f"{_PREFIX}/news", 0)
+        if self._news is None:
+            # What the store held when this fit began (an earlier fit's in these processes) is not news.
+            self._news, self._before = news, _News(store, world)
+        elif news != self._news:
+            self._news = news
+            found, before = _News(store, world), self._before
+            failed = {r: msg for r, msg in found.failed.items() if before.failed.get(r) != msg}
+            if found.gone and found.gone != before.gone:
+                reason = f"{_ranks(found.gone)} stopped responding (killed, crashed or hung), as another rank found"
+            elif failed:
+                reason = "; ".join(f"rank {r} failed with {msg}" for r, msg in sorted(failed.items()))
+            elif found.victims - before.victims - {me}:
+                reason = f"{_ranks(sorted(found.victims - before.victims - {me}))} met a failed collective"
+        ended = [r for r in _ended_at if r != me]
+        if reason is None and ended:
+            reason = f"{_ranks(_first_ended(sorted(ended)))} stopped responding (killed, crashed or hung): its process" \
+                     " on this machine has ended"
+        if reason is None and now - self._progress_at >= self.idle_s:
+            for r in range(world):
+                if r != me:
+                    count = store.add(f"{_PREFIX}/beat/{r}", 0)
+                    if self._beats.get(r, (None,))[0] != count:
+                        self._beats[r] = (count, now)
+            stalled = [r for r, (_, since) in sorted(self._beats.items()) if now - since >= self.stall_s]
+            if stalled:
+                if not store.check([f"{_PREFIX}/gone"]):
+                    _tell(store, f"{_PREFIX}/gone", ",".join(map(str, stalled)))
+                reason = f"{_ranks(stalled)} stopped responding (killed, crashed or hung): no heartbeat for" \
+                         f" {self.stall_s:.0f} s"
+            elif self.timeout_s is not None and now - self._progress_at >= self.timeout_s:
+                reason = f"every rank beats, but this rank's step has not moved for {self.timeout_s:.0f} s (the" \
+                         " process group's timeout): a collective that never completes"
+        if reason is not None:
+            self.fire(reason)
+
+    def fire(self, reason: str) -> None:
+        if self.fired is not None:
+            return
+        self.fired = reason
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        log.error("ddp_plugin: rank %d: %s; aborting this rank's NCCL communicators, so that its collectives fail"
+                  " instead of waiting", rank, reason)
+        self.abort(reason)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def abort_nccl(reason: str) -> None:
+    """Abort every NCCL communicator of this process (torch's ``_abort_process_group``): their collectives in
+    flight and to come fail (``DistBackendError``) instead of waiting."""
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as err:  # noqa: BLE001 - a torch without it, or groups already destroyed
+        log.error("ddp_plugin: could not abort the NCCL communicators (%s): %s", reason, err)
+
+
+def peer_watch(timeout_s: float | None) -> PeerWatch | None:
+    """The heartbeat's watch for this process's default group: on NCCL (see :class:`PeerWatch`), else none (gloo's
+    collectives fail by themselves when a peer is gone)."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return None
+    return PeerWatch(abort_nccl, timeout_s)
 
 
 def _start_time(pid: int) -> str | None:

@@ -67,7 +67,8 @@ class FitSession:
         self.candidates = candidate_names(config.compression, dict(config.compression_options))
         """The codecs a plan chooses between (``"none"``: no codec): ``compression="auto"``'s candidates, or the one."""
         # Beating before the link probe: a rank that dies or hangs in it is then named (health.diagnosed).
-        self.heartbeat = health.Heartbeat()
+        self.heartbeat = health.Heartbeat(health.peer_watch(
+            config.timeout.total_seconds() if config.timeout is not None else None))
         self.planner: AdaptivePlanner | None = None
         bucket_size_mb = config.bucket_size_mb
         routes = plan_routes(config.hierarchical, topology)

@@ -182,3 +182,73 @@ def test_an_error_of_a_ranks_own_code_is_raised_as_itself_and_named_by_the_other
     for rank, text in enumerate(others, start=1):
         assert text.startswith(f"rank {rank}: the link probe failed because rank 0 failed with IndexError: list"
                                " index out of range. Original error:"), text
+
+
+# ---------------------------------------------------------------------- the NCCL watch (health.PeerWatch)
+# On NCCL a dead peer raises nothing (a collective returns once queued); the heartbeat's watch finds it and
+# aborts the NCCL communicators. The watch's findings are the same on any backend: here on gloo ranks, with an
+# abort that records its reason (torch's NCCL abort itself needs several GPUs: benchmarks/gpu_check.py).
+
+def _watching(rank: int, world_size: int, beating: set[int], stepping: bool, report: dict[int, str],
+              seconds: float) -> str | None:
+    fired: list[tuple[str, float]] = []
+    started = time.monotonic()
+    watch = (health.PeerWatch(lambda reason: fired.append((reason, time.monotonic() - started)), timeout_s=None,
+                              idle_s=1.0, stall_s=1.0) if rank in beating else None)
+    heartbeat = health.Heartbeat(watch) if rank in beating else None
+    try:
+        dist.barrier()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not fired:
+            if heartbeat is not None and stepping:
+                heartbeat.step += 1
+            time.sleep(0.2)
+            if rank in report and time.monotonic() - started > 1.5:  # (news to a watch that has begun)
+                health.report_exception(ValueError(report.pop(rank)))
+        return fired[0] if fired else None
+    finally:
+        dist.barrier()
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def _rank_2_silent_while_the_others_wait(rank, world_size):
+    fired = _watching(rank, world_size, beating={0, 1}, stepping=False, report={}, seconds=8)
+    store = dist.distributed_c10d._get_default_store()
+    return fired, store.get("ddp_plugin/health/gone").decode()
+
+
+def test_the_nccl_watch_names_a_silent_peer_and_aborts_once_this_rank_waits(pool):
+    results = pool.run(_rank_2_silent_while_the_others_wait)
+    for rank in (0, 1):
+        (reason, took), gone = results[rank]
+        # (found by its own watch, or taken from the rank that found it first)
+        assert reason in ("rank 2 stopped responding (killed, crashed or hung): no heartbeat for 1 s",
+                          "rank 2 stopped responding (killed, crashed or hung), as another rank found"), reason
+        assert gone == "2"
+        assert took < 10, took  # idle 1 s, then 1 s without a beat (and the beat interval's rounding)
+
+
+def _every_rank_beating_and_stepping(rank, world_size):
+    return _watching(rank, world_size, beating={0, 1, 2}, stepping=True, report={}, seconds=4)
+
+
+def _every_rank_beating_none_stepping(rank, world_size):
+    return _watching(rank, world_size, beating={0, 1, 2}, stepping=False, report={}, seconds=4)
+
+
+def test_the_nccl_watch_leaves_a_healthy_run_alone(pool):
+    # Stepping, or waiting while every peer beats (a long step): nothing to abort (timeout_s=None here).
+    assert pool.run(_every_rank_beating_and_stepping) == [None, None, None]
+    assert pool.run(_every_rank_beating_none_stepping) == [None, None, None]
+
+
+def _rank_2_reports_while_stepping(rank, world_size):
+    return _watching(rank, world_size, beating={0, 1, 2}, stepping=True, report={2: "the user's step broke"},
+                     seconds=10)
+
+
+def test_the_nccl_watch_aborts_at_once_when_a_peer_reports_its_error(pool):
+    reasons = pool.run(_rank_2_reports_while_stepping)
+    for rank in (0, 1):
+        assert reasons[rank][0] == "rank 2 failed with ValueError: the user's step broke", reasons[rank]
