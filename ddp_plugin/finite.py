@@ -16,3 +16,35 @@ def all_finite(tensor: torch.Tensor) -> bool:
     if tensor.numel() == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
         return True
     return bool(torch.isfinite(torch.linalg.vector_norm(tensor, float("inf"))))
+
+
+def finite_flag(tensor: torch.Tensor) -> torch.Tensor:
+    """:func:`all_finite` as a 0-dim bool tensor on ``tensor``'s device, for code that must not wait for an
+    accelerator: turning the answer into a Python bool (``bool``, ``if``) blocks the host until the device has
+    computed it, where a flag handed on to device operations (``masked_fill_``, ``torch.where``) does not."""
+    if tensor.numel() == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
+        return torch.ones((), dtype=torch.bool, device=tensor.device)
+    return torch.isfinite(torch.linalg.vector_norm(tensor, float("inf")))
+
+
+def zero_unless(tensor: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Zero ``tensor`` in place unless ``keep`` (a 0-dim bool tensor on its device, :func:`finite_flag`'s say)
+    holds; returns ``tensor``. On an accelerator the host never reads ``keep``: a ``masked_fill_`` with it as a
+    broadcast mask, one pass over the tensor in stream order. On the CPU reading it waits for nothing, and
+    zeroing only when needed saves that pass (measured on CPU: ``masked_fill_`` takes several times
+    an ``add_`` of the same tensor)."""
+    if tensor.device.type == "cpu":
+        if not keep:
+            tensor.zero_()
+        return tensor
+    return tensor.masked_fill_(keep.logical_not(), 0)
+
+
+def zero_if_not_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """Zero ``tensor`` in place when any of its values is NaN or infinite; returns it. Without the host waiting
+    for an accelerator (see :func:`zero_unless`); on the CPU with :func:`all_finite`, as before."""
+    if tensor.device.type == "cpu":
+        if not all_finite(tensor):
+            tensor.zero_()
+        return tensor
+    return zero_unless(tensor, finite_flag(tensor))

@@ -218,6 +218,24 @@ def test_non_finite_gradient_reaches_the_output_and_does_not_poison_later_steps(
     assert torch.isfinite(state["residual"]).all()
 
 
+def test_int8_non_finite_value_drops_its_ranks_whole_residual_and_its_chunk_owners(ranks):
+    # 512 values in 4 chunks (one per rank) of 2 blocks of 64: the NaN is rank 1's value 7, in block 0 of the
+    # chunk rank 0 averages. Its block's scale is NaN, and so is the mean's block 0 that everyone decodes.
+    data = inputs(1, 512, seed=10)
+    data[1, 0, 7] = float("nan")
+    results = ranks.run(reduce_steps, "int8", {"block_size": 64}, [(16, 32)], data)
+    out = results[0][0][0]
+    assert torch.isnan(out[:64]).all() and torch.isfinite(out[64:]).all()
+    residuals = [state["residual"] for _, state, _ in results]
+    chunk_residuals = [state["chunk_residual"] for _, state, _ in results]
+    # The whole residual of the rank that held it, not only its block's; the others keep theirs.
+    assert torch.equal(residuals[1], torch.zeros(512))
+    assert all(torch.isfinite(r).all() and r.abs().sum() > 0 for i, r in enumerate(residuals) if i != 1)
+    # The second quantization's residual of rank 0's chunk of the mean, whole; the other chunks' stay.
+    assert torch.equal(chunk_residuals[0], torch.zeros(2, 64))
+    assert all(torch.isfinite(r).all() and r.abs().sum() > 0 for r in chunk_residuals[1:])
+
+
 # ---------------------------------------------------------------------- top-k
 
 
@@ -235,6 +253,20 @@ def test_topk_with_ratio_one_is_the_exact_mean(ranks):
     data = inputs(1, 300, seed=4)
     out = ranks.run(reduce_steps, "topk", {"ratio": 1.0}, [(300,)], data)[0][0][0]
     torch.testing.assert_close(out, data[:, 0].mean(0))
+
+
+def test_topk_sends_non_finite_values_first_and_drops_the_residual_of_what_it_could_not_send(ranks):
+    # A NaN counts as the largest magnitude: up to k of them are sent and leave a finite residual; beyond k the
+    # residual would carry NaN into every later step, so that rank's residual is dropped whole.
+    data = inputs(1, 500, seed=11)
+    data[1, 0, :3] = float("nan")  # k = 50 of 500: all three sent
+    data[2, 0, :60] = float("nan")  # ten NaN left behind
+    results = ranks.run(reduce_steps, "topk", {"ratio": 0.1}, [(500,)], data)
+    residuals = [state["residual"] for _, state, _ in results]
+    assert torch.isfinite(residuals[1]).all() and residuals[1].abs().sum() > 0
+    assert torch.equal(residuals[2], torch.zeros(500))
+    out = results[0][0][0]
+    assert torch.isnan(out).sum() >= 50 and torch.isfinite(out[60:]).all()  # rank 2's 50 NaN were sent
 
 
 # ---------------------------------------------------------------------- PowerSGD
@@ -289,6 +321,43 @@ def many_buckets(rank, world, count):
             reduce(codec, tensor, bucket)
             outs.append(tensor)
     return torch.cat(outs)
+
+
+def powersgd_around_a_non_finite_step(rank, world, data):
+    """Every step's output with and without warm start (a NaN at step 1 of 4), every rank's residual after the
+    NaN step, the checkpoint saved then, and steps 2 and 3 of a codec resumed from it."""
+    outs, residual, saved, resumed = {}, None, None, []
+    for warm in (True, False):
+        options = {"rank": 2, "start_iter": 0, "warm_start": warm}
+        codec, bucket, steps = new_codec("powersgd", options), make_bucket([(24, 40), (40,)]), []
+        for step in range(data.shape[1]):
+            steps.append(data[rank, step].clone())
+            reduce(codec, steps[-1], bucket)
+            if warm and step == 1:
+                residual = codec.states[0].residual.clone()
+                saved = codec.on_save_state_dict(), codec.on_save_rank_state_dict()
+                again = new_codec("powersgd", options)
+                again.on_load_state_dict(state=saved[0], rank_state=saved[1])
+        outs[warm] = torch.stack(steps)
+    for step in (2, 3):
+        resumed.append(data[rank, step].clone())
+        reduce(again, resumed[-1], bucket)
+    return outs, residual, saved[0], torch.stack(resumed)
+
+
+def test_powersgd_draws_q_afresh_after_a_non_finite_step(ranks):
+    # A NaN gradient leaves NaN in Q; warm start must not reuse it: the next step draws Q from the generator
+    # seeded for that step, as a codec without warm start does (every residual was dropped, so the inputs of
+    # the two codecs are the same then), and a checkpoint saved in between holds no Q.
+    data = inputs(4, 24 * 40 + 40, seed=12)
+    data[2, 1, 5] = float("nan")
+    for outs, residual, saved, resumed in ranks.run(powersgd_around_a_non_finite_step, data):
+        assert not torch.isfinite(outs[True][1]).all()
+        assert torch.equal(residual, torch.zeros_like(residual))
+        assert torch.equal(outs[True][2], outs[False][2])
+        assert not torch.equal(outs[True][3], outs[False][3])  # (warm start is back at the step after)
+        assert "q" not in saved["codec/powersgd"][0] and saved["codec/powersgd"][0]["iteration"] == 2
+        assert torch.equal(resumed, outs[True][2:])
 
 
 # ---------------------------------------------------------------------- error feedback and state

@@ -9,7 +9,7 @@ import torch
 
 from ddp_plugin.checks import check_bool, check_int
 from ddp_plugin.codecs.base import BucketState, Codec
-from ddp_plugin.finite import all_finite
+from ddp_plugin.finite import zero_if_not_finite, zero_unless
 from ddp_plugin.hookspecs import completed_future
 
 if TYPE_CHECKING:
@@ -34,11 +34,18 @@ def dequantize_int8(q: Tensor, scales: Tensor, dtype: torch.dtype = torch.float3
 
 def finite_or_zero(residual: Tensor) -> Tensor:
     """A non-finite gradient (an fp16 loss-scale overflow the optimizer will skip) must not poison every later
-    step through the residual: drop the residual then. The non-finite values themselves still reach the
-    output, so the overflow check after backward sees them."""
-    if not all_finite(residual):
-        return torch.zeros_like(residual)
-    return residual
+    step through the residual: drop the residual then (zeroed in place; returned). The non-finite values
+    themselves still reach the output, so the overflow check after backward sees them. On an accelerator the
+    host does not wait to learn which it was (:func:`~ddp_plugin.finite.zero_if_not_finite`)."""
+    return zero_if_not_finite(residual)
+
+
+def div_(x: Tensor, divisor: int) -> Tensor:
+    """``x /= divisor`` in place with the same bits on every device. Divided by a Python number, CUDA multiplies
+    by its float32 reciprocal (torch's kernel, for speed) where the CPU divides, and ``x * (1/127)`` is off by
+    one in the last bit from ``x / 127`` for some ``x``; divided by a 0-dim tensor on ``x``'s device, both
+    divide, correctly rounded (IEEE), so the codes and scales are the same bits there as on the CPU."""
+    return x.div_(torch.full((), divisor, dtype=x.dtype, device=x.device))
 
 
 class Int8State(BucketState):
@@ -176,12 +183,11 @@ class Int8Codec(Codec):
             x.view(-1)[:numel].add_(tensor)
         else:
             x = _padded_rows(tensor, rows, width, scratch)
-        finite = True
         for a in range(0, rows, step):
             z = min(a + step, rows)
-            finite &= quantize_into(x[a:z], q[a:z], scales[a:z], work[0, : z - a], in_place=self.error_feedback)
-        if not finite and self.error_feedback:
-            x.zero_()
+            quantize_into(x[a:z], q[a:z], scales[a:z], work[0, : z - a], in_place=self.error_feedback)
+        if self.error_feedback:  # a non-finite value anywhere drops the whole residual (see finite_or_zero)
+            zero_unless(x, blocks_finite(scales))
 
         # Shot 1: chunk j (blocks j*blocks ... ) to rank j.
         s_in = scratch.get("s_in", rows, torch.float32, dev).view(n, blocks)
@@ -199,7 +205,6 @@ class Int8Codec(Codec):
                 state.chunk_residual = torch.zeros(blocks, width, device=dev)
             chunk_residual = state.chunk_residual
         q2, s2 = q_in[0], s_in[0]
-        finite = True
         for a in range(0, blocks, step):
             z = min(a + step, blocks)
             mean, part = work[0, : z - a], work[1, : z - a]
@@ -207,13 +212,13 @@ class Int8Codec(Codec):
             for j in range(1, n):
                 part.copy_(q_in[j, a:z]).mul_(s_in[j, a:z].unsqueeze(1))
                 mean.add_(part)
-            mean.div_(n)
+            div_(mean, n)
             if chunk_residual is not None:
                 mean.add_(chunk_residual[a:z])
             y = chunk_residual[a:z] if chunk_residual is not None else part
-            finite &= quantize_into(mean, q2[a:z], s2[a:z], y)
-        if not finite and chunk_residual is not None:
-            chunk_residual.zero_()
+            quantize_into(mean, q2[a:z], s2[a:z], y)
+        if chunk_residual is not None:
+            zero_unless(chunk_residual, blocks_finite(s2))
 
         # Shot 2: everyone gets every rank's quantized chunk of the mean (into q and scales, sent and free),
         # dequantized straight into the tensor (the padding's rows through the work buffer).
@@ -251,17 +256,21 @@ def _padded_rows(tensor: Tensor, rows: int, width: int, scratch: Scratch) -> Ten
     return x.view(rows, width)
 
 
-def quantize_into(x: Tensor, q: Tensor, scales: Tensor, y: Tensor, in_place: bool = False) -> bool:
-    """:func:`quantize_rows` of the float32 rows ``x`` into given buffers: the int8 codes into ``q``, the scales
+def quantize_into(x: Tensor, q: Tensor, scales: Tensor, y: Tensor, in_place: bool = False) -> None:
+    """:func:`quantize_int8` of the float32 rows ``x`` into given buffers: the int8 codes into ``q``, the scales
     into ``scales``, and what rounding took, ``x - q * s``, into ``y`` (shaped as ``x``, not aliasing it; the
     rounding's scratch first), or with ``in_place`` into ``x`` itself (``y`` then only the rounding's scratch).
-    False when a block holds a non-finite value, whose scale is then non-finite (the error holds nothing of
-    use then; see :func:`finite_or_zero`). Allocates only a row of clamped scales."""
-    torch.linalg.vector_norm(x, float("inf"), dim=1, out=scales).div_(INT8_MAX)  # NaN and inf propagate
+    A block that holds a non-finite value has a non-finite scale and an error that holds nothing of use: the
+    caller asks :func:`blocks_finite` and drops it (see :func:`finite_or_zero`), so nothing here makes the host
+    wait for the device. Allocates only a row of clamped scales."""
+    div_(torch.linalg.vector_norm(x, float("inf"), dim=1, out=scales), INT8_MAX)  # NaN and inf propagate
     tiny = torch.finfo(torch.float32).tiny
     torch.div(x, scales.clamp_min(tiny).unsqueeze(1), out=y).round_().clamp_(-INT8_MAX, INT8_MAX)
     q.copy_(y)
-    if not torch.isfinite(scales).all():
-        return False
     torch.addcmul(x, y, scales.unsqueeze(1), value=-1, out=x if in_place else y)
-    return True
+
+
+def blocks_finite(scales: Tensor) -> Tensor:
+    """Whether every block these scales belong to held finite values only (a NaN or an infinity makes its block's
+    scale non-finite), as a 0-dim bool tensor on their device: the host need not wait for it."""
+    return torch.isfinite(scales).all()

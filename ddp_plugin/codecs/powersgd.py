@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from ddp_plugin.checks import check_bool, check_int, check_number
 from ddp_plugin.codecs.base import BucketState, Codec
 from ddp_plugin.codecs.int8 import finite_or_zero
-from ddp_plugin.finite import all_finite
+from ddp_plugin.finite import finite_flag
 from ddp_plugin.hookspecs import completed_future, local_tensor
 
 if TYPE_CHECKING:
@@ -76,7 +77,30 @@ class PowerSGDState(BucketState):
         # Derived from the bucket's layout, never saved: they live and die with the state, which starts afresh
         # when the bucket's size changes (a layout kept apart from it met the next size's tensor).
         self.segments: list[tuple[int, int, int]] | None = None
-        self.rest: Tensor | None = None  # True where values travel uncompressed
+        self.rest: Tensor | None = None
+        """Where values travel uncompressed: their positions in the tensor, ascending, on its device (gathered
+        and scattered with ``index_select``/``index_copy_``; a boolean mask would make the host wait for the
+        device to count it, every step)."""
+        self.q_finite: Tensor | None = None
+        """Whether ``q`` is finite, as a 0-dim bool tensor on its device (None: it is, as one drawn or loaded):
+        a non-finite gradient leaves a non-finite Q, which the next step replaces by one drawn afresh, decided
+        on the device (see :meth:`PowerSGDCodec.initial_q`)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """As saved before ``q_finite`` existed: a non-finite Q is left out (a resumed run draws one afresh)."""
+        state = super().state_dict()
+        if self.q_finite is not None and not self.q_finite:  # (a save waits for the device anyway: a copy)
+            state.pop("q", None)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.q_finite = None
+
+    def to(self, device: torch.device) -> None:
+        super().to(device)
+        if self.q_finite is not None and self.q_finite.device != device:
+            self.q_finite = self.q_finite.to(device)
 
 
 class PowerSGDCodec(Codec):
@@ -183,10 +207,8 @@ class PowerSGDCodec(Codec):
         # The uncompressed rest first, averaged exactly; it travels while the matrix products run.
         rest = state.rest
         if rest is None or rest.device != tensor.device:
-            rest = state.rest = torch.ones(tensor.numel(), dtype=torch.bool, device=tensor.device)
-            for o, rows, cols in segments:
-                rest[o : o + rows * cols] = False
-        rest_values = x[rest].div_(n)
+            rest = state.rest = rest_positions(segments, tensor.numel(), tensor.device)
+        rest_values = x.index_select(0, rest).div_(n)
         rest_work = self.comm.all_reduce(rest_values, group=group, async_op=True)
 
         if segments:
@@ -194,10 +216,7 @@ class PowerSGDCodec(Codec):
             matrices = [x[o : o + rows * cols].view(rows, cols) for o, rows, cols in segments]
             q_numel = sum(cols * r for (_, _, cols), r in zip(segments, ranks))
             p_numel = sum(rows * r for (_, rows, _), r in zip(segments, ranks))
-            q_flat = state.q if self.warm_start else None
-            if q_flat is None or q_flat.numel() != q_numel:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + bucket.index * 1009 + iteration)
-                q_flat = torch.randn(q_numel, generator=g).to(device=tensor.device, dtype=x.dtype)
+            q_flat = self.initial_q(state, q_numel, bucket, iteration, x)
             p_flat = x.new_empty(p_numel)
             ps = _views(p_flat, [(rows, r) for (_, rows, _), r in zip(segments, ranks)])
             qs = _views(q_flat, [(cols, r) for (_, _, cols), r in zip(segments, ranks)])
@@ -210,19 +229,57 @@ class PowerSGDCodec(Codec):
                 torch.matmul(m.t(), p, out=q)
             self.comm.all_reduce(q_flat, group=group, async_op=True).wait()
             q_flat.div_(n)
-            # Warm start reuses Q; a non-finite gradient would otherwise leave NaN in every later step.
-            state.q = q_flat if all_finite(q_flat) else None
+            # Warm start reuses Q; a non-finite gradient would otherwise leave NaN in every later step: the next
+            # step replaces a non-finite Q (initial_q), and the host never waits to learn whether it was.
+            state.q, state.q_finite = q_flat, finite_flag(q_flat)
             # Decompress in place (M is no longer needed): the tensor's matrices become P Q^T.
             for (o, rows, cols), p, q in zip(segments, ps, qs):
                 torch.matmul(p, q.t(), out=tensor[o : o + rows * cols].view(rows, cols))
 
         rest_work.wait()
-        tensor[rest] = rest_values
+        tensor.index_copy_(0, rest, rest_values)
         if self.error_feedback:
             residual = x.sub_(tensor)  # x is the residual's memory or a private copy here
-            residual[rest] = 0
+            residual.index_fill_(0, rest, 0)
             state.residual = finite_or_zero(residual)
         return completed_future(tensor)
+
+    def initial_q(self, state: PowerSGDState, numel: int, bucket: Bucket, iteration: int, like: Tensor) -> Tensor:
+        """This step's Q before the power iteration: with ``warm_start`` the last step's, else (and where there is
+        none yet, or the last one was not finite) one drawn afresh from a generator seeded from ``seed``, the
+        bucket's index and ``iteration``, alike on every rank. Whether the last Q was finite is known on the
+        device only, so a warm start draws a fresh Q every step and picks one of the two there (``torch.where``:
+        either one's bits, as a choice on the host would give)."""
+        q = state.q if self.warm_start else None
+        if q is None or q.numel() != numel:
+            return self.draw_q(numel, bucket, iteration, like)
+        if state.q_finite is None:  # (drawn or loaded: finite)
+            return q
+        return torch.where(state.q_finite, q, self.draw_q(numel, bucket, iteration, like), out=q)
+
+    def draw_q(self, numel: int, bucket: Bucket, iteration: int, like: Tensor) -> Tensor:
+        """A Q drawn afresh, on ``like``'s device and in its dtype: from a CPU generator (the same numbers on every
+        device), copied to a CUDA device from pinned memory, which the host need not wait for."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + bucket.index * 1009 + iteration)
+        q = torch.randn(numel, generator=g).to(like.dtype)
+        if like.device.type == "cuda":
+            return q.pin_memory().to(like.device, non_blocking=True)
+        return q.to(like.device)
+
+
+def rest_positions(segments: list[tuple[int, int, int]], numel: int, device: torch.device) -> Tensor:
+    """The positions of a tensor of ``numel`` values outside the ``segments`` (``(offset, rows, cols)``, sorted
+    by offset), ascending, as an int64 tensor built on ``device`` (ranges, no copy from the host)."""
+    ranges, start = [], 0
+    for o, rows, cols in segments:
+        if o > start:
+            ranges.append((start, o))
+        start = o + rows * cols
+    if numel > start:
+        ranges.append((start, numel))
+    if not ranges:
+        return torch.empty(0, dtype=torch.long, device=device)
+    return torch.cat([torch.arange(a, b, dtype=torch.long, device=device) for a, b in ranges])
 
 
 def _views(flat: Tensor, shapes: list[tuple[int, int]]) -> list[Tensor]:

@@ -65,9 +65,9 @@ class TopKCodec(Codec):
             x = residual.add_(x) if usable else x.clone()
         magnitudes = self.comm.scratch(numel, torch.float32, x.device)
         indices = torch.abs(x, out=magnitudes).topk(k, sorted=False).indices
-        values = x[indices]
+        values = x.index_select(0, indices)
         if self.error_feedback:
-            x[indices] = 0
+            x.index_fill_(0, indices, 0)
             state.residual = finite_or_zero(x)
         index_dtype = torch.int32 if numel < 2**31 else torch.int64
         all_values = values.new_empty(n * k)
