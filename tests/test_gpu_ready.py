@@ -54,8 +54,9 @@ def test_communication_time_is_device_time(cuda):
 
 @needs_cuda
 def test_no_host_synchronization_per_bucket(cuda):
-    # The same syncs per step with 8 buckets as with 2 (the finite checks of skip_nonfinite included).
-    assert cuda["syncs"]["8"] == cuda["syncs"]["2"], cuda["syncs"]
+    # About the same syncs per step with 8 buckets as with 2 (the finite checks of skip_nonfinite included): a sync
+    # per bucket would add 6 a step. (On an H100, 2026-11-26: 9.67 and 9.5 a step, one sync in 6 steps apart.)
+    assert abs(cuda["syncs"]["8"] - cuda["syncs"]["2"]) < 1, cuda["syncs"]
 
 
 @needs_cuda
