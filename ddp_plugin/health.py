@@ -521,8 +521,11 @@ def diagnose(error: BaseException, what: str = "gradient synchronization") -> st
                 news = _within(STORE_TIMEOUT_S + 1, lambda: _News(store, world))
         steps = _within(STORE_TIMEOUT_S + 1, lambda: {
             r: int(s) for r in range(world) if (s := _read(store, "step", r)) is not None})
-        gone = news.gone or news.ended() or [r for r in range(world) if r not in alive and r not in news.victims
-                                           and not news.failed]
+        # Of the peers of this machine whose processes ended, the first to end: a survivor that a launcher
+        # stopped after the cause (torchrun SIGTERMs every rank once one has died) is not a cause.
+        ended = news.ended()
+        gone = news.gone or (_first_ended(ended) if ended else []) or [
+            r for r in range(world) if r not in alive and r not in news.victims and not news.failed]
         if gone and not news.gone:
             _within(STORE_TIMEOUT_S + 1, lambda: _tell(store, f"{_PREFIX}/gone", ",".join(map(str, gone))))
     except Exception:  # noqa: BLE001

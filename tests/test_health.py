@@ -252,3 +252,29 @@ def test_the_nccl_watch_aborts_at_once_when_a_peer_reports_its_error(pool):
     reasons = pool.run(_rank_2_reports_while_stepping)
     for rank in (0, 1):
         assert reasons[rank][0] == "rank 2 failed with ValueError: the user's step broke", reasons[rank]
+
+
+def _rank_2_ended_then_rank_1(rank, world_size):
+    # As under torchrun: rank 2 dies, then the launcher stops rank 1 (SIGTERM) before it could say it only gave up.
+    heartbeat = health.Heartbeat() if rank == 0 else None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        dist.barrier()
+        if rank == 2:
+            store.set("ddp_plugin/health/process/2", _an_ended_process())
+        time.sleep(1.0)  # (rank 0's heartbeat sees rank 2 end first)
+        if rank == 1:
+            store.set("ddp_plugin/health/process/1", _an_ended_process())
+        time.sleep(1.0)
+        dist.barrier()
+        return health.diagnose(ERROR) if rank == 0 else None
+    finally:
+        dist.barrier()
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def test_of_two_ended_peers_the_one_that_ended_first_is_named(pool):
+    message = pool.run(_rank_2_ended_then_rank_1)[0]
+    assert message.startswith("rank 0: gradient synchronization failed because rank 2 stopped responding (killed,"
+                               " crashed or hung). Original error:"), message
