@@ -8,10 +8,14 @@ that injects a fault writes ``DIR/fault`` (the time, then what it did) just befo
 
 - ``strategy``: ``"ours"`` (``HierarchicalZeroStrategy(**flags)``) or ``"ddp"`` (Lightning's ``DDPStrategy``)
 - ``flags``: keyword arguments of the strategy (``timeout`` in seconds)
-- ``devices`` (4), ``steps`` (12), ``model`` (``"mlp"`` or ``"blocks"``: GPT-2's layout, blocks in an
-  ``nn.ModuleList``, tied embedding and head), ``width`` (32), ``optimizer`` (``"adamw"`` or ``"lars"``: a
-  per-tensor trust ratio in a subclass of ``SGD``)
-- ``fault``: ``{"kind": "sigstop" | "sigkill" | "raise" | "nan", "rank": r, "step": s}``
+- ``devices`` (4), ``steps`` (12), ``model`` (``"mlp"``; ``"blocks"``: GPT-2's layout, blocks in an
+  ``nn.ModuleList``, tied embedding and head; ``"gpt"``: ``ddp_plugin.testing.gpt``'s tied GPT, which splits for
+  ``tensor_parallel_size`` in ``configure_model`` and computes its loss with ``pipeline_loss`` for pipeline
+  stages), ``width`` (32), ``optimizer`` (``"adamw"`` or ``"lars"``: a per-tensor trust ratio in a subclass of
+  ``SGD``)
+- ``fault``: ``{"kind": "sigstop" | "sigkill" | "raise" | "nan" | "sigkill_in_save", "rank": r, "step": s}``;
+  ``sigkill_in_save``: the rank kills itself as the checkpoint save after step ``s`` starts writing its part of a
+  sharded checkpoint (``torch.distributed.checkpoint.save``, the others inside it); needs ``save_every``
 - ``save_every``: ``trainer.save_checkpoint(ckpt)`` after every this many steps; ``stall_save``: rank 0 stops
   writing the second of them half way and waits to be killed (``DIR/fault`` written then)
 - ``ckpt``: checkpoint path for ``save_every`` and ``save_after_fit``; ``resume``: ``ckpt_path`` for ``fit``
@@ -49,6 +53,7 @@ def main() -> None:
 
     from ddp_plugin import HierarchicalZeroStrategy
     from ddp_plugin.testing.data import sine_dataset
+    from ddp_plugin.testing.gpt import GPTModule, token_dataset
     from ddp_plugin.testing.models import LARS, mlp
     from ddp_plugin.testing.processes import inject_fault
 
@@ -122,8 +127,34 @@ def main() -> None:
                 data = sine_dataset(n, 8, seed=0)
             return DataLoader(data, batch_size=16 // spec.get("devices", 4))
 
+    class GPTModel(GPTModule):
+        """The tied GPT of the 3-D mesh (``model == "gpt"``), with the same faults in ``training_step``."""
+
+        def __init__(self) -> None:
+            super().__init__(vocab=32, d_model=width, heads=2, layers=2, seq=8)
+
+        def training_step(self, batch, batch_idx):
+            if fault and self.global_rank == fault.get("rank") and self.global_step == fault.get("step", 5) \
+                    and fault["kind"] != "sigkill_in_save":
+                _mark_fault(out, fault["kind"])
+                inject_fault(fault["kind"])
+            return super().training_step(batch, batch_idx)
+
+        def train_dataloader(self):
+            return DataLoader(token_dataset(8 * spec.get("devices", 4) * spec.get("steps", 12), seq=8, vocab=32),
+                              batch_size=8)
+
     class SaveEvery(L.Callback):
         def on_train_batch_end(self, trainer, *args) -> None:
+            if fault.get("kind") == "sigkill_in_save" and trainer.global_step == fault.get("step", 5) \
+                    and rank == fault.get("rank"):
+                import torch.distributed.checkpoint as dcp
+
+                def killed_while_saving(*args, **kwargs):
+                    _mark_fault(out, "sigkill_in_save")
+                    inject_fault("sigkill")
+
+                dcp.save = killed_while_saving
             if trainer.global_step % spec["save_every"] == 0:
                 if spec.get("stall_save") and trainer.global_step == 2 * spec["save_every"] and rank == 0:
                     _stall_writes(out)
@@ -138,11 +169,13 @@ def main() -> None:
     else:
         strategy = HierarchicalZeroStrategy(**flags)
     L.seed_everything(0, verbose=False)
-    model = Model()
+    model = GPTModel() if spec.get("model") == "gpt" else Model()
     trainer = L.Trainer(
         accelerator="cpu", devices=spec.get("devices", 4), strategy=strategy, max_steps=spec.get("steps", 12),
         callbacks=[SaveEvery()] if spec.get("save_every") else [], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        # (the pipeline stages and tensor-parallel peers of the mesh read the same batch: the strategy's sampler)
+        use_distributed_sampler=spec.get("model") == "gpt",
     )
     trainer.fit(model, ckpt_path=spec.get("resume"))
     if spec.get("save_after_fit"):

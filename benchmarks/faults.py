@@ -2,6 +2,7 @@
 
     python benchmarks/faults.py                       # every fault; writes benchmarks/results/faults.md
     python benchmarks/faults.py --only sigstop,nan    # names containing these words
+    python benchmarks/faults.py --only mesh --out benchmarks/results/faults_mesh.md   # the 3-D mesh's rows
 
 Each fault is one run of ``benchmarks/fault_worker.py`` per contender: 4 CPU ranks over gloo under Lightning's own
 launcher (ours as 2 simulated nodes of 2 ranks, ``devices_per_node=2``, unless the row says one node), a small
@@ -207,10 +208,48 @@ def faults() -> list[Fault]:
               _trains_outcome),
         Fault("broadcast_buffers=\"no\"", "`broadcast_buffers=\"no\"`",
               {**_base(broadcast_buffers="no")}, {**_base(broadcast_buffers="no")}, _trains_outcome),
+        *mesh_faults(),
         Fault("stage 3, blocks in a ModuleList", "GPT-2's layout (blocks in an `nn.ModuleList`, smaller than a unit),"
               " stage 3 with the default `auto_wrap_policy`",
               {**_base(**OURS_2x2, zero_stage=3), "model": "blocks"}, {**_base(), "model": "blocks"}, _trains_outcome),
     ]
+
+
+MESH = {"TP 2 x DP 2": {"devices_per_node": 2, "tensor_parallel_size": 2},
+        "P 2 x D 2": {"devices_per_node": 2, "pipeline_parallel_size": 2},
+        "P 2 x T 2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}}
+
+
+def mesh_faults() -> list[Fault]:
+    """The 3-D mesh's rows (names start with "mesh"): the tied GPT of ``ddp_plugin.testing.gpt``, a rank in each
+    position killed, stopped or raising at step 5 (a tensor-parallel peer, the first and the last pipeline stage),
+    and a kill in the middle of a sharded save with tensor parallelism and with pipeline stages. Lightning's
+    ``ddp`` has no counterpart (no tensor or pipeline parallelism); its times for the same faults with data
+    parallelism are the rows above."""
+    rows = []
+    for layout, kind, rank, where in [
+        ("TP 2 x DP 2", "sigkill", 1, "a tensor-parallel peer of rank 0"),
+        ("TP 2 x DP 2", "sigstop", 3, "the second data-parallel rank's tensor-parallel peer"),
+        ("TP 2 x DP 2", "raise", 2, "the second data-parallel rank"),
+        ("P 2 x D 2", "sigkill", 0, "the first stage's, which hosts the store"),
+        ("P 2 x D 2", "sigstop", 1, "the first stage's second data-parallel rank"),
+        ("P 2 x D 2", "raise", 3, "the last stage's"),
+        ("P 2 x T 2", "sigkill", 2, "the last stage's first tensor-parallel rank"),
+        ("P 2 x T 2", "sigstop", 1, "the first stage's second tensor-parallel rank"),
+        ("P 2 x T 2", "raise", 3, "the last stage's second tensor-parallel rank"),
+    ]:
+        verb = {"sigkill": "`kill -9`", "sigstop": "`kill -STOP`", "raise": "an exception in `training_step`"}[kind]
+        rows.append(Fault(f"mesh {layout} {kind} {rank}", f"{layout}, the tied GPT: {verb} of rank {rank} ({where})",
+                          {**_base(**MESH[layout]), "model": "gpt",
+                           "fault": {"kind": kind, "rank": rank, "step": 5}}, None, _crash_outcome))
+    for layout, rank in [("TP 2 x DP 2", 1), ("P 2 x D 2", 3)]:
+        rows.append(Fault(
+            f"mesh {layout} kill mid-save", f"{layout}, the tied GPT, `checkpoint=\"sharded\"` saved after steps 3 and"
+            f" 6: `kill -9` of rank {rank} as the second save starts writing its part",
+            {**_base(**MESH[layout], checkpoint="sharded"), "model": "gpt", "save_every": 3,
+             "fault": {"kind": "sigkill_in_save", "rank": rank, "step": 6}}, None,
+            _with_checkpoint(_crash_outcome), prepare=_ckpt_in_scratch))
+    return rows
 
 
 def _ckpt_in_scratch(spec: dict, scratch: Path) -> dict:
@@ -251,8 +290,13 @@ def _with_checkpoint(outcome: Callable[[Run, str], str]) -> Callable[[Run, str],
         if not ckpt.exists():
             return f"{text}; no checkpoint file"
         try:
+            if ckpt.is_dir():  # (a sharded checkpoint: a directory of DCP files)
+                from ddp_plugin.sharded_checkpoint import load
 
-            step = torch.load(ckpt, weights_only=False, map_location="cpu")["global_step"]
+                loaded = load(ckpt)
+                step = f"{loaded['global_step']}, {len(loaded['state_dict'])} tensors"
+            else:
+                step = torch.load(ckpt, weights_only=False, map_location="cpu")["global_step"]
             return f"{text}; the checkpoint loads (step {step})"
         except Exception as err:  # noqa: BLE001
             return f"{text}; **the checkpoint does not load** ({type(err).__name__})"

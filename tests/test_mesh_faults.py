@@ -45,7 +45,7 @@ def run_fault(tmp_path: Path, mode: str, rank: int, flags: dict) -> tuple[dict[i
     try:
         deadline = time.monotonic() + STARTUP_S
         mark = {"die": r"rank \d kills itself \(SIGKILL\) at ([\d.]+)", "raise": r"rank \d raises at ([\d.]+)",
-                "stop": None}[mode]
+                "stop": None, "save": r"rank \d kills itself \(SIGKILL\) at ([\d.]+)"}[mode]
         fault_at = None
         while fault_at is None:
             assert time.monotonic() < deadline, "training never reached the fault"
@@ -106,3 +106,22 @@ def test_a_fault_inside_the_mesh_is_named_by_every_survivor_and_teardown_adds_no
     # Within the fault matrix's bounds: at once for a kill or a raise; the timeout and the watch for a stop.
     bound = TIMEOUT_S + 8 if mode == "stop" else 10
     assert max(gone_after.values()) < bound + 30, gone_after  # (+ exit: CPU work on a busy 2-core machine)
+
+
+@pytest.mark.parametrize(("layout", "rank"), [("tp2_dp2", 1), ("pp2_dp2", 3)])
+def test_a_kill_during_a_sharded_save_in_the_mesh_is_named_and_the_previous_checkpoint_loads(tmp_path, layout, rank):
+    from ddp_plugin.sharded_checkpoint import load
+
+    lines, gone_after, out = run_fault(tmp_path, "save", rank, {**LAYOUTS[layout], "checkpoint": "sharded"})
+    survivors = {0, 1, 2, 3} - {rank}
+    assert set(gone_after) == survivors, f"still running a minute past the timeout:\n{out[-4000:]}"
+    assert "Couldn't swap" not in out, out[-4000:]
+    cause = f"rank {rank} stopped responding (killed, crashed or hung)"
+    assert [r for r in survivors if r in lines and cause in lines[r]], out[-6000:]
+    assert max(gone_after.values()) < 10 + 30, gone_after
+    # The checkpoint saved after step 2 is still under its name, whole: every parameter of the unsplit model.
+    ckpt = load(tmp_path / "mesh.ckpt")
+    assert ckpt["global_step"] == 2
+    assert {"model.tok.weight", "model.blocks.0.attn.q.weight", "model.blocks.1.mlp.fc.weight"} <= set(
+        ckpt["state_dict"]), sorted(ckpt["state_dict"])[:10]
+    assert ckpt["state_dict"]["model.tok.weight"].shape == (32, 32)

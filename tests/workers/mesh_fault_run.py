@@ -1,7 +1,9 @@
 """Worker for the mesh fault tests (tests/test_mesh_faults.py): the tiny tied GPT on a 3-D mesh layout under
 Lightning's launcher, one rank killed (SIGKILL), stopped (SIGSTOP) or raising at a fixed step, at the start of its
 training step: the other ranks meet it inside the mesh's collectives (tensor-parallel forward and backward,
-pipeline sends and receives), not in the gradient sync.
+pipeline sends and receives), not in the gradient sync. Mode ``save``: every rank saves ``DIR/mesh.ckpt`` after
+step 2 and again after step 5 (pass ``"checkpoint": "sharded"`` in ``--flags``), and the faulty rank kills itself
+as the second save starts writing its part (``torch.distributed.checkpoint.save``), while the others are in it.
 
     python tests/workers/mesh_fault_run.py --mode die --rank 1 --flags '{"tensor_parallel_size": 2}' --out DIR
 
@@ -37,8 +39,21 @@ class FaultyGPT(GPTModule):
     def on_fit_start(self) -> None:
         write_pid_file(self.out, self.global_rank)
 
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.mode != "save" or self.global_step not in (2, FAULT_STEP):
+            return
+        if self.global_step == FAULT_STEP and self.global_rank == self.fault_rank:
+            import torch.distributed.checkpoint as dcp
+
+            def killed_while_saving(*args, **kwargs):
+                print_line(f"rank {self.global_rank} kills itself (SIGKILL) at {time.time():.3f}")
+                inject_fault("sigkill")
+
+            dcp.save = killed_while_saving
+        self.trainer.save_checkpoint(os.path.join(self.out, "mesh.ckpt"))
+
     def training_step(self, batch, batch_idx):
-        if self.global_rank == self.fault_rank and self.global_step == FAULT_STEP:
+        if self.global_rank == self.fault_rank and self.global_step == FAULT_STEP and self.mode != "save":
             if self.mode == "die":
                 print_line(f"rank {self.global_rank} kills itself (SIGKILL) at {time.time():.3f}")
                 inject_fault("sigkill")
@@ -55,7 +70,7 @@ class FaultyGPT(GPTModule):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", required=True, choices=["die", "stop", "raise"])
+    parser.add_argument("--mode", required=True, choices=["die", "stop", "raise", "save"])
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--flags", default="{}")
     parser.add_argument("--timeout", type=float, default=8.0)
