@@ -399,7 +399,8 @@ def main(argv: list[str] | None = None) -> None:
         "# Fault matrix",
         "",
         f"`python benchmarks/faults.py` at {rev or 'an unknown revision'}: 4 CPU ranks over gloo under Lightning's"
-        " launcher (ours as 2 simulated nodes x 2 unless the row says one node), a small MLP with AdamW,"
+        " launcher (ours as 2 simulated nodes x 2 unless the row says one node), a small MLP with AdamW (the mesh's rows:"
+        " the tied GPT of `ddp_plugin.testing.gpt`),"
         f" `timeout={TIMEOUT_S}` s for both. Times are from the fault until the last other rank exited (where a fault is"
         f" injected), else the run's wall time; rows with several runs show the median run. torch {torch.__version__},"
         f" lightning {lightning.__version__}, {os.cpu_count()} cores, {platform.platform()}, load average {load_at_start:.2f}"
