@@ -84,3 +84,30 @@ def test_communication_time_and_the_share_hidden_behind_backward_are_reported(ru
 
 def test_progress_bar_shows_the_statistics_when_asked(runs):
     assert {"comm/cross_node_MB", "comm/intra_node_MB", "comm/wait_ms"} <= set(runs["hierarchical"]["progress_bar"])
+
+
+def test_a_done_callback_that_runs_after_the_sync_point_still_counts_the_step():
+    # A future's waiters wake before its callbacks run: the engine's sync point can pass (and the metrics be
+    # collected) before a bucket's done-callback has stamped it. That step's communication time still counts,
+    # and is never below the wait (comm/time_ms read 30.2 with comm/wait_ms 33.0 in CI once).
+    import torch
+
+    from ddp_plugin import Bucket
+    from ddp_plugin.comm import TracedCommunicator
+    from ddp_plugin.plugins.traffic import TrafficAccounting
+
+    plugin = TrafficAccounting()
+    plugin.on_setup(comm=TracedCommunicator())
+    bucket = Bucket(index=0, buffer=torch.zeros(4), params=(), names=(), offsets=())
+    future = torch.futures.Future()
+    wrapper = plugin.on_bucket_ready(bucket)
+    next(wrapper)
+    try:
+        wrapper.send(future)
+    except StopIteration:
+        pass
+    plugin.on_after_backward(buckets=[bucket], sync_wait_s=0.05)
+    metrics = plugin.on_collect_metrics()
+    assert metrics["comm/time_ms"] >= metrics["comm/wait_ms"] == 50.0, metrics
+    future.set_result(None)  # (late: counted once, already)
+    assert plugin.on_collect_metrics()["comm/time_ms"] == 0.0

@@ -39,9 +39,9 @@ class TrafficAccounting:
     def __init__(self) -> None:
         self._comm: Communicator | None = None
         self._clock = Clock(torch.device("cpu"))
-        self._steps: list[tuple[Stamp, list[Stamp], list[int], float]] = []
+        self._steps: list[tuple[Stamp, list[Stamp], list[int], float, Stamp]] = []
         """Steps whose communication time is not known yet: the first launch, the buckets' completions, how many
-        buckets launched (a one-item list), and the wait at the end of backward."""
+        buckets launched (a one-item list), the wait at the end of backward, and that end."""
         self._reset()
 
     def _reset(self) -> None:
@@ -96,18 +96,23 @@ class TrafficAccounting:
         self.cross_node_bytes += traffic.cross_node_bytes
         self.wait_s += sync_wait_s
         if self._first_launch is not None:
-            self._steps.append((self._first_launch, self._done, self._launched, sync_wait_s))
+            # Every bucket was done by now (the engine waited for them): a done-callback that has not run yet (a
+            # future's waiters wake before its callbacks run) counts as done at this stamp.
+            self._steps.append((self._first_launch, self._done, self._launched, sync_wait_s, self._clock.stamp()))
         self._first_launch, self._done, self._launched = None, [], [0]
         self._settle()
 
     def _settle(self) -> None:
         """Count the communication time of the steps whose every bucket the device has finished."""
         clock, left = self._clock, []
-        for first, done, launched, wait in self._steps:
-            start = clock.seconds(first)
-            ends = [clock.seconds(d) for d in list(done)]
-            if start is None or len(ends) < launched[0] or None in ends:
-                left.append((first, done, launched, wait))
+        for step in self._steps:
+            first, done, launched, wait, step_end = step
+            stamps = list(done)
+            if len(stamps) < launched[0]:
+                stamps.append(step_end)
+            start, ends = clock.seconds(first), [clock.seconds(d) for d in stamps]
+            if start is None or None in ends:
+                left.append(step)
                 continue
             self.comm_s += max(max(ends) - start, wait)
         self._steps = left[-64:]  # (a future that never completed must not keep every step)
