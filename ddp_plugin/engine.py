@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ddp_plugin import health
 from ddp_plugin.clock import Clock
+from ddp_plugin.finite import finite_flag
 from ddp_plugin.streams import SideStream
 from ddp_plugin.hookspecs import Bucket, completed_future, is_tensor_parallel_shard, local_tensor, set_local_grad
 
@@ -254,9 +255,8 @@ class GradientEngine:
     def _launch(self, bucket: Bucket) -> None:
         if self.check_finite:
             # Checked before the reduction (a codec could turn a NaN into a finite value on the wire), on the
-            # device: the largest magnitude is finite exactly when every value is (see ddp_plugin.finite).
-            largest = torch.linalg.vector_norm(bucket.buffer, float("inf"))
-            self._nonfinite.logical_or_(torch.isfinite(largest).logical_not_())
+            # device (ddp_plugin.finite.finite_flag: no host read).
+            self._nonfinite.logical_or_(finite_flag(bucket.buffer).logical_not_())
         # (On CUDA: past this bucket's last gradient and the check above, on the backward's stream.)
         ready = self._side.hand_over(bucket.buffer)
         self._in_flight.append(self._thread.submit(self._reduce, bucket, ready))
