@@ -6,7 +6,6 @@ The engine knows nothing about how a bucket is reduced; it hands each ready buck
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -17,10 +16,11 @@ import torch.distributed as dist
 from ddp_plugin import health
 from ddp_plugin.clock import Clock
 from ddp_plugin.finite import finite_flag
-from ddp_plugin.streams import SideStream
+from ddp_plugin.streams import SideThread
 from ddp_plugin.hookspecs import Bucket, completed_future, is_tensor_parallel_shard, local_tensor, set_local_grad
 
 if TYPE_CHECKING:
+    import concurrent.futures
     from pluggy import HookRelay
     from torch import Tensor
     from torch.nn import Module, Parameter
@@ -203,11 +203,9 @@ class GradientEngine:
         """With ``check_finite``: whether a bucket launched in this backward held a NaN/Inf, kept on the device
         (a host read per bucket would stall the CPU on CUDA); read once, at the sync point."""
         self.clock = Clock(device)
-        self._side = SideStream(device)
+        self._thread = SideThread(device, "ddp_plugin-comm")
+        self._side = self._thread.side
         """The communication thread's CUDA stream (see ddp_plugin.streams)."""
-        self._thread = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="ddp_plugin-comm", initializer=self._side.bind
-        )
 
     # ------------------------------------------------------------------ backward
 
@@ -317,7 +315,7 @@ class GradientEngine:
             # A peer died or hung: say which one, rather than gloo's "Connection closed by peer [ip]:port".
             with health.diagnosed():
                 for submitted in self._in_flight:
-                    submitted.result().wait()
+                    health.wait(health.wait(submitted))
                 if flags_work is not None:
                     flags_work.wait()
         finally:
@@ -345,9 +343,10 @@ class GradientEngine:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def remove(self) -> None:
-        """Remove the autograd hooks and stop the communication thread."""
+    def remove(self, failed: bool = False) -> None:
+        """Remove the autograd hooks and stop the communication thread; after a ``failed`` fit without waiting
+        for it (it may be inside a collective with a rank that is gone: see ddp_plugin.streams)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._thread.shutdown(wait=True)
+        self._thread.close(wait=not failed)

@@ -20,10 +20,19 @@ reads its peers' counters, and when a peer has stopped beating (or the store say
 gone, or a peer process on this machine ended) it leaves the finding on the store and aborts this rank's NCCL
 communicators (``ProcessGroupNCCL``'s abort, as torch's own error handling does): the blocked collective then
 fails, and :func:`diagnose` names the rank as on gloo.
+
+On gloo a rank's own collectives fail once a peer's process is gone, but a rank can also wait on a peer that is
+alive and waiting in turn: the tensor-parallel peer whose broadcast of a bucket it waits for, when that peer's own
+reduction of the bucket failed. That wait ends only when the peer's process ends and closes its connections,
+seconds later (its teardown, its interpreter's exit). So on gloo the heartbeat watches the store's news only
+(another rank failed, found a rank gone, or is diagnosing a failed collective): it then releases this rank's waits
+on its communication threads (:func:`wait`), which raise :class:`PeersFailed`, diagnosed as any failed
+collective.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import signal
@@ -34,8 +43,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import cache
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 _T = TypeVar("_T")
@@ -134,7 +144,7 @@ class Heartbeat(threading.Thread):
                         self.watch.poll(store, self._rank, self._world_size, self.step, time.monotonic())
                     next_beat = time.monotonic() + BEAT_INTERVAL_S
             except Exception:  # noqa: BLE001 - the store's host is gone; diagnose() will say so
-                if self.watch is None or not self._group_alive() or self._stopping.is_set():
+                if self.watch is None or self.watch.news_only or not self._group_alive() or self._stopping.is_set():
                     break
                 # On NCCL nothing else would release this rank's waits: once the store has not answered for the
                 # watch's stall time (not one slow reply), its host (rank 0 under Lightning's launcher) is gone.
@@ -173,12 +183,15 @@ class PeerWatch:
     - this rank's step has not moved for ``timeout_s`` (the process group's timeout) while every peer beats: a
       collective that never completes (a deadlock, a mismatch); the diagnosis then names the ranks furthest
       behind.
+
+    ``news_only`` (gloo, where collectives fail by themselves): the first reason only, the store's news.
     """
 
     def __init__(self, abort: Callable[[str], None], timeout_s: float | None, idle_s: float = WATCH_IDLE_S,
-                 stall_s: float = WATCH_STALL_S) -> None:
+                 stall_s: float = WATCH_STALL_S, news_only: bool = False) -> None:
         self.abort = abort
         self.timeout_s, self.idle_s, self.stall_s = timeout_s, idle_s, stall_s
+        self.news_only = news_only
         self.fired: str | None = None
         self._step: int | None = None
         self._progress_at = 0.0
@@ -207,6 +220,10 @@ class PeerWatch:
                 reason = "; ".join(f"rank {r} failed with {msg}" for r, msg in sorted(failed.items()))
             elif found.victims - before.victims - {me}:
                 reason = f"{_ranks(sorted(found.victims - before.victims - {me}))} met a failed collective"
+        if self.news_only:
+            if reason is not None:
+                self.fire(reason)
+            return
         ended = [r for r in _ended_at if r != me]
         if reason is None and ended:
             reason = f"{_ranks(_first_ended(sorted(ended)))} stopped responding (killed, crashed or hung): its process" \
@@ -234,8 +251,12 @@ class PeerWatch:
             return
         self.fired = reason
         rank = dist.get_rank() if dist.is_initialized() else 0
-        log.error("ddp_plugin: rank %d: %s; aborting this rank's NCCL communicators, so that its collectives fail"
-                  " instead of waiting", rank, reason)
+        if self.news_only:
+            log.info("ddp_plugin: rank %d: %s; releasing this rank's waits on its communication threads", rank,
+                     reason)
+        else:
+            log.error("ddp_plugin: rank %d: %s; aborting this rank's NCCL communicators, so that its collectives"
+                      " fail instead of waiting", rank, reason)
         self.abort(reason)
 
 
@@ -253,11 +274,41 @@ def abort_nccl(reason: str) -> None:
 
 
 def peer_watch(timeout_s: float | None) -> PeerWatch | None:
-    """The heartbeat's watch for this process's default group: on NCCL (see :class:`PeerWatch`), else none (gloo's
-    collectives fail by themselves when a peer is gone)."""
-    if not dist.is_initialized() or dist.get_backend() != "nccl":
+    """The heartbeat's watch for this process's default group (see :class:`PeerWatch`): on NCCL the whole watch,
+    on gloo the store's news only, which releases :func:`wait`. Starts a fit: :func:`wait` waits again."""
+    _released.clear()
+    if not dist.is_initialized():
         return None
-    return PeerWatch(abort_nccl, timeout_s)
+    if dist.get_backend() == "nccl":
+        return PeerWatch(abort_nccl, timeout_s)
+    return PeerWatch(_release_waits, timeout_s, news_only=True)
+
+
+class PeersFailed(dist.DistError):
+    """Raised by :func:`wait` once the store says another rank failed: the awaited collective, on a thread of this
+    rank's, will not complete in time (it waits on a rank whose run is over)."""
+
+
+_released = threading.Event()
+_released_reason = ""
+
+
+def _release_waits(reason: str) -> None:
+    global _released_reason
+    _released_reason = reason
+    _released.set()
+
+
+def wait(future: concurrent.futures.Future | torch.futures.Future) -> Any:
+    """The result of ``future`` (of work on one of this rank's communication threads, or of a collective), or
+    :class:`PeersFailed` as soon as the heartbeat's watch has found another rank's run over (on gloo: see the
+    module's docstring); the thread it waited for is left to the end of the process."""
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    while not done.wait(POLL_S):
+        if _released.is_set():
+            raise PeersFailed(f"waited on a collective that will not complete: {_released_reason}")
+    return future.result() if isinstance(future, concurrent.futures.Future) else future.wait()
 
 
 def _start_time(pid: int) -> str | None:

@@ -187,15 +187,16 @@ class FitSession:
         self.planner = AdaptivePlanner(plan, lambda: self._probe(self.planner.plan.routes))
         return HIERARCHICAL in routes, bucket_size_mb
 
-    def close(self) -> None:
-        """End of ``fit``: the plugins' teardown, the engine's hooks and thread, the heartbeat. The plugins stay."""
+    def close(self, failed: bool = False) -> None:
+        """End of ``fit``: the plugins' teardown, the engine's hooks and thread, the heartbeat. The plugins stay.
+        ``failed``: the fit raised (no collectives, no waiting for threads: see ``on_teardown``)."""
         if not self.active:
             return
         self.active = False
         try:
-            self.plugin_manager.hook.on_teardown()
+            self.plugin_manager.hook.on_teardown(failed=failed)
         finally:
-            self.engine.remove()
+            self.engine.remove(failed=failed)
             self.heartbeat.stop()
             self._print_metric_summary()
 

@@ -432,7 +432,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             self._whereabouts.remove()
             self._whereabouts = None
         if self._running():
-            _after(failing, self._session.close)
+            _after(failing, lambda: self._session.close(failed=failing is not None))
         module = self.lightning_module
         if module is not None and module._trainer is not None:
             if module.trainer.state.fn == TrainerFn.FITTING and self._layer_sync:

@@ -15,9 +15,21 @@ reducer and FSDP2 keep their communication on streams of their own, with the sam
   side thread wrote.
 
 On CPU (and any device without streams) every method does nothing.
+
+The threads themselves are :class:`SideThread`: one daemon thread each, running its work in order. A collective
+that failed leaves the thread's later collectives unrun (they would pair with the wrong collective of a peer),
+and after a failed fit nothing waits for the thread: it may sit in a collective with a peer that is gone or
+stopped until the collective timeout, and only this process ending closes its connections, which is what
+releases the peers (see docs/failures.md).
 """
 
 from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -55,3 +67,47 @@ class SideStream:
         """In the training thread: its stream waits for everything queued on the side stream so far."""
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+class SideThread:
+    """A daemon thread that runs the work submitted to it one item at a time, in order, on a
+    :class:`SideStream` of its own (``self.side``).
+
+    Once an item raised, the items after it are not run: their futures fail with an error that names the first
+    one. :meth:`close` ``(wait=False)``, after a failed fit, leaves the thread to the end of the process."""
+
+    def __init__(self, device: torch.device, name: str) -> None:
+        self.side = SideStream(device)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        self.side.bind()
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            if self._failed is not None:
+                future.set_exception(RuntimeError(
+                    f"{self._thread.name}: not run, an earlier item failed: {type(self._failed).__name__}:"
+                    f" {self._failed}"))
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the future
+                self._failed = err
+                future.set_exception(err)
+            del item, future, fn, args
+
+    def close(self, wait: bool = True) -> None:
+        """No more work. ``wait``: until what was submitted has run (the normal end of a fit)."""
+        self._queue.put(None)
+        if wait:
+            self._thread.join()

@@ -129,12 +129,14 @@ def on_setup_optimizer(optimizer: Optimizer) -> None:
 
 
 @hookspec
-def on_teardown() -> None:
+def on_teardown(failed: bool) -> None:
     """Called once at the end of ``fit``, also after an exception. Collective when the fit ended normally
-    (a stage 3 sharder gathers the parameters back); after an exception implementations must tolerate
-    failing collectives. Release threads and handles, but keep what the state hooks need:
-    ``trainer.save_checkpoint`` after ``fit`` still asks for it.
+    (a stage 3 sharder gathers the parameters back). Release threads and handles, but keep what the state hooks
+    need: ``trainer.save_checkpoint`` after ``fit`` still asks for it.
 
+    :param failed: the fit raised. Then run no collective (a peer may be gone or stopped: a collective with it
+        would wait out the timeout before the error reaches the user) and do not wait for a thread that may be
+        inside one; the process is about to end.
     :returns: nothing.
     """
 

@@ -5,8 +5,10 @@ test_reliability.py.)"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -278,3 +280,60 @@ def test_of_two_ended_peers_the_one_that_ended_first_is_named(pool):
     message = pool.run(_rank_2_ended_then_rank_1)[0]
     assert message.startswith("rank 0: gradient synchronization failed because rank 2 stopped responding (killed,"
                                " crashed or hung). Original error:"), message
+
+
+# ---------------------------------------------------------------------- the gloo watch (news only) and health.wait
+# On gloo a rank can wait, on its communication thread, for a peer that is alive and waiting in turn (the
+# tensor-parallel peer whose broadcast of a bucket never comes, its own reduction having failed): the store's
+# news that another rank failed releases that wait at once, instead of the peer's exit seconds later.
+
+def _waiting_on_gloo(rank, world_size, report: dict[int, str], silent: set[int], complete_after: float | None):
+    watch = health.peer_watch(timeout_s=None)
+    assert watch is not None and watch.news_only
+    heartbeat = health.Heartbeat(watch) if rank not in silent else None
+    try:
+        dist.barrier()
+        time.sleep(1.5)  # (news to a watch that has begun)
+        if rank in report:
+            health.report_exception(ValueError(report[rank]))
+            return None
+        never = concurrent.futures.Future()
+        if complete_after is not None:
+            threading.Timer(complete_after, never.set_result, ("done",)).start()
+        started = time.monotonic()
+        try:
+            return "returned", health.wait(never), time.monotonic() - started
+        except health.PeersFailed as err:
+            return "released", health.is_collective_failure(err) and str(err), time.monotonic() - started
+    finally:
+        dist.barrier()
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def _rank_2_reports_while_the_others_wait(rank, world_size):
+    return _waiting_on_gloo(rank, world_size, {2: "the user's step broke"}, set(), None)
+
+
+def test_on_gloo_a_peers_reported_error_releases_a_wait_on_a_collective_that_will_not_complete(pool):
+    results = pool.run(_rank_2_reports_while_the_others_wait)
+    for rank in (0, 1):
+        how, message, took = results[rank]
+        assert how == "released", results[rank]
+        assert message == ("waited on a collective that will not complete: rank 2 failed with ValueError: the"
+                           " user's step broke"), message
+        assert took < 10, took  # the next beat (0.5 s) on an idle machine
+
+
+def _rank_2_silent_while_the_others_wait_on_gloo(rank, world_size):
+    return _waiting_on_gloo(rank, world_size, {}, {2}, complete_after=6.0)
+
+
+def test_the_gloo_watch_reads_news_only_and_a_wait_that_completes_returns_its_result(pool):
+    # No heartbeat from rank 2 for 6 s: gloo's own collectives say when a peer is gone, so the news-only watch
+    # does not act on silence (a busy machine's late beats would end healthy runs).
+    results = pool.run(_rank_2_silent_while_the_others_wait_on_gloo)
+    for rank in (0, 1):
+        how, value, took = results[rank]
+        assert (how, value) == ("returned", "done"), results[rank]
+        assert took >= 5.5, took

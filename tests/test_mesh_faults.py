@@ -30,7 +30,8 @@ LAYOUTS = {
 }
 
 
-def run_fault(tmp_path: Path, mode: str, rank: int, flags: dict) -> tuple[dict[int, str], dict[int, float], str]:
+def run_fault(tmp_path: Path, mode: str, rank: int, flags: dict,
+              timeout: float = TIMEOUT_S) -> tuple[dict[int, str], dict[int, float], str]:
     """Run the worker until the faulty rank has faulted and every other rank's process has ended (at most the
     timeout plus a minute after the fault). Returns each survivor's exit line, how many seconds after the fault
     each was gone, and the output."""
@@ -38,7 +39,7 @@ def run_fault(tmp_path: Path, mode: str, rank: int, flags: dict) -> tuple[dict[i
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [interpreter(), str(WORKERS / "mesh_fault_run.py"), "--mode", mode, "--rank", str(rank), "--flags",
-             json.dumps(flags), "--timeout", str(TIMEOUT_S), "--out", str(tmp_path)],
+             json.dumps(flags), "--timeout", str(timeout), "--out", str(tmp_path)],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=clean_env(),
         )
     pids: dict[int, int] = {}
@@ -61,7 +62,7 @@ def run_fault(tmp_path: Path, mode: str, rank: int, flags: dict) -> tuple[dict[i
         pids = pid_files(tmp_path)
         others = {r: pid for r, pid in pids.items() if r != rank}
         gone_after: dict[int, float] = {}
-        while time.time() - fault_at < TIMEOUT_S + 60 and len(gone_after) < len(others):
+        while time.time() - fault_at < timeout + 60 and len(gone_after) < len(others):
             for r, pid in others.items():
                 if r not in gone_after and (not alive(pid) or stopped(pid)):
                     gone_after[r] = time.time() - fault_at
@@ -106,6 +107,19 @@ def test_a_fault_inside_the_mesh_is_named_by_every_survivor_and_teardown_adds_no
     # Within the fault matrix's bounds: at once for a kill or a raise; the timeout and the watch for a stop.
     bound = TIMEOUT_S + 8 if mode == "stop" else 10
     assert max(gone_after.values()) < bound + 30, gone_after  # (+ exit: CPU work on a busy 2-core machine)
+
+
+def test_a_kill_in_the_tensor_parallel_mesh_ends_every_survivor_long_before_the_collective_timeout(tmp_path):
+    # TP 2 x DP 2, rank 1 killed: rank 2's reduction of a replicated bucket fails (its data-parallel peer, rank 0,
+    # is gone), so it never broadcasts the bucket to rank 3, its tensor-parallel peer, which waited for that
+    # broadcast until the collective timeout (21.8 s at timeout=20 in the fault matrix), and rank 2's teardown
+    # waited as long for its communication thread. With a timeout of two minutes, every survivor is gone within
+    # the first one (seconds on an idle machine).
+    timeout = 120
+    lines, gone_after, out = run_fault(tmp_path, "die", 1, LAYOUTS["tp2_dp2"], timeout=timeout)
+    assert set(gone_after) == {0, 2, 3}, out[-4000:]
+    assert max(gone_after.values()) < timeout / 2, (gone_after, out[-6000:])
+    assert [r for r in (0, 2, 3) if "rank 1 stopped responding" in lines.get(r, "")], out[-6000:]
 
 
 @pytest.mark.parametrize(("layout", "rank"), [("tp2_dp2", 1), ("pp2_dp2", 3)])

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from ddp_plugin import health
 from ddp_plugin.clock import Clock, Intervals
-from ddp_plugin.streams import SideStream
+from ddp_plugin.streams import SideStream, SideThread
 from ddp_plugin.comm import RS_PIECE_BYTES, gather_flat_to_root
 from ddp_plugin.hookspecs import (
     DeferredStorage,
@@ -258,7 +258,7 @@ class OuterSync:
         """The outer thread's CUDA stream (see ddp_plugin.streams)."""
         self._drift: list[float] = []
         self._pending_state: tuple[Mapping[str, Any], Mapping[str, Any] | None] | None = None
-        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._thread: SideThread | None = None
         self.access: ShardParts | ModuleChunks | None = None
         self.optimizers: list[Optimizer] = []
         self._inner_pending: list[Any] | None = None
@@ -329,9 +329,8 @@ class OuterSync:
         self.state_kinds, self.state_kinds_example = _state_kinds(self.outer_spec)
         self._clock = Clock(t.device)
         self._waits = Intervals(self._clock)
-        self._side = SideStream(t.device)
-        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp_plugin-outer",
-                                                             initializer=self._side.bind)
+        self._thread = SideThread(t.device, "ddp_plugin-outer")
+        self._side = self._thread.side
         if self._pending_state is not None:
             self._restore(*self._pending_state)
             self._pending_state = None
@@ -341,8 +340,15 @@ class OuterSync:
         self.optimizers.append(optimizer)
 
     @hookimpl
-    def on_teardown(self) -> None:
-        # The fit ends: a sync in flight is applied now rather than lost, so the model is the run's last word.
+    def on_teardown(self, failed: bool) -> None:
+        # The fit ends: a sync in flight is applied now rather than lost, so the model is the run's last word;
+        # after a failure it is dropped (its collectives may wait on a rank that is gone).
+        if failed:
+            self.in_flight.clear()
+            if self._thread is not None:
+                self._thread.close(wait=False)
+                self._thread = None
+            return
         try:
             applied = bool(self.in_flight)
             for flight in list(self.in_flight):
@@ -353,7 +359,7 @@ class OuterSync:
             log.warning("ddp_plugin: could not apply the outer syncs in flight at the end of fit: %s", err)
         finally:
             if self._thread is not None:
-                self._thread.shutdown(wait=True)
+                self._thread.close()
                 self._thread = None
 
     @property
@@ -635,7 +641,7 @@ class OuterSync:
     def _apply(self, flight: InFlight) -> None:
         started = self._clock.stamp()
         with health.diagnosed(OUTER_SYNC):
-            updates, drift = flight.result.result()
+            updates, drift = health.wait(flight.result)
         self._side.join()
         self._waits.add(started, self._clock.stamp())
         self.in_flight.remove(flight)
@@ -679,7 +685,7 @@ class OuterSync:
         """Wait for the averages in flight (they are saved; applying them early would change the run)."""
         with health.diagnosed(OUTER_SYNC):
             for flight in self.in_flight:
-                flight.result.result()
+                health.wait(flight.result)
         self._side.join()
 
     def _names(self, piece: Piece) -> list[tuple[str, int, int, int]]:

@@ -96,12 +96,14 @@ class ZeroSharder:
         self.optimizers.shard(optimizer)
 
     @hookimpl
-    def on_teardown(self) -> None:
+    def on_teardown(self, failed: bool) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
         if self.units is not None:
             self.units.remove_hooks()
+            if failed:  # (a gather with a rank that is gone would wait out the timeout)
+                return
             # Leave the module whole after fit (validation, export, `trainer.save_checkpoint`).
             try:
                 self.units.gather_all()
