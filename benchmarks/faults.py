@@ -243,7 +243,9 @@ def mesh_faults() -> list[Fault]:
         fault = {"model": "gpt", "fault": {"kind": kind, "rank": rank, "step": 5}}
         rows.append(Fault(f"mesh {layout} {kind} {rank}", f"{layout}, the tied GPT: {verb} of rank {rank} ({where};"
                           " `ddp`: data parallel)", {**_base(**MESH[layout]), **fault}, {**_base(), **fault},
-                          _crash_outcome))
+                          # (a kill or a raise: a second or two, where Lightning's launcher, which checks its
+                          # children every 5 s, may end the run first; the median of 3 runs)
+                          _crash_outcome, repeat=1 if kind == "sigstop" else 3))
     for layout, rank in [("TP 2 x DP 2", 1), ("P 2 x D 2", 3)]:
         rows.append(Fault(
             f"mesh {layout} kill mid-save", f"{layout}, the tied GPT, `checkpoint=\"sharded\"` saved after steps 3 and"

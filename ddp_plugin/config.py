@@ -96,6 +96,8 @@ class StrategyConfig:
     pipeline_schedule: str = "1f1b"
     pipeline_virtual_stages: int | None = None
     """Stages per rank; ``None``: 2 with ``"interleaved_1f1b"``, else 1."""
+    activation_checkpointing_policy: tuple[type | str, ...] | None = None
+    """Module classes (or names) whose forward is recomputed in the backward; ``None``: off."""
     hpz_partition_size: int | None = None
     """From a DeepSpeed config's ``zero_hpz_partition_size``: must equal the ranks per node (checked at setup)."""
 
@@ -131,6 +133,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
     """Each given value checked and normalized; missing ones keep their defaults."""
     from ddp_plugin.codecs import check_compression
     from ddp_plugin.plugin_manager import check_plugins
+    from ddp_plugin.activation_checkpointing import check_policy as check_activation_checkpointing_policy
     from ddp_plugin.zero.units import check_auto_wrap_policy
 
     out: dict[str, Any] = {}
@@ -168,6 +171,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "pipeline_schedule": lambda v: check_choice("pipeline_schedule", v, PIPELINE_SCHEDULES),
         "pipeline_virtual_stages": lambda v: None if v is None else check_int("pipeline_virtual_stages", v,
                                                                               minimum=1),
+        "activation_checkpointing_policy": check_activation_checkpointing_policy,
         "hpz_partition_size": lambda v: v,
     }
     for name, value in values.items():

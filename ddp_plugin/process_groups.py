@@ -60,6 +60,7 @@ class ProcessGroups:
     _made: ClassVar[dict[tuple[Any, ...], ProcessGroups]] = {}
     _users: ClassVar[weakref.WeakSet] = weakref.WeakSet()
     _atexit_registered: ClassVar[bool] = False
+    failed: ClassVar[bool] = False
 
     def __init__(self, layout: Layout, topology: Topology, bookkeeping: dist.ProcessGroup,
                  backend: str | None = None) -> None:
@@ -172,7 +173,8 @@ class ProcessGroups:
         cls._made.clear()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        gc.collect()
+        if not cls.failed:
+            gc.collect()
 
 
 def check_ranks_per_node(environment: ClusterEnvironment, ranks_per_node: int, world_size: int) -> None:

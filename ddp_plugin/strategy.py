@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ddp_plugin import cpu_memory, pipeline, tensor_parallel
+from ddp_plugin import activation_checkpointing, cpu_memory, pipeline, tensor_parallel
 from ddp_plugin.checkpoint_io import AtomicCheckpointIO
 from ddp_plugin.checkpointing import CheckpointRouting
 from ddp_plugin.config import CONFIG_FLAGS, UNSET, StrategyConfig, flag_names
@@ -123,6 +123,9 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             batch must split into them evenly.
         pipeline_schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"interleaved_1f1b"``.
         pipeline_virtual_stages: stages per rank with ``"interleaved_1f1b"`` (default 2).
+        activation_checkpointing_policy: module classes (or their names) whose activations are recomputed in
+            the backward instead of kept, as ``FSDPStrategy``'s flag: e.g. ``{Block}``; with every layout
+            (docs/activation_checkpointing.md). Default ``None``: off.
     """
 
     strategy_name = "hierarchical_zero"
@@ -160,6 +163,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         pipeline_microbatches: int | None = None,
         pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b",
         pipeline_virtual_stages: int | None = None,
+        activation_checkpointing_policy: Any = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -327,7 +331,14 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
                                      if self._groups.has_device_mesh else None)
         for group in tensor_parallel.restore_ties(self.model, self._ties):
             log.info("ddp_plugin: %s tied again after `configure_model`", " = ".join(group))
+        policy = self.config.activation_checkpointing_policy
+        if policy is not None and not hasattr(self.model, "_ddp_plugin_stages"):
+            activation_checkpointing.check_present(self.model, policy)  # (the whole model, before a split)
         ties = self._split_into_stages() if topology.pipeline_parallel_size > 1 else []
+        if policy is not None:
+            checkpointed = activation_checkpointing.apply(self.model, policy)
+            log.info("ddp_plugin: activation checkpointing on %d modules of this rank (%s)", len(checkpointed),
+                     ", ".join(checkpointed[:3]) + (", ..." if len(checkpointed) > 3 else ""))
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
@@ -428,6 +439,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         # Lightning tears down inside its `except` when the fit failed: then the error the user reads must stay the
         # first one. Each step runs on its own, and one that fails too is logged, not raised.
         failing = sys.exc_info()[1]
+        ProcessGroups.failed = failing is not None
         if self._whereabouts is not None:
             self._whereabouts.remove()
             self._whereabouts = None
