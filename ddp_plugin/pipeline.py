@@ -4,10 +4,11 @@ head) kept bit-identical.
 
 The user contract (docs/pipeline.md):
 
-- The model is a module whose children, in registration order, are modules before a ``ModuleList`` of blocks
-  (they go to the first stage), the blocks (split into contiguous runs balanced by parameter count) and modules
-  after it (the last stage). Its ``forward`` tolerates the missing ones: a child another stage holds is ``None``,
-  and the block list holds this stage's blocks only, under their original indices (torchtitan's manual split).
+- The model is a module whose children, in registration order, are modules before a ``ModuleList`` of blocks,
+  or a ``ModuleDict`` of them keyed by layer id as torchtitan's models hold theirs (they go to the first stage),
+  the blocks (split into contiguous runs balanced by parameter count) and modules after it (the last stage). Its
+  ``forward`` tolerates the missing ones: a child another stage holds is ``None``, and the block list (or dict)
+  holds this stage's blocks only, under their original indices or keys (torchtitan's manual split).
 - ``training_step`` computes its loss as ``self.pipeline_loss(self.model(x), y)``, where ``pipeline_loss(output,
   target)`` is a method of the LightningModule. Under ``ddp`` that is an ordinary call. Here the model's call
   returns a placeholder holding ``x``, and ``pipeline_loss`` runs the schedule over the microbatches of ``x`` and
@@ -41,15 +42,21 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class StagePlan:
     """How the model splits: ``owner`` (the module path of the model, ``""`` for the LightningModule itself),
-    ``blocks`` (its ``ModuleList`` child), ``before``/``after`` (its other children, first and last stage), and
-    per stage (``stage_blocks[s]``) the block indices stage ``s`` runs. Stage ``s`` runs on pipeline rank
-    ``s % pipeline_parallel_size`` (torch's interleaved assignment; one stage per rank without it)."""
+    ``blocks`` (its ``ModuleList`` or ``ModuleDict`` child), ``before``/``after`` (its other children, first and
+    last stage), and per stage (``stage_blocks[s]``) the positions of the blocks stage ``s`` runs; ``keys`` are the
+    blocks' names in the container, by position (``"0"``, ``"1"``, ... in a list). Stage ``s`` runs on pipeline
+    rank ``s % pipeline_parallel_size`` (torch's interleaved assignment; one stage per rank without it)."""
 
     owner: str
     blocks: str
     before: tuple[str, ...]
     after: tuple[str, ...]
     stage_blocks: tuple[tuple[int, ...], ...]
+    keys: tuple[str, ...] = ()
+    is_dict: bool = False
+
+    def key(self, position: int) -> str:
+        return self.keys[position] if self.keys else str(position)
 
     @property
     def num_stages(self) -> int:
@@ -65,7 +72,8 @@ class StagePlan:
         if child in self.after:
             return {self.num_stages - 1}
         if child == self.blocks:
-            index = int(tail.partition(".")[0])
+            key = tail.partition(".")[0]
+            index = self.keys.index(key) if self.keys else int(key)
             return {s for s, blocks in enumerate(self.stage_blocks) if index in blocks}
         return set(range(self.num_stages))
 
@@ -81,16 +89,18 @@ def check_module(module: nn.Module, pipeline_size: int) -> None:
 
 
 def plan_stages(module: nn.Module, num_stages: int) -> StagePlan:
-    """Find the model's block list (the ``ModuleList`` with the most parameters) and split it into ``num_stages``
-    contiguous runs balanced by parameter count, the modules before it counted with the first stage and those
-    after it with the last (DeepSpeed's ``partition_method="parameters"``). Raises ``TypeError`` for a module
-    that does not follow the contract."""
-    lists = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    """Find the model's blocks (the ``ModuleList`` or ``ModuleDict`` with the most parameters) and split them into
+    ``num_stages`` contiguous runs, in order, balanced by parameter count, the modules before them counted with the
+    first stage and those after them with the last (DeepSpeed's ``partition_method="parameters"``). Raises
+    ``TypeError`` for a module that does not follow the contract."""
+    lists = [(name, m) for name, m in module.named_modules()
+             if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m)]
     if not lists:
         raise TypeError(
-            f"`pipeline_parallel_size` needs a model whose layers are an `nn.ModuleList` of blocks to split into"
-            f" stages; {type(module).__name__} has none. Hold the repeated blocks in an `nn.ModuleList` (as"
-            " `self.blocks`), modules before it (embeddings) and after it (final norm, output head) as siblings."
+            f"`pipeline_parallel_size` needs a model whose layers are an `nn.ModuleList` (or an `nn.ModuleDict`"
+            f" keyed by layer id) of blocks to split into stages; {type(module).__name__} has none. Hold the"
+            " repeated blocks in one (as `self.blocks`), modules before it (embeddings) and after it (final norm,"
+            " output head) as siblings."
         )
     path, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
     owner_path, _, blocks_name = path.rpartition(".")
@@ -123,11 +133,14 @@ def plan_stages(module: nn.Module, num_stages: int) -> StagePlan:
         return sum(p.numel() for p in m.parameters()) if m is not None else 0
 
     children_by_name = dict(children)
+    is_dict = isinstance(blocks, nn.ModuleDict)
+    keys = tuple(blocks.keys()) if is_dict else ()
+    blocks = list(blocks.values()) if is_dict else list(blocks)
     sizes = [count(b) for b in blocks]
     sizes[0] += sum(count(children_by_name[n]) for n in before)
     sizes[-1] += sum(count(children_by_name[n]) for n in after)
     runs = _balanced_runs(sizes, num_stages)
-    return StagePlan(owner_path, blocks_name, before, after, tuple(tuple(r) for r in runs))
+    return StagePlan(owner_path, blocks_name, before, after, tuple(tuple(r) for r in runs), keys, is_dict)
 
 
 def _balanced_runs(sizes: Sequence[int], parts: int) -> list[list[int]]:
@@ -170,14 +183,23 @@ class StageBlocks(nn.ModuleList):
         return list(self._modules.values())[idx]
 
 
+def stage_blocks(plan: StagePlan, blocks: Mapping[int, nn.Module]) -> nn.Module:
+    """The container of the blocks at ``blocks``' positions, as the model holds them: a :class:`StageBlocks`, or
+    for a ``ModuleDict`` one under the original keys, in order (torchtitan deletes the other stages' keys)."""
+    if plan.is_dict:
+        return nn.ModuleDict({plan.key(i): blocks[i] for i in sorted(blocks)})
+    return StageBlocks(blocks)
+
+
 def split_module(module: nn.Module, plan: StagePlan, stages: Iterable[int]) -> None:
     """Keep in ``module`` only what ``stages`` run: the other stages' blocks leave the block list (a
-    :class:`StageBlocks`) and the first and last stage's modules become ``None`` elsewhere. In place."""
+    :class:`StageBlocks`, or a ``ModuleDict`` of the stages' keys) and the first and last stage's modules become
+    ``None`` elsewhere. In place."""
     stages = set(stages)
     owner = module.get_submodule(plan.owner)
     keep = {i for s in stages for i in plan.stage_blocks[s]}
     blocks = getattr(owner, plan.blocks)
-    setattr(owner, plan.blocks, StageBlocks({i: blocks[i] for i in keep}))
+    setattr(owner, plan.blocks, stage_blocks(plan, {i: blocks._modules[plan.key(i)] for i in keep}))
     for name in plan.before if 0 not in stages else ():
         setattr(owner, name, None)
     for name in plan.after if plan.num_stages - 1 not in stages else ():
@@ -193,12 +215,12 @@ class StageModule(nn.Module):
         super().__init__()
         self.__dict__["_owner"] = owner  # not a child: its parameters are the LightningModule's
         blocks = getattr(owner, plan.blocks)
-        self._blocks = {i: blocks._modules[str(i)] for i in plan.stage_blocks[stage]}
+        self._blocks = {i: blocks._modules[plan.key(i)] for i in plan.stage_blocks[stage]}
         held = {name: getattr(owner, name) for name in plan.before + plan.after}
         self._keep = {name: (held[name] if (name in plan.before and stage == 0)
                              or (name in plan.after and stage == plan.num_stages - 1) else None) for name in held}
         self._blocks_name = plan.blocks
-        self.__dict__["_stage_blocks"] = StageBlocks(self._blocks)  # (made once; its blocks are registered in parts)
+        self.__dict__["_stage_blocks"] = stage_blocks(plan, self._blocks)  # (made once; blocks registered in parts)
         self.parts = nn.ModuleList([m for m in self._keep.values() if m is not None] + list(self._blocks.values()))
         self.first, self.last = stage == 0, stage == plan.num_stages - 1
         self.sent_forward = self.sent_backward = 0

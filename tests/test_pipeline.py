@@ -39,6 +39,8 @@ def runs(tmp_path_factory) -> dict:
          "--flags={\"weighting\": \"sample\", \"pipeline_microbatches\": 1}"],
         ["--out", out, *P2, "--variants", "gpipe", "--uneven", "--tag=-rank", "--flags={\"pipeline_microbatches\": 1}"],
         ["--out", out, *P2, "--variants", "1f1b", "--nan-at", "5", "--tag=-nan", "--flags={\"skip_nonfinite\": true}"],
+        # the blocks in an nn.ModuleDict keyed by layer id (torchtitan's models), saved for a resume below
+        ["--out", out, *P2, "--variants", "1f1b", "--blocks", "dict", "--save-at", "10", "--tag=-dict"],
         ["--out", out, *P2, "--variants", "1f1b:1", "--scheduler", "--tag=-sched"],
         # checkpoint="sharded": each rank writes its stage's part, keyed by the unsplit model's names
         ["--out", out, *P2, "--variants", "1f1b:1", "--save-at", "10", "--tag=-sharded", SHARDED],
@@ -57,10 +59,14 @@ def runs(tmp_path_factory) -> dict:
          "--tag=-resumed"],
         ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b:1", "--resume",
          out / "1f1b-1-sharded-step10.ckpt", "--tag=-sharded-p1", SHARDED],
+        # the ModuleDict model's checkpoint resumed into the ModuleList one: the same names
+        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b", "--resume", out / "1f1b-dict-step10.ckpt",
+         "--tag=-dict-p1"],
     ]))
     names = ["reference", "reference-acc", "reference-sched", *VARIANTS, "interleaved_1f1b:1-acc", "1f1b:2-resumed",
              "1f1b-p1", "reference-resumed", "gpipe-sample", "gpipe-rank", "1f1b-nan", "1f1b:1-sched",
-             "1f1b:1-sharded", "gpipe:3-sharded-resumed", "1f1b-p4", "1f1b:1-sharded-p1", "gpipe:1-from-3"]
+             "1f1b:1-sharded", "gpipe:3-sharded-resumed", "1f1b-p4", "1f1b:1-sharded-p1", "gpipe:1-from-3",
+             "1f1b-dict", "1f1b-dict-p1"]
     runs = {name: torch.load(out / f"{name.replace(':', '-')}.pt") for name in names}
     runs["checkpoints"] = out
     return runs
@@ -75,6 +81,14 @@ def test_clipping_binds_and_training_moves_parameters(runs):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_equals_ddp_on_the_whole_model(runs, variant):
     assert relative_difference(runs[variant]["state"], runs["reference"]["state"]) <= RTOL
+
+
+def test_blocks_in_a_module_dict_keyed_by_layer_id_split_and_train_as_a_module_list(runs):
+    # torchtitan's models hold their blocks in an nn.ModuleDict (names stay stable when layers are removed); the
+    # stages keep their keys, and the parameter names are those of the list: same training, same checkpoints.
+    assert relative_difference(runs["1f1b-dict"]["state"], runs["reference"]["state"]) <= RTOL
+    assert relative_difference(runs["1f1b-dict"]["state"], runs["1f1b"]["state"]) <= 1e-6
+    assert relative_difference(runs["1f1b-dict-p1"]["state"], runs["1f1b-p1"]["state"]) <= 1e-6
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -82,6 +82,26 @@ def test_a_stage_keeps_its_modules_under_the_unsplit_names():
     assert module.model(x).shape == (2, 8, 32)  # the last stage: activations in, logits out
 
 
+def test_blocks_in_a_module_dict_split_under_their_keys_as_torchtitan_holds_them():
+    # torchtitan's models: `self.layers = nn.ModuleDict({str(i): Block() ...})`, and a layer removed keeps the
+    # others' names. Here layer "1" was removed before the split.
+    module = GPTModule(layers=5, blocks="dict")
+    del module.model.blocks["1"]
+    plan = plan_stages(module, 2)
+    assert (plan.blocks, plan.is_dict, plan.keys) == ("blocks", True, ("0", "2", "3", "4"))
+    assert plan.stage_blocks == ((0, 1), (2, 3))
+    assert plan.stage_of("model.blocks.3.attn.q.weight") == {1} and plan.stage_of("model.blocks.2.ln1.bias") == {0}
+    x = torch.randint(0, 32, (2, 8))
+    whole = module.model(x)
+    split_module(module, plan, [0])
+    assert isinstance(module.model.blocks, nn.ModuleDict) and list(module.model.blocks) == ["0", "2"]
+    names = {n for n, _ in module.named_parameters()}
+    assert "model.blocks.2.attn.q.weight" in names and not any(n.startswith("model.blocks.3") for n in names)
+    assert module.model.head is None
+    # the first stage's forward: tokens in, the activations after its blocks out
+    assert module.model(x).shape == (2, 8, 16) and whole.shape == (2, 8, 32)
+
+
 def test_the_tied_embedding_is_shared_by_the_first_and_the_last_stage():
     module = gpt(4)
     from ddp_plugin.tensor_parallel import shared_parameters

@@ -70,11 +70,19 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int = 32, d_model: int = 16, heads: int = 2, layers: int = 2, seq: int = 8) -> None:
+    """``blocks="dict"``: the blocks in an ``nn.ModuleDict`` keyed by layer id (``"0"``, ``"1"``, ...), as
+    torchtitan's models hold theirs; the parameter names are the same as with the default ``nn.ModuleList``."""
+
+    def __init__(self, vocab: int = 32, d_model: int = 16, heads: int = 2, layers: int = 2, seq: int = 8,
+                 blocks: str = "list") -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        made = [Block(d_model, heads) for _ in range(layers)]
+        if blocks not in ("list", "dict"):
+            raise ValueError(f"`blocks={blocks!r}`; allowed values: 'list', 'dict'")
+        self.blocks = nn.ModuleList(made) if blocks == "list" else nn.ModuleDict(
+            {str(i): b for i, b in enumerate(made)})
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied: one parameter, two uses
@@ -99,7 +107,7 @@ class GPT(nn.Module):
         # activations of the one before.
         if self.tok is not None:
             x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks:
+        for block in (self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks):
             x = block(x)
         if self.ln_f is not None:
             x = self.ln_f(x)
@@ -132,9 +140,10 @@ class GPTModule(L.LightningModule):
     ``parallelize_module`` leaves it (broken), for a test that the strategy restores it."""
 
     def __init__(self, vocab: int = 32, d_model: int = 16, heads: int = 2, layers: int = 2, seq: int = 8,
-                 tie: str = "replicated", lr: float = 1e-2, weight_decay: float = 0.1, retie: bool = True) -> None:
+                 tie: str = "replicated", lr: float = 1e-2, weight_decay: float = 0.1, retie: bool = True,
+                 blocks: str = "list") -> None:
         super().__init__()
-        self.model = GPT(vocab, d_model, heads, layers, seq)
+        self.model = GPT(vocab, d_model, heads, layers, seq, blocks)
         self.tie, self.lr, self.weight_decay, self.retie = tie, lr, weight_decay, retie
 
     def configure_model(self) -> None:

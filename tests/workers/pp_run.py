@@ -110,9 +110,9 @@ class NanAt(L.Callback):
 
 def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: dict | None, reference: bool,
         layers: int, accumulate: int = 1, save_at: int = 0, resume: str | None = None, uneven: bool = False,
-        nan_at: int = -1, scheduler: bool = False) -> None:
+        nan_at: int = -1, scheduler: bool = False, blocks: str = "list") -> None:
     L.seed_everything(1234, verbose=False)
-    model = GPTWithValidation(layers=layers, scheduler=scheduler)
+    model = GPTWithValidation(layers=layers, scheduler=scheduler, blocks=blocks)
     initial = {n: p.detach().clone() for n, p in model.state_dict().items()}
     strategy: object = "ddp" if reference else HierarchicalZeroStrategy(
         devices_per_node=devices_per_node, bucket_size_mb=1 / 256, **{"hierarchical": True, **(flags or {})})
@@ -193,8 +193,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="2 data-parallel ranks reading 3 and 5 of each step's 8 samples")
     parser.add_argument("--nan-at", type=int, default=-1, help="a NaN gradient on global rank 2 at this step")
     parser.add_argument("--scheduler", action="store_true", help="StepLR, and a ModelCheckpoint every 10 steps")
+    parser.add_argument("--blocks", default="list", help="'dict': the GPT's blocks in an nn.ModuleDict")
     args = parser.parse_args(argv)
-    extra = {"uneven": args.uneven, "nan_at": args.nan_at, "scheduler": args.scheduler}
+    extra = {"uneven": args.uneven, "nan_at": args.nan_at, "scheduler": args.scheduler, "blocks": args.blocks}
     torch.set_num_threads(1)
     if args.reference:
         run(args.out, args.devices, None, "reference" + args.tag, None, True, args.layers, args.accumulate,
