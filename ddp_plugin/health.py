@@ -115,6 +115,7 @@ class Heartbeat(threading.Thread):
         world = dist.get_world_size() if me is not None else 0
         _peer_processes.clear()
         _found_gone.clear()
+        _found_failed.clear()
         _ended_at.clear()
         next_beat = time.monotonic() + BEAT_INTERVAL_S
         lost_since: float | None = None
@@ -214,6 +215,7 @@ class PeerWatch:
             self._news = news
             found, before = _News(store, world), self._before
             failed = {r: msg for r, msg in found.failed.items() if before.failed.get(r) != msg}
+            _found_failed.update(failed)  # (kept for a diagnosis after the store's host is gone)
             if found.gone and found.gone != before.gone:
                 reason = f"{_ranks(found.gone)} stopped responding (killed, crashed or hung), as another rank found"
             elif failed:
@@ -368,6 +370,7 @@ _diagnosed = False
 _store_unreachable = False  # found by diagnose(): a heartbeat may be stuck in a store call, not worth waiting for
 _peer_processes: dict[int, str] = {}  # rank -> process_id(), read by this rank's heartbeat
 _found_gone: list[int] = []  # the gone ranks another rank's diagnosis found, as this rank's heartbeat read them
+_found_failed: dict[int, str] = {}  # the errors other ranks reported, as this rank's heartbeat's watch read them
 _ended_at: dict[int, float] = {}  # rank -> when this rank's heartbeat first saw its process (this machine) ended
 
 
@@ -581,6 +584,11 @@ def diagnose(error: BaseException, what: str = "gradient synchronization") -> st
             _within(STORE_TIMEOUT_S + 1, lambda: _tell(store, f"{_PREFIX}/gone", ",".join(map(str, gone))))
     except Exception:  # noqa: BLE001
         _store_unreachable = True
+        if _found_failed:
+            # A rank's own error, read from the store by this rank's heartbeat before the store's host exited.
+            reported = "; ".join(f"rank {r} failed with {msg}" for r, msg in sorted(_found_failed.items()))
+            return (f"rank {me}: {what} failed because {reported}, as read before the rendezvous store became"
+                    f" unreachable. Original error: {error}")
         if _found_gone:
             found = sorted(set(_found_gone))
             return (

@@ -36,10 +36,11 @@ def test_checkpointed_blocks_train_exactly_as_without_and_save_less_for_the_back
         # Every block this rank holds (its pipeline stage's) is checkpointed, and only with the flag.
         assert checkpointed["blocks"] > 0 and checkpointed["checkpointed"] == checkpointed["blocks"], (rank, r)
         assert plain["checkpointed"] == 0, rank
-        # The recomputed forward is the same computation: the parameters end bit for bit the same.
+        # The recomputed forward is the same computation: the parameters end the same, up to the order in which
+        # float sums are taken (bit for bit in most runs; ZeRO-3 once ended 5e-7 apart on a busy machine). A
+        # block recomputed wrongly (other inputs, no gathered parameters, another dropout mask) is 1e-3 off or more.
         assert len(plain["params"]) == len(checkpointed["params"]) > 0, rank
-        assert plain["params"] == checkpointed["params"], (rank, max(
-            abs(a - b) for a, b in zip(plain["params"], checkpointed["params"])))
+        assert max(abs(a - b) for a, b in zip(plain["params"], checkpointed["params"])) <= 1e-5, rank
         # What the blocks saved for the backward is gone: their inputs are kept instead.
         assert checkpointed["saved_bytes"] < 0.6 * plain["saved_bytes"], (rank, plain["saved_bytes"],
                                                                           checkpointed["saved_bytes"])

@@ -337,3 +337,40 @@ def test_the_gloo_watch_reads_news_only_and_a_wait_that_completes_returns_its_re
         how, value, took = results[rank]
         assert (how, value) == ("returned", "done"), results[rank]
         assert took >= 5.5, took
+
+
+def _rank_2_reports_then_the_store_is_gone(rank, world_size):
+    watch = health.peer_watch(timeout_s=None)
+    heartbeat = health.Heartbeat(watch)
+    try:
+        dist.barrier()
+        time.sleep(1.5)  # (news to a watch that has begun)
+        if rank == 2:
+            health.report_exception(ValueError("the user's step broke"))
+            return None
+        deadline = time.monotonic() + 30
+        while watch.fired is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        real = health._store
+
+        def gone(probe: bool = False):
+            raise ConnectionError("Connection refused")  # (the store's host, rank 0 under Lightning, has exited)
+
+        health._store = gone
+        try:
+            return health.diagnose(ERROR)
+        finally:
+            health._store = real
+            health._store_unreachable = False
+    finally:
+        dist.barrier()
+        heartbeat.stop()
+
+
+def test_a_reported_error_read_before_the_store_went_away_is_still_named(pool):
+    # Under Lightning's launcher rank 0 hosts the store and may exit first; a survivor diagnosing after that named
+    # the raising rank "stopped responding" instead of quoting its error (seen in tests/test_mesh_faults.py).
+    for message in pool.run(_rank_2_reports_then_the_store_is_gone)[:2]:
+        assert message.startswith("rank ") and ("failed because rank 2 failed with ValueError: the user's step broke,"
+                                                " as read before the rendezvous store became unreachable") in message, \
+            message
