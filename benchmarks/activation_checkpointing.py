@@ -50,17 +50,16 @@ def worker(args: argparse.Namespace) -> None:
 
     from ddp_plugin import HierarchicalZeroStrategy
     from ddp_plugin.testing.gpt import GPTModule, token_dataset
-    from ddp_plugin.testing.memory import PeakRSS, rss_bytes
+    from ddp_plugin.testing.memory import PeakRSS, SavedTensorBytes, rss_bytes
 
     torch.set_num_threads(1)
 
     class Measure(L.Callback):
         def __init__(self) -> None:
-            self.saved = 0
+            self.saved = SavedTensorBytes()
             self.times: list[float] = []
             self.peak: PeakRSS | None = None
             self.start_rss = 0
-            self._hooks = None
             self._t0 = 0.0
 
         def on_train_start(self, trainer, pl_module) -> None:
@@ -71,25 +70,17 @@ def worker(args: argparse.Namespace) -> None:
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if batch_idx == 1:
-
-                def pack(t: torch.Tensor) -> torch.Tensor:
-                    self.saved += t.numel() * t.element_size()
-                    return t.detach()
-
-                self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-                self._hooks.__enter__()
+                self.saved.__enter__()
             self._t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if batch_idx >= 1:
                 self.times.append(time.perf_counter() - self._t0)
-            if self._hooks is not None:
-                self._hooks.__exit__(None, None, None)
-                self._hooks = None
+            self.saved.__exit__()
 
         def on_train_end(self, trainer, pl_module) -> None:
             peak = self.peak.finish() if self.peak is not None else 0
-            mine = {"saved": self.saved, "peak": peak - self.start_rss, "step": statistics.median(self.times)}
+            mine = {"saved": self.saved.bytes, "peak": peak - self.start_rss, "step": statistics.median(self.times)}
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, mine)
             if trainer.is_global_zero:

@@ -13,52 +13,41 @@ prediction) the forward runs as it is.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ddp_plugin.module_classes import Entries, as_entries, class_names, containers, matches, unmatched
 
-def check_policy(policy: Any) -> tuple[type | str, ...] | None:
+
+def check_policy(policy: Any) -> Entries | None:
     """None -> off; module classes, or their names (for YAML), one or several -> those."""
     if policy is None:
         return None
-    if isinstance(policy, (type, str)):
-        policy = [policy]
-    if isinstance(policy, Iterable):
-        items = tuple(policy)
-        if items and all(isinstance(c, str) or (isinstance(c, type) and issubclass(c, nn.Module)) for c in items):
-            containers = [c.__name__ for c in items if isinstance(c, type) and c.forward is nn.Module.forward]
-            if containers:
-                raise ValueError(
-                    f"`activation_checkpointing_policy` names {', '.join(containers)}, a container whose forward is"
-                    " never called (its parent calls its children); name the class of the modules it holds instead"
-                    " (e.g. your transformer block)."
-                )
-            return items
-    raise ValueError(
-        f"`activation_checkpointing_policy={policy!r}` is not supported; allowed values: None (off), or module"
-        " classes (or their names, e.g. ['TransformerBlock']) whose forward is recomputed in the backward."
-    )
+    items = as_entries(policy)
+    if items is None:
+        raise ValueError(
+            f"`activation_checkpointing_policy={policy!r}` is not supported; allowed values: None (off), or module"
+            " classes (or their names, e.g. ['TransformerBlock']) whose forward is recomputed in the backward."
+        )
+    if names := containers(items):
+        raise ValueError(
+            f"`activation_checkpointing_policy` names {', '.join(names)}, a container whose forward is never called"
+            " (its parent calls its children); name the class of the modules it holds instead (e.g. your"
+            " transformer block)."
+        )
+    return items
 
 
-def _matches(module: nn.Module, policy: tuple[type | str, ...]) -> bool:
-    return any(type(module).__name__ == entry if isinstance(entry, str) else isinstance(module, entry)
-               for entry in policy)
-
-
-def check_present(module: nn.Module, policy: tuple[type | str, ...]) -> None:
+def check_present(module: nn.Module, policy: Entries) -> None:
     """Every entry of ``policy`` names a module of ``module`` (the whole model, before a pipeline split)."""
-    present = {type(m).__name__ for m in module.modules()}
-    for entry in policy:
-        if not any(_matches(m, (entry,)) for m in module.modules()):
-            label = entry if isinstance(entry, str) else entry.__name__
-            raise ValueError(
-                f"`activation_checkpointing_policy` names {label!r}, which matches no module of"
-                f" {type(module).__name__}; its module classes are: {', '.join(sorted(present))}."
-            )
+    if missing := unmatched(module.modules(), policy):
+        raise ValueError(
+            f"`activation_checkpointing_policy` names {missing[0]!r}, which matches no module of"
+            f" {type(module).__name__}; its module classes are: {', '.join(class_names(module))}."
+        )
 
 
 class CheckpointedForward:
@@ -80,14 +69,14 @@ def is_checkpointed(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), CheckpointedForward)
 
 
-def apply(module: nn.Module, policy: tuple[type | str, ...]) -> list[str]:
+def apply(module: nn.Module, policy: Entries) -> list[str]:
     """Checkpoint every module of ``module`` that ``policy`` names (outermost only: one inside a checkpointed
     module is recomputed with it already). Idempotent (a second ``fit``). Returns their names."""
     done: list[str] = []
     for name, m in module.named_modules():
         if any(name.startswith(outer + ".") for outer in done):
             continue
-        if _matches(m, policy):
+        if matches(m, policy):
             if not is_checkpointed(m):
                 m.forward = CheckpointedForward(m, m.__dict__.get("forward"))
             done.append(name)

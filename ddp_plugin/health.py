@@ -305,11 +305,12 @@ def wait(future: concurrent.futures.Future | torch.futures.Future) -> Any:
     """The result of ``future`` (of work on one of this rank's communication threads, or of a collective), or
     :class:`PeersFailed` as soon as the heartbeat's watch has found another rank's run over (on gloo: see the
     module's docstring); the thread it waited for is left to the end of the process."""
-    done = threading.Event()
-    future.add_done_callback(lambda _: done.set())
-    while not done.wait(POLL_S):
-        if _released.is_set():
-            raise PeersFailed(f"waited on a collective that will not complete: {_released_reason}")
+    if not future.done():  # (most buckets are done by the end of backward: no event, no callback)
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        while not done.wait(POLL_S):
+            if _released.is_set():
+                raise PeersFailed(f"waited on a collective that will not complete: {_released_reason}")
     return future.result() if isinstance(future, concurrent.futures.Future) else future.wait()
 
 

@@ -10,7 +10,11 @@
           trainer.save_checkpoint(path)
       extra = peak.bytes - before
 
-Linux only (``/proc``; ``ru_maxrss`` is in kilobytes there). Nothing here imports torch or pytest.
+- :class:`SavedTensorBytes`: the bytes autograd saves for the backward over a stretch of code (what activation
+  checkpointing saves).
+
+Linux only (``/proc``; ``ru_maxrss`` is in kilobytes there). Nothing here imports pytest, nor torch but
+:class:`SavedTensorBytes` when entered.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import resource
 import threading
 import time
 
-__all__ = ["PeakRSS", "peak_rss_bytes", "rss_bytes"]
+__all__ = ["PeakRSS", "SavedTensorBytes", "peak_rss_bytes", "rss_bytes"]
 
 
 def rss_bytes() -> int:
@@ -62,3 +66,31 @@ class PeakRSS(threading.Thread):
 
     def __exit__(self, *exc: object) -> None:
         self.finish()
+
+
+class SavedTensorBytes:
+    """Counts the bytes autograd saves for the backward while entered (an outer ``saved_tensors_hooks``; what a
+    checkpointed module saves is packed by the checkpoint's own hooks and dropped, so only its inputs count).
+    Enter and exit may sit in different callbacks (a Lightning batch's start and end)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._hooks = None
+
+    def _pack(self, t):
+        self.bytes += t.numel() * t.element_size()
+        # A new tensor object: a reference to a parameter itself, kept by the pipeline schedule's first step, made
+        # Lightning's `module.cpu()` at teardown fail ("Couldn't swap Linear.weight").
+        return t.detach()
+
+    def __enter__(self) -> SavedTensorBytes:
+        import torch
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None

@@ -11,7 +11,7 @@ the blocks inside it are grouped into units instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from ddp_plugin.hookspecs import local_tensor
+from ddp_plugin.module_classes import as_entries, class_names, containers, matches, unmatched
 
 if TYPE_CHECKING:
     from ddp_plugin.zero.shards import Shards
@@ -42,19 +43,14 @@ def check_auto_wrap_policy(policy: Any) -> int | tuple[type | str, ...]:
         if policy < 1:
             raise ValueError(f"`auto_wrap_policy={policy}` must be a positive parameter count.")
         return policy
-    if isinstance(policy, (type, str)):
-        policy = [policy]
-    if isinstance(policy, Iterable):
-        items = tuple(policy)
-        if items and all(isinstance(c, str) or (isinstance(c, type) and issubclass(c, nn.Module)) for c in items):
-            containers = [c.__name__ for c in items if isinstance(c, type) and c.forward is nn.Module.forward]
-            if containers:
-                raise ValueError(
-                    f"`auto_wrap_policy` names {', '.join(containers)}, a container whose forward is never called"
-                    " (its parent calls its children), so a unit made of it would never be gathered; name the"
-                    " class of the modules it holds instead (e.g. your transformer block)."
-                )
-            return items
+    if (items := as_entries(policy)) is not None:
+        if names := containers(items):
+            raise ValueError(
+                f"`auto_wrap_policy` names {', '.join(names)}, a container whose forward is never called"
+                " (its parent calls its children), so a unit made of it would never be gathered; name the"
+                " class of the modules it holds instead (e.g. your transformer block)."
+            )
+        return items
     raise ValueError(
         f"`auto_wrap_policy={policy!r}` is not supported; allowed values: None (units of at least"
         f" {DEFAULT_UNIT_PARAMS:,} parameters), a positive parameter count, or module classes (or their names,"
@@ -117,20 +113,14 @@ def _unit_roots(module: nn.Module, policy: int | tuple) -> list[list[str]]:
     and every one of them is called (``is_called``), so its forward hooks fire."""
     if isinstance(policy, int):
         return _units_by_count(module, policy)
-    classes = tuple(c for c in policy if isinstance(c, type))
-    names = {c for c in policy if isinstance(c, str)}
-    matched = [(name, m) for name, m in module.named_modules()
-               if name and (isinstance(m, classes) or type(m).__name__ in names)]
-    present = sorted({type(m).__name__ for _, m in module.named_modules()})
-    for entry in policy:
-        label = entry if isinstance(entry, str) else entry.__name__
-        if not any((type(m).__name__ == entry) if isinstance(entry, str) else isinstance(m, entry)
-                   for _, m in matched):
-            raise ValueError(
-                f"`auto_wrap_policy` names {label!r}, which matches no module of {type(module).__name__}; module"
-                f" classes in this model: {', '.join(present[:12])}{' ...' if len(present) > 12 else ''}."
-                " Name one of them (or pass a parameter count)."
-            )
+    matched = [(name, m) for name, m in module.named_modules() if name and matches(m, policy)]
+    present = class_names(module)
+    if missing := unmatched((m for _, m in matched), policy):
+        raise ValueError(
+            f"`auto_wrap_policy` names {missing[0]!r}, which matches no module of {type(module).__name__}; module"
+            f" classes in this model: {', '.join(present[:12])}{' ...' if len(present) > 12 else ''}."
+            " Name one of them (or pass a parameter count)."
+        )
     for name, m in matched:
         if not is_called(m):
             raise ValueError(

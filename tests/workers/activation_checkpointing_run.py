@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.activation_checkpointing import is_checkpointed
 from ddp_plugin.testing.gpt import Block, GPTModule, token_dataset
+from ddp_plugin.testing.memory import SavedTensorBytes
 from ddp_plugin.testing.processes import run_cases
 from ddp_plugin.testing.ranks import local_parameters
 
@@ -38,24 +39,14 @@ class SavedBytes(L.Callback):
     """The bytes autograd saves for the backward during the first training step (forward and backward)."""
 
     def __init__(self) -> None:
-        self.bytes = 0
-        self._hooks = None
+        self.saved = SavedTensorBytes()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx == 0:
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                self.bytes += t.numel() * t.element_size()
-                # (a new tensor object: a reference to a parameter itself, kept by the pipeline schedule's first
-                # step, made Lightning's `module.cpu()` at teardown fail: "Couldn't swap Linear.weight")
-                return t.detach()
-
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-            self._hooks.__enter__()
+            self.saved.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._hooks is not None:
-            self._hooks.__exit__(None, None, None)
-            self._hooks = None
+        self.saved.__exit__()
 
 
 def fit(layout: str, steps: int, policy: set | None, meta: bool) -> dict:
@@ -69,7 +60,7 @@ def fit(layout: str, steps: int, policy: set | None, meta: bool) -> dict:
         model = GPTModule(vocab=32, d_model=32, heads=2, layers=4, seq=16, lr=3e-3)
     trainer.fit(model, DataLoader(token_dataset(8 * 4 * steps, seq=16, vocab=32), batch_size=8))
     blocks = [m for m in model.model.modules() if isinstance(m, Block)]
-    return {"saved_bytes": saved.bytes, "blocks": len(blocks), "checkpointed": sum(map(is_checkpointed, blocks)),
+    return {"saved_bytes": saved.saved.bytes, "blocks": len(blocks), "checkpointed": sum(map(is_checkpointed, blocks)),
             "params": local_parameters(strategy, model).tolist(), "steps": trainer.global_step}
 
 
