@@ -366,10 +366,13 @@ class PipelineRunner:
         the loss are counted in the traffic metrics. ``None`` outside a fit (not counted)."""
         self.device = device
         kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
-        cls = kinds[schedule]
-        target = self.stages if schedule == "interleaved_1f1b" else self.stages[0]
+        self._schedule_class = kinds[schedule]
+        self._schedule_stages = self.stages if schedule == "interleaved_1f1b" else self.stages[0]
         # The loss is scaled here (1/M, times sample weighting and 1/accumulate_grad_batches), not by the schedule.
-        self.schedule = cls(target, microbatches, loss_fn=self._loss, scale_grads=False)
+        self.schedule = self._schedule_class(self._schedule_stages, microbatches, loss_fn=self._loss,
+                                             scale_grads=False)
+        self._predict: tuple[int, Any] | None = None
+        """The forward-only schedule of ``trainer.predict`` and the rows of the batches it was set up for."""
 
     def _loss(self, output: Any, target: Any) -> Tensor:
         loss = type(self.module).pipeline_loss(self.module, output, target)
@@ -380,11 +383,20 @@ class PipelineRunner:
         return self._loss_scaler.scale(loss) if self._loss_scaler is not None else loss
 
     @contextmanager
+    def model_call(self, forward: Callable[..., Any]) -> Generator[None, None, None]:
+        """While the user's step runs, the model's call is ``forward``."""
+        self.owner.forward = forward
+        try:
+            yield
+        finally:
+            del self.owner.__dict__["forward"]
+
+    @contextmanager
     def placeholders(self, run: Callable[[PipelineOutput, Any], Tensor]) -> Generator[list[bool], None, None]:
         """While the user's step runs: the model's call returns a :class:`PipelineOutput`, and
         ``pipeline_loss(output, target)`` calls ``run``. Yields a one-item list that is ``[True]`` once ``run``
         ran."""
-        module, owner = self.module, self.owner
+        module = self.module
         ran = [False]
 
         def capture(*args: Any, **kwargs: Any) -> PipelineOutput:
@@ -399,12 +411,11 @@ class PipelineRunner:
             ran[0] = True
             return run(output, target)
 
-        owner.forward = capture
         module.pipeline_loss = pipeline_loss
         try:
-            yield ran
+            with self.model_call(capture):
+                yield ran
         finally:
-            del owner.__dict__["forward"]
             del module.__dict__["pipeline_loss"]
 
     def run(self, output: PipelineOutput, target: Any, train: bool, scale: float,
@@ -440,6 +451,43 @@ class PipelineRunner:
         else:
             dist.broadcast(mean, src=dist.get_global_rank(self.loss_group, self.size - 1), group=self.loss_group)
         return mean
+
+    def predict(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The model's output for a whole batch, on every stage: a forward-only schedule over the microbatches of
+        ``args``/``kwargs`` (the first stage's input; tensors split along dim 0), then the last stage's output
+        broadcast to the other stages. A batch that does not split into the microbatches (a dataset's last) is
+        padded with copies of its last sample, whose outputs are dropped; the schedule is set up again when the
+        padded batch's size changes (its receive buffers have fixed shapes)."""
+        rows = _batch_size((*args, *kwargs.values()), None)  # (every stage reads the same batch)
+        padded = -(-rows // self.microbatches) * self.microbatches
+        if self._predict is None or self._predict[0] != padded:
+            self._predict = (padded, self._schedule_class(self._schedule_stages, self.microbatches))  # no loss
+        schedule = self._predict[1]
+        if self.is_first and padded != rows:
+            args, kwargs = _pad_rows((args, kwargs), rows, padded)
+        with bounded_p2p_waits(self.group, self.timeout):
+            output = schedule.step(*args, **kwargs) if self.is_first else schedule.step()
+        output = self._broadcast_from_last(output)
+        return _slice_rows(output, padded, rows) if padded != rows else output
+
+    def _broadcast_from_last(self, output: Any) -> Any:
+        """The last stage's ``output`` (a tensor, or lists, tuples and dicts of tensors and plain values) on every
+        stage of this rank's pipeline: its structure with each tensor's shape and dtype first, then the tensors."""
+        from torch.utils._pytree import tree_leaves, tree_map
+
+        src = dist.get_global_rank(self.group, self.size - 1)
+        if self.is_last:
+            output = tree_map(lambda v: v.contiguous() if isinstance(v, Tensor) else v, output)
+        header = [tree_map(lambda v: _Described(v.shape, v.dtype) if isinstance(v, Tensor) else v, output)
+                  if self.is_last else None]
+        dist.broadcast_object_list(header, src=src, group=self.group, device=self.device)
+        if not self.is_last:
+            output = tree_map(lambda v: torch.empty(v.shape, dtype=v.dtype, device=self.device)
+                              if isinstance(v, _Described) else v, header[0])
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, Tensor):
+                dist.broadcast(leaf, src=src, group=self.group)
+        return output
 
     def _count_sends(self) -> None:
         """The step's activations sent to the next stage and gradients sent to the previous one, counted as the
@@ -655,6 +703,33 @@ def _batch_size(args: tuple[Any, ...], target: Any) -> int:
         if isinstance(value, Tensor) and value.dim():
             return value.shape[0]
     raise TypeError("The pipelined model's input or the target must be a batched tensor (samples along dim 0).")
+
+
+@dataclass(frozen=True)
+class _Described:
+    """A tensor's shape and dtype, sent ahead of it."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def _pad_rows(value: Any, rows: int, padded: int) -> Any:
+    """``value``'s tensors of ``rows`` samples (along dim 0) filled up to ``padded`` with copies of the last."""
+    from torch.utils._pytree import tree_map
+
+    def pad(t: Any) -> Any:
+        if isinstance(t, Tensor) and t.dim() and t.shape[0] == rows:
+            return torch.cat([t, t[-1:].expand(padded - rows, *t.shape[1:])])
+        return t
+
+    return tree_map(pad, value)
+
+
+def _slice_rows(value: Any, padded: int, rows: int) -> Any:
+    """``value``'s tensors of ``padded`` samples cut back to the first ``rows``."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t[:rows] if isinstance(t, Tensor) and t.dim() and t.shape[0] == padded else t, value)
 
 
 def sync_ties(ties: Iterable[Tie]) -> None:

@@ -508,6 +508,22 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             return self._pipelined("test_step", args, kwargs, train=False)
         return super().test_step(*args, **kwargs)
 
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        runner = self._pipeline
+
+        def forward(*inputs: Any, **named: Any) -> Any:
+            # A forward-only schedule; the output, on the last stage, is sent to every stage (docs/pipeline.md).
+            if self._whereabouts is not None:
+                self._whereabouts.where = None
+            with diagnosed(lambda: self._phase(f"the pipeline schedule of stage {runner.rank}")):
+                return runner.predict(inputs, named)
+
+        with runner.model_call(forward):
+            return super().predict_step(*args, **kwargs)
+
     def _pipelined(self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> Any:
         """The user's ``step`` with the model's call and ``pipeline_loss`` running the pipeline schedule (forward
         and, for training, backward of every microbatch, then the data-parallel sync of this stage)."""

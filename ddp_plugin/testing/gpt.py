@@ -162,6 +162,10 @@ class GPTModule(L.LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, _ = batch
+        return self.model(x)  # (with pipeline stages: every stage gets the last stage's logits)
+
     def pipeline_loss(self, logits: Tensor, y: Tensor) -> Tensor:
         """Next-token cross-entropy of one (micro)batch."""
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
