@@ -96,6 +96,9 @@ class StrategyConfig:
     pipeline_schedule: str = "1f1b"
     pipeline_virtual_stages: int | None = None
     """Stages per rank; ``None``: 2 with ``"interleaved_1f1b"``, else 1."""
+    pipeline_split: Any = "parameters"
+    """How the blocks split into stages: ``"parameters"``, ``"uniform"``, ``"type:<regex>"``, or the module names
+    of each stage (a tuple of tuples)."""
     activation_checkpointing_policy: tuple[type | str, ...] | None = None
     """Module classes (or names) whose forward is recomputed in the backward; ``None``: off."""
     hpz_partition_size: int | None = None
@@ -119,6 +122,12 @@ class StrategyConfig:
         return cls(**_validated(merged))
 
     @property
+    def pipeline_stages(self) -> int:
+        """The pipeline's stages: ``pipeline_parallel_size`` x the stages per rank."""
+        virtual = self.pipeline_virtual_stages or (2 if self.pipeline_schedule == "interleaved_1f1b" else 1)
+        return self.pipeline_parallel_size * virtual
+
+    @property
     def uses_sharding(self) -> bool:
         return self.zero_stage > 0
 
@@ -135,6 +144,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
     from ddp_plugin.plugin_manager import check_plugins
     from ddp_plugin.activation_checkpointing import check_policy as check_activation_checkpointing_policy
     from ddp_plugin.zero.units import check_auto_wrap_policy
+    from ddp_plugin.pipeline import check_split as check_pipeline_split
 
     out: dict[str, Any] = {}
     checks = {
@@ -171,6 +181,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "pipeline_schedule": lambda v: check_choice("pipeline_schedule", v, PIPELINE_SCHEDULES),
         "pipeline_virtual_stages": lambda v: None if v is None else check_int("pipeline_virtual_stages", v,
                                                                               minimum=1),
+        "pipeline_split": check_pipeline_split,
         "activation_checkpointing_policy": check_activation_checkpointing_policy,
         "hpz_partition_size": lambda v: v,
     }
@@ -200,6 +211,14 @@ def _check_pipeline(c: dict[str, Any]) -> None:
         raise ValueError(
             f"`pipeline_virtual_stages={virtual}` needs `pipeline_schedule='interleaved_1f1b'` (the only schedule that"
             f" runs several stages per rank); `pipeline_schedule={schedule!r}` runs one. Allowed: 1 or None."
+        )
+    split = c["pipeline_split"]
+    stages = p * (virtual or (2 if schedule == "interleaved_1f1b" else 1))
+    if not isinstance(split, str) and len(split) != stages:
+        raise ValueError(
+            f"`pipeline_split` names the modules of {len(split)} stages; `pipeline_parallel_size={p}` with"
+            f" `pipeline_schedule={schedule!r}` runs {stages} (`pipeline_virtual_stages` per rank): one list per"
+            " stage."
         )
     if p == 1:
         return

@@ -88,11 +88,40 @@ def check_module(module: nn.Module, pipeline_size: int) -> None:
         )
 
 
-def plan_stages(module: nn.Module, num_stages: int) -> StagePlan:
+SPLIT_METHODS = ("parameters", "uniform", "type:<regex>")
+
+
+def check_split(value: Any) -> str | tuple[tuple[str, ...], ...]:
+    """The ``pipeline_split`` flag: ``"parameters"``, ``"uniform"``, ``"type:<regex>"`` (a valid regex), or the
+    module names of each stage (a list of lists of strings, normalized to tuples)."""
+    if isinstance(value, str):
+        if value in ("parameters", "uniform"):
+            return value
+        if value.startswith("type:"):
+            try:
+                re.compile(value[5:])
+            except re.error as err:
+                raise ValueError(f"`pipeline_split={value!r}`: {value[5:]!r} is not a regular expression ({err}).")
+            return value
+    elif isinstance(value, Sequence) and value and all(
+            isinstance(names, Sequence) and not isinstance(names, str) and names
+            and all(isinstance(n, str) for n in names) for names in value):
+        return tuple(tuple(names) for names in value)
+    raise ValueError(
+        f"`pipeline_split={value!r}` is not a way to split the blocks into stages. Allowed values: 'parameters'"
+        " (balanced by parameter count, the default), 'uniform' (by block count), 'type:<regex>' (by the count of"
+        " blocks whose class name matches), or the module names of each stage, one non-empty list per stage (for"
+        " example [['tok', 'blocks.0', 'blocks.1'], ['blocks.2', 'blocks.3', 'head']])."
+    )
+
+
+def plan_stages(module: nn.Module, num_stages: int, split: str | Sequence[Sequence[str]] = "parameters") -> StagePlan:
     """Find the model's blocks (the ``ModuleList`` or ``ModuleDict`` with the most parameters) and split them into
-    ``num_stages`` contiguous runs, in order, balanced by parameter count, the modules before them counted with the
-    first stage and those after them with the last (DeepSpeed's ``partition_method="parameters"``). Raises
-    ``TypeError`` for a module that does not follow the contract."""
+    ``num_stages`` contiguous runs, in order, as ``split`` says (:func:`check_split`): balanced by parameter count,
+    the modules before them counted with the first stage and those after them with the last (DeepSpeed's
+    ``partition_method="parameters"``), by block count (``"uniform"``), by the count of blocks whose class name
+    matches a regex (``"type:<regex>"``), or as named. Raises ``TypeError`` for a module that does not follow
+    the contract and ``ValueError`` for a split that cannot hold."""
     lists = [(name, m) for name, m in module.named_modules()
              if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m)]
     if not lists:
@@ -136,11 +165,71 @@ def plan_stages(module: nn.Module, num_stages: int) -> StagePlan:
     is_dict = isinstance(blocks, nn.ModuleDict)
     keys = tuple(blocks.keys()) if is_dict else ()
     blocks = list(blocks.values()) if is_dict else list(blocks)
-    sizes = [count(b) for b in blocks]
-    sizes[0] += sum(count(children_by_name[n]) for n in before)
-    sizes[-1] += sum(count(children_by_name[n]) for n in after)
+    if not isinstance(split, str):
+        runs = _named_runs(split, num_stages, owner_path, blocks_name, keys or tuple(map(str, range(len(blocks)))),
+                           before, after)
+        return StagePlan(owner_path, blocks_name, before, after, runs, keys, is_dict)
+    if split == "uniform":
+        sizes = [1] * len(blocks)
+    elif split.startswith("type:"):
+        pattern = re.compile(split[5:])
+        sizes = [int(bool(pattern.search(type(b).__name__))) for b in blocks]
+        if not any(sizes):
+            raise ValueError(
+                f"`pipeline_split={split!r}` matches none of the blocks of `{path}`"
+                f" ({', '.join(sorted({type(b).__name__ for b in blocks}))}): nothing to balance."
+            )
+    else:
+        sizes = [count(b) for b in blocks]
+        sizes[0] += sum(count(children_by_name[n]) for n in before)
+        sizes[-1] += sum(count(children_by_name[n]) for n in after)
     runs = _balanced_runs(sizes, num_stages)
     return StagePlan(owner_path, blocks_name, before, after, tuple(tuple(r) for r in runs), keys, is_dict)
+
+
+def _named_runs(split: Sequence[Sequence[str]], num_stages: int, owner: str, blocks: str, keys: Sequence[str],
+                before: Sequence[str], after: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """The blocks' positions per stage from the module names of each stage (``pipeline_split`` as a list, as
+    torchtitan's ``module_fqns_per_model_part``): names of the model's modules, with or without the
+    LightningModule's prefix (``"blocks.3"`` or ``"model.blocks.3"``). The blocks must be named once each, in
+    order, at least one per stage; the modules before them may be named in the first stage, those after them in
+    the last."""
+    flag = f"`pipeline_split` (a list of {len(split)} stages)"
+    if len(split) != num_stages:
+        raise ValueError(f"{flag} names {len(split)} stages; the pipeline runs {num_stages}"
+                         " (`pipeline_parallel_size` x `pipeline_virtual_stages`): one list per stage.")
+    position = {f"{blocks}.{key}": i for i, key in enumerate(keys)}
+    prefix = f"{owner}." if owner else ""
+    runs, seen = [], []
+    for stage, names in enumerate(split):
+        run = []
+        for full in names:
+            name = full[len(prefix):] if prefix and full.startswith(prefix) else full
+            if name in position:
+                run.append(position[name])
+            elif name in before or name in after:
+                where, wanted = ("first", 0) if name in before else ("last", num_stages - 1)
+                if stage != wanted:
+                    raise ValueError(f"{flag}: `{full}` is in stage {stage}, but it runs {'before' if wanted == 0 else 'after'}"
+                                     f" the blocks: it belongs to the {where} stage ({wanted}).")
+            else:
+                raise ValueError(
+                    f"{flag}: `{full}` is not a block of `{prefix}{blocks}` nor a module before or after it. The"
+                    f" blocks: {', '.join(list(position)[:3])}, ...; before them: {', '.join(before) or 'none'};"
+                    f" after them: {', '.join(after) or 'none'}."
+                )
+        if not run:
+            raise ValueError(f"{flag}: stage {stage} ({list(names)}) names no block; each stage runs at least one.")
+        runs.append(tuple(run))
+        seen.extend(run)
+    if seen != list(range(len(keys))):
+        missing = [f"{blocks}.{keys[i]}" for i in range(len(keys)) if i not in seen]
+        raise ValueError(
+            f"{flag} must name every block of `{prefix}{blocks}` once, in order, stage after stage"
+            + (f"; missing: {', '.join(missing)}" if missing else f"; named: {', '.join(f'{blocks}.{keys[i]}' for i in seen)}")
+            + "."
+        )
+    return tuple(runs)
 
 
 def _balanced_runs(sizes: Sequence[int], parts: int) -> list[list[int]]:

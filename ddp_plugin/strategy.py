@@ -123,6 +123,9 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             batch must split into them evenly.
         pipeline_schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"interleaved_1f1b"``.
         pipeline_virtual_stages: stages per rank with ``"interleaved_1f1b"`` (default 2).
+        pipeline_split: how the blocks split into stages: ``"parameters"`` (balanced by parameter count, the
+            default), ``"uniform"`` (by block count), ``"type:<regex>"`` (by the count of blocks whose class name
+            matches), or the module names of each stage (``[["tok", "blocks.0"], ["blocks.1", "head"]]``).
         activation_checkpointing_policy: module classes (or their names) whose activations are recomputed in
             the backward instead of kept, as ``FSDPStrategy``'s flag: e.g. ``{Block}``; with every layout
             (docs/activation_checkpointing.md). Default ``None``: off.
@@ -163,6 +166,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         pipeline_microbatches: int | None = None,
         pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b",
         pipeline_virtual_stages: int | None = None,
+        pipeline_split: str | list[list[str]] = "parameters",
         activation_checkpointing_policy: Any = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -383,9 +387,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         pipeline.check_module(module, layout.pipeline_parallel_size)
         split = getattr(module, "_ddp_plugin_stages", None)
         if split is None:
-            virtual = self.config.pipeline_virtual_stages or (2 if self.config.pipeline_schedule == "interleaved_1f1b"
-                                                              else 1)
-            plan = pipeline.plan_stages(module, layout.pipeline_parallel_size * virtual)
+            plan = pipeline.plan_stages(module, self.config.pipeline_stages, self.config.pipeline_split)
             shared = tensor_parallel.shared_parameters(module)
             order = [name for name, _ in module.named_parameters()]
             pipeline.split_module(module, plan, self._my_stages(plan))

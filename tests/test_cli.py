@@ -102,3 +102,16 @@ def test_outer_optimizer_from_yaml_is_a_class_path_with_init_args(tmp_path):
     assert type(outer) is torch.optim.SGD
     group = outer.param_groups[0]
     assert (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.5, True)
+
+
+def test_pipeline_flags_from_yaml_stage_names_included(tmp_path):
+    cli = cli_with_strategy(tmp_path, """
+        pipeline_parallel_size: 2
+        pipeline_schedule: gpipe
+        pipeline_split: [[tok, pos, blocks.0], [blocks.1, ln_f, head]]
+    """)
+    c = cli.trainer.strategy.config
+    assert (c.pipeline_parallel_size, c.pipeline_schedule) == (2, "gpipe")
+    assert c.pipeline_split == (("tok", "pos", "blocks.0"), ("blocks.1", "ln_f", "head"))
+    cli = cli_with_strategy(tmp_path, "pipeline_parallel_size: 2\npipeline_split: type:^Block$\n")
+    assert cli.trainer.strategy.config.pipeline_split == "type:^Block$"

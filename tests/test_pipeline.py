@@ -42,6 +42,9 @@ def runs(tmp_path_factory) -> dict:
         # the blocks in an nn.ModuleDict keyed by layer id (torchtitan's models), saved for a resume below
         ["--out", out, *P2, "--variants", "1f1b", "--blocks", "dict", "--save-at", "10", "--tag=-dict"],
         ["--out", out, *P2, "--variants", "1f1b:1", "--scheduler", "--tag=-sched"],
+        # stages named by the user: one block on the first, three on the last
+        ["--out", out, *P2, "--variants", "1f1b", "--tag=-named", "--flags={\"pipeline_split\": [[\"tok\","
+         " \"pos\", \"blocks.0\"], [\"model.blocks.1\", \"blocks.2\", \"blocks.3\", \"ln_f\", \"head\"]]}"],
         # checkpoint="sharded": each rank writes its stage's part, keyed by the unsplit model's names
         ["--out", out, *P2, "--variants", "1f1b:1", "--save-at", "10", "--tag=-sharded", SHARDED],
         ["--out", out, *P2, "--variants", "gpipe:3", "--resume", out / "1f1b-1-sharded-step10.ckpt",
@@ -66,7 +69,7 @@ def runs(tmp_path_factory) -> dict:
     names = ["reference", "reference-acc", "reference-sched", *VARIANTS, "interleaved_1f1b:1-acc", "1f1b:2-resumed",
              "1f1b-p1", "reference-resumed", "gpipe-sample", "gpipe-rank", "1f1b-nan", "1f1b:1-sched",
              "1f1b:1-sharded", "gpipe:3-sharded-resumed", "1f1b-p4", "1f1b:1-sharded-p1", "gpipe:1-from-3",
-             "1f1b-dict", "1f1b-dict-p1"]
+             "1f1b-dict", "1f1b-dict-p1", "1f1b-named"]
     runs = {name: torch.load(out / f"{name.replace(':', '-')}.pt") for name in names}
     runs["checkpoints"] = out
     return runs
@@ -89,6 +92,12 @@ def test_blocks_in_a_module_dict_keyed_by_layer_id_split_and_train_as_a_module_l
     assert relative_difference(runs["1f1b-dict"]["state"], runs["reference"]["state"]) <= RTOL
     assert relative_difference(runs["1f1b-dict"]["state"], runs["1f1b"]["state"]) <= 1e-6
     assert relative_difference(runs["1f1b-dict-p1"]["state"], runs["1f1b-p1"]["state"]) <= 1e-6
+
+
+def test_stages_named_by_the_user_split_there_and_train_as_ddp(runs):
+    assert runs["1f1b"]["stage_blocks"] == ((0, 1), (2, 3))  # (balanced by parameters)
+    assert runs["1f1b-named"]["stage_blocks"] == ((0,), (1, 2, 3))
+    assert relative_difference(runs["1f1b-named"]["state"], runs["reference"]["state"]) <= RTOL
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -21,6 +21,13 @@ from ddp_plugin.topology import Layout
     ({"pipeline_parallel_size": 2, "pipeline_microbatches": 1}, ["pipeline_microbatches=1", "at least"]),
     ({"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b", "pipeline_microbatches": 3},
      ["pipeline_microbatches=3", "multiple of `pipeline_parallel_size=2`"]),
+    ({"pipeline_split": "random"}, ["pipeline_split='random'", "'parameters'", "'uniform'", "'type:<regex>'"]),
+    ({"pipeline_split": "type:(("}, ["pipeline_split='type:(('", "not a regular expression"]),
+    ({"pipeline_split": [["blocks.0"], []]}, ["pipeline_split=", "one non-empty list per stage"]),
+    ({"pipeline_parallel_size": 2, "pipeline_split": [["blocks.0", "blocks.1"]]},
+     ["`pipeline_split` names the modules of 1 stages", "runs 2"]),
+    ({"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b", "pipeline_split": [["a"], ["b"]]},
+     ["names the modules of 2 stages", "runs 4"]),
     ({"pipeline_parallel_size": 2, "zero_stage": 3, "compression": "int8"},
      ["`compression='int8'`", "`zero_stage=3`", "'fp16' or 'bf16'"]),
 ])
@@ -66,6 +73,45 @@ def test_stages_split_the_block_list_balanced_by_parameters():
     # a heavy first stage (a big position embedding) gets fewer blocks
     big = GPTModule(seq=2048, layers=4)
     assert plan_stages(big, 2).stage_blocks == ((0,), (1, 2, 3))
+
+
+def test_the_split_can_be_uniform_by_block_type_or_named():
+    big = GPTModule(seq=2048, layers=4)  # a heavy first stage: by parameters it gets one block
+    assert plan_stages(big, 2, "uniform").stage_blocks == ((0, 1), (2, 3))
+    named = [["tok", "pos", "blocks.0", "blocks.1", "blocks.2"], ["model.blocks.3", "ln_f", "head"]]
+    assert plan_stages(big, 2, named).stage_blocks == ((0, 1, 2), (3,))
+    assert plan_stages(big, 2, [["blocks.0"], ["blocks.1", "blocks.2", "blocks.3"]]).stage_blocks == ((0,), (1, 2, 3))
+    # DeepSpeed's "type:<regex>": balanced by the count of blocks whose class matches (a hybrid model here)
+    module = gpt(4)
+    mixed = [module.model.blocks[0], nn.Linear(16, 16), nn.Linear(16, 16), module.model.blocks[1],
+             nn.Linear(16, 16), module.model.blocks[2]]
+    module.model.blocks = nn.ModuleList(mixed)
+    runs = plan_stages(module, 3, "type:^Block$").stage_blocks
+    assert [sum(isinstance(mixed[i], type(mixed[0])) for i in run) for run in runs] == [1, 1, 1], runs
+    assert [i for run in runs for i in run] == list(range(6))
+    with pytest.raises(ValueError, match=r"matches none of the blocks of `model.blocks` \(Block, Linear\)"):
+        plan_stages(module, 3, "type:Attention")
+    dict_model = GPTModule(layers=4, blocks="dict")
+    del dict_model.model.blocks["1"]
+    assert plan_stages(dict_model, 2, [["blocks.0"], ["blocks.2", "blocks.3"]]).stage_blocks == ((0,), (1, 2))
+
+
+@pytest.mark.parametrize("split, words", [
+    ([["blocks.0", "blocks.2"], ["blocks.1", "blocks.3"]], ["once, in order", "named: blocks.0, blocks.2, blocks.1"]),
+    ([["blocks.0"], ["blocks.1", "blocks.2"]], ["missing: blocks.3"]),
+    ([["blocks.0", "blocks.1"], ["blocks.1", "blocks.2", "blocks.3"]], ["once, in order"]),
+    ([["blocks.0", "blocks.1"], ["tok", "blocks.2", "blocks.3"]], ["`tok` is in stage 1", "first stage (0)"]),
+    ([["head", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]], ["`head` is in stage 0", "last stage (1)"]),
+    ([["blocks.0", "blocks.1"], ["blocks.2", "block.3"]], ["`block.3` is not a block of `model.blocks`",
+                                                          "before them: tok, pos", "after them: ln_f, head"]),
+    ([["tok", "pos"], ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]], ["stage 0 (['tok', 'pos']) names no block"]),
+    ([["blocks.0"], ["blocks.1"], ["blocks.2", "blocks.3"]], ["names 3 stages; the pipeline runs 2"]),
+])
+def test_a_named_split_that_cannot_hold_says_why(split, words):
+    with pytest.raises(ValueError) as info:
+        plan_stages(gpt(4), 2, split)
+    for w in words:
+        assert w in str(info.value), str(info.value)
 
 
 def test_a_stage_keeps_its_modules_under_the_unsplit_names():

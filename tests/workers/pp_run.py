@@ -171,6 +171,7 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
             "skipped_steps": getattr(trainer.strategy, "skipped_steps", 0),
             "hierarchical": getattr(trainer.strategy, "uses_hierarchical_reducer", False),
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "stage_blocks": model._ddp_plugin_stages[0].stage_blocks if hasattr(model, "_ddp_plugin_stages") else None,
         }, os.path.join(out, f"{tag}.pt"))
 
 
