@@ -148,18 +148,30 @@ def _describe(p: Tensor) -> str:
 def sync_module_states(module: Module, data_parallel_group: dist.ProcessGroup | None,
                        plain_group: dist.ProcessGroup | None = None) -> None:
     """Every rank starts from rank 0's parameters and buffers, as DDP: plain tensors from global rank 0 over the
-    world, and a DTensor's local shard from data-parallel rank 0 over ``data_parallel_group`` (the ranks that
-    hold the same shard; the shards of a tensor-parallel group already come from one model, as
-    ``parallelize_module`` distributes them from its rank 0). Collective."""
+    world, what a DTensor replicates over a mesh dimension from that dimension's rank 0, and a DTensor's local
+    shard from data-parallel rank 0 over ``data_parallel_group`` (the ranks that hold the same shard; the shards
+    of a tensor-parallel group already come from one model, as ``parallelize_module`` distributes them from its
+    rank 0, or from each rank's own initialization). Collective."""
     ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
     plain: list[Tensor] = []
     split: list[Tensor] = []
+    replicated: dict[dist.ProcessGroup, list[Tensor]] = {}
     for name, t in chain(module.named_parameters(), module.named_buffers()):
         if name in ignore:
             continue
-        (split if isinstance(t, DTensor) else plain).append(local_tensor(t).detach())
+        local = local_tensor(t).detach()
+        (split if isinstance(t, DTensor) else plain).append(local)
+        if isinstance(t, DTensor):
+            for dim, placement in enumerate(t.placements):
+                if placement.is_replicate() and t.device_mesh.size(dim) > 1:
+                    replicated.setdefault(t.device_mesh.get_group(dim), []).append(local)
     if plain:  # (``plain_group``: a pipeline stage's ranks, which hold the same parameters; default the world)
         dist._broadcast_coalesced(plain_group or dist.group.WORLD, plain, BROADCAST_BUCKET_BYTES, 0)
+    # What a DTensor replicates over its mesh (a row-wise layer's bias over the tensor-parallel ranks) from the
+    # mesh dimension's first rank: a model materialized from the meta device drew it on each rank with that
+    # rank's seed (eagerly built, it is equal already).
+    for group, tensors in replicated.items():
+        dist._broadcast_coalesced(group, tensors, BROADCAST_BUCKET_BYTES, 0)
     if split and data_parallel_group is not None and dist.get_world_size(data_parallel_group) > 1:
         dist._broadcast_coalesced(data_parallel_group, split, BROADCAST_BUCKET_BYTES, 0)
 

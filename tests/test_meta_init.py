@@ -45,6 +45,18 @@ def test_the_recipe_builds_on_meta_and_every_rank_starts_initialized(runs, case)
         assert r["replicas_identical"], rank
 
 
+@pytest.mark.parametrize("case", ["tp2_dp2", "pp2_tp2"])
+def test_what_the_tensor_parallel_ranks_replicate_starts_equal_on_each(runs, case):
+    # A row-wise layer's bias is a DTensor replicated over the tensor-parallel group: each rank adds it to the
+    # reduced output, so it must hold the same values on every rank of the group. Each rank initializes with its
+    # own seed, and the group's ranks (0 and 1, 2 and 3 in both layouts) drew different biases before.
+    ranks = runs[case]
+    for group in ((0, 1), (2, 3)):
+        first, second = (ranks[r]["replicated"] for r in group)
+        assert first and first.keys() == second.keys(), group
+        assert first == second, {n: (first[n], second[n]) for n in first if first[n] != second[n]}
+
+
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_the_meta_built_model_trains(runs, case):
     for rank, r in enumerate(runs[case]):

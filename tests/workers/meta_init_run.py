@@ -22,6 +22,7 @@ import os
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
@@ -67,6 +68,9 @@ class Record(L.Callback):
                 "tied": gpt.head.weight is gpt.tok.weight if gpt.head is not None and gpt.tok is not None else None,
                 "replicas_identical": replicas_identical(strategy, pl_module, flat),
                 "q_local": local_tensor(q).detach().flatten()[:64].tolist() if q is not None else None,
+                # DTensors replicated over the tensor-parallel ranks (a row-wise layer's bias): their sums
+                "replicated": {n: float(local_tensor(p).double().sum()) for n, p in pl_module.named_parameters()
+                               if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)},
                 "tp_rank": strategy.device_mesh["tensor_parallel"].get_local_rank()
                 if strategy.device_mesh is not None else 0,
             }
