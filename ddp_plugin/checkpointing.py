@@ -22,12 +22,16 @@ import shutil
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.nn import Module
 from typing_extensions import override
 
 from ddp_plugin import sharded_checkpoint, tensor_parallel
+from ddp_plugin.hookspecs import local_tensor
 from ddp_plugin.checkpoint_io import (
     AtomicCheckpointIO,
     agree_with_rank_0,
@@ -228,7 +232,10 @@ class CheckpointRouting:
                 " `ModelCheckpoint`."
             )
         if is_local_path(checkpoint_path) and sharded_checkpoint.is_sharded_checkpoint(local_path(checkpoint_path)):
-            checkpoint = sharded_checkpoint.load(local_path(checkpoint_path))
+            # A model no rank holds whole (pipeline stages, tensor parallelism) reads its own part only: the
+            # tensors are read as `load_model_state_dict` and `load_optimizer_state_dict` take them.
+            lazy = self._pipeline is not None or self._has_tensor_parallel_model()
+            checkpoint = sharded_checkpoint.load(local_path(checkpoint_path), lazy=lazy)
         else:
             try:
                 checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -271,6 +278,9 @@ class CheckpointRouting:
                 f"The checkpoint does not fit {type(self.lightning_module).__name__}: {'; '.join(details)}. Was it"
                 " saved from another model (or other hyperparameters)?"
             )
+        if any(isinstance(v, sharded_checkpoint.StoredTensor) for v in state.values()):
+            _load_stored(self.lightning_module, state, strict)
+            return
         if self._has_tensor_parallel_model():
             state = tensor_parallel.distribute_state_dict(state, self.lightning_module)  # each rank its part
         self.lightning_module.load_state_dict(state, strict=strict)
@@ -278,18 +288,45 @@ class CheckpointRouting:
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._session is None or not self._session.active:
-            return super().load_optimizer_state_dict(checkpoint)
+            return super().load_optimizer_state_dict(
+                {**checkpoint, "optimizer_states": sharded_checkpoint.materialized(checkpoint["optimizer_states"])})
         pm = self._session.plugin_manager
         runner = self._pipeline
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             if runner is not None:  # the unsplit model's optimizer state: this stage's part, numbered as here
                 state = runner.local_optimizer_state(state, optimizer)
+            tensor_parallel_state = self._has_tensor_parallel_model() and not self.config.zero_stage
+            if tensor_parallel_state:  # whole tensors in the file: each rank takes (or reads) its part
+                state = tensor_parallel.distribute_optimizer_state(state, optimizer)
+            state = sharded_checkpoint.materialized(state)  # (what is left, whole: the hooks take tensors)
             if not pm.hook.on_load_optimizer_state_dict(optimizer=optimizer, state_dict=state):
-                if self._has_tensor_parallel_model():  # whole tensors in the file: each rank takes its part
+                if self._has_tensor_parallel_model() and not tensor_parallel_state:
                     state = tensor_parallel.distribute_optimizer_state(state, optimizer)
                 optimizer.load_state_dict(state)
             _optimizers_to_device([optimizer], self.root_device)
         return None
+
+
+def _load_stored(module: Module, state: Mapping[str, Any], strict: bool) -> None:
+    """``module.load_state_dict(state)`` for a sharded checkpoint read lazily: tensor by tensor, each parameter's
+    and buffer's part read (a DTensor's local part only) and copied in place, so that the rank never holds more
+    than its parameters plus one tensor. Entries that are no tensors go through ``load_state_dict``."""
+    live = module.state_dict(keep_vars=True)
+    rest = {}
+    with torch.no_grad():
+        for name, value in state.items():
+            target = live.get(name)
+            if not isinstance(target, Tensor):
+                rest[name] = sharded_checkpoint.materialized(value)
+                continue
+            if isinstance(value, sharded_checkpoint.StoredTensor):
+                value = value.read_like(target) if isinstance(target, DTensor) else value.load()
+            elif isinstance(target, DTensor) and not isinstance(value, DTensor):
+                value = tensor_parallel.distribute_like(value, target)
+            local_tensor(target).copy_(local_tensor(value))
+            del value
+    if rest:
+        module.load_state_dict(rest, strict=False)
 
 
 def _merged(parts: list[dict[str, Any] | None]) -> dict[str, Any]:
@@ -311,7 +348,8 @@ def _compare_state_dicts(mine: Mapping[str, Tensor], theirs: Mapping[str, Any]
     mismatched = [
         f"{k} {tuple(theirs[k].shape)} vs {tuple(v.shape)}"
         for k, v in mine.items()
-        if k in theirs and isinstance(theirs[k], Tensor) and tuple(theirs[k].shape) != tuple(v.shape)
+        if k in theirs and isinstance(theirs[k], (Tensor, sharded_checkpoint.StoredTensor))
+        and tuple(theirs[k].shape) != tuple(v.shape)
     ]
     return missing, unexpected, mismatched
 

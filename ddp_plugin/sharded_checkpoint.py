@@ -138,9 +138,11 @@ def _explain_dcp_error(err: BaseException, target: Path) -> OSError | None:
     return None
 
 
-def load(path: Any) -> dict[str, Any]:
+def load(path: Any, lazy: bool = False) -> dict[str, Any]:
     """The checkpoint at ``path`` in the consolidated layout: ``state_dict`` and ``optimizer_states`` as an
-    unsharded model and optimizer would have them, everything else as saved. Every rank reads every piece."""
+    unsharded model and optimizer would have them, everything else as saved. Every rank reads every piece, or,
+    with ``lazy``, none yet: each tensor is a :class:`StoredTensor`, read when asked for, whole
+    (:meth:`StoredTensor.load`) or only the part a DTensor of this rank holds (:meth:`StoredTensor.read_like`)."""
     p = Path(str(path))
     try:
         meta = torch.load(p / META_FILE, map_location="cpu", weights_only=False)
@@ -149,18 +151,20 @@ def load(path: Any) -> dict[str, Any]:
         if bad is not None:
             raise bad from err
         raise
-    metadata = FileSystemReader(str(p)).read_metadata()
+    reader = FileSystemReader(str(p))
+    metadata = reader.read_metadata()
+    shapes: dict[str, tuple[int, ...]] = meta.pop(SHAPES_KEY)
     flat: dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
-            flat[key] = torch.empty(md.size, dtype=md.properties.dtype)
+            if not lazy:
+                flat[key] = torch.empty(md.size, dtype=md.properties.dtype)
         elif isinstance(md, BytesStorageMetadata):
             flat[key] = None
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(flat, checkpoint_id=str(p), no_dist=True)
-    shapes: dict[str, tuple[int, ...]] = meta.pop(SHAPES_KEY)
+    _read(flat, p)
     whole = _assemble(flat, shapes)
+    if lazy:
+        whole.update(_stored_tensors(p, metadata, shapes))
     checkpoint = dict(meta)
     optimizers = checkpoint.pop(OPTIM_KEY)
     checkpoint["state_dict"] = {k[len("model/"):]: v for k, v in whole.items() if k.startswith("model/")}
@@ -179,7 +183,141 @@ def load(path: Any) -> dict[str, Any]:
     return checkpoint
 
 
+def _read(flat: dict[str, Any], path: Path) -> None:
+    """Read ``flat``'s keys (and only those) from the checkpoint at ``path``, into its tensors."""
+    if not flat:
+        return
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(flat, checkpoint_id=str(path), no_dist=True)
+
+
+class StoredTensor:
+    """A tensor of a sharded checkpoint not read yet: its ``shape`` and ``dtype``, and the DCP keys it was
+    written under (whole, as tensor-parallel blocks ``<name>@<dim>:<offset>``, as ZeRO pieces ``#<start>``).
+    :meth:`load` reads it whole; :meth:`read_like` reads only the blocks that overlap what a DTensor of this
+    rank holds (the rank's stage, tensor-parallel shard), so a rank never holds a tensor it does not keep."""
+
+    def __init__(self, path: Path, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 parts: dict[tuple[int, int] | None, list[str]], block_shapes: dict[tuple[int, int], tuple[int, ...]],
+                 sizes: dict[str, int]) -> None:
+        self.path, self.name, self.shape, self.dtype = path, name, torch.Size(shape), dtype
+        self._parts = parts
+        """DCP keys per tensor-parallel block ``(dim, offset)``, or under ``None`` those of the whole tensor."""
+        self._block_shapes = block_shapes
+        self._sizes = sizes
+        """Elements per DCP key."""
+
+    def __repr__(self) -> str:
+        return f"StoredTensor({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def _read_keys(self, keys: list[str], shape: tuple[int, ...]) -> Tensor:
+        """The tensor of ``shape`` written under ``keys`` (itself, or its ZeRO pieces)."""
+        if len(keys) == 1 and _split_key(keys[0])[1] is None:
+            flat = {keys[0]: torch.empty(shape, dtype=self.dtype)}
+            _read(flat, self.path)
+            return flat[keys[0]]
+        pieces = {k: torch.empty(self._sizes[k], dtype=self.dtype) for k in keys}
+        _read(pieces, self.path)
+        base = _split_key(keys[0])[0]
+        return _assemble_pieces(pieces, {base: shape})[base]
+
+    def load(self) -> Tensor:
+        """The whole tensor."""
+        if None in self._parts:
+            return self._read_keys(self._parts[None], tuple(self.shape))
+        out = torch.empty(tuple(self.shape), dtype=self.dtype)
+        for (dim, offset), keys in self._parts.items():
+            block = self._read_keys(keys, self._block_shapes[(dim, offset)])
+            out.narrow(dim, offset, block.shape[dim]).copy_(block)
+        return out
+
+    def read_like(self, like: Any) -> Any:
+        """The part of this tensor that the DTensor ``like`` holds on this rank (its mesh and placements), as a
+        DTensor like it; only the blocks that overlap that part are read."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local_shape, offset = compute_local_shape_and_global_offset(self.shape, like.device_mesh, like.placements)
+        local = torch.empty(tuple(local_shape), dtype=self.dtype)
+        want = [(o, o + n) for o, n in zip(offset, local_shape)]
+        if None in self._parts:
+            whole = self._read_keys(self._parts[None], tuple(self.shape))
+            local.copy_(whole[tuple(slice(a, b) for a, b in want)])
+            del whole
+        else:
+            for (dim, start), keys in self._parts.items():
+                block_shape = self._block_shapes[(dim, start)]
+                have = [(0, n) for n in self.shape]
+                have[dim] = (start, start + block_shape[dim])
+                both = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(want, have)]
+                if any(lo >= hi for lo, hi in both):
+                    continue  # another rank's block
+                block = self._read_keys(keys, block_shape)
+                source = tuple(slice(lo - h[0], hi - h[0]) for (lo, hi), h in zip(both, have))
+                target = tuple(slice(lo - w[0], hi - w[0]) for (lo, hi), w in zip(both, want))
+                local[target].copy_(block[source])
+                del block
+        local = local.to(device=like.to_local().device, dtype=like.dtype)
+        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
+
+
+def _stored_tensors(path: Path, metadata: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, StoredTensor]:
+    """A :class:`StoredTensor` per tensor name of the checkpoint (its blocks and pieces put under one name)."""
+    parts: dict[str, dict[tuple[int, int] | None, list[str]]] = {}
+    sizes: dict[str, int] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        base, _ = _split_key(key)
+        name, at, where = base.rpartition("@")
+        block = tuple(int(x) for x in where.split(":")) if at else None
+        name = name if at else base
+        parts.setdefault(name, {}).setdefault(block, []).append(key)
+        sizes[key] = math.prod(md.size)
+        dtypes[name] = md.properties.dtype
+    out = {}
+    for name, blocks in parts.items():
+        if None in blocks and len(blocks[None]) == 1 and _split_key(blocks[None][0])[1] is None:
+            shape = tuple(metadata.state_dict_metadata[blocks[None][0]].size)
+        else:
+            shape = _recorded_shape(name, shapes)
+            if shape is None:
+                raise ValueError(f"The sharded checkpoint records no shape for `{name}`: it cannot be assembled.")
+        block_shapes = {}
+        for block in blocks:
+            if block is not None:
+                recorded = _recorded_shape(f"{name}@{block[0]}:{block[1]}", shapes)
+                if recorded is None:
+                    raise ValueError(f"The sharded checkpoint records no shape for `{name}@{block[0]}:{block[1]}`.")
+                block_shapes[block] = tuple(recorded)
+        out[name] = StoredTensor(path, name, tuple(shape), dtypes[name], blocks, block_shapes,
+                                 {k: sizes[k] for keys in blocks.values() for k in keys})
+    return out
+
+
+def materialized(value: Any) -> Any:
+    """``value`` with every :class:`StoredTensor` in it (in dicts and lists, nested) read whole."""
+    if isinstance(value, StoredTensor):
+        return value.load()
+    if isinstance(value, dict):
+        return {k: materialized(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [materialized(v) for v in value]
+    return value
+
+
 def _assemble(flat: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    return _join_blocks(_assemble_pieces(flat, shapes), shapes)
+
+
+def _assemble_pieces(flat: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """``flat`` with the ZeRO pieces ``<key>#<start>`` of each key put together into ``<key>``."""
     whole: dict[str, Any] = {}
     pieces: dict[str, list[tuple[int, Tensor]]] = {}
     for key, value in flat.items():
@@ -205,7 +343,7 @@ def _assemble(flat: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) ->
                 " elements. Was a rank's file lost?"
             )
         whole[base] = out.view(shape)
-    return _join_blocks(whole, shapes)
+    return whole
 
 
 def _recorded_shape(key: str, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...] | None:

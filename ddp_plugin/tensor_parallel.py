@@ -284,25 +284,37 @@ def distribute_like(value: Tensor, like: DTensor) -> DTensor:
 def distribute_state_dict(state: Mapping[str, Any], module: Module) -> dict[str, Any]:
     """A whole ``state_dict`` of the unsplit model, with the entries of the module's DTensor parameters and
     buffers split as they are, ready for ``module.load_state_dict``."""
+    from ddp_plugin.sharded_checkpoint import StoredTensor
+
     live = module.state_dict(keep_vars=True)
     out = dict(state)
     for name, current in live.items():
-        if isinstance(current, DTensor) and name in out and isinstance(out[name], Tensor) \
-                and not isinstance(out[name], DTensor):
-            out[name] = distribute_like(out[name], current)
+        if isinstance(current, DTensor) and name in out:
+            if isinstance(out[name], StoredTensor):  # not read yet: only this rank's part is
+                out[name] = out[name].read_like(current)
+            elif isinstance(out[name], Tensor) and not isinstance(out[name], DTensor):
+                out[name] = distribute_like(out[name], current)
     return out
 
 
 def distribute_optimizer_state(state: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """A whole ``optimizer.state_dict()`` (parameters numbered across groups, as torch numbers them) with each
     state tensor of a DTensor parameter's shape split as that parameter is, ready for ``load_state_dict``."""
+    from ddp_plugin.sharded_checkpoint import StoredTensor
+
+    def split(v: Any, p: DTensor) -> Any:
+        if isinstance(v, StoredTensor) and tuple(v.shape) == tuple(p.shape):
+            return v.read_like(p)  # not read yet: only this rank's part is
+        if isinstance(v, Tensor) and not isinstance(v, DTensor) and tuple(v.shape) == tuple(p.shape):
+            return distribute_like(v, p)
+        return v
+
     params = [p for group in optimizer.param_groups for p in group["params"]]
     out_state = {}
     for index, entries in state.get("state", {}).items():
         p = params[index] if isinstance(index, int) and index < len(params) else None
         if isinstance(p, DTensor):
-            entries = {k: (distribute_like(v, p) if isinstance(v, Tensor) and not isinstance(v, DTensor)
-                           and tuple(v.shape) == tuple(p.shape) else v) for k, v in entries.items()}
+            entries = {k: split(v, p) for k, v in entries.items()}
         out_state[index] = entries
     return {**state, "state": out_state}
 
