@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import zipfile
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -238,7 +240,13 @@ class CheckpointRouting:
             checkpoint = sharded_checkpoint.load(local_path(checkpoint_path), lazy=lazy)
         else:
             try:
-                checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+                if self._mapped_load(checkpoint_path):
+                    # Memory-mapped: each rank's pages are read as it takes its stage's and its shard's part, and
+                    # the ranks of a machine share them (the page cache) instead of holding a copy each.
+                    checkpoint = torch.load(local_path(checkpoint_path), map_location="cpu", mmap=True,
+                                            weights_only=False if weights_only is None else weights_only)
+                else:
+                    checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             except Exception as err:
                 # Empty, random or cut-short files make torch.load say "Ran out of input" or suggest
                 # `weights_only=False`: say what it is instead.
@@ -258,6 +266,15 @@ class CheckpointRouting:
                 # Lightning restores before `setup`; hand the state to this fit's plugins once they exist.
                 self._pending_plugin_state = (state or {}, mine)
         return checkpoint
+
+    def _mapped_load(self, checkpoint_path: Any) -> bool:
+        """Whether a consolidated checkpoint is read by memory mapping: a local file in ``torch.save``'s zip format,
+        read through this library's or Lightning's own checkpoint IO, into a model no rank holds whole."""
+        if not (self._pipeline is not None or self._has_tensor_parallel_model()):
+            return False
+        if type(self.checkpoint_io) not in (AtomicCheckpointIO, TorchCheckpointIO) or not is_local_path(checkpoint_path):
+            return False
+        return zipfile.is_zipfile(local_path(checkpoint_path))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -70,6 +70,9 @@ def test_a_checkpoint_loaded_into_a_meta_built_model_is_what_training_starts_fro
     for rank, r in enumerate(runs[case]):
         assert r["built_on"] == "meta" and r["resumed_equal_to_saved"], rank
         assert r["steps"] == STEPS and r["finite_losses"], (rank, r)
+        # A consolidated file is memory-mapped where no rank holds the whole model (each reads its part's pages),
+        # read as usual where every rank holds it.
+        assert r["mapped"] is (case == "resume:pp2_tp2"), (rank, r["mapped"])
 
 
 @pytest.mark.parametrize("case", [c for c, flags in LAYOUTS.items() if flags.get("tensor_parallel_size", 1) > 1])

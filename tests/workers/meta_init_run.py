@@ -75,6 +75,12 @@ class Record(L.Callback):
                 if strategy.device_mesh is not None else 0,
             }
 
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        # whether the checkpoint file is memory-mapped while it is restored (a model no rank holds whole)
+        path = os.path.realpath(trainer.ckpt_path)
+        with open("/proc/self/maps") as maps:
+            self.mapped = any(line.rstrip().endswith(path) for line in maps)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
@@ -105,7 +111,8 @@ def run(case: str, steps: int, out_dir: str) -> dict:
         trainer.save_checkpoint(path)
         saved = local_parameters(trainer.strategy, model)
         trainer, model, record, built_on = fit(layout, steps, meta=True, ckpt_path=path)
-        extra = {"resumed_equal_to_saved": bool(torch.equal(record.start_flat, saved))}
+        extra = {"resumed_equal_to_saved": bool(torch.equal(record.start_flat, saved)),
+                 "mapped": getattr(record, "mapped", None)}
     else:
         trainer, model, record, built_on = fit(case, steps, meta=True)
     mine = {**record.start, **extra, "built_on": built_on, "losses": record.losses,
