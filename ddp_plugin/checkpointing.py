@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from typing_extensions import override
 
-from ddp_plugin import sharded_checkpoint, tensor_parallel
-from ddp_plugin.hookspecs import local_tensor
+from ddp_plugin import cpu_memory, sharded_checkpoint, tensor_parallel
+from ddp_plugin.hookspecs import local_tensor, pipeline_copies
 from ddp_plugin.checkpoint_io import (
     AtomicCheckpointIO,
     agree_with_rank_0,
@@ -63,6 +63,7 @@ class CheckpointRouting:
 
     _session: FitSession | None
     _pipeline: PipelineRunner | None
+    _groups: Any  # (ProcessGroups)
     _pending_plugin_state: tuple[Mapping[str, Any], Mapping[str, Any] | None] | None
 
     def _state_plugins(self) -> pluggy.PluginManager | None:
@@ -74,9 +75,44 @@ class CheckpointRouting:
         module = self.lightning_module
         return module is not None and tensor_parallel.has_tensor_parallel_parameters(module)
 
+    def _refuse_master_beyond_memory(self) -> None:
+        """``checkpoint="master"`` of a model no rank holds whole gathers its whole state on global rank 0: refused
+        on every rank, before anything is gathered or written, when the parameters and the optimizer state alone
+        exceed the memory rank 0 has available (the machine's, or what its memory cgroup's limit leaves).
+        Collective (two scalars over the world)."""
+        if self._groups is None or not dist.is_initialized():
+            return
+        total = 0.0
+        for p in self.lightning_module.parameters():  # (a DTensor's numel is the whole tensor's)
+            total += p.numel() * p.element_size() / pipeline_copies(p)
+        for optimizer in self.optimizers:
+            for p, entries in getattr(optimizer, "_optimizer", optimizer).state.items():
+                for v in entries.values():
+                    if isinstance(v, Tensor) and v.dim():
+                        same = tuple(local_tensor(v).shape) == tuple(local_tensor(p).shape)
+                        total += (p.numel() if same else local_tensor(v).numel()) * v.element_size() / pipeline_copies(p)
+        held = torch.tensor([total], dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(held)  # every stage's, once per (data, tensor) position
+        needed = float(held) * self._groups.layout.pipeline_parallel_size / dist.get_world_size()
+        available = cpu_memory.available_bytes() if self.is_global_zero else None
+        verdict = torch.tensor([-1.0 if available is None else float(available)], dtype=torch.float64,
+                               device=self.root_device)
+        dist.broadcast(verdict, src=0)
+        available = float(verdict)
+        if 0 <= available < needed:
+            raise MemoryError(
+                f"`checkpoint='master'` gathers the whole model's state on global rank 0 to write one file:"
+                f" {needed / 2**30:.2f} GiB of parameters and optimizer state here, more than the"
+                f" {available / 2**30:.2f} GiB rank 0 has available (the machine's, or its memory cgroup's limit)."
+                " Nothing was written. Use `checkpoint='sharded'`: each rank writes its own part"
+                " (`ddp_plugin.sharded_checkpoint.consolidate` makes one file of it where memory allows)."
+            )
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         runner = self._pipeline
+        if self.config.checkpoint == "master" and (runner is not None or self._has_tensor_parallel_model()):
+            self._refuse_master_beyond_memory()
         if runner is not None and self.config.checkpoint == "master":
             # Each stage's whole state (tensor-parallel blocks gathered), then every stage's to global rank 0
             # under the unsplit model's names, a tied parameter's names sharing one tensor.

@@ -34,3 +34,52 @@ def release_freed_buffers(threshold_bytes: int = THRESHOLD_BYTES) -> bool:
         return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)))
     except (OSError, AttributeError):
         return False
+
+
+def available_bytes() -> int | None:
+    """The memory this process may still take: the smaller of the machine's available memory (``MemAvailable``)
+    and what its memory cgroup's limit leaves (cgroup v1 or v2, where a limit is set). ``None`` where neither can
+    be read (not Linux)."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+                    break
+    except OSError:
+        return None
+    cgroup = _cgroup_headroom()
+    if cgroup is not None:
+        found.append(cgroup)
+    return min(found) if found else None
+
+
+def _cgroup_headroom() -> int | None:
+    """Limit minus usage of this process's memory cgroup, or ``None`` without one or without a limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    files = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):  # cgroup v1
+            files = (f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes",
+                     f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes")
+            break
+        if line.startswith("0::"):  # cgroup v2 (a v1 memory line, if any, wins)
+            files = (f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current")
+    if files is None:
+        return None
+    try:
+        with open(files[0]) as f:
+            limit = f.read().strip()
+        with open(files[1]) as f:
+            usage = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or int(limit) >= 1 << 60:
+        return None
+    return max(int(limit) - usage, 0)

@@ -1,5 +1,6 @@
 """A model whose whole fp32 weights are larger than the memory each rank process may use trains, checkpoints,
-resumes and predicts at P 2 x T 2 on 4 CPU ranks (tests/workers/capped_run.py): each rank runs in a memory cgroup
+resumes and predicts at P 2 x T 2 on 4 CPU ranks, and a consolidated save, which would gather the whole model
+on rank 0, is refused before anything is written (tests/workers/capped_run.py): each rank runs in a memory cgroup
 of its own, capped below the whole model's size, so a rank that ever holds the whole model (or most of it) is
 ended by the kernel. The model is built on the meta device and materialized part by part; the sharded
 checkpoint is read lazily, each rank reading only the blocks it holds, and copied tensor by tensor. Before, the
@@ -20,6 +21,7 @@ from tests.support import WORKERS, run_python
 # 12 x 1280^2 x 13 blocks: 975 MiB of fp32 weights, a rank's quarter 244 MiB (plus as much for its gradients).
 SIZE = ["--d-model", "1280", "--layers", "13"]
 CAP_MB = 900
+PHASES = ("fit", "resume", "predict", "master")
 
 reason = cgroup.unavailable()
 pytestmark = pytest.mark.skipif(reason is not None, reason=f"no per-process memory cap here: {reason}")
@@ -31,13 +33,13 @@ def runs(tmp_path_factory):
     name = f"test{os.getpid()}"
     phases = {}
     try:
-        for phase in ("fit", "resume", "predict"):
+        for phase in PHASES:
             result = out / f"{phase}.json"
             run_python(WORKERS / "capped_run.py", "--phase", phase, "--out", result, "--cap-mb", str(CAP_MB),
                        "--name", f"{name}{phase}", *SIZE, timeout=900)
             phases[phase] = json.loads(result.read_text())
     finally:
-        cgroup.remove([f"{name}{phase}_{rank}" for phase in ("fit", "resume", "predict") for rank in range(4)])
+        cgroup.remove([f"{name}{phase}_{rank}" for phase in PHASES for rank in range(4)])
     return phases
 
 
@@ -55,3 +57,11 @@ def test_it_trains_checkpoints_resumes_from_the_saved_values_and_predicts(runs):
     assert [r["start"] for r in runs["resume"]] == [r["saved"] for r in runs["fit"]]  # each rank's part, exactly
     for r in runs["predict"]:
         assert r["predicted"] == [4, 8, 32] and r["finite"], r
+
+
+def test_a_master_checkpoint_that_would_not_fit_rank_0_is_refused_before_anything_is_written(runs):
+    # checkpoint="master" gathers the whole model on global rank 0: refused on every rank, naming the way out.
+    for r in runs["master"]:
+        assert r["refused"] is not None and "checkpoint='sharded'" in r["refused"], r["refused"]
+        assert "0.95 GiB of parameters and optimizer state" in r["refused"], r["refused"]
+        assert not r["written"]

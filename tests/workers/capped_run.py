@@ -9,7 +9,8 @@ before it imports torch: a rank charged more is ended by the kernel, and the run
 Lightning's big-model recipe (``trainer.init_module(empty_init=True)``, the meta device), and each launch runs one
 phase, as a user's jobs would: ``fit`` trains 2 steps with SGD (no optimizer state: a rank holds its quarter of
 the weights and of the gradients) and saves a sharded checkpoint beside ``--out``; ``resume`` trains on from it
-for one more step; ``predict`` predicts from it. Rank 0 writes every rank's record (its peak charge, what it held,
+for one more step; ``predict`` predicts from it; ``master`` trains a step with ``checkpoint="master"`` and
+tries to save, which must be refused (rank 0 would gather the whole model). Rank 0 writes every rank's record (its peak charge, what it held,
 the parameters' checksum where training ended or started) to ``--out``.
 """
 
@@ -25,7 +26,7 @@ parser.add_argument("--cap-mb", type=int, required=True)
 parser.add_argument("--name", required=True)
 parser.add_argument("--d-model", type=int, default=1536)
 parser.add_argument("--layers", type=int, default=16)
-parser.add_argument("--phase", choices=["fit", "resume", "predict"], required=True)
+parser.add_argument("--phase", choices=["fit", "resume", "predict", "master"], required=True)
 args = parser.parse_args()
 
 def load_cgroup_module():
@@ -72,8 +73,8 @@ class AtStart(L.Callback):
 
 
 def trainer(steps: int, callbacks=()) -> L.Trainer:
-    strategy = HierarchicalZeroStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, checkpoint="sharded",
-                                        release_cpu_memory=True)
+    strategy = HierarchicalZeroStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, release_cpu_memory=True,
+                                        checkpoint="master" if args.phase == "master" else "sharded")
     return L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                      callbacks=list(callbacks))
@@ -93,7 +94,7 @@ def main() -> None:
     data = DataLoader(token_dataset(64, seq=8, vocab=32), batch_size=4)
     mine: dict = {"cap": cap.limit, "imported": imported}
     start = AtStart()
-    t = trainer({"fit": 2, "resume": 3, "predict": -1}[args.phase], [start])
+    t = trainer({"fit": 2, "resume": 3, "predict": -1, "master": 1}[args.phase], [start])
     model = build(t)
     mine["whole_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     if args.phase == "fit":  # trained on meta-built weights, saved (each rank writes its part)
@@ -103,6 +104,15 @@ def main() -> None:
     elif args.phase == "resume":  # into a model built on meta again: training starts from the saved values
         t.fit(model, data, ckpt_path=path)
         mine["start"] = start.start
+    elif args.phase == "master":  # a consolidated checkpoint would gather the whole model on rank 0: refused
+        t.fit(model, data)
+        target = os.path.join(out_dir, "master.ckpt")
+        try:
+            t.save_checkpoint(target)
+            mine["refused"] = None
+        except MemoryError as err:
+            mine["refused"] = str(err)
+        mine["written"] = os.path.exists(target)
     else:
         predictions = t.predict(model, DataLoader(token_dataset(4, seq=8, vocab=32, seed=3), batch_size=4),
                                 ckpt_path=path)
