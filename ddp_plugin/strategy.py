@@ -33,6 +33,7 @@ from ddp_plugin.checkpointing import CheckpointRouting
 from ddp_plugin.config import CONFIG_FLAGS, UNSET, StrategyConfig, flag_names
 from ddp_plugin.environment import DistributedEnvironment
 from ddp_plugin.health import diagnosed
+from ddp_plugin.hookspecs import is_tensor_parallel_shard
 from ddp_plugin.hookspecs.types import PIPELINE_COPIES_ATTRIBUTE
 from ddp_plugin.inspection import FitInspection
 from ddp_plugin.materialize import has_meta_tensors, materialize
@@ -389,6 +390,15 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         if split is None:
             plan = pipeline.plan_stages(module, self.config.pipeline_stages, self.config.pipeline_split)
             shared = tensor_parallel.shared_parameters(module)
+            split_ties = [t.names for t in pipeline.find_ties(shared, plan, layout.pipeline_parallel_size)
+                          if is_tensor_parallel_shard(module.get_parameter(t.names[0]))]
+            if split_ties:  # (decided from the whole module: the same on every rank)
+                raise NotImplementedError(
+                    f"{' = '.join(f'`{n}`' for n in split_ties[0])} is split over the tensor-parallel ranks and held"
+                    " by two pipeline stages (an embedding split by vocabulary and tied to the output head): not"
+                    " supported with `pipeline_parallel_size` > 1 yet. Replicate it over the tensor-parallel ranks"
+                    " (leave it out of the `parallelize_module` plan), or untie it."
+                )
             order = [name for name, _ in module.named_parameters()]
             pipeline.split_module(module, plan, self._my_stages(plan))
             split = module._ddp_plugin_stages = (plan, shared, order)

@@ -1,7 +1,8 @@
 """Worker for the tensor-parallel refusals: a fit the strategy must refuse at setup, on every rank, naming what to
 change. ``--case no_configure_model``: ``tensor_parallel_size=2`` for a module without ``configure_model``;
 ``--case fully_shard``: a ``configure_model`` that applies Lightning's whole recipe (TP, then ``fully_shard`` on the
-data-parallel mesh)."""
+data-parallel mesh); ``--case vocab_tie_across_stages``: the embedding split by vocabulary and tied to the head,
+with pipeline stages (the two stages would each hold a shard of it)."""
 
 from __future__ import annotations
 
@@ -39,12 +40,18 @@ class WithFullyShard(GPTModule):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", choices=["no_configure_model", "fully_shard"], required=True)
+    parser.add_argument("--case", choices=["no_configure_model", "fully_shard", "vocab_tie_across_stages"],
+                        required=True)
     args = parser.parse_args()
-    model = WithoutConfigureModel() if args.case == "no_configure_model" else WithFullyShard()
+    flags = {"tensor_parallel_size": 2, "timeout": 60}
+    if args.case == "vocab_tie_across_stages":
+        model = GPTModule(tie="vocab")
+        flags["pipeline_parallel_size"] = 2
+    else:
+        model = WithoutConfigureModel() if args.case == "no_configure_model" else WithFullyShard()
     trainer = L.Trainer(accelerator="cpu", devices=4, max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
-                        strategy=HierarchicalZeroStrategy(tensor_parallel_size=2, timeout=60))
+                        strategy=HierarchicalZeroStrategy(**flags))
     trainer.fit(model, DataLoader(token_dataset(16), batch_size=2))
 
 
