@@ -79,7 +79,7 @@ class CheckpointRouting:
         """``checkpoint="master"`` of a model no rank holds whole gathers its whole state on global rank 0: refused
         on every rank, before anything is gathered or written, when the parameters and the optimizer state alone
         exceed the memory rank 0 has available (the machine's, or what its memory cgroup's limit leaves).
-        Collective (two scalars over the world)."""
+        Collective (one all-reduce of two scalars over the world)."""
         if self._groups is None or not dist.is_initialized():
             return
         total = 0.0
@@ -91,14 +91,13 @@ class CheckpointRouting:
                     if isinstance(v, Tensor) and v.dim():
                         same = tuple(local_tensor(v).shape) == tuple(local_tensor(p).shape)
                         total += (p.numel() if same else local_tensor(v).numel()) * v.element_size() / pipeline_copies(p)
-        held = torch.tensor([total], dtype=torch.float64, device=self.root_device)
-        dist.all_reduce(held)  # every stage's, once per (data, tensor) position
-        needed = float(held) * self._groups.layout.pipeline_parallel_size / dist.get_world_size()
+        # One sum over the world: every stage's state (once per data and tensor position) and rank 0's headroom.
         available = cpu_memory.available_bytes() if self.is_global_zero else None
-        verdict = torch.tensor([-1.0 if available is None else float(available)], dtype=torch.float64,
-                               device=self.root_device)
-        dist.broadcast(verdict, src=0)
-        available = float(verdict)
+        mine = [total, (-1.0 if available is None else float(available)) if self.is_global_zero else 0.0]
+        summed = torch.tensor(mine, dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(summed)
+        needed = float(summed[0]) * self._groups.layout.pipeline_parallel_size / dist.get_world_size()
+        available = float(summed[1])
         if 0 <= available < needed:
             raise MemoryError(
                 f"`checkpoint='master'` gathers the whole model's state on global rank 0 to write one file:"

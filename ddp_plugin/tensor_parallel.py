@@ -284,16 +284,12 @@ def distribute_like(value: Tensor, like: DTensor) -> DTensor:
 def distribute_state_dict(state: Mapping[str, Any], module: Module) -> dict[str, Any]:
     """A whole ``state_dict`` of the unsplit model, with the entries of the module's DTensor parameters and
     buffers split as they are, ready for ``module.load_state_dict``."""
-    from ddp_plugin.sharded_checkpoint import StoredTensor
-
     live = module.state_dict(keep_vars=True)
     out = dict(state)
     for name, current in live.items():
-        if isinstance(current, DTensor) and name in out:
-            if isinstance(out[name], StoredTensor):  # not read yet: only this rank's part is
-                out[name] = out[name].read_like(current)
-            elif isinstance(out[name], Tensor) and not isinstance(out[name], DTensor):
-                out[name] = distribute_like(out[name], current)
+        if isinstance(current, DTensor) and name in out and isinstance(out[name], Tensor) \
+                and not isinstance(out[name], DTensor):
+            out[name] = distribute_like(out[name], current)
     return out
 
 
