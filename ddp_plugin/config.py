@@ -101,6 +101,8 @@ class StrategyConfig:
     of each stage (a tuple of tuples)."""
     activation_checkpointing_policy: tuple[type | str, ...] | None = None
     """Module classes (or names) whose forward is recomputed in the backward; ``None``: off."""
+    pretrained: str | None = None
+    """A ``.safetensors`` file or folder read into the model at its first setup; ``None``: none."""
     hpz_partition_size: int | None = None
     """From a DeepSpeed config's ``zero_hpz_partition_size``: must equal the ranks per node (checked at setup)."""
 
@@ -145,6 +147,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
     from ddp_plugin.activation_checkpointing import check_policy as check_activation_checkpointing_policy
     from ddp_plugin.zero.units import check_auto_wrap_policy
     from ddp_plugin.pipeline import check_split as check_pipeline_split
+    from ddp_plugin.pretrained import check_pretrained
 
     out: dict[str, Any] = {}
     checks = {
@@ -182,6 +185,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "pipeline_virtual_stages": lambda v: None if v is None else check_int("pipeline_virtual_stages", v,
                                                                               minimum=1),
         "pipeline_split": check_pipeline_split,
+        "pretrained": check_pretrained,
         "activation_checkpointing_policy": check_activation_checkpointing_policy,
         "hpz_partition_size": lambda v: v,
     }

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ddp_plugin import activation_checkpointing, cpu_memory, pipeline, tensor_parallel
+from ddp_plugin import activation_checkpointing, cpu_memory, pipeline, pretrained, tensor_parallel
 from ddp_plugin.checkpoint_io import AtomicCheckpointIO
 from ddp_plugin.checkpointing import CheckpointRouting
 from ddp_plugin.config import CONFIG_FLAGS, UNSET, StrategyConfig, flag_names
@@ -130,6 +130,9 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         activation_checkpointing_policy: module classes (or their names) whose activations are recomputed in
             the backward instead of kept, as ``FSDPStrategy``'s flag: e.g. ``{Block}``; with every layout
             (docs/activation_checkpointing.md). Default ``None``: off.
+        pretrained: a Hugging Face style ``.safetensors`` file (or a folder of them) read into the model at its
+            first ``setup``, after it is split and materialized: each rank reads only its stages and its
+            tensor-parallel slices (docs/checkpoints.md). Skipped when ``ckpt_path`` resumes. Default ``None``.
     """
 
     strategy_name = "hierarchical_zero"
@@ -169,6 +172,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         pipeline_virtual_stages: int | None = None,
         pipeline_split: str | list[list[str]] = "parameters",
         activation_checkpointing_policy: Any = None,
+        pretrained: str | os.PathLike | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -336,6 +340,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
                                      if self._groups.has_device_mesh else None)
         for group in tensor_parallel.restore_ties(self.model, self._ties):
             log.info("ddp_plugin: %s tied again after `configure_model`", " = ".join(group))
+        weights = self._plan_pretrained(trainer)  # (from the whole model, before a split)
         policy = self.config.activation_checkpointing_policy
         if policy is not None and not hasattr(self.model, "_ddp_plugin_stages"):
             activation_checkpointing.check_present(self.model, policy)  # (the whole model, before a split)
@@ -352,6 +357,9 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             materialize(self.model, self.root_device, seed_offset=self.global_rank)
             self._materialized = True
         self.model_to_device()
+        if weights is not None:  # (before replicas and tied copies are made equal: a tie's first copy wins)
+            read = pretrained.load(self.lightning_module, weights, topology.world_group)
+            log.info("ddp_plugin: %d tensors of this rank read from %s", read, weights.path)
         if topology.pipeline_parallel_size > 1:
             # Each stage from its first rank (its shards from their data-parallel rank 0), and every copy of a
             # parameter several stages hold from the first stage.
@@ -379,6 +387,21 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _plan_pretrained(self, trainer: pl.Trainer) -> pretrained.Plan | None:
+        """``pretrained``'s plan, at the module's first setup only (a later one would overwrite its training) and
+        unless a checkpoint restores it (``ckpt_path``; with a model built on meta it is restored after setup and
+        overwrites what this reads)."""
+        module, path = self.lightning_module, self.config.pretrained
+        if path is None or getattr(module, "_ddp_plugin_pretrained", None) == path:
+            return None
+        module._ddp_plugin_pretrained = path
+        if trainer.ckpt_path is not None:
+            log.info("ddp_plugin: `pretrained` not read: the model is restored from %s", trainer.ckpt_path)
+            return None
+        plan = pretrained.plan(module, path)
+        pretrained.warn(plan)
+        return plan
 
     def _split_into_stages(self) -> list[pipeline.Tie]:
         """Keep this rank's pipeline stages of the module (split once per module: a second ``fit`` finds it

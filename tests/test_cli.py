@@ -115,3 +115,12 @@ def test_pipeline_flags_from_yaml_stage_names_included(tmp_path):
     assert c.pipeline_split == (("tok", "pos", "blocks.0"), ("blocks.1", "ln_f", "head"))
     cli = cli_with_strategy(tmp_path, "pipeline_parallel_size: 2\npipeline_split: type:^Block$\n")
     assert cli.trainer.strategy.config.pipeline_split == "type:^Block$"
+
+
+def test_pretrained_from_yaml(tmp_path):
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(1)}, tmp_path / "model.safetensors")
+    cli = cli_with_strategy(tmp_path, f"pretrained: {tmp_path}\n")
+    assert cli.trainer.strategy.config.pretrained == str(tmp_path)
