@@ -63,6 +63,8 @@ STORE_TIMEOUT_S = 3.0
 # Longer than the diagnosis's MISSED_BEATS_S: this acts on a run nothing has failed in yet.
 WATCH_IDLE_S = 5.0
 WATCH_STALL_S = 5.0
+# After a failed fit, the rank hosting the store keeps it up at most this long for the others to read the cause.
+LINGER_S = 5.0
 
 
 def _store(probe: bool = False) -> dist.Store:
@@ -534,6 +536,34 @@ class _News:
                 if r not in self.victims and r not in self.failed and process_gone(entry)]
 
 
+def linger_as_store_host(timeout_s: float = LINGER_S) -> None:
+    """After a failed fit, on global rank 0 (the rendezvous store's host under Lightning's launcher): keep the
+    store up until every other rank has read the cause from it (its diagnosis is done, it reported its own error,
+    or its process on this machine has ended), at most ``timeout_s``. A rank that diagnosed after the host had
+    exited would find only the processes that ended, rank 0 first, and could not quote a raising rank's error."""
+    if (not dist.is_initialized() or dist.get_rank() != 0
+            or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):  # (torchrun's agent hosts it)
+        return
+    world = dist.get_world_size()
+
+    def accounted(store: dist.Store, rank: int) -> bool:
+        return (store.check([f"{_PREFIX}/read/{rank}"]) or store.check([f"{_PREFIX}/failed/{rank}"])
+                or process_gone(_read(store, "process", rank)))
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        store = _within(STORE_TIMEOUT_S + 1, _store)
+        while time.monotonic() < deadline:
+            waiting = _within(STORE_TIMEOUT_S + 1, lambda: [r for r in range(1, world) if not accounted(store, r)])
+            if not waiting:
+                return
+            _sleep(POLL_S)
+        log.info("ddp_plugin: rank 0 exits with %s not done reading the failure from the store",
+                 _ranks(waiting))
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+
+
 def _sleep(seconds: float) -> None:
     try:
         time.sleep(seconds)
@@ -583,6 +613,7 @@ def diagnose(error: BaseException, what: str = "gradient synchronization") -> st
             r for r in range(world) if r not in alive and r not in news.victims and not news.failed]
         if gone and not news.gone:
             _within(STORE_TIMEOUT_S + 1, lambda: _tell(store, f"{_PREFIX}/gone", ",".join(map(str, gone))))
+        _within(STORE_TIMEOUT_S + 1, lambda: store.set(f"{_PREFIX}/read/{me}", "1"))  # (the store's host may go)
     except Exception:  # noqa: BLE001
         _store_unreachable = True
         if _found_failed:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 import torch.distributed as dist
 
+from ddp_plugin import health
 from ddp_plugin.topology import (
     Layout,
     build_device_mesh,
@@ -166,6 +167,8 @@ class ProcessGroups:
     @classmethod
     def release_all(cls) -> None:
         """At exit: every strategy's references, every group's, then the default group and the cycles."""
+        if cls.failed:
+            health.linger_as_store_host()
         for user in list(cls._users):
             user.release_process_groups()
         for groups in cls._made.values():

@@ -439,24 +439,32 @@ def test_auto_composes_with_tensor_and_pipeline_parallelism(tmp_path):
 @needs_cluster
 def test_the_plan_follows_a_link_that_slows_down_within_a_few_steps(cluster, tmp_path):
     slow_at, steps = 12, 22
-    cluster.set_rate("10gbit")
-    try:
-        results = cluster.launch([str(WORKERS / "adaptive_run.py"), "--out", str(tmp_path), "--num-nodes", "2",
-                                  "--devices", "2", "--width", "512", "--layers", "3", "--steps", str(steps),
-                                  "--flags", json.dumps({"compression": "auto", "bucket_size_mb": 1}),
-                                  "--slow-at", str(slow_at), "--slow-rate", "20mbit"],
-                                 nproc_per_node=2, timeout=600)
-    finally:
-        cluster.set_rate("1gbit")
-    for r in sorted(results, key=lambda r: r.killed):
-        assert r.ok, f"node {r.node} exited with {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    plans = [r["plan"] for r in ranks]
-    for plan in plans[1:]:
-        assert plan["history"] == plans[0]["history"]  # no rank disagreed, at any version
-    history = plans[0]["history"]
-    replans = [step for version, step, _ in history if version > 1]
-    assert replans, history
+    for attempt in range(2):
+        out = tmp_path / str(attempt)
+        out.mkdir()
+        cluster.set_rate("10gbit")
+        try:
+            results = cluster.launch([str(WORKERS / "adaptive_run.py"), "--out", str(out), "--num-nodes", "2",
+                                      "--devices", "2", "--width", "512", "--layers", "3", "--steps", str(steps),
+                                      "--flags", json.dumps({"compression": "auto", "bucket_size_mb": 1}),
+                                      "--slow-at", str(slow_at), "--slow-rate", "20mbit"],
+                                     nproc_per_node=2, timeout=600)
+        finally:
+            cluster.set_rate("1gbit")
+        for r in sorted(results, key=lambda r: r.killed):
+            assert r.ok, f"node {r.node} exited with {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        plans = [r["plan"] for r in ranks]
+        for plan in plans[1:]:
+            assert plan["history"] == plans[0]["history"]  # no rank disagreed, at any version
+        history = plans[0]["history"]
+        replans = [step for version, step, _ in history if version > 1]
+        assert replans, history
+        # A re-plan before the link changed answered this machine's load (another test's heavy I/O beside this
+        # one, seen once in CI), and then kept the next plan from coming for 10 steps, past the slowdown: the
+        # latency this test measures cannot be read from such a run. Run once more; twice in a row fails.
+        if replans[0] > slow_at or attempt == 1:
+            break
     # Detected within a few steps of the slowdown: close calls settled (steps 2-5), 1 warm-up + 3 baseline steps
     # happened before it, then 3 departing steps, and the agreement on them comes back after the next step.
     assert slow_at < replans[0] <= slow_at + 6, history

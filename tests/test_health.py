@@ -38,7 +38,7 @@ def _forget(rank: int, world_size: int) -> None:
     dist.barrier()
     if rank == 0:
         store = dist.distributed_c10d._get_default_store()
-        for key in ["gone", "news", *(f"{kind}/{r}" for kind in ("beat", "step", "failed", "victim", "process")
+        for key in ["gone", "news", *(f"{kind}/{r}" for kind in ("beat", "step", "failed", "victim", "process", "read")
                                       for r in range(world_size))]:
             store.delete_key(f"ddp_plugin/health/{key}")
     health._diagnosed = health._store_unreachable = False
@@ -374,3 +374,30 @@ def test_a_reported_error_read_before_the_store_went_away_is_still_named(pool):
         assert message.startswith("rank ") and ("failed because rank 2 failed with ValueError: the user's step broke,"
                                                 " as read before the rendezvous store became unreachable") in message, \
             message
+
+
+def _rank_2_reports_and_rank_1_diagnoses_late(rank, world_size, late_s: float = 1.5):
+    dist.barrier()
+    start = time.monotonic()
+    if rank == 2:
+        health.report_exception(ValueError("the user's step broke"))
+        result = None
+    elif rank == 1:
+        time.sleep(late_s)  # (its collective fails later: say, its watch read the news late on a busy machine)
+        result = health.diagnose(ERROR)
+    else:
+        health.linger_as_store_host(timeout_s=30)  # (as at exit after a failed fit)
+        result = time.monotonic() - start
+    dist.barrier()
+    health._diagnosed = False
+    return result
+
+
+def test_the_store_host_waits_at_exit_until_the_others_have_read_the_cause(pool):
+    # Under Lightning's launcher rank 0 hosts the store: exiting at once after a failed fit, it left a survivor
+    # that diagnosed later without the raising rank's error, naming "rank 0 stopped responding" instead (seen in
+    # tests/test_mesh_faults.py). Rank 0 now waits for every rank's diagnosis (or its own report) first.
+    waited, named, _ = pool.run(_rank_2_reports_and_rank_1_diagnoses_late)
+    assert 1.4 < waited < 20, waited
+    assert named.startswith("rank 1: gradient synchronization failed because rank 2 failed with ValueError: the"
+                            " user's step broke"), named
