@@ -13,6 +13,7 @@ the first replica's parameters and buffers), and tied copies by its ties.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -67,6 +68,10 @@ def _initializers(root: nn.Module) -> list:
         if not any(local_tensor(t).is_meta for t in _tensors(module)):
             return
         init_weights = getattr(module, "init_weights", None)
+        if _is_transformers_model(module):
+            # Its own initialization without its `tie_weights` (which would look for the embedding on a stage
+            # that left it out): tied parameters are one parameter here, and their stages' copies made equal.
+            init_weights = module.initialize_weights
         if callable(init_weights):
             calls.append(init_weights)
             return
@@ -90,6 +95,11 @@ def _initializers(root: nn.Module) -> list:
             " and buffer), or build the model without `empty_init=True`."
         )
     return calls
+
+
+def _is_transformers_model(module: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")  # (never imported here: a model of it has imported it)
+    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
 
 
 def _tensors(module: nn.Module, recurse: bool = True) -> Iterator[torch.Tensor]:

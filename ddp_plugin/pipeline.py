@@ -54,6 +54,12 @@ class StagePlan:
     stage_blocks: tuple[tuple[int, ...], ...]
     keys: tuple[str, ...] = ()
     is_dict: bool = False
+    kind: str = "contract"
+    """``"contract"`` (the model's ``forward`` skips ``None`` children) or ``"transformers"`` (a Hugging Face model
+    split by its config's ``base_model_pp_plan``: :mod:`ddp_plugin.transformers_stages`); ``blocks``, ``before``
+    and ``after`` may then be dotted paths below ``owner``."""
+    output: str = ""
+    """``"transformers"``: the attribute of the model's output a stage returns (``"logits"``)."""
 
     def key(self, position: int) -> str:
         return self.keys[position] if self.keys else str(position)
@@ -66,13 +72,16 @@ class StagePlan:
         """The stages that hold the parameter or module ``name`` (a name of the LightningModule)."""
         prefix = f"{self.owner}." if self.owner else ""
         rest = name[len(prefix):] if name.startswith(prefix) else name
-        child, _, tail = rest.partition(".")
-        if child in self.before:
+
+        def under(path: str) -> bool:
+            return rest == path or rest.startswith(f"{path}.")
+
+        if any(map(under, self.before)):
             return {0}
-        if child in self.after:
+        if any(map(under, self.after)):
             return {self.num_stages - 1}
-        if child == self.blocks:
-            key = tail.partition(".")[0]
+        if rest.startswith(f"{self.blocks}."):
+            key = rest[len(self.blocks) + 1:].partition(".")[0]
             index = self.keys.index(key) if self.keys else int(key)
             return {s for s, blocks in enumerate(self.stage_blocks) if index in blocks}
         return set(range(self.num_stages))
@@ -122,6 +131,11 @@ def plan_stages(module: nn.Module, num_stages: int, split: str | Sequence[Sequen
     ``partition_method="parameters"``), by block count (``"uniform"``), by the count of blocks whose class name
     matches a regex (``"type:<regex>"``), or as named. Raises ``TypeError`` for a module that does not follow
     the contract and ``ValueError`` for a split that cannot hold."""
+    from ddp_plugin import transformers_stages
+
+    described = transformers_stages.find(module)
+    if described is not None:
+        return _plan_described(module, described, num_stages, split)
     lists = [(name, m) for name, m in module.named_modules()
              if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m)]
     if not lists:
@@ -169,9 +183,53 @@ def plan_stages(module: nn.Module, num_stages: int, split: str | Sequence[Sequen
         runs = _named_runs(split, num_stages, owner_path, blocks_name, keys or tuple(map(str, range(len(blocks)))),
                            before, after)
         return StagePlan(owner_path, blocks_name, before, after, runs, keys, is_dict)
+    sizes = _split_sizes(split, blocks, path)
+    if split == "parameters":
+        sizes[0] += sum(count(children_by_name[n]) for n in before)
+        sizes[-1] += sum(count(children_by_name[n]) for n in after)
+    runs = _balanced_runs(sizes, num_stages)
+    return StagePlan(owner_path, blocks_name, before, after, tuple(tuple(r) for r in runs), keys, is_dict)
+
+
+def _plan_described(module: nn.Module, layout: Any, num_stages: int, split: str | Sequence[Sequence[str]]
+                    ) -> StagePlan:
+    """The stages of a Hugging Face model, from its own stage description (``transformers_stages.find``)."""
+    owner = module.get_submodule(layout.owner)
+    blocks = _get(owner, layout.blocks)
+    path = f"{layout.owner}.{layout.blocks}" if layout.owner else layout.blocks
+    if len(blocks) < num_stages:
+        raise ValueError(f"`{path}` has {len(blocks)} blocks, fewer than the {num_stages} pipeline stages"
+                         " (`pipeline_parallel_size` x `pipeline_virtual_stages`); each stage runs at least one block.")
+    placed = (layout.blocks, *layout.before, *layout.after)
+    stray = [name for name, _ in module.named_parameters()
+             if not any(name.startswith(f"{layout.owner}.{p}." if layout.owner else f"{p}.") for p in placed)]
+    if stray:
+        raise TypeError(
+            f"Parameters that {type(owner).__name__}'s `base_model_pp_plan` places on no stage: {', '.join(stray[:5])}."
+            " With `pipeline_parallel_size` > 1 every parameter must belong to a module the plan names.")
+    is_dict = isinstance(blocks, nn.ModuleDict)
+    keys = tuple(blocks.keys()) if is_dict else ()
+    common = {"keys": keys, "is_dict": is_dict, "kind": "transformers", "output": layout.output}
+    if not isinstance(split, str):
+        runs = _named_runs(split, num_stages, layout.owner, layout.blocks,
+                           keys or tuple(map(str, range(len(blocks)))), layout.before, layout.after)
+        return StagePlan(layout.owner, layout.blocks, layout.before, layout.after, runs, **common)
+    values = list(blocks.values()) if is_dict else list(blocks)
+    sizes = _split_sizes(split, values, path)
+    if split == "parameters":
+        sizes[0] += sum(p.numel() for n in layout.before for p in _get(owner, n).parameters())
+        sizes[-1] += sum(p.numel() for n in layout.after for p in _get(owner, n).parameters())
+    runs = _balanced_runs(sizes, num_stages)
+    return StagePlan(layout.owner, layout.blocks, layout.before, layout.after, tuple(tuple(r) for r in runs),
+                     **common)
+
+
+def _split_sizes(split: str, blocks: Sequence[nn.Module], path: str) -> list[int]:
+    """Each block's weight in the balance: 1 (``"uniform"``), whether its class matches (``"type:<regex>"``), or
+    its parameter count."""
     if split == "uniform":
-        sizes = [1] * len(blocks)
-    elif split.startswith("type:"):
+        return [1] * len(blocks)
+    if split.startswith("type:"):
         pattern = re.compile(split[5:])
         sizes = [int(bool(pattern.search(type(b).__name__))) for b in blocks]
         if not any(sizes):
@@ -179,12 +237,26 @@ def plan_stages(module: nn.Module, num_stages: int, split: str | Sequence[Sequen
                 f"`pipeline_split={split!r}` matches none of the blocks of `{path}`"
                 f" ({', '.join(sorted({type(b).__name__ for b in blocks}))}): nothing to balance."
             )
-    else:
-        sizes = [count(b) for b in blocks]
-        sizes[0] += sum(count(children_by_name[n]) for n in before)
-        sizes[-1] += sum(count(children_by_name[n]) for n in after)
-    runs = _balanced_runs(sizes, num_stages)
-    return StagePlan(owner_path, blocks_name, before, after, tuple(tuple(r) for r in runs), keys, is_dict)
+        return sizes
+    return [sum(p.numel() for p in b.parameters()) for b in blocks]
+
+
+def _get(owner: nn.Module, path: str) -> Any:
+    """The child at a dotted ``path`` below ``owner`` (``None`` where a stage left it out)."""
+    for part in path.split("."):
+        owner = getattr(owner, part)
+    return owner
+
+
+def _set(owner: nn.Module, path: str, value: Any) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(_get(owner, parent) if parent else owner, name, value)
+
+
+def _left_out(plan: StagePlan) -> nn.Module | None:
+    """What stands for a module another stage holds: ``None`` (the contract's ``forward`` skips it), or for a
+    Hugging Face model (whose ``forward`` calls its norm and head unconditionally) an ``nn.Identity``."""
+    return nn.Identity() if plan.kind == "transformers" else None
 
 
 def _named_runs(split: Sequence[Sequence[str]], num_stages: int, owner: str, blocks: str, keys: Sequence[str],
@@ -287,12 +359,12 @@ def split_module(module: nn.Module, plan: StagePlan, stages: Iterable[int]) -> N
     stages = set(stages)
     owner = module.get_submodule(plan.owner)
     keep = {i for s in stages for i in plan.stage_blocks[s]}
-    blocks = getattr(owner, plan.blocks)
-    setattr(owner, plan.blocks, stage_blocks(plan, {i: blocks._modules[plan.key(i)] for i in keep}))
+    blocks = _get(owner, plan.blocks)
+    _set(owner, plan.blocks, stage_blocks(plan, {i: blocks._modules[plan.key(i)] for i in keep}))
     for name in plan.before if 0 not in stages else ():
-        setattr(owner, name, None)
+        _set(owner, name, _left_out(plan))
     for name in plan.after if plan.num_stages - 1 not in stages else ():
-        setattr(owner, name, None)
+        _set(owner, name, _left_out(plan))
 
 
 class StageModule(nn.Module):
@@ -303,14 +375,16 @@ class StageModule(nn.Module):
     def __init__(self, owner: nn.Module, plan: StagePlan, stage: int) -> None:
         super().__init__()
         self.__dict__["_owner"] = owner  # not a child: its parameters are the LightningModule's
-        blocks = getattr(owner, plan.blocks)
+        blocks = _get(owner, plan.blocks)
         self._blocks = {i: blocks._modules[plan.key(i)] for i in plan.stage_blocks[stage]}
-        held = {name: getattr(owner, name) for name in plan.before + plan.after}
-        self._keep = {name: (held[name] if (name in plan.before and stage == 0)
-                             or (name in plan.after and stage == plan.num_stages - 1) else None) for name in held}
+        held = {name: _get(owner, name) for name in plan.before + plan.after}
+        mine = {name for name in held if (name in plan.before and stage == 0)
+                or (name in plan.after and stage == plan.num_stages - 1)}
+        self._keep = {name: held[name] if name in mine else _left_out(plan) for name in held}
         self._blocks_name = plan.blocks
+        self._kind, self._output = plan.kind, plan.output
         self.__dict__["_stage_blocks"] = stage_blocks(plan, self._blocks)  # (made once; blocks registered in parts)
-        self.parts = nn.ModuleList([m for m in self._keep.values() if m is not None] + list(self._blocks.values()))
+        self.parts = nn.ModuleList([held[name] for name in held if name in mine] + list(self._blocks.values()))
         self.first, self.last = stage == 0, stage == plan.num_stages - 1
         self.sent_forward = self.sent_backward = 0
         """Bytes this stage's training forwards sent on (its outputs) and their backwards sent back (its inputs'
@@ -327,15 +401,19 @@ class StageModule(nn.Module):
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         owner = self._owner
-        saved = {name: getattr(owner, name) for name in (*self._keep, self._blocks_name)}
+        saved = {name: _get(owner, name) for name in (*self._keep, self._blocks_name)}
         try:
             for name, m in self._keep.items():
-                setattr(owner, name, m)
-            setattr(owner, self._blocks_name, self._stage_blocks)
+                _set(owner, name, m)
+            _set(owner, self._blocks_name, self._stage_blocks)
+            if self._kind == "transformers":
+                from ddp_plugin import transformers_stages
+
+                return transformers_stages.stage_forward(owner, self.first, self._output, *args, **kwargs)
             return _call_forward(owner, *args, **kwargs)
         finally:
             for name, m in saved.items():
-                setattr(owner, name, m)
+                _set(owner, name, m)
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -383,12 +461,16 @@ class PipelineOutput:
     """What the model's call returns inside a pipelined ``training_step``: a placeholder for the output that
     exists only on the last stage, microbatch by microbatch. Pass it to ``self.pipeline_loss``."""
 
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], output: str = "") -> None:
         self.args, self.kwargs = args, kwargs
+        self.output = output
+        """A Hugging Face model's output attribute (``"logits"``): ``self.model(x).logits`` is this placeholder."""
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):  # (copy, pickle and friends probe for these)
+        if name.startswith("__") or name in ("args", "kwargs", "output"):  # (copy, pickle and friends probe)
             raise AttributeError(name)
+        if name == self.__dict__.get("output"):
+            return self
         raise AttributeError(
             "With `pipeline_parallel_size` > 1 the model's output exists on the last stage only, one microbatch at a"
             " time: in `training_step` pass it straight to `self.pipeline_loss(output, target)`, which runs the"
@@ -489,7 +571,7 @@ class PipelineRunner:
         ran = [False]
 
         def capture(*args: Any, **kwargs: Any) -> PipelineOutput:
-            return PipelineOutput(args, kwargs)
+            return PipelineOutput(args, kwargs, self.plan.output)
 
         def pipeline_loss(output: Any, target: Any) -> Tensor:
             if not isinstance(output, PipelineOutput):
@@ -557,7 +639,12 @@ class PipelineRunner:
         with bounded_p2p_waits(self.group, self.timeout):
             output = schedule.step(*args, **kwargs) if self.is_first else schedule.step()
         output = self._broadcast_from_last(output)
-        return _slice_rows(output, padded, rows) if padded != rows else output
+        output = _slice_rows(output, padded, rows) if padded != rows else output
+        if self.plan.kind == "transformers":
+            from ddp_plugin import transformers_stages
+
+            return transformers_stages.wrap_output(self.owner, self.plan.output, output)
+        return output
 
     def _broadcast_from_last(self, output: Any) -> Any:
         """The last stage's ``output`` (a tensor, or lists, tuples and dicts of tensors and plain values) on every
