@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ddp_plugin import transformers_stages
 from ddp_plugin.hookspecs import local_tensor
 
 if TYPE_CHECKING:
@@ -131,8 +132,6 @@ def plan_stages(module: nn.Module, num_stages: int, split: str | Sequence[Sequen
     ``partition_method="parameters"``), by block count (``"uniform"``), by the count of blocks whose class name
     matches a regex (``"type:<regex>"``), or as named. Raises ``TypeError`` for a module that does not follow
     the contract and ``ValueError`` for a split that cannot hold."""
-    from ddp_plugin import transformers_stages
-
     described = transformers_stages.find(module)
     if described is not None:
         return _plan_described(module, described, num_stages, split)
@@ -145,7 +144,7 @@ def plan_stages(module: nn.Module, num_stages: int, split: str | Sequence[Sequen
             " repeated blocks in one (as `self.blocks`), modules before it (embeddings) and after it (final norm,"
             " output head) as siblings."
         )
-    path, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    path, _ = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
     owner_path, _, blocks_name = path.rpartition(".")
     owner = module.get_submodule(owner_path)
     children = list(owner.named_children())
@@ -166,62 +165,51 @@ def plan_stages(module: nn.Module, num_stages: int, split: str | Sequence[Sequen
             f"Parameters outside the pipelined model `{owner_path}`: {', '.join(outside[:5])}. With"
             " `pipeline_parallel_size` > 1 every parameter must belong to the model whose blocks are split."
         )
-    if len(blocks) < num_stages:
-        raise ValueError(
-            f"`{path}` has {len(blocks)} blocks, fewer than the {num_stages} pipeline stages"
-            " (`pipeline_parallel_size` x `pipeline_virtual_stages`); each stage runs at least one block."
-        )
-
-    def count(m: nn.Module | None) -> int:
-        return sum(p.numel() for p in m.parameters()) if m is not None else 0
-
-    children_by_name = dict(children)
-    is_dict = isinstance(blocks, nn.ModuleDict)
-    keys = tuple(blocks.keys()) if is_dict else ()
-    blocks = list(blocks.values()) if is_dict else list(blocks)
-    if not isinstance(split, str):
-        runs = _named_runs(split, num_stages, owner_path, blocks_name, keys or tuple(map(str, range(len(blocks)))),
-                           before, after)
-        return StagePlan(owner_path, blocks_name, before, after, runs, keys, is_dict)
-    sizes = _split_sizes(split, blocks, path)
-    if split == "parameters":
-        sizes[0] += sum(count(children_by_name[n]) for n in before)
-        sizes[-1] += sum(count(children_by_name[n]) for n in after)
-    runs = _balanced_runs(sizes, num_stages)
-    return StagePlan(owner_path, blocks_name, before, after, tuple(tuple(r) for r in runs), keys, is_dict)
+    return _cut(module, owner_path, blocks_name, before, after, num_stages, split)
 
 
 def _plan_described(module: nn.Module, layout: Any, num_stages: int, split: str | Sequence[Sequence[str]]
                     ) -> StagePlan:
     """The stages of a Hugging Face model, from its own stage description (``transformers_stages.find``)."""
-    owner = module.get_submodule(layout.owner)
-    blocks = _get(owner, layout.blocks)
-    path = f"{layout.owner}.{layout.blocks}" if layout.owner else layout.blocks
-    if len(blocks) < num_stages:
-        raise ValueError(f"`{path}` has {len(blocks)} blocks, fewer than the {num_stages} pipeline stages"
-                         " (`pipeline_parallel_size` x `pipeline_virtual_stages`); each stage runs at least one block.")
     placed = (layout.blocks, *layout.before, *layout.after)
     stray = [name for name, _ in module.named_parameters()
              if not any(name.startswith(f"{layout.owner}.{p}." if layout.owner else f"{p}.") for p in placed)]
     if stray:
         raise TypeError(
-            f"Parameters that {type(owner).__name__}'s `base_model_pp_plan` places on no stage: {', '.join(stray[:5])}."
-            " With `pipeline_parallel_size` > 1 every parameter must belong to a module the plan names.")
+            f"Parameters that {type(module.get_submodule(layout.owner)).__name__}'s `base_model_pp_plan` places on"
+            f" no stage: {', '.join(stray[:5])}. With `pipeline_parallel_size` > 1 every parameter must belong to a"
+            " module the plan names.")
+    return _cut(module, layout.owner, layout.blocks, layout.before, layout.after, num_stages, split,
+                kind="transformers", output=layout.output)
+
+
+def _cut(module: nn.Module, owner_path: str, blocks_path: str, before: tuple[str, ...], after: tuple[str, ...],
+         num_stages: int, split: str | Sequence[Sequence[str]], **kind: str) -> StagePlan:
+    """The blocks at ``blocks_path`` below the model at ``owner_path`` cut into ``num_stages`` runs as ``split``
+    says; ``before`` and ``after`` (paths below the model) go with the first and the last stage."""
+    owner = module.get_submodule(owner_path)
+    blocks = _get(owner, blocks_path)
+    path = f"{owner_path}.{blocks_path}" if owner_path else blocks_path
+    if len(blocks) < num_stages:
+        raise ValueError(
+            f"`{path}` has {len(blocks)} blocks, fewer than the {num_stages} pipeline stages"
+            " (`pipeline_parallel_size` x `pipeline_virtual_stages`); each stage runs at least one block."
+        )
     is_dict = isinstance(blocks, nn.ModuleDict)
     keys = tuple(blocks.keys()) if is_dict else ()
-    common = {"keys": keys, "is_dict": is_dict, "kind": "transformers", "output": layout.output}
     if not isinstance(split, str):
-        runs = _named_runs(split, num_stages, layout.owner, layout.blocks,
-                           keys or tuple(map(str, range(len(blocks)))), layout.before, layout.after)
-        return StagePlan(layout.owner, layout.blocks, layout.before, layout.after, runs, **common)
-    values = list(blocks.values()) if is_dict else list(blocks)
-    sizes = _split_sizes(split, values, path)
-    if split == "parameters":
-        sizes[0] += sum(p.numel() for n in layout.before for p in _get(owner, n).parameters())
-        sizes[-1] += sum(p.numel() for n in layout.after for p in _get(owner, n).parameters())
-    runs = _balanced_runs(sizes, num_stages)
-    return StagePlan(layout.owner, layout.blocks, layout.before, layout.after, tuple(tuple(r) for r in runs),
-                     **common)
+        runs = _named_runs(split, num_stages, owner_path, blocks_path, keys or tuple(map(str, range(len(blocks)))),
+                           before, after)
+    else:
+        sizes = _split_sizes(split, list(blocks.values()) if is_dict else list(blocks), path)
+        if split == "parameters":  # (the modules before and after the blocks weigh on the first and last stage)
+            def count(names: tuple[str, ...]) -> int:
+                return sum(p.numel() for n in names if (m := _get(owner, n)) is not None for p in m.parameters())
+
+            sizes[0] += count(before)
+            sizes[-1] += count(after)
+        runs = tuple(tuple(r) for r in _balanced_runs(sizes, num_stages))
+    return StagePlan(owner_path, blocks_path, before, after, runs, keys, is_dict, **kind)
 
 
 def _split_sizes(split: str, blocks: Sequence[nn.Module], path: str) -> list[int]:
@@ -407,8 +395,6 @@ class StageModule(nn.Module):
                 _set(owner, name, m)
             _set(owner, self._blocks_name, self._stage_blocks)
             if self._kind == "transformers":
-                from ddp_plugin import transformers_stages
-
                 return transformers_stages.stage_forward(owner, self.first, self._output, *args, **kwargs)
             return _call_forward(owner, *args, **kwargs)
         finally:
@@ -641,9 +627,7 @@ class PipelineRunner:
         output = self._broadcast_from_last(output)
         output = _slice_rows(output, padded, rows) if padded != rows else output
         if self.plan.kind == "transformers":
-            from ddp_plugin import transformers_stages
-
-            return transformers_stages.wrap_output(self.owner, self.plan.output, output)
+            return transformers_stages.wrap_output(self.plan.output, output)
         return output
 
     def _broadcast_from_last(self, output: Any) -> Any:

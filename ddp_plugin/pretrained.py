@@ -162,6 +162,22 @@ def plan(module: nn.Module, path: str) -> Plan:
     return Plan(path, key_map, frozenset(stored), missing, unexpected)
 
 
+def first_plan(module: nn.Module, path: str | None, ckpt_path: object = None) -> Plan | None:
+    """``pretrained``'s plan for ``module`` (whole: before a split), at its first setup only (a later one would
+    overwrite its training), and unless a checkpoint restores it (``ckpt_path``; a model built on meta is restored
+    after setup, when Lightning has not named the path yet, and the restore overwrites what is read). Warns
+    :func:`warn`'s lists on global rank 0."""
+    if path is None or getattr(module, "_ddp_plugin_pretrained", None) == path:
+        return None
+    module._ddp_plugin_pretrained = path
+    if ckpt_path is not None:
+        log.info("ddp_plugin: `pretrained` not read: the model is restored from %s", ckpt_path)
+        return None
+    p = plan(module, path)
+    warn(p)
+    return p
+
+
 def warn(p: Plan) -> None:
     """``from_pretrained``'s two lists, on global rank 0."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn

@@ -340,7 +340,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
                                      if self._groups.has_device_mesh else None)
         for group in tensor_parallel.restore_ties(self.model, self._ties):
             log.info("ddp_plugin: %s tied again after `configure_model`", " = ".join(group))
-        weights = self._plan_pretrained(trainer)  # (from the whole model, before a split)
+        weights = pretrained.first_plan(self.lightning_module, self.config.pretrained, trainer.ckpt_path)
         policy = self.config.activation_checkpointing_policy
         if policy is not None and not hasattr(self.model, "_ddp_plugin_stages"):
             activation_checkpointing.check_present(self.model, policy)  # (the whole model, before a split)
@@ -387,21 +387,6 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _plan_pretrained(self, trainer: pl.Trainer) -> pretrained.Plan | None:
-        """``pretrained``'s plan, at the module's first setup only (a later one would overwrite its training) and
-        unless a checkpoint restores it (``ckpt_path``; with a model built on meta it is restored after setup and
-        overwrites what this reads)."""
-        module, path = self.lightning_module, self.config.pretrained
-        if path is None or getattr(module, "_ddp_plugin_pretrained", None) == path:
-            return None
-        module._ddp_plugin_pretrained = path
-        if trainer.ckpt_path is not None:
-            log.info("ddp_plugin: `pretrained` not read: the model is restored from %s", trainer.ckpt_path)
-            return None
-        plan = pretrained.plan(module, path)
-        pretrained.warn(plan)
-        return plan
 
     def _split_into_stages(self) -> list[pipeline.Tie]:
         """Keep this rank's pipeline stages of the module (split once per module: a second ``fit`` finds it

@@ -76,7 +76,7 @@ def stage_forward(model: nn.Module, first: bool, output: str, *args: Any, **kwar
     return getattr(out, output)
 
 
-def wrap_output(model: nn.Module, output: str, value: Any) -> Any:
+def wrap_output(output: str, value: Any) -> Any:
     """The whole batch's output, as the model returns it (``out.logits`` works in a ``predict_step``)."""
     from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 

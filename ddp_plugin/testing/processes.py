@@ -147,6 +147,16 @@ def inject_fault(kind: str) -> None:
         raise ValueError(f"kind={kind!r}: one of {', '.join(FAULT_KINDS)}")
 
 
+def every_rank(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order, on every rank (``all_gather_object`` over the default group): what
+    a worker's case returns for rank 0 to write."""
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
 def run_cases(cases: Iterable[str], run: Callable[[str], Any], out: str | os.PathLike) -> None:
     """A worker's fits, one per case, one after another in these processes: ``run(case)`` on every rank, and rank 0
     prints ``== case <case>`` before it (a crashed launch's output says which) and appends the JSON line of its

@@ -15,14 +15,13 @@ import argparse
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.activation_checkpointing import is_checkpointed
 from ddp_plugin.testing.gpt import Block, GPTModule, token_dataset
 from ddp_plugin.testing.memory import SavedTensorBytes
-from ddp_plugin.testing.processes import run_cases
+from ddp_plugin.testing.processes import every_rank, run_cases
 from ddp_plugin.testing.ranks import local_parameters
 
 LAYOUTS: dict[str, dict] = {
@@ -69,8 +68,7 @@ def run(case: str, steps: int) -> dict:
     plain = fit(layout, steps, None, meta == "meta")
     checkpointed = fit(layout, steps, {Block}, meta == "meta")
     mine = {"plain": plain, "checkpointed": checkpointed}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = every_rank(mine)
     return {"case": case, "ranks": every}
 
 

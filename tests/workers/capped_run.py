@@ -54,6 +54,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from ddp_plugin import HierarchicalZeroStrategy  # noqa: E402
 from ddp_plugin.hookspecs import local_tensor  # noqa: E402
 from ddp_plugin.testing.gpt import GPTModule, token_dataset  # noqa: E402
+from ddp_plugin.testing.processes import every_rank  # noqa: E402
 
 SIZE = {"vocab": 32, "heads": 8, "seq": 8}
 
@@ -121,8 +122,7 @@ def main() -> None:
     mine.update(steps=t.global_step, held_bytes=sum(local_tensor(p).numel() * local_tensor(p).element_size()
                                                     for p in model.parameters()),
                 peak=cap.peak_bytes, oom_kills=cap.oom_kills)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = every_rank(mine)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(every, f)

@@ -24,7 +24,6 @@ import argparse
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -32,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.gpt import GPTModule, token_dataset
-from ddp_plugin.testing.processes import run_cases
+from ddp_plugin.testing.processes import every_rank, run_cases
 
 CLIP = 0.05
 INF_STEP = 3
@@ -110,8 +109,7 @@ def run(case: str, steps: int) -> dict:
     params = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
     mine = {"params": params.tolist(), "scales": scales.scales, "steps": trainer.global_step,
             "skipped": getattr(trainer.strategy, "skipped_steps", None)}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = every_rank(mine)
     return {"case": case, "ranks": every}
 
 

@@ -21,14 +21,13 @@ import os
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.hookspecs import local_tensor
 from ddp_plugin.testing.gpt import GPTModule, token_dataset
-from ddp_plugin.testing.processes import run_cases
+from ddp_plugin.testing.processes import every_rank, run_cases
 from ddp_plugin.testing.ranks import local_parameters, replicas_identical
 
 LAYOUTS: dict[str, dict] = {
@@ -117,8 +116,7 @@ def run(case: str, steps: int, out_dir: str) -> dict:
         trainer, model, record, built_on = fit(case, steps, meta=True)
     mine = {**record.start, **extra, "built_on": built_on, "losses": record.losses,
             "finite_losses": all(math.isfinite(x) for x in record.losses), "steps": trainer.global_step}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = every_rank(mine)
     return {"case": case, "ranks": every}
 
 

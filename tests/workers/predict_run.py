@@ -16,12 +16,11 @@ import os
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.gpt import GPT, GPTModule, token_dataset
-from ddp_plugin.testing.processes import run_cases
+from ddp_plugin.testing.processes import every_rank, run_cases
 
 SIZE = {"vocab": 32, "d_model": 32, "heads": 2, "layers": 4, "seq": 8}
 LAYOUTS: dict[str, dict] = {
@@ -65,8 +64,7 @@ def predict(case: str, out_dir: str) -> dict:
         errors = [float((p["logits"] - whole(p["x"])).abs().max()) for p in predictions]
     mine = {"batches": [len(p["x"]) for p in predictions], "shapes": [list(p["logits"].shape) for p in predictions],
             "error": max(errors), "rows": sorted({tuple(r) for p in predictions for r in p["x"].tolist()})}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = every_rank(mine)
     return {"case": case, "ranks": every}
 
 

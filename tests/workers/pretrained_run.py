@@ -18,7 +18,6 @@ import os
 
 import lightning as L
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -26,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.gpt import GPT, GPTModule, token_dataset
-from ddp_plugin.testing.processes import run_cases
+from ddp_plugin.testing.processes import every_rank, run_cases
 
 SIZE = {"vocab": 32, "d_model": 32, "heads": 2, "layers": 4, "seq": 8}
 # case: (strategy flags, which file, built on meta, "predict" or "fit")
@@ -124,8 +123,7 @@ def run(case: str, weights: str, out_dir: str) -> dict:
                 mine["file_error"] = max(float((p["logits"] - differs(p["x"])).abs().max()) for p in predictions)
     mine["read"], mine["stored"] = READ[0], sum(v.numel() for v in file_state(weights, which).values())
     READ[0] = 0
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = every_rank(mine)
     return {"case": case, "ranks": every}
 
 

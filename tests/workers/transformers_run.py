@@ -15,14 +15,13 @@ import argparse
 
 import lightning as L
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.gpt import token_dataset
-from ddp_plugin.testing.processes import run_cases
+from ddp_plugin.testing.processes import every_rank, run_cases
 
 VOCAB, SEQ = 64, 8
 CASES = {
@@ -87,8 +86,7 @@ def run(case: str, weights: str) -> dict:
         if case.startswith("tied") and case != "tied_dp":  # the stages' copies of the tied weight, after the steps
             held = dict(model.named_parameters())
             copy = held.get("model.model.embed_tokens.weight", held.get("model.lm_head.weight"))
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, copy.detach().clone())
+            every = every_rank(copy.detach().clone())
             mine["tie_equal"] = all(torch.equal(every[0], c) for c in every)
             mine["tie_names"] = sorted(n for n in held if "embed" in n or "lm_head" in n)
         if case == "pp2_dp2":
@@ -107,8 +105,7 @@ def run(case: str, weights: str) -> dict:
         with torch.no_grad():
             mine["predict_error"] = max(float((p["logits"] - whole(input_ids=p["x"], use_cache=False).logits)
                                               .abs().max()) for p in predictions)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = every_rank(mine)
     return {"case": case, "ranks": every}
 
 
