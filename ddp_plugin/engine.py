@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ddp_plugin import health
 from ddp_plugin.clock import Clock
 from ddp_plugin.finite import finite_flag
+from ddp_plugin.materialize import unallocated
 from ddp_plugin.streams import SideThread
 from ddp_plugin.hookspecs import Bucket, completed_future, is_tensor_parallel_shard, local_tensor, set_local_grad
 
@@ -71,11 +72,16 @@ def build_buckets(
     first_cap_bytes: int | None = None,
     groups: Iterable[Iterable[tuple[str, Parameter]]] | None = None,
     pad_multiple: int = 1,
+    device: torch.device | None = None,
 ) -> list[Bucket]:
     """Buckets for ``named_params`` packed by :func:`pack`, or for the given ``groups`` (one bucket each, in
     order). Each parameter's gradient becomes a view into its bucket's buffer; an existing gradient is copied
     in. Buffers are zero-padded to a multiple of ``pad_multiple`` elements, so a sharder can split every
-    bucket into equal shards without copying (the padding stays zero and belongs to no parameter)."""
+    bucket into equal shards without copying (the padding stays zero and belongs to no parameter).
+
+    Parameters without memory yet (a model built on meta, left for a ZeRO stage 3 sharder to allocate unit by
+    unit: ``materialize.unallocated``) get their bucket's buffer on ``device``, released at once (a bucket is allocated on its first gradient): the
+    buffers of a model no rank holds are never all allocated together."""
     groups = [list(g) for g in groups] if groups is not None else pack(named_params, cap_bytes, first_cap_bytes)
     for group in groups:
         if len({(p.dtype, p.device) for _, p in group}) > 1:
@@ -88,7 +94,9 @@ def build_buckets(
             offsets.append(total)
             total += local_tensor(p).numel()
         first = group[0][1]
-        buffer = torch.zeros(-(-total // pad_multiple) * pad_multiple, dtype=first.dtype, device=first.device)
+        meta = unallocated(first) and device is not None
+        buffer = torch.zeros(-(-total // pad_multiple) * pad_multiple, dtype=first.dtype,
+                             device=device if meta else first.device)
         bucket = Bucket(
             index=index,
             buffer=buffer,
@@ -96,6 +104,8 @@ def build_buckets(
             names=tuple(n for n, _ in group),
             offsets=tuple(offsets),
         )
+        if meta:
+            bucket.release()
         for i, p in enumerate(bucket.params):
             if p.grad is not None:
                 view = bucket.grad_view(i)
@@ -103,6 +113,17 @@ def build_buckets(
                 set_local_grad(p, view)
         buckets.append(bucket)
     return buckets
+
+
+def _grad_views(bucket: Bucket) -> list[Tensor]:
+    """Each parameter's gradient view of ``bucket`` (a released buffer is allocated for the while: a view is
+    checked against its memory)."""
+    released = bucket.released
+    bucket.materialize()
+    views = [bucket.grad_view(i) for i in range(len(bucket.params))]
+    if released:
+        bucket.release()
+    return views
 
 
 def _check_plan(named: list[tuple[str, Parameter]], planned: Iterable[Iterable[tuple[str, Parameter]]]) -> None:
@@ -162,7 +183,8 @@ class GradientEngine:
             planned = [[(names[id(p)], p)] for p in solo] + pack(
                 [(n, p) for n, p in reversed(named) if id(p) not in alone], bucket_cap_bytes, FIRST_BUCKET_BYTES)
         self.buckets: list[Bucket] = build_buckets(
-            reversed(named), bucket_cap_bytes, FIRST_BUCKET_BYTES, groups=planned, pad_multiple=pad_multiple
+            reversed(named), bucket_cap_bytes, FIRST_BUCKET_BYTES, groups=planned, pad_multiple=pad_multiple,
+            device=device,
         )
         self.require_sync = True
         self.check_finite = False
@@ -186,7 +208,7 @@ class GradientEngine:
         if shared_replicas is not None:
             replicated = [b.index for b in self.buckets if not is_tensor_parallel_shard(b.params[0])]
             self._owner = {index: turn % shared_replicas[0] for turn, index in enumerate(replicated)}
-        self._views: list[list[Tensor]] = [[b.grad_view(i) for i in range(len(b.params))] for b in self.buckets]
+        self._views: list[list[Tensor]] = [_grad_views(b) for b in self.buckets]
         self._params: list[Parameter] = [p for b in self.buckets for p in b.params]
         self._flat_views: list[Tensor] = [v for views in self._views for v in views]
         self._handles = [

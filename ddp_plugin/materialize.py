@@ -14,12 +14,14 @@ the first replica's parameters and buffers), and tied copies by its ties.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode  # (torch's own way to see every operation)
+from torch.utils._pytree import tree_leaves, tree_map_only
 
-from ddp_plugin.hookspecs import local_tensor
+from ddp_plugin.hookspecs import hookimpl, local_tensor
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -27,7 +29,15 @@ def has_meta_tensors(module: nn.Module) -> bool:
     return any(local_tensor(t).is_meta for t in _tensors(module))
 
 
-def materialize(module: nn.Module, device: torch.device, seed_offset: int = 0) -> None:
+def unallocated(t: torch.Tensor) -> bool:
+    """Whether ``t`` (a DTensor's local shard) has a shape but no memory: a parameter left for a ZeRO stage 3
+    sharder to allocate (:func:`materialize`'s ``deferred``), or a stage 3 unit's freed between uses."""
+    local = local_tensor(t)
+    return not local.is_meta and local.numel() > 0 and local.untyped_storage().nbytes() == 0
+
+
+def materialize(module: nn.Module, device: torch.device, seed_offset: int = 0,
+                deferred: Collection[nn.Parameter] = ()) -> Deferred | None:
     """Allocate ``module``'s meta parameters and buffers on ``device`` and initialize them (module docstring);
     tensors already allocated are left as they are (a layer ``configure_model`` built for real stays as built).
     ``TypeError`` naming every module that cannot be initialized, before anything is allocated.
@@ -39,24 +49,108 @@ def materialize(module: nn.Module, device: torch.device, seed_offset: int = 0) -
     The initializers draw from the default generators reseeded with ``seed_offset`` added to their seed (the
     rank), and restored after: tensor-parallel shards initialized alike would start every shard of a matrix
     equal (on CPU, DTensor's random ops draw each shard from the local generator), a symmetry training never
-    breaks. The strategy then starts every replica from the first one's values."""
+    breaks. The strategy then starts every replica from the first one's values.
+
+    ``deferred``: parameters moved to ``device`` without memory (:func:`unallocated`), for a ZeRO stage 3 sharder
+    to allocate unit by unit; the returned :class:`Deferred` initializes each group of them once they hold memory
+    (``None`` without any)."""
     pending = _initializers(module)
+    later = {id(p) for p in deferred if local_tensor(p).is_meta}
     fresh: set[int] = set()
     for sub in module.modules():
         for t in (*sub._parameters.values(), *sub._buffers.values()):
             if t is None or id(t) in fresh or not local_tensor(t).is_meta:
                 continue
             empty = torch.empty_like(t, device=device)
+            if id(t) in later:
+                local_tensor(empty).untyped_storage().resize_(0)  # (one parameter's memory at a time, given back)
             torch.utils.swap_tensors(t, nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter)
                                      else empty)
             fresh.add(id(t))
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        for d in ("cpu", *([device] if devices else [])):
-            generator = torch.default_generator if d == "cpu" else torch.cuda.default_generators[device.index or 0]
-            generator.manual_seed(generator.initial_seed() + seed_offset)
-        for init in pending:
-            init()
+    init = Deferred(module, pending, device, seed_offset)
+    init.run()
+    return init if later else None
+
+
+class Deferred:
+    """The initialization of the parameters :func:`materialize` left without memory, group by group, as a ZeRO
+    stage 3 sharder gives them memory (each unit's parameters in its flat buffer; the hook
+    ``on_initialize_parameters``), so that no rank holds more than a unit of whole parameters at a time.
+
+    For each group the model's initializers run again, and only the group is written: an operation that would
+    write any other tensor (one initialized already, a unit sharded already, one without memory yet) is skipped,
+    and one that reads a tensor without memory runs on the meta device (:class:`_WritesTo`). The random
+    generators continue from one group to the next (their state is kept between calls, the caller's restored
+    after each), so the units draw different values, as in one initialization. ``sync`` then makes the group's
+    replicas equal (the strategy's module-state broadcast, over these tensors only)."""
+
+    def __init__(self, module: nn.Module, initializers: list, device: torch.device, seed_offset: int) -> None:
+        self.module = module
+        self.initializers = initializers
+        self.device = device
+        self.sync: Callable[[Sequence[torch.Tensor]], None] | None = None
+        self.groups = 0
+        """Groups initialized so far (one per ZeRO unit)."""
+        self._cuda = [device] if device.type == "cuda" else []
+        self._states: list[torch.Tensor] | None = None
+        self._seed_offset = seed_offset
+
+    def run(self, only: Collection[torch.Tensor] | None = None) -> None:
+        """Run every initializer once, under this object's generators (seeded from the caller's seed plus the
+        offset the first time), writing only the memory of ``only`` (default: every tensor that has memory)."""
+        with torch.random.fork_rng(devices=self._cuda), torch.no_grad(), _WritesTo(only):
+            generators = [torch.default_generator, *(torch.cuda.default_generators[d.index or 0] for d in self._cuda)]
+            if self._states is None:
+                for generator in generators:
+                    generator.manual_seed(generator.initial_seed() + self._seed_offset)
+            else:
+                for generator, state in zip(generators, self._states):
+                    generator.set_state(state)
+            for init in self.initializers:
+                init()
+            self._states = [g.get_state() for g in generators]
+
+    @hookimpl
+    def on_initialize_parameters(self, params: Sequence[nn.Parameter]) -> bool:
+        self.run(only=params)
+        if self.sync is not None:
+            self.sync(list(params))
+        self.groups += 1
+        return True
+
+
+class _WritesTo(TorchDispatchMode):
+    """Operations may write only the memory of ``only`` (``None``: any tensor that has memory); other writes are
+    skipped (the tensor is returned as it was), and an operation that reads a tensor without memory runs on the
+    meta device instead."""
+
+    def __init__(self, only: Collection[torch.Tensor] | None) -> None:
+        super().__init__()
+        self.storages = None if only is None else {_storage(t) for t in only}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            target = args[i] if i < len(args) else kwargs.get(argument.name)
+            if isinstance(target, torch.Tensor) and not self._writable(target):
+                return target
+        if any(isinstance(t, torch.Tensor) and unallocated(t) for t in tree_leaves((args, kwargs))):
+            args, kwargs = tree_map_only(
+                torch.Tensor, lambda t: torch.empty_like(t, device="meta") if unallocated(t) else t, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _writable(self, t: torch.Tensor) -> bool:
+        if local_tensor(t).is_meta:
+            return True
+        if unallocated(t):
+            return False
+        return self.storages is None or _storage(t) in self.storages
+
+
+def _storage(t: torch.Tensor) -> int:
+    return local_tensor(t).untyped_storage().data_ptr()
 
 
 def _initializers(root: nn.Module) -> list:

@@ -49,7 +49,7 @@ class FitSession:
                  node_flags_group: Callable[[], dist.ProcessGroup | None] | None = None,
                  layout: Layout | None = None,
                  tensor_parallel_peers: Callable[[], dist.ProcessGroup | None] | None = None,
-                 solo: Iterable[torch.nn.Parameter] = ()) -> None:
+                 solo: Iterable[torch.nn.Parameter] = (), extra_plugins: Iterable[object] = ()) -> None:
         if config.hpz_partition_size is not None and config.hpz_partition_size != topology.ranks_per_node:
             raise ValueError(
                 f"The DeepSpeed config's `zero_optimization.zero_hpz_partition_size={config.hpz_partition_size}`"
@@ -77,6 +77,8 @@ class FitSession:
         self.hierarchical = hierarchical
         """Whether gradients take the hierarchical route (with a plan that chooses per bucket: whether any may)."""
         self.plugin_manager: pluggy.PluginManager = build_for(config, hierarchical, self.planner)
+        for plugin in extra_plugins:  # (the strategy's own: the initializer of a model built on meta)
+            self.plugin_manager.register(plugin)
         self.options = _options(config, hierarchical, bucket_size_mb, cross_node_codec(self.plugin_manager))
         hook = self.plugin_manager.hook
         self.engine = GradientEngine(

@@ -6,6 +6,7 @@ methods come from :class:`~ddp_plugin.checkpointing.CheckpointRouting`."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -19,7 +20,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -36,7 +36,7 @@ from ddp_plugin.health import diagnosed
 from ddp_plugin.hookspecs import is_tensor_parallel_shard
 from ddp_plugin.hookspecs.types import PIPELINE_COPIES_ATTRIBUTE
 from ddp_plugin.inspection import FitInspection
-from ddp_plugin.materialize import has_meta_tensors, materialize
+from ddp_plugin.materialize import Deferred, has_meta_tensors, materialize
 from ddp_plugin.precision import ShardedGradientClipping, loss_scaler, with_sharded_clipping
 from ddp_plugin.process_groups import ProcessGroups, check_ranks_per_node
 from ddp_plugin.session import FitSession
@@ -188,6 +188,8 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         self._ties: list[tuple[str, ...]] = []
         self._pipeline: PipelineRunner | None = None
         self._materialized = False  # this fit's setup materialized a model built on the meta device
+        self.units_initialized = 0
+        """ZeRO stage 3 units this fit's setup allocated and initialized one by one (a model built on meta)."""
         self._whereabouts: tensor_parallel.Whereabouts | None = None
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -352,24 +354,30 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
+        deferred = None
         if has_meta_tensors(self.model):
-            # (each rank draws its own values; replicas and tied copies are made equal just below)
-            materialize(self.model, self.root_device, seed_offset=self.global_rank)
+            # (each rank draws its own values; replicas and tied copies are made equal just below). At ZeRO stage 3
+            # the trainable parameters are left without memory for the sharder to allocate and initialize unit by
+            # unit (ddp_plugin.materialize.Deferred).
+            later = ([p for p in self.model.parameters() if p.requires_grad]
+                     if fitting and self.config.zero_stage == 3 and weights is None and not ties else ())
+            deferred = materialize(self.model, self.root_device, seed_offset=self.global_rank, deferred=later)
             self._materialized = True
         self.model_to_device()
         if weights is not None:  # (before replicas and tied copies are made equal: a tie's first copy wins)
             read = pretrained.load(self.lightning_module, weights, topology.world_group)
             log.info("ddp_plugin: %d tensors of this rank read from %s", read, weights.path)
-        if topology.pipeline_parallel_size > 1:
-            # Each stage from its first rank (its shards from their data-parallel rank 0), and every copy of a
-            # parameter several stages hold from the first stage.
-            tensor_parallel.sync_module_states(self.model, topology.world_group, plain_group=self._groups.bookkeeping)
-            pipeline.sync_ties(ties)
-        elif tensor_parallel.has_tensor_parallel_parameters(self.model):
-            # Each shard from data-parallel rank 0 of its tensor-parallel position, plain tensors from rank 0.
-            tensor_parallel.sync_module_states(self.model, topology.world_group)
-        else:
-            _sync_module_states(self.model)  # every rank starts from rank 0's parameters and buffers
+        # Every rank starts from rank 0's parameters and buffers: each shard from data-parallel rank 0 of its
+        # tensor-parallel position, each pipeline stage from its first rank, and every copy of a parameter several
+        # stages hold from the first stage.
+        replicas = functools.partial(tensor_parallel.sync_tensors, data_parallel_group=topology.world_group,
+                                     plain_group=self._groups.bookkeeping if topology.pipeline_parallel_size > 1
+                                     else None)
+        tensor_parallel.sync_module_states(self.model, replicas.keywords["data_parallel_group"],
+                                           plain_group=replicas.keywords["plain_group"])
+        pipeline.sync_ties(ties)
+        if deferred is not None:
+            deferred.sync = replicas  # (the sharder's units, as it allocates them)
         if topology.pipeline_parallel_size > 1:
             self._start_pipeline(ties)
         if self._whereabouts is not None:
@@ -378,7 +386,11 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         self._whereabouts = (tensor_parallel.Whereabouts(self.model)
                              if tensor_parallel.has_tensor_parallel_parameters(self.model) else None)
         if fitting:
-            self._start_session([t.param for t in ties if t.param is not None])
+            self._start_session([t.param for t in ties if t.param is not None], deferred)
+            self.units_initialized = deferred.groups if deferred is not None else 0
+            if deferred is not None:
+                log.info("ddp_plugin: ZeRO stage 3 allocated and initialized the model unit by unit (%d units)",
+                         deferred.groups)
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 if self._pipeline is not None:  # (before a sharder replaces them with its pieces)
@@ -437,7 +449,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             # the mean loss travels on a group of its own, beside the schedule's last sends
             loss_group=self._groups.stage_peers(tuple(range(p))), timeout=self.config.timeout)
 
-    def _start_session(self, solo: Iterable[torch.nn.Parameter] = ()) -> None:
+    def _start_session(self, solo: Iterable[torch.nn.Parameter] = (), deferred: Deferred | None = None) -> None:
         if self._running():
             self._session.close()  # a setup without teardown (as some of Lightning's tests do)
         release = self.config.release_cpu_memory
@@ -447,7 +459,8 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         self._session = FitSession(self.config, self.model, self._groups.topology, self._groups.bookkeeping,
                                    self.root_device, self._hierarchical_by_flags(), self.memory_bytes,
                                    node_flags_group=self._groups.node_bookkeeping, layout=self._groups.layout,
-                                   tensor_parallel_peers=self._groups.tensor_parallel_peers, solo=solo)
+                                   tensor_parallel_peers=self._groups.tensor_parallel_peers, solo=solo,
+                                   extra_plugins=[deferred] if deferred is not None else [])
         if self._pipeline is not None:
             self._pipeline.comm = self._session.comm  # (the schedule's sends counted in the traffic metrics)
         if self._pending_plugin_state is not None:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ddp_plugin.materialize import unallocated
 from ddp_plugin.hookspecs import (
     block_key,
     is_tensor_parallel_shard,
@@ -151,14 +152,24 @@ def sync_module_states(module: Module, data_parallel_group: dist.ProcessGroup | 
     world, what a DTensor replicates over a mesh dimension from that dimension's rank 0, and a DTensor's local
     shard from data-parallel rank 0 over ``data_parallel_group`` (the ranks that hold the same shard; the shards
     of a tensor-parallel group already come from one model, as ``parallelize_module`` distributes them from its
-    rank 0, or from each rank's own initialization). Collective."""
+    rank 0, or from each rank's own initialization). Collective.
+
+    Tensors without memory yet are left out (:func:`~ddp_plugin.materialize.unallocated`): a ZeRO stage 3 sharder
+    allocates them later and has them made
+    equal then (:func:`sync_tensors`)."""
     ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+    sync_tensors([t for name, t in chain(module.named_parameters(), module.named_buffers())
+                  if name not in ignore and not unallocated(t)], data_parallel_group, plain_group)
+
+
+def sync_tensors(tensors: Iterable[Tensor], data_parallel_group: dist.ProcessGroup | None,
+                 plain_group: dist.ProcessGroup | None = None) -> None:
+    """:func:`sync_module_states` for the given parameters and buffers only (in the same order on every rank of
+    each group). Collective."""
     plain: list[Tensor] = []
     split: list[Tensor] = []
     replicated: dict[dist.ProcessGroup, list[Tensor]] = {}
-    for name, t in chain(module.named_parameters(), module.named_buffers()):
-        if name in ignore:
-            continue
+    for t in tensors:
         local = local_tensor(t).detach()
         (split if isinstance(t, DTensor) else plain).append(local)
         if isinstance(t, DTensor):

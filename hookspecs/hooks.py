@@ -30,8 +30,9 @@ implementation may run collectives in it (through the :class:`~ddp_plugin.hooksp
 
 Built-in implementers named below: the engine's reducers (``FlatReducer``, ``HierarchicalReducer``), the
 default cross-node mean (``MeanAllReduce``), the codecs (``ddp_plugin.codecs``), the ZeRO sharder
-(``ddp_plugin.zero.ZeroSharder``), the sync modes (``ddp_plugin.sync.OuterSync``) and the traffic accounting
-(``TrafficAccounting``).
+(``ddp_plugin.zero.ZeroSharder``), the sync modes (``ddp_plugin.sync.OuterSync``), the traffic accounting
+(``TrafficAccounting``) and the initializer of a model built on the meta device
+(``ddp_plugin.materialize.Deferred``).
 """
 
 from __future__ import annotations
@@ -94,10 +95,30 @@ def on_setup(
         ``hook.on_cross_node_reduce(...)``).
     :param options: the strategy's settings, validated (:class:`~ddp_plugin.hookspecs.Options`); a third-party
         codec reads its ``compression_options`` here.
-    :param module: the user's LightningModule, on its device, with every rank holding rank 0's parameters.
+    :param module: the user's LightningModule, on its device, with every rank holding rank 0's parameters (at
+        ZeRO stage 3 with a model built on the meta device, its trainable parameters are still on meta here: the
+        sharder gives them memory and has them initialized, ``on_initialize_parameters``).
     :param comm: the collectives to use (:class:`~ddp_plugin.hookspecs.Communicator`): they count traffic
         and their groups honour the strategy's ``timeout``.
     :returns: nothing.
+    """
+
+
+@hookspec(firstresult=True)
+def on_initialize_parameters(params: Sequence[Parameter]) -> bool | None:
+    """Initialize ``params``: parameters of a model built on the meta device
+    (``trainer.init_module(empty_init=True)``) that the strategy left there for a sharder, which has just given
+    them memory (uninitialized, on the rank's device). Afterwards they hold the model's initial values, the same
+    on every data-parallel replica.
+
+    Called by the ZeRO sharder at stage 3, once per bucket (a unit's parameters) while it lays the buckets out in
+    ``on_setup``, in bucket order, so that no rank holds more than one unit of whole parameters at a time.
+    Collective (the replicas are made equal). Stops at first non-None result. Implemented by the strategy's
+    initializer (:class:`ddp_plugin.materialize.Deferred`) in a ``fit`` whose model was built on the meta
+    device at stage 3; without it no parameter reaches a plugin on the meta device.
+
+    :param params: the parameters, now holding memory.
+    :returns: ``True`` once they are initialized; ``None`` when no implementation initializes them.
     """
 
 

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ddp_plugin import HierarchicalZeroStrategy
-from ddp_plugin.materialize import has_meta_tensors, materialize
+from ddp_plugin.materialize import has_meta_tensors, materialize, unallocated
+from ddp_plugin.testing import heap
 from tests.support import WORKERS, run_python
 from tests.workers.meta_init_run import LAYOUTS, RESUMED
 
@@ -45,7 +46,7 @@ def test_the_recipe_builds_on_meta_and_every_rank_starts_initialized(runs, case)
         assert r["replicas_identical"], rank
 
 
-@pytest.mark.parametrize("case", ["tp2_dp2", "pp2_tp2"])
+@pytest.mark.parametrize("case", ["tp2_dp2", "pp2_tp2", "tp2_dp2_zero3"])
 def test_what_the_tensor_parallel_ranks_replicate_starts_equal_on_each(runs, case):
     # A row-wise layer's bias is a DTensor replicated over the tensor-parallel group: each rank adds it to the
     # reduced output, so it must hold the same values on every rank of the group. Each rank initializes with its
@@ -63,6 +64,35 @@ def test_the_meta_built_model_trains(runs, case):
         assert r["steps"] == STEPS and r["finite_losses"], (rank, r)
     losses = runs[case][-1]["losses"]  # (the last rank holds the last pipeline stage: the loss is computed there)
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_zero_stage_3_allocates_and_initializes_unit_by_unit(runs, case):
+    # At ZeRO stage 3 the sharder allocates and initializes each unit's parameters (here the tiny GPT is one unit,
+    # the root's; tests below measure a model of 9). With pipeline stages holding a tied copy, the stage is
+    # materialized whole, then sharded; other stages materialize what they hold, as before.
+    flags = LAYOUTS[case]
+    by_unit = flags.get("zero_stage") == 3 and flags.get("pipeline_parallel_size", 1) == 1
+    for rank, r in enumerate(runs[case]):
+        assert (r["units_initialized"] > 0) is by_unit, (rank, r["units_initialized"])
+
+
+@pytest.mark.skipif(heap.compiler() is None, reason="the heap tracker is compiled with cc or gcc")
+@pytest.mark.parametrize("flags", [{}, {"tensor_parallel_size": 2, "devices_per_node": 2}], ids=["dp4", "tp2_dp2"])
+def test_zero_stage_3_setup_never_holds_the_whole_model(tmp_path, flags):
+    # A GPT of 24 MB built on meta, ZeRO-3 over 4 ranks (units: its blocks): the heap a rank holds at most from
+    # `trainer.fit` to the first batch (materialized, sharded, optimizer made). Before, each rank materialized
+    # the whole model, then sharded it, with the gradient buckets beside it: 53.5 MB (2.2x the model). Now a
+    # rank holds its quarter, one unit whole at a time, and a bucket: 13.5 MB (dp4), 10.8 MB (tp2_dp2).
+    out = tmp_path / "zero3.json"
+    env = heap.preload_env(heap.build(tmp_path), env={})
+    run_python(WORKERS / "zero3_setup_run.py", "--out", out,
+               "--flags", json.dumps({"zero_stage": 3, "auto_wrap_policy": ["Block"], **flags}), env=env, timeout=600)
+    for rank, r in enumerate(json.loads(out.read_text())):
+        assert r["steps"] == 2 and r["finite"] and r["replicas_identical"], (rank, r)
+        assert r["units_initialized"] == 9, (rank, r)  # 8 blocks and the root unit
+        assert r["held"] < 0.3 * r["whole"], (rank, r)
+        assert r["setup_peak"] < 0.75 * r["whole"], (rank, r["setup_peak"], r["whole"])
 
 
 @pytest.mark.parametrize("case", RESUMED)
@@ -154,3 +184,31 @@ def test_init_module_is_lightnings_without_empty_init_and_the_meta_device_with_i
     torch.manual_seed(0)
     assert eager.weight.device.type == "cpu" and torch.equal(eager.weight, nn.Linear(2, 2).weight)
     assert lazy.weight.is_meta
+
+
+def test_deferred_parameters_are_initialized_group_by_group_and_nothing_else_is_touched():
+    # What ZeRO stage 3 does with a model built on meta: the trainable parameters get no memory at first; each
+    # unit's get it (here: a NaN-filled flat buffer) and are initialized, while what is initialized already
+    # (a frozen layer, earlier units, a buffer) keeps its values exactly.
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2), nn.BatchNorm1d(2))
+    model[2].weight.requires_grad_(False)
+    init = materialize(model, torch.device("cpu"), deferred=[p for p in model.parameters() if p.requires_grad])
+    assert init is not None and not has_meta_tensors(model)
+    assert [unallocated(p) for p in model.parameters()] == [True, True, True, True, False, True, True, True]
+    frozen, done = model[2].weight.clone(), []
+    for group in ([model[0].weight, model[0].bias], [model[1].weight, model[1].bias],
+                  [model[2].bias, model[3].weight, model[3].bias]):
+        flat = torch.full((sum(p.numel() for p in group),), float("nan"))
+        at = 0
+        for p in group:
+            p.data = flat[at : at + p.numel()].view_as(p)
+            at += p.numel()
+        before = [p.clone() for p in done]
+        assert init.on_initialize_parameters(group) is True
+        assert torch.isfinite(flat).all()
+        assert all(torch.equal(a, p) for a, p in zip(before, done))
+        done += group
+    assert torch.equal(model[2].weight, frozen) and init.groups == 3
+    assert torch.equal(model[1].weight, torch.ones(4)) and torch.equal(model[3].running_var, torch.ones(2))
+    assert model[0].weight.std() > 0  # (reset_parameters' draws, not a constant)

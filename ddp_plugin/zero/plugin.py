@@ -83,7 +83,8 @@ class ZeroSharder:
             assert self._plan is not None, "on_plan_buckets did not run"
             unit_buckets = {b for b, (name, _) in enumerate(self._plan.order) if name}
         self.shards = Shards(buckets, layout, comm, release_gradients=self.stage >= 2,
-                             release_parameters=unit_buckets)
+                             release_parameters=unit_buckets,
+                             initialize=lambda params: hook.on_initialize_parameters(params=params))
         self.units = Units(self._plan, self.shards, self.prefetch_units) if self.stage == 3 else None
         if self.stage == 1:
             self._register_stage_1_hooks()

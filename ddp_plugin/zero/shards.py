@@ -14,10 +14,11 @@ import torch
 from torch import Tensor, nn
 
 from ddp_plugin.hookspecs import local_tensor, set_local_data
+from ddp_plugin.materialize import unallocated
 from ddp_plugin.zero.layout import Scope
 
 if TYPE_CHECKING:
-    from collections.abc import Collection, Sequence
+    from collections.abc import Callable, Collection, Sequence
 
     from ddp_plugin.hookspecs import Bucket, Communicator
     from ddp_plugin.zero.layout import ShardLayout
@@ -52,11 +53,16 @@ class Shards:
     """The flat shards of every bucket, and the all-gathers that rebuild ``full`` from them."""
 
     def __init__(self, buckets: Sequence[Bucket], layout: ShardLayout, comm: Communicator,
-                 release_gradients: bool = False, release_parameters: Collection[int] = ()) -> None:
+                 release_gradients: bool = False, release_parameters: Collection[int] = (),
+                 initialize: Callable[[Sequence[nn.Parameter]], bool | None] | None = None) -> None:
         """Move every bucket's parameters into its flat tensor. Memory is given back bucket by bucket, so this
         never holds much more than the model once: with ``release_gradients`` (stages 2, 3) the bucket's
         gradient buffer until backward needs it, and for the bucket indices in ``release_parameters`` (stage 3
-        units) the full parameters until forward does (the shard is then a tensor of its own)."""
+        units) the full parameters until forward does (the shard is then a tensor of its own).
+
+        Parameters without memory yet (a model built on the meta device, ``materialize.unallocated``) get it here,
+        in the flat tensor, and ``initialize`` (the hook ``on_initialize_parameters``) gives them their values, one bucket at
+        a time: a unit is whole only until its shard is taken."""
         self.buckets = list(buckets)
         self.layout = layout
         self.comm = comm
@@ -67,11 +73,20 @@ class Shards:
                 raise RuntimeError(f"bucket {bucket.index} holds {bucket.numel} elements, not a multiple of {p_count}")
             c = bucket.numel // p_count
             full = torch.zeros_like(bucket.buffer)
+            fresh = []
             for i, p in enumerate(bucket.params):
                 local = local_tensor(p)  # (a tensor-parallel parameter's local shard)
                 view = full[bucket.offsets[i] : bucket.offsets[i] + local.numel()].view_as(local)
-                view.copy_(local.detach())
+                if unallocated(local):
+                    fresh.append(p)
+                else:
+                    view.copy_(local.detach())
                 set_local_data(p, view)
+            if fresh and not (initialize is not None and initialize(fresh)):
+                raise RuntimeError(
+                    f"ZeRO stage 3: {len(fresh)} parameters of bucket {bucket.index} ({bucket.names[0]}, ...) have no"
+                    " values yet (a model built on the meta device) and no plugin answers `on_initialize_parameters`."
+                )
             lo = idx * c
             entry = FlatShard(full=full, shard=full[lo : lo + c])
             for i, p in enumerate(bucket.params):

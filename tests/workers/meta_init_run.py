@@ -36,6 +36,14 @@ LAYOUTS: dict[str, dict] = {
     "2x2_zero1": {"devices_per_node": 2, "zero_stage": 1},
     "2x2_zero2": {"devices_per_node": 2, "zero_stage": 2},
     "2x2_zero3": {"devices_per_node": 2, "zero_stage": 3},
+    # ZeRO-3 allocates and initializes a model built on meta unit by unit: with a codec, at node scope, with a sync
+    # mode, with tensor parallelism, and (tied stages: materialized whole, then sharded) with pipeline stages
+    "2x2_zero3_int8": {"devices_per_node": 2, "zero_stage": 3, "compression": "int8"},
+    "2x2_zero3_powersgd": {"devices_per_node": 2, "zero_stage": 3, "compression": "powersgd"},
+    "2x2_zero3_fp16": {"devices_per_node": 2, "zero_stage": 3, "compression": "fp16"},
+    "2x2_zero3_node_diloco": {"devices_per_node": 2, "zero_stage": 3, "shard_scope": "node", "sync_every": 2},
+    "tp2_dp2_zero3": {"devices_per_node": 2, "tensor_parallel_size": 2, "zero_stage": 3},
+    "pp2_dp2_zero3": {"devices_per_node": 2, "pipeline_parallel_size": 2, "zero_stage": 3},
     "tp2_dp2": {"devices_per_node": 2, "tensor_parallel_size": 2},
     "pp2_dp2": {"devices_per_node": 2, "pipeline_parallel_size": 2},
     "pp2_tp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
@@ -70,6 +78,7 @@ class Record(L.Callback):
                 # DTensors replicated over the tensor-parallel ranks (a row-wise layer's bias): their sums
                 "replicated": {n: float(local_tensor(p).double().sum()) for n, p in pl_module.named_parameters()
                                if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)},
+                "units_initialized": strategy.units_initialized,
                 "tp_rank": strategy.device_mesh["tensor_parallel"].get_local_rank()
                 if strategy.device_mesh is not None else 0,
             }
