@@ -116,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader
 
     from ddp_plugin import HierarchicalZeroStrategy
-    from ddp_plugin import pipeline as ddp_pipeline
+    from ddp_plugin.parallel import pipeline as ddp_pipeline
     from ddp_plugin.testing.gpt import GPTModule, token_dataset
     from ddp_plugin.testing.windows import StepWindow
 

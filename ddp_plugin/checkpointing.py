@@ -32,7 +32,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from typing_extensions import override
 
-from ddp_plugin import cpu_memory, sharded_checkpoint, tensor_parallel
+from ddp_plugin import cpu_memory, sharded_checkpoint
+from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.hookspecs import local_tensor, pipeline_copies
 from ddp_plugin.checkpoint_io import (
     AtomicCheckpointIO,
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     import pluggy
     from torch.optim import Optimizer
 
-    from ddp_plugin.pipeline import PipelineRunner
+    from ddp_plugin.parallel.pipeline import PipelineRunner
     from ddp_plugin.session import FitSession
 
 CHECKPOINT_KEY = "ddp_plugin"

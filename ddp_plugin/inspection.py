@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ddp_plugin import tensor_parallel
+from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.session import memory_bytes
 
 if TYPE_CHECKING:

@@ -18,7 +18,8 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from ddp_plugin import health, tensor_parallel
+from ddp_plugin import health
+from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.comm import TracedCommunicator
 from ddp_plugin.engine import GradientEngine
 from ddp_plugin.hookspecs import Options, local_tensor

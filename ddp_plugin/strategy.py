@@ -27,16 +27,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ddp_plugin import activation_checkpointing, cpu_memory, pipeline, pretrained, tensor_parallel
+from ddp_plugin import activation_checkpointing, cpu_memory, pretrained
+from ddp_plugin.parallel import pipeline, tensor_parallel
 from ddp_plugin.checkpoint_io import AtomicCheckpointIO
 from ddp_plugin.checkpointing import CheckpointRouting
 from ddp_plugin.config import CONFIG_FLAGS, UNSET, StrategyConfig, flag_names
 from ddp_plugin.environment import DistributedEnvironment
-from ddp_plugin.health import diagnosed
-from ddp_plugin.hookspecs import is_tensor_parallel_shard
-from ddp_plugin.hookspecs.types import PIPELINE_COPIES_ATTRIBUTE
 from ddp_plugin.inspection import FitInspection
 from ddp_plugin.materialize import Deferred, has_meta_tensors, materialize
+from ddp_plugin.parallel.components import PipelineParallel, TensorParallel, restore_zero_grad
 from ddp_plugin.precision import ShardedGradientClipping, loss_scaler, with_sharded_clipping
 from ddp_plugin.process_groups import ProcessGroups, check_ranks_per_node
 from ddp_plugin.session import FitSession
@@ -49,7 +48,7 @@ if TYPE_CHECKING:
     from torch.nn import Module
 
     from ddp_plugin.engine import GradientEngine
-    from ddp_plugin.pipeline import PipelineRunner
+    from ddp_plugin.parallel.pipeline import PipelineRunner
     from ddp_plugin.hookspecs import Topology
 
 log = logging.getLogger(__name__)
@@ -185,12 +184,13 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         self._session: FitSession | None = None
         self._groups: ProcessGroups | None = None
         self._pending_plugin_state = None
-        self._ties: list[tuple[str, ...]] = []
+        self._tensor_parallel = TensorParallel()
+        self._stages: PipelineParallel | None = None
         self._pipeline: PipelineRunner | None = None
+        """The schedule's runner over this rank's stages (``_stages``), once they are materialized."""
         self._materialized = False  # this fit's setup materialized a model built on the meta device
         self.units_initialized = 0
         """ZeRO stage 3 units this fit's setup allocated and initialized one by one (a model built on meta)."""
-        self._whereabouts: tensor_parallel.Whereabouts | None = None
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -291,11 +291,11 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
                 " ModelParallelStrategy); without it every rank would hold the whole model. Add `configure_model`,"
                 " or set `tensor_parallel_size=1`."
             )
-        self._ties = []
+        self._tensor_parallel.ties = []
         if module is not None and is_overridden("configure_model", module):
             # `configure_model` runs between this and `setup`, and reads the mesh; the ties it may break are
             # taken note of before (tensor_parallel.restore_ties).
-            self._ties = tensor_parallel.shared_parameters(module)
+            self._tensor_parallel.note_ties(module)
             self._connect()
             module._device_mesh = self._groups.device_mesh()
 
@@ -331,60 +331,27 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        # torchtitan's order: the module was built (on meta under `init_module(empty_init=True)`) and parallelized
+        # by its `configure_model`; it is split into stages, materialized, made equal on its replicas, and sharded
+        # by the fit's session.
         assert self.accelerator is not None and self.model is not None
         if self._groups is None:
             self._connect()
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        topology = self._groups.topology
-        tensor_parallel.check_flags(topology.tensor_parallel_size, self.config.zero_stage, self.config.compression)
-        tensor_parallel.check_module(self.model, self._groups.device_mesh()["tensor_parallel"]
-                                     if self._groups.has_device_mesh else None)
-        for group in tensor_parallel.restore_ties(self.model, self._ties):
-            log.info("ddp_plugin: %s tied again after `configure_model`", " = ".join(group))
-        weights = pretrained.first_plan(self.lightning_module, self.config.pretrained, trainer.ckpt_path)
-        policy = self.config.activation_checkpointing_policy
+        groups, config = self._groups, self.config
+        self._tensor_parallel.prepare(self.model, groups, config)
+        weights = pretrained.first_plan(self.lightning_module, config.pretrained, trainer.ckpt_path)
+        stages = self._stages = (PipelineParallel(config, groups) if groups.topology.pipeline_parallel_size > 1
+                                 else None)
+        policy = config.activation_checkpointing_policy
         if policy is not None and not hasattr(self.model, "_ddp_plugin_stages"):
             activation_checkpointing.check_present(self.model, policy)  # (the whole model, before a split)
-        ties = self._split_into_stages() if topology.pipeline_parallel_size > 1 else []
-        if policy is not None:
-            checkpointed = activation_checkpointing.apply(self.model, policy)
-            log.info("ddp_plugin: activation checkpointing on %d modules of this rank (%s)", len(checkpointed),
-                     ", ".join(checkpointed[:3]) + (", ..." if len(checkpointed) > 3 else ""))
-        if fitting and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
-        self.precision_plugin.convert_module(self.model)
-        deferred = None
-        if has_meta_tensors(self.model):
-            # (each rank draws its own values; replicas and tied copies are made equal just below). At ZeRO stage 3
-            # the trainable parameters are left without memory for the sharder to allocate and initialize unit by
-            # unit (ddp_plugin.materialize.Deferred).
-            later = ([p for p in self.model.parameters() if p.requires_grad]
-                     if fitting and self.config.zero_stage == 3 and weights is None and not ties else ())
-            deferred = materialize(self.model, self.root_device, seed_offset=self.global_rank, deferred=later)
-            self._materialized = True
-        self.model_to_device()
-        if weights is not None:  # (before replicas and tied copies are made equal: a tie's first copy wins)
-            read = pretrained.load(self.lightning_module, weights, topology.world_group)
-            log.info("ddp_plugin: %d tensors of this rank read from %s", read, weights.path)
-        # Every rank starts from rank 0's parameters and buffers: each shard from data-parallel rank 0 of its
-        # tensor-parallel position, each pipeline stage from its first rank, and every copy of a parameter several
-        # stages hold from the first stage.
-        replicas = functools.partial(tensor_parallel.sync_tensors, data_parallel_group=topology.world_group,
-                                     plain_group=self._groups.bookkeeping if topology.pipeline_parallel_size > 1
-                                     else None)
-        tensor_parallel.sync_module_states(self.model, replicas.keywords["data_parallel_group"],
-                                           plain_group=replicas.keywords["plain_group"])
-        pipeline.sync_ties(ties)
-        if deferred is not None:
-            deferred.sync = replicas  # (the sharder's units, as it allocates them)
-        if topology.pipeline_parallel_size > 1:
-            self._start_pipeline(ties)
-        if self._whereabouts is not None:
-            self._whereabouts.remove()
-        # (which split module a failed tensor-parallel collective was in, for the diagnosis)
-        self._whereabouts = (tensor_parallel.Whereabouts(self.model)
-                             if tensor_parallel.has_tensor_parallel_parameters(self.model) else None)
+        ties = stages.split(self.lightning_module) if stages is not None else []
+        self._wrap(fitting)
+        deferred = self._materialize(fitting, weights, ties)
+        self._pipeline = stages.start(self.lightning_module, ties, self.root_device) if stages is not None else None
+        self._tensor_parallel.watch(self.model)
         if fitting:
             self._start_session([t.param for t in ties if t.param is not None], deferred)
             self.units_initialized = deferred.groups if deferred is not None else 0
@@ -400,54 +367,43 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _split_into_stages(self) -> list[pipeline.Tie]:
-        """Keep this rank's pipeline stages of the module (split once per module: a second ``fit`` finds it
-        split) and find the parameters several stages hold. Collective (the ties' groups)."""
-        module = self.lightning_module
-        layout, topology = self._groups.layout, self._groups.topology
-        pipeline.check_module(module, layout.pipeline_parallel_size)
-        split = getattr(module, "_ddp_plugin_stages", None)
-        if split is None:
-            plan = pipeline.plan_stages(module, self.config.pipeline_stages, self.config.pipeline_split)
-            shared = tensor_parallel.shared_parameters(module)
-            split_ties = [t.names for t in pipeline.find_ties(shared, plan, layout.pipeline_parallel_size)
-                          if is_tensor_parallel_shard(module.get_parameter(t.names[0]))]
-            if split_ties:  # (decided from the whole module: the same on every rank)
-                raise NotImplementedError(
-                    f"{' = '.join(f'`{n}`' for n in split_ties[0])} is split over the tensor-parallel ranks and held"
-                    " by two pipeline stages (an embedding split by vocabulary and tied to the output head): not"
-                    " supported with `pipeline_parallel_size` > 1 yet. Replicate it over the tensor-parallel ranks"
-                    " (leave it out of the `parallelize_module` plan), or untie it."
-                )
-            order = [name for name, _ in module.named_parameters()]
-            pipeline.split_module(module, plan, self._my_stages(plan))
-            split = module._ddp_plugin_stages = (plan, shared, order)
-        plan, shared, _ = split
-        ties = pipeline.find_ties(shared, plan, layout.pipeline_parallel_size)
-        held = dict(module.named_parameters(remove_duplicate=False))
-        for tie in ties:
-            tie.group = self._groups.stage_peers(tie.ranks)  # (every rank: creating groups is collective)
-            if topology.pipeline_parallel_rank in tie.ranks:
-                tie.param = next(held[name] for name in tie.names if name in held)
-                setattr(tie.param, PIPELINE_COPIES_ATTRIBUTE, len(tie.ranks))
-        if ties:
-            log.info("ddp_plugin: shared across pipeline stages: %s",
-                     "; ".join(" = ".join(t.names) for t in ties))
-        return ties
+    def _wrap(self, fitting: bool) -> None:
+        """Activation checkpointing, Lightning's layer sync (``sync_batchnorm``) and the precision's conversion."""
+        policy = self.config.activation_checkpointing_policy
+        if policy is not None:
+            checkpointed = activation_checkpointing.apply(self.model, policy)
+            log.info("ddp_plugin: activation checkpointing on %d modules of this rank (%s)", len(checkpointed),
+                     ", ".join(checkpointed[:3]) + (", ..." if len(checkpointed) > 3 else ""))
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
 
-    def _my_stages(self, plan: pipeline.StagePlan) -> range:
-        p = self._groups.layout.pipeline_parallel_size
-        return range(self._groups.topology.pipeline_parallel_rank, plan.num_stages, p)
-
-    def _start_pipeline(self, ties: list[pipeline.Tie]) -> None:
-        layout, topology = self._groups.layout, self._groups.topology
-        plan, _, order = self.lightning_module._ddp_plugin_stages
-        p = layout.pipeline_parallel_size
-        self._pipeline = pipeline.PipelineRunner(
-            self.lightning_module, plan, self.config.pipeline_schedule, self.config.pipeline_microbatches or p, p,
-            topology.pipeline_parallel_rank, topology.pipeline_parallel_group, self.root_device, ties, order,
-            # the mean loss travels on a group of its own, beside the schedule's last sends
-            loss_group=self._groups.stage_peers(tuple(range(p))), timeout=self.config.timeout)
+    def _materialize(self, fitting: bool, weights: pretrained.Plan | None, ties: list[pipeline.Tie]
+                     ) -> Deferred | None:
+        """Allocate and initialize what is left on the meta device, read ``pretrained=`` weights, and start every
+        replica from the first one's values: each shard from data-parallel rank 0 of its tensor-parallel position,
+        each pipeline stage from its first rank, every copy of a parameter several stages hold from the first
+        stage. At ZeRO stage 3 (in ``fit``) the trainable parameters are left without memory, for the sharder to
+        allocate and initialize unit by unit (the returned :class:`Deferred`; ``ddp_plugin.materialize``)."""
+        topology, deferred = self._groups.topology, None
+        if has_meta_tensors(self.model):
+            # (each rank draws its own values; replicas and tied copies are made equal below)
+            later = ([p for p in self.model.parameters() if p.requires_grad]
+                     if fitting and self.config.zero_stage == 3 and weights is None and not ties else ())
+            deferred = materialize(self.model, self.root_device, seed_offset=self.global_rank, deferred=later)
+            self._materialized = True
+        self.model_to_device()
+        if weights is not None:  # (before replicas and tied copies are made equal: a tie's first copy wins)
+            read = pretrained.load(self.lightning_module, weights, topology.world_group)
+            log.info("ddp_plugin: %d tensors of this rank read from %s", read, weights.path)
+        replicas = functools.partial(tensor_parallel.sync_tensors, data_parallel_group=topology.world_group,
+                                     plain_group=self._groups.bookkeeping if topology.pipeline_parallel_size > 1
+                                     else None)
+        tensor_parallel.sync_module_states(self.model, **replicas.keywords)
+        pipeline.sync_ties(ties)
+        if deferred is not None:
+            deferred.sync = replicas  # (the sharder's units, as it allocates them)
+        return deferred
 
     def _start_session(self, solo: Iterable[torch.nn.Parameter] = (), deferred: Deferred | None = None) -> None:
         if self._running():
@@ -473,9 +429,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         # first one. Each step runs on its own, and one that fails too is logged, not raised.
         failing = sys.exc_info()[1]
         ProcessGroups.failed = failing is not None
-        if self._whereabouts is not None:
-            self._whereabouts.remove()
-            self._whereabouts = None
+        self._tensor_parallel.forget()
         if self._running():
             _after(failing, lambda: self._session.close(failed=failing is not None))
         module = self.lightning_module
@@ -516,18 +470,8 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             session.before_training_step(self.model, args[0] if args else None)
         if self._pipeline is not None:
             return self._pipelined("training_step", args, kwargs, train=True)
-        if self._whereabouts is None:
+        with self._tensor_parallel.diagnosed("the forward"):  # (the tensor-parallel collectives inside)
             return super().training_step(*args, **kwargs)
-        self._whereabouts.where = None
-        with diagnosed(lambda: self._phase("the forward")):  # (the tensor-parallel collectives inside)
-            output = super().training_step(*args, **kwargs)
-        self._whereabouts.where = None  # (the backward's split modules are marked as their backward starts)
-        return output
-
-    def _phase(self, outside: str) -> str:
-        """The phase a failed collective was in: a split module's forward or backward where one was, else
-        ``outside``."""
-        return self._whereabouts.phase(outside) if self._whereabouts is not None else outside
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -545,78 +489,26 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().predict_step(*args, **kwargs)
-        runner = self._pipeline
+        def call() -> Any:
+            return super(HierarchicalZeroStrategy, self).predict_step(*args, **kwargs)
 
-        def forward(*inputs: Any, **named: Any) -> Any:
-            # A forward-only schedule; the output, on the last stage, is sent to every stage (docs/pipeline.md).
-            if self._whereabouts is not None:
-                self._whereabouts.where = None
-            with diagnosed(lambda: self._phase(f"the pipeline schedule of stage {runner.rank}")):
-                return runner.predict(inputs, named)
-
-        with runner.model_call(forward):
-            return super().predict_step(*args, **kwargs)
+        return PipelineParallel.predict(self._pipeline, call, self._tensor_parallel)
 
     def _pipelined(self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> Any:
-        """The user's ``step`` with the model's call and ``pipeline_loss`` running the pipeline schedule (forward
-        and, for training, backward of every microbatch, then the data-parallel sync of this stage)."""
-        runner = self._pipeline
         session = self._running() if train else None
-        module = self.lightning_module
-        if session is not None:
-            # Lightning zeroes the gradients between the training step and its backward, at the start of each
-            # accumulation window; here the backward runs inside the step. So the zeroing (the module's own
-            # `optimizer_zero_grad`) comes first, and Lightning's call after the step does nothing.
-            _restore_zero_grad(module)
-            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-            if batch_idx % module.trainer.accumulate_grad_batches == 0:
-                for optimizer in self.optimizers:
-                    module.optimizer_zero_grad(module.trainer.current_epoch, batch_idx, optimizer)
-                module.optimizer_zero_grad = _no_zero_grad
 
-        def schedule(output: pipeline.PipelineOutput, target: Any, scale: float) -> Tensor:
-            # Its sends and receives, the tensor-parallel collectives inside the stages, the loss broadcast.
-            if self._whereabouts is not None:
-                self._whereabouts.where = None
-            with diagnosed(lambda: self._phase(f"the pipeline schedule of stage {runner.rank}")):
-                return runner.run(output, target, train=train, scale=scale,
-                                  loss_scaler=loss_scaler(self.precision_plugin) if train else None)
+        def call() -> Any:
+            return getattr(super(HierarchicalZeroStrategy, self), step)(*args, **kwargs)
 
-        def run(output: pipeline.PipelineOutput, target: Any) -> Tensor:
-            if session is None:
-                return schedule(output, target, 1.0)
-            engine = session.engine
-            # The loss scaled as Lightning scales it before its backward, which the schedule replaces.
-            scale = session.sample_weight() / self.lightning_module.trainer.accumulate_grad_batches
-            synchronizing, engine.require_sync = engine.require_sync, False
-            try:
-                loss = schedule(output, target, scale)
-            finally:
-                engine.require_sync = synchronizing
-            if synchronizing:
-                topology = self._groups.topology
-                with diagnosed("the pipeline stage's gradient sync"):
-                    # (summed after the sync at stage 0 over the stage's data-parallel ranks; not in a sync mode,
-                    # whose nodes hold different replicas between syncs)
-                    pipeline.synchronize(engine, runner, None if self.config.zero_stage or self.config.sync_every > 1
-                                         else (topology.side_world_group, topology.world_size, topology.rank))
-            # Lightning's backward of the returned loss reaches no parameter: the schedule ran every microbatch's.
-            return loss.requires_grad_()
-
-        with runner.placeholders(run) as ran:
-            output = getattr(super(), step)(*args, **kwargs)
-        if not ran[0]:
-            raise TypeError(
-                f"With `pipeline_parallel_size` > 1, `{step}` must compute its loss as"
-                " `self.pipeline_loss(self.model(x), y)`: the strategy runs the pipeline there (docs/pipeline.md)."
-            )
-        return output
-
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        return self._stages.step(
+            self._pipeline, call, step, batch_idx, train, session, self.lightning_module, self.optimizers,
+            self._tensor_parallel, loss_scaler(self.precision_plugin))
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self._pipeline is not None:
-            _restore_zero_grad(self.lightning_module)
+            restore_zero_grad(self.lightning_module)
         if session := self._running():
             session.pre_backward(closure_loss)
 
@@ -640,23 +532,10 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         def step(closure: Callable[[], Any]) -> Any:
             return super(HierarchicalZeroStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
 
-        if self._whereabouts is not None:
-            closure = self._named_backward(closure)
+        closure = self._tensor_parallel.named_backward(closure)
         session = self._running()
         return (session.optimizer_step(optimizer, closure, step, loss_scaler(self.precision_plugin)) if session
                 else step(closure))
-
-    def _named_backward(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """Lightning's closure (training step, backward) with a failed tensor-parallel collective of the backward
-        diagnosed and named. (Here and not in an override of ``backward``: Lightning's tests wrap
-        ``Strategy.backward`` in a mock that calls the strategy's own, which would recurse. The forward's and
-        the gradient sync's failures are named by their own phases inside.)"""
-
-        def closure_with_phases() -> Any:
-            with diagnosed(lambda: self._phase("the backward")):
-                return closure()
-
-        return closure_with_phases
 
     @classmethod
     @override
@@ -668,16 +547,6 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
              for s in (1, 2, 3)]
         for name, init_params, description in entries:
             strategy_registry.register(name, cls, description=description, **init_params)
-
-
-def _no_zero_grad(*args: Any, **kwargs: Any) -> None:
-    """In place of ``optimizer_zero_grad`` between a pipelined training step and its backward (which reaches no
-    parameter)."""
-
-
-def _restore_zero_grad(module: Any) -> None:
-    if module.__dict__.get("optimizer_zero_grad") is _no_zero_grad:
-        del module.__dict__["optimizer_zero_grad"]
 
 
 def _after(failing: BaseException | None, step: Callable[[], Any]) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ddp_plugin import HierarchicalZeroStrategy
-from ddp_plugin.pipeline import PipelineOutput, StageBlocks, check_module, find_ties, plan_stages, split_module
+from ddp_plugin.parallel.pipeline import PipelineOutput, StageBlocks, check_module, find_ties, plan_stages, split_module
 from ddp_plugin.testing.gpt import GPTModule
 from ddp_plugin.topology import Layout
 
@@ -150,7 +150,7 @@ def test_blocks_in_a_module_dict_split_under_their_keys_as_torchtitan_holds_them
 
 def test_the_tied_embedding_is_shared_by_the_first_and_the_last_stage():
     module = gpt(4)
-    from ddp_plugin.tensor_parallel import shared_parameters
+    from ddp_plugin.parallel.tensor_parallel import shared_parameters
 
     shared = shared_parameters(module)
     assert shared == [("model.tok.weight", "model.head.weight")]

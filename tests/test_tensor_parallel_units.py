@@ -53,7 +53,7 @@ def _loss(model, x, y):
 def _grad_norms(rank, world, tie):
     import torch.distributed as dist
 
-    from ddp_plugin.tensor_parallel import global_grad_norm
+    from ddp_plugin.parallel.tensor_parallel import global_grad_norm
 
     whole, split, mesh = _gpt(tie)
     x, y = _batch()
@@ -78,7 +78,7 @@ def test_global_grad_norm_counts_each_parameter_once(pool, tie):
 def _refuse_fsdp(rank, world):
     from torch.distributed.fsdp import fully_shard
 
-    from ddp_plugin.tensor_parallel import check_module
+    from ddp_plugin.parallel.tensor_parallel import check_module
 
     _, split, mesh = _gpt()
     fully_shard(split.blocks[0], mesh=mesh["data_parallel"])
@@ -98,7 +98,7 @@ def test_fully_shard_in_configure_model_is_refused(pool):
 def _refuse_other_mesh(rank, world):
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from ddp_plugin.tensor_parallel import check_module
+    from ddp_plugin.parallel.tensor_parallel import check_module
     from ddp_plugin.testing.gpt import GPT
 
     mesh = _mesh()
@@ -120,7 +120,7 @@ def test_dtensor_parameters_off_the_tensor_parallel_mesh_are_refused(pool):
 def _ties(rank, world, tie_split):
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from ddp_plugin.tensor_parallel import restore_ties, shared_parameters
+    from ddp_plugin.parallel.tensor_parallel import restore_ties, shared_parameters
     from ddp_plugin.testing.gpt import GPT, tensor_parallel_plan
 
     model = GPT()
@@ -151,7 +151,7 @@ def test_a_tie_split_two_ways_is_refused_naming_both(pool):
 
 
 def _state_dicts(rank, world):
-    from ddp_plugin.tensor_parallel import distribute_state_dict, full_state_dict
+    from ddp_plugin.parallel.tensor_parallel import distribute_state_dict, full_state_dict
 
     whole, split, _ = _gpt("vocab")
     full = full_state_dict(split.state_dict())
@@ -175,7 +175,7 @@ def test_full_state_dict_is_the_unsplit_models_and_loads_back(pool):
 
 
 def test_a_codec_that_codes_a_stage_3_unit_as_a_whole_is_refused_with_tensor_parallelism():
-    from ddp_plugin.tensor_parallel import check_flags
+    from ddp_plugin.parallel.tensor_parallel import check_flags
 
     for codec in ("int8", "topk", "powersgd"):
         with pytest.raises(ValueError, match=rf"`compression='{codec}'` with `zero_stage=3` and `tensor_parallel_size=2`"):

@@ -50,7 +50,7 @@ PRELOAD = (
     "torch.distributed.checkpoint", "torch.distributed.elastic.multiprocessing.errors", "lightning",
     "lightning.pytorch", "lightning.fabric", "lightning.pytorch.cli", "ddp_plugin", "ddp_plugin.testing.callbacks",
     "ddp_plugin.testing.data", "ddp_plugin.testing.models", "ddp_plugin.testing.gpt", "ddp_plugin.testing.ranks",
-    "ddp_plugin.testing.processes", "ddp_plugin.tensor_parallel", "ddp_plugin.sync", "torch.distributed.run",
+    "ddp_plugin.testing.processes", "ddp_plugin.parallel.tensor_parallel", "ddp_plugin.sync", "torch.distributed.run",
 )
 
 _HEADER = struct.Struct("!Q")

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddp_plugin.hookspecs import is_tensor_parallel_shard, local_tensor, pipeline_copies, set_local_grad
-from ddp_plugin.tensor_parallel import split_norms
+from ddp_plugin.parallel.tensor_parallel import split_norms
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer

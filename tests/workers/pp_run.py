@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.hookspecs import local_tensor
-from ddp_plugin.tensor_parallel import full_state_dict
+from ddp_plugin.parallel.tensor_parallel import full_state_dict
 from ddp_plugin.testing.callbacks import SaveAt
 from ddp_plugin.testing.data import rank_loader
 from ddp_plugin.testing.gpt import GPTModule, token_dataset

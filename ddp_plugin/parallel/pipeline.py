@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ddp_plugin import transformers_stages
+from ddp_plugin.parallel import transformers_stages
 from ddp_plugin.hookspecs import local_tensor
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class StagePlan:
     is_dict: bool = False
     kind: str = "contract"
     """``"contract"`` (the model's ``forward`` skips ``None`` children) or ``"transformers"`` (a Hugging Face model
-    split by its config's ``base_model_pp_plan``: :mod:`ddp_plugin.transformers_stages`); ``blocks``, ``before``
+    split by its config's ``base_model_pp_plan``: :mod:`ddp_plugin.parallel.transformers_stages`); ``blocks``, ``before``
     and ``after`` may then be dotted paths below ``owner``."""
     output: str = ""
     """``"transformers"``: the attribute of the model's output a stage returns (``"logits"``)."""

@@ -1,0 +1,20 @@
+"""Model parallelism: tensor parallelism inside a node and pipeline stages across nodes, beside the data-parallel
+plugins.
+
+What is here:
+
+- :mod:`~ddp_plugin.parallel.tensor_parallel`: tensor parallelism's mechanics (checks, ties that
+  ``parallelize_module`` broke, norms over split parameters, state dicts of DTensors, module-state sync);
+- :mod:`~ddp_plugin.parallel.pipeline`: pipeline stages' mechanics (where the model splits, a stage's modules,
+  parameters several stages hold, the schedule's runner, consolidated stage state);
+- :mod:`~ddp_plugin.parallel.transformers_stages`: a Hugging Face model's stages from its ``base_model_pp_plan``;
+- :mod:`~ddp_plugin.parallel.components`: each parallelism as the strategy sees it.
+
+The contract between a parallelism and the strategy (:class:`~ddp_plugin.parallel.components.TensorParallel`,
+:class:`~ddp_plugin.parallel.components.PipelineParallel`): it asks the mesh (``ddp_plugin.process_groups``, built
+once per layout) for its groups, it prepares the module in ``setup`` before anything is allocated (tensor
+parallelism checks what ``configure_model`` did on the meta device; pipeline parallelism keeps this rank's
+stages), it starts once the module is materialized (the pipeline's schedule runner), and it wraps the steps it
+changes (the forward, the backward, a pipelined ``*_step``). The strategy's ``setup`` runs them in torchtitan's
+order: build (meta), split, parallelize, materialize, shard (the fit's session), optimizers.
+"""
