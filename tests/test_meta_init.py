@@ -19,7 +19,7 @@ from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.materialize import has_meta_tensors, materialize, unallocated
 from ddp_plugin.testing import heap
 from tests.support import WORKERS, run_python
-from tests.workers.meta_init_run import LAYOUTS, RESUMED
+from tests.workers.meta_init_run import CONVERGED, LAYOUTS, RESUMED
 
 STEPS = 8
 
@@ -27,7 +27,7 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("meta") / "result.jsonl"
-    run_python(WORKERS / "meta_init_run.py", "--out", out, "--steps", str(STEPS), timeout=600)
+    run_python(WORKERS / "meta_init_run.py", "--out", out, "--steps", str(STEPS), timeout=1200)
     return {r["case"]: r["ranks"] for r in map(json.loads, out.read_text().splitlines())}
 
 
@@ -93,6 +93,18 @@ def test_zero_stage_3_setup_never_holds_the_whole_model(tmp_path, flags):
         assert r["units_initialized"] == 9, (rank, r)  # 8 blocks and the root unit
         assert r["held"] < 0.3 * r["whole"], (rank, r)
         assert r["setup_peak"] < 0.75 * r["whole"], (rank, r["setup_peak"], r["whole"])
+
+
+@pytest.mark.parametrize("case", CONVERGED)
+def test_the_meta_built_model_trains_to_the_loss_of_the_eagerly_built_one(runs, case):
+    # Same layout, data and seed, 48 steps: the initial values differ (each rank draws its own shards on meta), the
+    # loss reached should not. Measured: P 2 x T 2 2.61 (meta) against 2.79 (eager), mean of the last 8 steps from
+    # 3.48; at ZeRO-3 over 2 x 2 the tiny GPT is one unit, drawn in the eager order: the same losses.
+    last = runs[case][-1]  # (the last rank holds the last pipeline stage: the loss is computed there)
+    meta, eager = (sum(losses[-8:]) / 8 for losses in (last["losses"], last["eager_losses"]))
+    first = sum(last["eager_losses"][:4]) / 4
+    assert meta < first - 0.3 and eager < first - 0.3, (meta, eager, first)
+    assert abs(meta - eager) < 0.1 * eager, (meta, eager)
 
 
 @pytest.mark.parametrize("case", RESUMED)

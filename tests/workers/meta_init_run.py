@@ -9,7 +9,8 @@ LayerNorms (``reset_parameters``: weights exactly 1, biases exactly 0), the toke
 (``init_weights``: 0.02), whether the tie survived, whether its data-parallel replicas hold the same bits, and
 the first attention matrix's local values (tensor-parallel shards must differ). A ``resume:<layout>`` case saves
 a checkpoint from an eagerly built run and resumes it into a model built on meta (``fit(ckpt_path=...)``): training
-must start from the checkpoint's values. Rank 0 gathers every rank's record and appends one JSON line per case to
+must start from the checkpoint's values. A ``converge:<layout>`` case trains the layout longer, built eagerly and
+on meta, and records both runs' losses. Rank 0 gathers every rank's record and appends one JSON line per case to
 ``--out``.
 """
 
@@ -50,6 +51,9 @@ LAYOUTS: dict[str, dict] = {
 }
 
 RESUMED = ["resume:2x2", "resume:2x2_zero3", "resume:pp2_tp2"]
+
+CONVERGED = ["converge:pp2_tp2", "converge:2x2_zero3"]
+CONVERGE_STEPS = 48
 
 
 class Record(L.Callback):
@@ -121,6 +125,13 @@ def run(case: str, steps: int, out_dir: str) -> dict:
         trainer, model, record, built_on = fit(layout, steps, meta=True, ckpt_path=path)
         extra = {"resumed_equal_to_saved": bool(torch.equal(record.start_flat, saved)),
                  "mapped": getattr(record, "mapped", None)}
+    elif case.startswith("converge:"):
+        # The same layout, data and seed built eagerly and on meta, trained longer: the initial values differ,
+        # the losses they reach should not.
+        layout = case.split(":")[1]
+        _, _, eager, _ = fit(layout, CONVERGE_STEPS, meta=False)
+        trainer, model, record, built_on = fit(layout, CONVERGE_STEPS, meta=True)
+        extra = {"eager_losses": eager.losses}
     else:
         trainer, model, record, built_on = fit(case, steps, meta=True)
     mine = {**record.start, **extra, "built_on": built_on, "losses": record.losses,
@@ -132,7 +143,7 @@ def run(case: str, steps: int, out_dir: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", default=",".join([*LAYOUTS, *RESUMED]))
+    parser.add_argument("--cases", default=",".join([*LAYOUTS, *RESUMED, *CONVERGED]))
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(1)
