@@ -272,3 +272,31 @@ def gather_flat_to_root(local: torch.Tensor, group: dist.ProcessGroup, index_of:
         z = min(a + GATHER_CHUNK, c)
         dist.gather(local[a:z], [full[idx * c + a : idx * c + z] for idx in index_of], dst=root, group=group)
     return full
+
+
+BROADCAST_BUCKET_BYTES = 250 * 2**20
+"""The most bytes one broadcast of :func:`broadcast_coalesced` carries (DDP's module-state sync uses the same)."""
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None,
+                        bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
+    """Every tensor takes the value it has on the group's first rank, in place: tensors of one dtype and device
+    are flattened together, up to ``bucket_bytes`` a broadcast (what DDP does at its start; its
+    ``_broadcast_coalesced`` is private API). Collective over ``group`` (default the world), whose ranks pass
+    tensors of the same shapes in the same order."""
+    group = _group(group)
+    if dist.get_world_size(group) == 1:
+        return
+    runs: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    for t in tensors:
+        buckets = runs.setdefault((t.dtype, t.device), [[]])
+        if buckets[-1] and sum(_nbytes(x) for x in buckets[-1]) + _nbytes(t) > bucket_bytes:
+            buckets.append([])
+        buckets[-1].append(t)
+    with torch.no_grad():
+        for buckets in runs.values():
+            for bucket in buckets:
+                flat = torch.cat([t.reshape(-1) for t in bucket])
+                dist.broadcast(flat, group=group, group_src=0)
+                for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+                    t.copy_(part.view_as(t))

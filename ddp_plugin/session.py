@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ddp_plugin import health
 from ddp_plugin.parallel import tensor_parallel
-from ddp_plugin.comm import TracedCommunicator
+from ddp_plugin.comm import TracedCommunicator, broadcast_coalesced
 from ddp_plugin.engine import GradientEngine
 from ddp_plugin.hookspecs import Options, local_tensor
 from ddp_plugin.plugin_manager import build_for, cross_node_codec
@@ -216,8 +216,7 @@ class FitSession:
             buffers = [b for b in module.buffers() if local_tensor(b) is b]
             if buffers:
                 # From the first rank of the group (rank 0 of the world, or of the node).
-                dist._broadcast_coalesced(group if size < self.layout.world_size else dist.group.WORLD,
-                                          buffers, 250 * 2**20, 0)  # (a pipeline stage's: its own group)
+                broadcast_coalesced(buffers, group if size < self.layout.world_size else None)  # (a stage's group)
         if self.config.weighting == "sample" and batch is not None:
             count = torch.tensor([float(extract_batch_size(batch))], dtype=torch.float64, device=self.device)
             total = count.clone()

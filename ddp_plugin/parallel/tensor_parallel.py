@@ -31,6 +31,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ddp_plugin.comm import broadcast_coalesced
+from ddp_plugin.config import LOSSLESS_AT_STAGE_3
 from ddp_plugin.materialize import unallocated
 from ddp_plugin.hookspecs import (
     block_key,
@@ -44,7 +46,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.nn import Module
 
-BROADCAST_BUCKET_BYTES = 250 * 2**20  # as DDP's module-state sync
 
 
 def _fsdp_types() -> tuple[type, ...]:
@@ -55,9 +56,6 @@ def _fsdp_types() -> tuple[type, ...]:
     except ImportError:  # pragma: no cover - older torch
         from torch.distributed._composable.fsdp import FSDPModule
     return FSDPModule, FullyShardedDataParallel
-
-
-LOSSLESS_AT_STAGE_3 = (None, "fp16", "bf16")
 
 
 def check_flags(tensor_parallel_size: int, zero_stage: int, compression: str | None) -> None:
@@ -177,14 +175,14 @@ def sync_tensors(tensors: Iterable[Tensor], data_parallel_group: dist.ProcessGro
                 if placement.is_replicate() and t.device_mesh.size(dim) > 1:
                     replicated.setdefault(t.device_mesh.get_group(dim), []).append(local)
     if plain:  # (``plain_group``: a pipeline stage's ranks, which hold the same parameters; default the world)
-        dist._broadcast_coalesced(plain_group or dist.group.WORLD, plain, BROADCAST_BUCKET_BYTES, 0)
+        broadcast_coalesced(plain, plain_group)
     # What a DTensor replicates over its mesh (a row-wise layer's bias over the tensor-parallel ranks) from the
     # mesh dimension's first rank: a model materialized from the meta device drew it on each rank with that
     # rank's seed (eagerly built, it is equal already).
     for group, tensors in replicated.items():
-        dist._broadcast_coalesced(group, tensors, BROADCAST_BUCKET_BYTES, 0)
+        broadcast_coalesced(tensors, group)
     if split and data_parallel_group is not None and dist.get_world_size(data_parallel_group) > 1:
-        dist._broadcast_coalesced(data_parallel_group, split, BROADCAST_BUCKET_BYTES, 0)
+        broadcast_coalesced(split, data_parallel_group)
 
 
 def squared_norms(grads: Iterable[tuple[Tensor, bool]], device: torch.device,

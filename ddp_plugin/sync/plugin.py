@@ -66,7 +66,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-OUTER_OPTIMIZERS = ("average", "nesterov")
 NESTEROV = {"lr": 0.7, "momentum": 0.9}
 """DiLoCo's outer optimizer (Douillard et al., 2023): SGD with Nesterov momentum."""
 STATE_KEY = "sync/outer"
