@@ -419,6 +419,9 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
                                    extra_plugins=[deferred] if deferred is not None else [])
         if self._pipeline is not None:
             self._pipeline.comm = self._session.comm  # (the schedule's sends counted in the traffic metrics)
+            # (the tied gradients' sums through the codec, where there is one)
+            self._pipeline.hook = (self._session.plugin_manager.hook
+                                   if self._session.options.cross_node_codec is not None else None)
         if self._pending_plugin_state is not None:
             self._session.load_plugin_state(*self._pending_plugin_state)
             self._pending_plugin_state = None

@@ -211,7 +211,10 @@ def on_cross_node_reduce(
     The reducer calls it with the part of the bucket this rank is responsible for across nodes (the whole
     bucket for the flat reducer, this rank's 1/k of it for the hierarchical one). Codecs implement it and
     choose their own collectives: integers cannot be summed by all-reduce, so an int8 codec all-gathers,
-    PowerSGD runs two all-reduces. Communication thread; collective over ``group``.
+    PowerSGD runs two all-reduces. Communication thread; collective over ``group``. Also called, when a codec
+    answers it, with a parameter's gradient that several pipeline stages hold (``bucket.kind ==
+    "tied_gradient"``, over the group of its copies' ranks, on the training thread after the stage's gradient
+    sync): every rank of ``group`` must get the same bits back.
 
     Stops at first non-None result. Implemented by the codecs and, as the default (``trylast``),
     ``MeanAllReduce`` (divide by the group size, all-reduce); ``TrafficAccounting`` wraps it.

@@ -49,7 +49,9 @@ class Bucket:
     kind: str = "gradients"
     """What the bucket's tensors are: ``"gradients"`` (the engine's buckets), or ``"pseudo_gradient"`` (a sync mode's
     cross-node average of parameter changes, in the layout of the gradient bucket it comes from, with an
-    ``index`` of its own). A codec keeps its per-bucket state (error feedback) per ``(kind, index)``."""
+    ``index`` of its own), or ``"tied_gradient"`` (the gradient of a parameter several pipeline stages hold,
+    averaged over its copies' ranks: ``index`` numbers the tie, ``params`` is the one parameter, and ``buffer``
+    has its flat size but no memory). A codec keeps its per-bucket state (error feedback) per ``(kind, index)``."""
 
     @property
     def numel(self) -> int:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddp_plugin.parallel import transformers_stages
-from ddp_plugin.hookspecs import local_tensor
+from ddp_plugin.hookspecs import Bucket, local_tensor
 
 if TYPE_CHECKING:
     from ddp_plugin.engine import GradientEngine
@@ -521,6 +521,11 @@ class PipelineRunner:
         self.comm: Any = None
         """The fit's communicator (``TracedCommunicator``): the schedule's sends, the tied gradients' sums and
         the loss are counted in the traffic metrics. ``None`` outside a fit (not counted)."""
+        self.hook: Any = None
+        """The fit's hook relay where a codec answers ``on_cross_node_reduce`` (``Options.cross_node_codec``): the
+        tied gradients' sums go through it, as a bucket of kind ``"tied_gradient"`` each; ``None``: summed in
+        fp32."""
+        self._tie_buckets: dict[int, Bucket] = {}
         self.device = device
         kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
         self._schedule_class = kinds[schedule]
@@ -814,29 +819,47 @@ class PipelineRunner:
         its own uses), so every copy holds the unsplit model's gradient. ``data_parallel`` (group, size D, this
         rank's index): the gradients are the stage's data-parallel mean, the same on its D ranks, and each rank
         sums its 1/D part, then the stage all-gathers the parts (see :func:`synchronize`)."""
-        for tie in self.ties:
+        for number, tie in enumerate(self.ties):
             if tie.param is None:
                 continue
             p = tie.param
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grad = local_tensor(p.grad)
-            all_reduce = self.comm.all_reduce if self.comm is not None else dist.all_reduce
+            flat = grad.view(-1)
             if data_parallel is None:
-                all_reduce(grad, group=tie.group)
+                self._sum(number, tie, flat, flat, 0)
                 continue
             group, size, index = data_parallel
-            flat = grad.view(-1)
             part = -(-flat.numel() // size)
             whole = torch.zeros(part * size, dtype=flat.dtype, device=flat.device)
             whole[:flat.numel()] = flat
             mine = whole[index * part:(index + 1) * part].clone()
-            all_reduce(mine, group=tie.group)
+            self._sum(number, tie, mine, whole, index * part)
             if self.comm is not None:
                 self.comm.all_gather(whole, mine, group=group)
             else:
                 dist.all_gather(list(whole.split(part)), mine, group=group)
             flat.copy_(whole[:flat.numel()])
+
+    def _sum(self, number: int, tie: Tie, tensor: Tensor, whole: Tensor, offset: int) -> None:
+        """``tensor`` (elements ``offset``... of ``whole``, the flat gradient of ``tie``'s copy, padded) summed over
+        the copies, in place: through the codec where there is one (its mean over the copies' group, times their
+        number; every copy decodes the same bits), else an fp32 all-reduce."""
+        if self.hook is None:
+            (self.comm.all_reduce if self.comm is not None else dist.all_reduce)(tensor, group=tie.group)
+            return
+        bucket = self._tie_buckets.get(number)
+        if bucket is None or bucket.numel != whole.numel():
+            buffer = torch.empty_like(whole)
+            buffer.untyped_storage().resize_(0)  # (its shape and device only: codecs code `tensor`)
+            bucket = self._tie_buckets[number] = Bucket(
+                index=number, buffer=buffer, params=(tie.param,), names=(tie.names[0],), offsets=(0,),
+                kind="tied_gradient")
+        future = self.hook.on_cross_node_reduce(tensor=tensor, group=tie.group, bucket=bucket, offset=offset)
+        if future is not None:
+            future.wait()
+        tensor.mul_(len(tie.ranks))
 
 
 def _to_cpu(value: Any) -> Any:

@@ -170,6 +170,11 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
             "sampler": trainer.strategy.distributed_sampler_kwargs,
             "skipped_steps": getattr(trainer.strategy, "skipped_steps", 0),
             "hierarchical": getattr(trainer.strategy, "uses_hierarchical_reducer", False),
+            # the codec's per-bucket state (error feedback, PowerSGD's matrices) by key: "tied_gradient/<i>" where
+            # the sum of a tie's copies went through it
+            "codec_keys": sorted(str(k) for k in getattr(strategy.plugin_manager.get_plugin(
+                strategy.config.compression), "states", {})) if getattr(strategy, "config", None) is not None
+            and strategy.config.compression else None,
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
             "stage_blocks": model._ddp_plugin_stages[0].stage_blocks if hasattr(model, "_ddp_plugin_stages") else None,
         }, os.path.join(out, f"{tag}.pt"))
