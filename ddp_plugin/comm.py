@@ -287,15 +287,21 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup | 
     group = _group(group)
     if dist.get_world_size(group) == 1:
         return
-    runs: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    runs: dict[tuple[torch.dtype, torch.device], list[tuple[list[torch.Tensor], int]]] = {}
     for t in tensors:
-        buckets = runs.setdefault((t.dtype, t.device), [[]])
-        if buckets[-1] and sum(_nbytes(x) for x in buckets[-1]) + _nbytes(t) > bucket_bytes:
-            buckets.append([])
-        buckets[-1].append(t)
+        buckets = runs.setdefault((t.dtype, t.device), [([], 0)])
+        members, size = buckets[-1]
+        if members and size + _nbytes(t) > bucket_bytes:
+            buckets.append(([], 0))
+            members, size = buckets[-1]
+        members.append(t)
+        buckets[-1] = (members, size + _nbytes(t))
     with torch.no_grad():
         for buckets in runs.values():
-            for bucket in buckets:
+            for bucket, _ in buckets:
+                if len(bucket) == 1 and bucket[0].is_contiguous():
+                    dist.broadcast(bucket[0], group=group, group_src=0)  # (in place: no copy)
+                    continue
                 flat = torch.cat([t.reshape(-1) for t in bucket])
                 dist.broadcast(flat, group=group, group_src=0)
                 for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):

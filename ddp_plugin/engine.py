@@ -80,8 +80,8 @@ def build_buckets(
     bucket into equal shards without copying (the padding stays zero and belongs to no parameter).
 
     Parameters without memory yet (a model built on meta, left for a ZeRO stage 3 sharder to allocate unit by
-    unit: ``materialize.unallocated``) get their bucket's buffer on ``device``, released at once (a bucket is allocated on its first gradient): the
-    buffers of a model no rank holds are never all allocated together."""
+    unit: ``materialize.unallocated``) get their bucket's buffer on ``device``, released at once (a bucket is
+    allocated on its first gradient): the buffers of a model no rank holds are never all allocated together."""
     groups = [list(g) for g in groups] if groups is not None else pack(named_params, cap_bytes, first_cap_bytes)
     for group in groups:
         if len({(p.dtype, p.device) for _, p in group}) > 1:
@@ -94,9 +94,9 @@ def build_buckets(
             offsets.append(total)
             total += local_tensor(p).numel()
         first = group[0][1]
-        meta = unallocated(first) and device is not None
+        deferred = unallocated(first) and device is not None
         buffer = torch.zeros(-(-total // pad_multiple) * pad_multiple, dtype=first.dtype,
-                             device=device if meta else first.device)
+                             device=device if deferred else first.device)
         bucket = Bucket(
             index=index,
             buffer=buffer,
@@ -104,7 +104,7 @@ def build_buckets(
             names=tuple(n for n, _ in group),
             offsets=tuple(offsets),
         )
-        if meta:
+        if deferred:
             bucket.release()
         for i, p in enumerate(bucket.params):
             if p.grad is not None:

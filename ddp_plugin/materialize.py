@@ -13,6 +13,7 @@ the first replica's parameters and buffers), and tied copies by its ties.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Collection, Iterator, Sequence
 
@@ -68,7 +69,7 @@ def materialize(module: nn.Module, device: torch.device, seed_offset: int = 0,
                                      else empty)
             fresh.add(id(t))
     init = Deferred(module, pending, device, seed_offset)
-    init.run()
+    init.run(guarded=bool(later))  # (writes to the parameters left without memory skipped)
     return init if later else None
 
 
@@ -87,7 +88,6 @@ class Deferred:
     def __init__(self, module: nn.Module, initializers: list, device: torch.device, seed_offset: int) -> None:
         self.module = module
         self.initializers = initializers
-        self.device = device
         self.sync: Callable[[Sequence[torch.Tensor]], None] | None = None
         self.groups = 0
         """Groups initialized so far (one per ZeRO unit)."""
@@ -95,10 +95,12 @@ class Deferred:
         self._states: list[torch.Tensor] | None = None
         self._seed_offset = seed_offset
 
-    def run(self, only: Collection[torch.Tensor] | None = None) -> None:
+    def run(self, only: Collection[torch.Tensor] | None = None, guarded: bool = True) -> None:
         """Run every initializer once, under this object's generators (seeded from the caller's seed plus the
-        offset the first time), writing only the memory of ``only`` (default: every tensor that has memory)."""
-        with torch.random.fork_rng(devices=self._cuda), torch.no_grad(), _WritesTo(only):
+        offset the first time), writing only the memory of ``only`` (default: every tensor that has memory;
+        without ``guarded``, every tensor: nothing is left without memory)."""
+        guard = _WritesTo(only) if guarded else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=self._cuda), torch.no_grad(), guard:
             generators = [torch.default_generator, *(torch.cuda.default_generators[d.index or 0] for d in self._cuda)]
             if self._states is None:
                 for generator in generators:
