@@ -64,16 +64,33 @@ CONTENDERS = {
     "lightning_ddp": "Lightning `ddp`, the whole model on every rank",
     "ours_dp_int8": "ours, DP 4 across nodes, hierarchical, `compression=\"int8\"`",
     "ours_pp2": "ours, PP 2 (a stage per node) x DP 2, 1F1B",
+    "ours_pp2_int8": "ours, PP 2 x DP 2, 1F1B, the tie's sum through `compression=\"int8\"`",
+    "ours_pp2_bf16": "ours, PP 2 x DP 2, 1F1B, `pipeline_activations=\"bf16\"`",
+    "ours_pp2_time": "ours, PP 2 x DP 2, 1F1B, `pipeline_split=\"time\"`",
+    "ours_pp2_all": "ours, PP 2 x DP 2, 1F1B, int8 tie + bf16 activations + split by time",
     "ours_pp2_gpipe": "ours, PP 2 x DP 2, GPipe",
 }
-SCHEDULES = {"ours_pp2": "1f1b", "ours_pp2_gpipe": "gpipe"}
+DEFAULT_CONTENDERS = ("lightning_ddp", "ours_dp_int8", "ours_pp2", "ours_pp2_int8", "ours_pp2_bf16", "ours_pp2_time",
+                      "ours_pp2_all")
+PIPELINES = {  # the pipeline contenders: their schedule and flags
+    "ours_pp2": ("1f1b", {}),
+    "ours_pp2_int8": ("1f1b", {"compression": "int8"}),
+    "ours_pp2_bf16": ("1f1b", {"pipeline_activations": "bf16"}),
+    "ours_pp2_time": ("1f1b", {"pipeline_split": "time"}),
+    "ours_pp2_all": ("1f1b", {"compression": "int8", "pipeline_activations": "bf16", "pipeline_split": "time"}),
+    "ours_pp2_gpipe": ("gpipe", {}),
+}
+SCHEDULES = {name: schedule for name, (schedule, _) in PIPELINES.items()}
+INT8_BLOCK = 1024  # the int8 codec's default values per scale
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated subset of {', '.join(CONTENDERS)}")
+    p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
+                   help=f"comma-separated subset of {', '.join(CONTENDERS)}")
     p.add_argument("--rates", "--rate", dest="rates", default="1gbit",
-                   help="inter-node link rate(s) per direction, tc notation, comma-separated (one cluster each)")
+                   help="inter-node link rate(s) per direction, tc notation, comma-separated (one cluster each);"
+                        " 'none': the link uncapped (the compute floor)")
     p.add_argument("--microbatches", type=int, default=8, help="M of the pipeline contenders")
     p.add_argument("--steps", type=int, default=8, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
@@ -101,10 +118,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def predicted_bytes(args: argparse.Namespace) -> dict[str, float]:
-    """Cross-node bytes per node and step of a pipeline contender (mean of the 2 nodes), by the docstring's terms."""
-    return {"activations": args.global_batch * args.seq * args.d_model * 4,
-            "tie": args.vocab * args.d_model * 4, "loss": 4 * D / 2}
+def predicted_bytes(args: argparse.Namespace, name: str = "ours_pp2") -> dict[str, float]:
+    """Cross-node bytes per node and step of a pipeline contender (mean of the 2 nodes), by the docstring's terms,
+    with the contender's activation dtype and codec."""
+    flags = PIPELINES[name][1]
+    width = 2 if flags.get("pipeline_activations") in ("bf16", "fp16") else 4
+    tie = args.vocab * args.d_model * 4
+    if flags.get("compression") == "int8":  # a 2-rank group: 2(n-1)/n (S/4 + S/block) with n = 2
+        tie = tie / 4 + tie / INT8_BLOCK
+    return {"activations": args.global_batch * args.seq * args.d_model * width, "tie": tie, "loss": 4 * D / 2}
 
 
 # ---------------------------------------------------------------------------------------------- worker (per rank)
@@ -173,10 +195,13 @@ def worker(args: argparse.Namespace) -> None:
     elif name == "ours_dp_int8":
         strategy = HierarchicalZeroStrategy(hierarchical=True, compression="int8")
     else:
+        schedule, flags = PIPELINES[name]
         strategy = HierarchicalZeroStrategy(pipeline_parallel_size=P, pipeline_microbatches=args.microbatches,
-                                            pipeline_schedule=SCHEDULES[name], devices_per_node=per_node)
+                                            pipeline_schedule=schedule, devices_per_node=per_node, **flags)
     replicas = D if name in SCHEDULES else world
     model = GPTModule(lr=3e-4, **size)
+    # a microbatch, for `pipeline_split="time"` to time the blocks on
+    model.example_input_array = torch.zeros(args.global_batch // (D * args.microbatches), args.seq, dtype=torch.long)
     window = Window()
     trainer = L.Trainer(accelerator="cpu", devices=per_node, num_nodes=world // per_node, strategy=strategy,
                         max_steps=args.warmup + args.steps, callbacks=[window], logger=False,
@@ -191,6 +216,8 @@ def worker(args: argparse.Namespace) -> None:
     if not error:
         out["params"] = sum(p.numel() for p in GPTModule(**size).parameters())
         out["steps"] = window.steps
+        plan = getattr(model, "_ddp_plugin_stages", None)  # (private: which blocks each stage ran)
+        out["stage_blocks"] = [list(b) for b in plan[0].stage_blocks] if plan else None
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"rank{out['rank']}.json").write_text(json.dumps(out))
     if error:
@@ -214,7 +241,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               "--global-batch", str(args.global_batch), "--microbatches", str(args.microbatches)]
     env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     for rate in args.rates:
-        with SimulatedCluster(nodes=2, rate=rate, prefix="ddppp") as cluster, tempfile.TemporaryDirectory() as tmp:
+        with SimulatedCluster(nodes=2, rate=None if rate == "none" else rate, prefix="ddppp") as cluster, \
+                tempfile.TemporaryDirectory() as tmp:
             for i, name in enumerate(c for _ in range(args.repeats) for c in args.contenders):
                 out_dir = Path(tmp) / f"{i}-{name}"
                 t0 = time.perf_counter()
@@ -261,7 +289,7 @@ def summarize(args: argparse.Namespace, rate: str, name: str, runs: list[dict[st
     row["final_loss"] = statistics.mean(statistics.mean(r["losses"][-1] for r in ranks) for ranks in ok)
     row["peak_rss_mb"] = max(r["maxrss_mb"] for ranks in ok for r in ranks)
     if name in SCHEDULES:
-        row["predicted_mb"] = sum(predicted_bytes(args).values()) / MB
+        row["predicted_mb"] = sum(predicted_bytes(args, name).values()) / MB
         stages = []
         for s in range(P):  # rank // 2 is the pipeline rank (= the node)
             mine = [step for ranks in ok for r in ranks if r["rank"] // 2 == s for step in r["steps"]]
@@ -279,6 +307,7 @@ def summarize(args: argparse.Namespace, rate: str, name: str, runs: list[dict[st
             st["ideal_idle"] = 1 - st["compute_s"] / ideal_s
         row["stages"] = stages
         row["ideal_bubble"] = (P - 1) / (m + P - 1)
+        row["stage_blocks"] = ok[0][0].get("stage_blocks")
     return row
 
 
@@ -302,7 +331,8 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
         + f"; global batch {args.global_batch}, AdamW, {args.warmup} warmup + {args.steps} timed steps,"
         f" {args.repeats} run(s) per contender and rate",
         f"- pipeline contenders: P {P} (node 0 stage 0, node 1 stage 1), D 2 inside each node, M {m} microbatches"
-        f" of {args.global_batch // (D * m)}; the blocks split by parameter count",
+        f" of {args.global_batch // (D * m)}; the blocks split by parameter count unless the contender says"
+        " otherwise (the split is in the stage table)",
         "- s/step: interval from one batch's start to the next's on rank 0, median; cross-node MB: the node's veth"
         " counter over the window / steps, mean of the 2 nodes; final loss: the last step's, mean over the ranks"
         " (the global batch's mean); peak RSS: max over ranks",
@@ -310,7 +340,8 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
         " with pipeline stages, the schedule's sends, the tied-embedding sum and the loss broadcast",
         f"- predicted (pipeline): activations B*s*d*4 = {pred['activations'] / MB:.4f} MB + tied-embedding"
         f" all-reduce V*d*4 = {pred['tie'] / MB:.4f} MB + loss broadcast {pred['loss']:.0f} B ="
-        f" {sum(pred.values()) / MB:.4f} MB per node and step (the docstring derives it)",
+        f" {sum(pred.values()) / MB:.4f} MB per node and step (the docstring derives it); with bf16 activations"
+        " B*s*d*2, with the tie through int8 V*d*4 (1/4 + 1/1024) (codes and one fp32 scale per 1024 values)",
         "",
         "| link | contender | median s/step | vs Lightning `ddp` | cross-node MB / node / step | x S | predicted MB"
         " | measured / predicted | our accounting MB | final loss | peak RSS MB |",
@@ -327,6 +358,20 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
         lines.append(f"| {r['rate']} | {r['label']} | {r['median_s']:.3f} | {vs} | {r['tx_mb']:.3f} |"
                      f" {r['tx_mb'] / r['s_mb']:.3f} | {predicted} | {ours} | {r['final_loss']:.4f} |"
                      f" {r['peak_rss_mb']:.0f} |")
+    floor = {r["name"]: r for r in ok if r["rate"] == "none"}
+    capped = [r for r in ok if r["rate"] != "none" and r["name"] in floor]
+    if capped:
+        lines += [
+            "",
+            "Against the compute floor: each contender's step at a capped link / the same contender's step with the"
+            " link uncapped (`none`) in this run.",
+            "",
+            "| link | contender | median s/step | uncapped s/step | x the floor |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for r in capped:
+            f = floor[r["name"]]["median_s"]
+            lines.append(f"| {r['rate']} | {r['name']} | {r['median_s']:.3f} | {f:.3f} | {r['median_s'] / f:.3f} |")
     piped = [r for r in ok if "stages" in r]
     if piped:
         lines += [
@@ -338,14 +383,15 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
             " with the measured compute times, no transfer time; sync: the stage's gradient sync after the"
             " schedule, of which tie: the tied embedding's all-reduce across the link. See the docstring's caveats.",
             "",
-            "| link | contender | node MB sent (0 / 1) | stage | schedule s | compute s | idle share | ideal, equal"
-            " stages | ideal, these stages | sync s | tie s |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| link | contender | node MB sent (0 / 1) | stage | blocks | schedule s | compute s | idle share | ideal,"
+            " equal stages | ideal, these stages | sync s | tie s |",
+            "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in piped:
             for s, st in enumerate(r["stages"]):
+                blocks = ",".join(map(str, r["stage_blocks"][s])) if r.get("stage_blocks") else "?"
                 lines.append(f"| {r['rate']} | {r['name']} | {r['node_mb'][0]:.3f} / {r['node_mb'][1]:.3f} | {s} |"
-                             f" {st['schedule_s']:.3f} | {st['compute_s']:.3f} | {st['idle']:.3f} |"
+                             f" {blocks} | {st['schedule_s']:.3f} | {st['compute_s']:.3f} | {st['idle']:.3f} |"
                              f" {r['ideal_bubble']:.3f} | {st['ideal_idle']:.3f} | {st['sync_s']:.3f} |"
                              f" {st['tie_s']:.3f} |")
     return "\n".join(lines) + "\n"

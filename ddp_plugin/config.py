@@ -40,6 +40,7 @@ LOSSLESS_AT_STAGE_3 = (None, "fp16", "bf16")
 """The codecs a ZeRO stage 3 unit may hold a parameter that several ranks must keep bit-identical with (a pipeline
 tie, a tensor-parallel replica): they cast each element alone; the others code a bucket as a whole."""
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+PIPELINE_ACTIVATIONS = ("fp32", "bf16", "fp16")
 MAX_BUCKET_SIZE_MB = 2**20  # 1 TiB: no device holds a bucket near that; inf overflowed `int(mb * 2**20)`
 MAX_TIMEOUT = timedelta(days=365)  # much beyond, torch's deadlines (int64 nanoseconds) overflow: about 292 years
 CONFIG_FLAGS = ("zero_stage", "shard_scope", "bucket_size_mb", "compression", "gradient_clip_norm")
@@ -102,6 +103,9 @@ class StrategyConfig:
     pipeline_split: Any = "parameters"
     """How the blocks split into stages: ``"parameters"``, ``"uniform"``, ``"type:<regex>"``, or the module names
     of each stage (a tuple of tuples)."""
+    pipeline_activations: str = "fp32"
+    """The dtype of the activations and their gradients sent between stages on different nodes: ``"fp32"`` (as
+    computed), ``"bf16"`` or ``"fp16"``."""
     activation_checkpointing_policy: tuple[type | str, ...] | None = None
     """Module classes (or names) whose forward is recomputed in the backward; ``None``: off."""
     pretrained: str | None = None
@@ -188,6 +192,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "pipeline_virtual_stages": lambda v: None if v is None else check_int("pipeline_virtual_stages", v,
                                                                               minimum=1),
         "pipeline_split": check_pipeline_split,
+        "pipeline_activations": lambda v: check_choice("pipeline_activations", v, PIPELINE_ACTIVATIONS),
         "pretrained": check_pretrained,
         "activation_checkpointing_policy": check_activation_checkpointing_policy,
         "hpz_partition_size": lambda v: v,

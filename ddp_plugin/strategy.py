@@ -124,8 +124,11 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         pipeline_schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"interleaved_1f1b"``.
         pipeline_virtual_stages: stages per rank with ``"interleaved_1f1b"`` (default 2).
         pipeline_split: how the blocks split into stages: ``"parameters"`` (balanced by parameter count, the
-            default), ``"uniform"`` (by block count), ``"type:<regex>"`` (by the count of blocks whose class name
-            matches), or the module names of each stage (``[["tok", "blocks.0"], ["blocks.1", "head"]]``).
+            default), ``"time"`` (by compute, each block timed at setup on ``example_input_array``), ``"uniform"``
+            (by block count), ``"type:<regex>"`` (by the count of blocks whose class name matches), or the module
+            names of each stage (``[["tok", "blocks.0"], ["blocks.1", "head"]]``).
+        pipeline_activations: the dtype of the activations and their gradients sent between stages on
+            different nodes: ``"fp32"`` (as computed, default), ``"bf16"`` or ``"fp16"`` (half the bytes).
         activation_checkpointing_policy: module classes (or their names) whose activations are recomputed in
             the backward instead of kept, as ``FSDPStrategy``'s flag: e.g. ``{Block}``; with every layout
             (docs/activation_checkpointing.md). Default ``None``: off.
@@ -170,6 +173,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b",
         pipeline_virtual_stages: int | None = None,
         pipeline_split: str | list[list[str]] = "parameters",
+        pipeline_activations: Literal["fp32", "bf16", "fp16"] = "fp32",
         activation_checkpointing_policy: Any = None,
         pretrained: str | os.PathLike | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -347,7 +351,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         policy = config.activation_checkpointing_policy
         if policy is not None and not hasattr(self.model, "_ddp_plugin_stages"):
             activation_checkpointing.check_present(self.model, policy)  # (the whole model, before a split)
-        ties = stages.split(self.lightning_module) if stages is not None else []
+        ties = stages.split(self.lightning_module, self.root_device) if stages is not None else []
         self._wrap(fitting)
         deferred = self._materialize(fitting, weights, ties)
         self._pipeline = stages.start(self.lightning_module, ties, self.root_device) if stages is not None else None

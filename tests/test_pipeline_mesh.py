@@ -35,6 +35,12 @@ def runs(tmp_path_factory) -> dict:
         # a stage's two data-parallel ranks on two nodes: int8 on the cross-node stage
         ["--out", out, "--devices", "4", "--devices-per-node", "1", "--pp", "2",
          "--variants", ",".join(TIE_CODECS), "--tag=-nodes"],
+        # the stages cut where the blocks' timed compute is equal
+        ["--out", out, "--devices", "4", "--devices-per-node", "1", "--pp", "2", "--variants", "1f1b",
+         "--tag=-time", "--flags={\"pipeline_split\": \"time\"}"],
+        # the activations and their gradients cross between the stages' nodes in bf16
+        ["--out", out, "--devices", "4", "--devices-per-node", "1", "--pp", "2", "--variants", "1f1b:0:int8",
+         "--tag=-nodes-bf16", "--flags={\"pipeline_activations\": \"bf16\"}"],
         # a sync mode without stages on 2 nodes x 2
         ["--out", out, "--devices", "4", "--devices-per-node", "2", "--pp", "1", "--variants", "1f1b", "--tag=-sync",
          SYNC],
@@ -56,13 +62,14 @@ def runs(tmp_path_factory) -> dict:
          "--tag=-sync-pp-resumed", "--resume", out / "1f1b-sync-pp-step10.ckpt", SYNC],
     ]), timeout=600)
     names = ["reference", "reference-l2", "reference-l8", "1f1b-p4", "gpipe-p4", "interleaved_1f1b-p4",
-             *(f"{v}-nodes" for v in TIE_CODECS), "1f1b-t2", "gpipe:2-t2", "interleaved_1f1b:3-t2", "1f1b-sync", "1f1b-sync-pp", "1f1b-sync-pp-resumed", "1f1b-hier", "gpipe:2:int8-hier"]
+             *(f"{v}-nodes" for v in TIE_CODECS), "1f1b:0:int8-nodes-bf16", "1f1b-time", "1f1b-t2", "gpipe:2-t2", "interleaved_1f1b:3-t2", "1f1b-sync", "1f1b-sync-pp", "1f1b-sync-pp-resumed", "1f1b-hier", "gpipe:2:int8-hier"]
     return {name: torch.load(out / f"{name.replace(':', '-')}.pt") for name in names}
 
 
 @pytest.mark.parametrize("variant, reference", [
     ("1f1b-p4", "reference"), ("gpipe-p4", "reference"), ("1f1b-t2", "reference-l2"), ("gpipe:2-t2", "reference-l2"),
     ("interleaved_1f1b-p4", "reference-l8"), ("interleaved_1f1b:3-t2", "reference"), ("1f1b-hier", "reference"),
+    ("1f1b-time", "reference"),  # (the stages cut where the timing says: the same model, trained the same)
 ])
 def test_equals_ddp_on_the_whole_model(runs, variant, reference):
     assert relative_difference(runs[variant]["state"], runs[reference]["state"]) <= RTOL
@@ -96,6 +103,20 @@ def test_the_tied_gradient_goes_through_the_codec_and_its_copies_stay_bit_identi
     assert "tied_gradient/0" in run["codec_keys"], run["codec_keys"]
     assert run["max_tie_diff"] == 0.0 and run["max_replica_diff"] == 0.0
     assert run["losses"][-1] < run["losses"][0] - 0.1
+
+
+def test_activations_cross_between_nodes_in_bf16(runs):
+    # Each rank of stage 0 sends its 4 windows' activations (8 tokens x 16 wide) every step, and each rank of stage
+    # 1 their gradients back: 2 bytes a value instead of 4; the tied sum (int8) is the same bytes in both runs.
+    fp32, bf16 = runs["1f1b:0:int8-nodes"], runs["1f1b:0:int8-nodes-bf16"]
+    halved = 20 * (8 // 2) * 8 * 16 * 2 / 1e6  # steps x windows x tokens x width x the 2 bytes saved
+    for rank in range(4):
+        assert fp32["cross_node_MB"][rank] - bf16["cross_node_MB"][rank] == pytest.approx(halved, rel=1e-6), rank
+    assert bf16["max_tie_diff"] == 0.0 and bf16["max_replica_diff"] == 0.0
+    # the same samples, trained as closely as int8 with fp32 activations is to the reference
+    assert bf16["losses"][-1] == pytest.approx(fp32["losses"][-1], rel=0.02)
+    assert bf16["state"].keys() == fp32["state"].keys()
+    assert relative_difference(bf16["state"], fp32["state"]) > 0  # (the casts do change the numbers)
 
 
 def test_a_sync_mode_over_pipeline_stages_equals_it_without_stages(runs):

@@ -28,6 +28,7 @@ from ddp_plugin.topology import Layout
      ["`pipeline_split` names the modules of 1 stages", "runs 2"]),
     ({"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b", "pipeline_split": [["a"], ["b"]]},
      ["names the modules of 2 stages", "runs 4"]),
+    ({"pipeline_activations": "int8"}, ["pipeline_activations='int8'", "'fp32'", "'bf16'", "'fp16'"]),
     ({"pipeline_parallel_size": 2, "zero_stage": 3, "compression": "int8"},
      ["`compression='int8'`", "`zero_stage=3`", "'fp16' or 'bf16'"]),
 ])
@@ -45,6 +46,16 @@ def test_a_layout_that_cannot_split_into_stages_names_the_allowed_sizes():
         Layout(8, 4, 2, 8)
     with pytest.raises(ValueError, match="pipeline_parallel_size=3"):  # at the Trainer's construction
         L.Trainer(accelerator="cpu", devices=4, strategy=HierarchicalZeroStrategy(pipeline_parallel_size=3))
+
+
+def test_the_stages_nodes_decide_which_boundaries_narrow_their_activations():
+    from ddp_plugin.parallel.components import stage_nodes
+
+    assert stage_nodes(Layout(8, 4, 1, 2)) == [0, 1]  # a stage per node: the boundary crosses the link
+    assert stage_nodes(Layout(4, 4, 1, 4)) == [0, 0, 0, 0]  # 4 stages on one node: none does
+    assert stage_nodes(Layout(8, 2, 1, 4)) == [0, 1, 2, 3]
+    assert stage_nodes(Layout(8, 4, 1, 4)) == [0, 0, 1, 1]  # 2 stages per node: every other boundary
+    assert stage_nodes(Layout(4, 1, 1, 2)) == [0, 2]  # a stage's 2 data-parallel ranks on 2 nodes
 
 
 def test_layout_puts_pipeline_outermost_and_tensor_innermost():
@@ -94,6 +105,65 @@ def test_the_split_can_be_uniform_by_block_type_or_named():
     dict_model = GPTModule(layers=4, blocks="dict")
     del dict_model.model.blocks["1"]
     assert plan_stages(dict_model, 2, [["blocks.0"], ["blocks.2", "blocks.3"]]).stage_blocks == ((0,), (1, 2))
+
+
+class Repeated(nn.Module):
+    """A block that applies its one layer ``times`` times: the same parameters, ``times`` x the compute."""
+
+    def __init__(self, times: int) -> None:
+        super().__init__()
+        self.times, self.layer, self.norm = times, nn.Linear(128, 128), nn.BatchNorm1d(128)
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = torch.tanh(self.layer(x))
+        return self.norm(x)
+
+
+class Stack(nn.Module):
+    def __init__(self, times) -> None:
+        super().__init__()
+        self.inp = nn.Linear(128, 128)
+        self.blocks = nn.ModuleList(Repeated(t) for t in times)
+        self.out = nn.Linear(128, 128)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def test_the_split_by_time_gives_a_heavy_block_a_stage_of_its_own():
+    from ddp_plugin.parallel.balance import time_blocks
+
+    model = Stack([1, 1, 1, 16])  # equal parameters: by count two blocks per stage
+    assert plan_stages(model, 2).stage_blocks == ((0, 1), (2, 3))
+    example = torch.randn(256, 128)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    timer = lambda owner, blocks: time_blocks(owner, blocks, example, torch.device("cpu"))  # noqa: E731
+    seconds = timer(model, list(model.blocks))
+    assert len(seconds) == 6 and all(t > 0 for t in seconds[1:5])
+    assert seconds[4] > sum(seconds[:4]), seconds  # the heavy block measured as such (a busy machine blurs the rest)
+    assert plan_stages(model, 2, "time", timer).stage_blocks == ((0, 1, 2), (3,))
+    # nothing left behind: no gradient, the batch norms' statistics and the generator as they were
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_the_split_by_time_needs_an_example_and_real_weights():
+    from ddp_plugin.parallel.balance import check_example, time_blocks
+
+    with pytest.raises(TypeError, match=r"pipeline_split='time'.*example_input_array.*GPTModule"):
+        check_example(gpt(4))
+    with torch.device("meta"):
+        model = Stack([1, 1])
+    with pytest.raises(ValueError, match=r"meta device.*pipeline_split=\[\[\.\.\.\], \[\.\.\.\]\]"):
+        time_blocks(model, list(model.blocks), torch.randn(2, 128), torch.device("cpu"))
+    with pytest.raises(ValueError, match="when a fit sets the stages up"):
+        plan_stages(gpt(4), 2, "time")
 
 
 @pytest.mark.parametrize("split, words", [

@@ -20,7 +20,7 @@ import torch
 from ddp_plugin.health import diagnosed
 from ddp_plugin.hookspecs import is_tensor_parallel_shard
 from ddp_plugin.hookspecs.types import PIPELINE_COPIES_ATTRIBUTE
-from ddp_plugin.parallel import pipeline, tensor_parallel
+from ddp_plugin.parallel import balance, pipeline, tensor_parallel
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from ddp_plugin.config import StrategyConfig
     from ddp_plugin.process_groups import ProcessGroups
+    from ddp_plugin.topology import Layout
     from ddp_plugin.session import FitSession
 
 log = logging.getLogger(__name__)
@@ -107,14 +108,15 @@ class PipelineParallel:
         self.config = config
         self.groups = groups
 
-    def split(self, module: pl.LightningModule) -> list[pipeline.Tie]:
+    def split(self, module: pl.LightningModule, device: torch.device) -> list[pipeline.Tie]:
         """Keep this rank's stages of the module (split once per module: a second ``fit`` finds it split) and find
         the parameters several stages hold. Collective (the ties' groups)."""
         layout, topology = self.groups.layout, self.groups.topology
         pipeline.check_module(module, layout.pipeline_parallel_size)
         split = getattr(module, "_ddp_plugin_stages", None)
         if split is None:
-            plan = pipeline.plan_stages(module, self.config.pipeline_stages, self.config.pipeline_split)
+            plan = pipeline.plan_stages(module, self.config.pipeline_stages, self.config.pipeline_split,
+                                        self._timer(module, device))
             shared = tensor_parallel.shared_parameters(module)
             split_ties = [t.names for t in pipeline.find_ties(shared, plan, layout.pipeline_parallel_size)
                           if is_tensor_parallel_shard(module.get_parameter(t.names[0]))]
@@ -141,6 +143,21 @@ class PipelineParallel:
             log.info("ddp_plugin: shared across pipeline stages: %s", "; ".join(" = ".join(t.names) for t in ties))
         return ties
 
+    def _timer(self, module: pl.LightningModule, device: torch.device) -> pipeline.Timer | None:
+        """``pipeline_split="time"``: the blocks timed on the strategy's device, averaged over every rank."""
+        if self.config.pipeline_split != "time":
+            return None
+        example = balance.check_example(module)
+
+        def timer(owner: Module, blocks: Sequence[Module]) -> list[float]:
+            seconds = balance.time_blocks(owner, blocks, example, device)
+            log.info("ddp_plugin: pipeline_split='time': %s ms before the blocks, %s per block, %s after them",
+                     f"{seconds[0] * 1e3:.2f}", ", ".join(f"{t * 1e3:.2f}" for t in seconds[1:-1]),
+                     f"{seconds[-1] * 1e3:.2f}")
+            return seconds
+
+        return timer
+
     def start(self, module: pl.LightningModule, ties: list[pipeline.Tie], device: torch.device
               ) -> pipeline.PipelineRunner:
         """The schedule's runner over this rank's stages, once they are materialized."""
@@ -151,7 +168,8 @@ class PipelineParallel:
             module, plan, self.config.pipeline_schedule, self.config.pipeline_microbatches or p, p,
             topology.pipeline_parallel_rank, topology.pipeline_parallel_group, device, ties, order,
             # the mean loss travels on a group of its own, beside the schedule's last sends
-            loss_group=self.groups.stage_peers(tuple(range(p))), timeout=self.config.timeout)
+            loss_group=self.groups.stage_peers(tuple(range(p))), timeout=self.config.timeout,
+            activations=self.config.pipeline_activations, nodes=stage_nodes(self.groups.layout))
 
     def step(self, runner: pipeline.PipelineRunner, call: Callable[[], Any], step: str, batch_idx: int,
              train: bool, session: FitSession | None, module: pl.LightningModule, optimizers: Sequence[Optimizer],
@@ -214,6 +232,11 @@ class PipelineParallel:
 
         with runner.model_call(forward):
             return call()
+
+
+def stage_nodes(layout: Layout) -> list[int]:
+    """The node each pipeline rank's stage starts on (a stage is whole nodes or a part of one node)."""
+    return [p * layout.stage_size // layout.ranks_per_node for p in range(layout.pipeline_parallel_size)]
 
 
 def _no_zero_grad(*args: Any, **kwargs: Any) -> None:

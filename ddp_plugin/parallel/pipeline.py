@@ -98,14 +98,14 @@ def check_module(module: nn.Module, pipeline_size: int) -> None:
         )
 
 
-SPLIT_METHODS = ("parameters", "uniform", "type:<regex>")
+SPLIT_METHODS = ("parameters", "time", "uniform", "type:<regex>")
 
 
 def check_split(value: Any) -> str | tuple[tuple[str, ...], ...]:
-    """The ``pipeline_split`` flag: ``"parameters"``, ``"uniform"``, ``"type:<regex>"`` (a valid regex), or the
-    module names of each stage (a list of lists of strings, normalized to tuples)."""
+    """The ``pipeline_split`` flag: ``"parameters"``, ``"time"``, ``"uniform"``, ``"type:<regex>"`` (a valid regex),
+    or the module names of each stage (a list of lists of strings, normalized to tuples)."""
     if isinstance(value, str):
-        if value in ("parameters", "uniform"):
+        if value in ("parameters", "time", "uniform"):
             return value
         if value.startswith("type:"):
             try:
@@ -119,22 +119,29 @@ def check_split(value: Any) -> str | tuple[tuple[str, ...], ...]:
         return tuple(tuple(names) for names in value)
     raise ValueError(
         f"`pipeline_split={value!r}` is not a way to split the blocks into stages. Allowed values: 'parameters'"
-        " (balanced by parameter count, the default), 'uniform' (by block count), 'type:<regex>' (by the count of"
+        " (balanced by parameter count, the default), 'time' (by each block's compute, timed at setup on"
+        " `example_input_array`), 'uniform' (by block count), 'type:<regex>' (by the count of"
         " blocks whose class name matches), or the module names of each stage, one non-empty list per stage (for"
         " example [['tok', 'blocks.0', 'blocks.1'], ['blocks.2', 'blocks.3', 'head']])."
     )
 
 
-def plan_stages(module: nn.Module, num_stages: int, split: str | Sequence[Sequence[str]] = "parameters") -> StagePlan:
+Timer = Callable[[nn.Module, Sequence[nn.Module]], Sequence[float]]
+"""``pipeline_split="time"``'s measure: (the model, its blocks) -> seconds before the blocks, per block, after them."""
+
+
+def plan_stages(module: nn.Module, num_stages: int, split: str | Sequence[Sequence[str]] = "parameters",
+                timer: Timer | None = None) -> StagePlan:
     """Find the model's blocks (the ``ModuleList`` or ``ModuleDict`` with the most parameters) and split them into
     ``num_stages`` contiguous runs, in order, as ``split`` says (:func:`check_split`): balanced by parameter count,
     the modules before them counted with the first stage and those after them with the last (DeepSpeed's
-    ``partition_method="parameters"``), by block count (``"uniform"``), by the count of blocks whose class name
-    matches a regex (``"type:<regex>"``), or as named. Raises ``TypeError`` for a module that does not follow
-    the contract and ``ValueError`` for a split that cannot hold."""
+    ``partition_method="parameters"``), by compute (``"time"``: ``timer``'s seconds, counted the same way), by
+    block count (``"uniform"``), by the count of blocks whose class name matches a regex (``"type:<regex>"``), or
+    as named. Raises ``TypeError`` for a module that does not follow the contract and ``ValueError`` for a split
+    that cannot hold."""
     described = transformers_stages.find(module)
     if described is not None:
-        return _plan_described(module, described, num_stages, split)
+        return _plan_described(module, described, num_stages, split, timer)
     lists = [(name, m) for name, m in module.named_modules()
              if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m)]
     if not lists:
@@ -165,11 +172,11 @@ def plan_stages(module: nn.Module, num_stages: int, split: str | Sequence[Sequen
             f"Parameters outside the pipelined model `{owner_path}`: {', '.join(outside[:5])}. With"
             " `pipeline_parallel_size` > 1 every parameter must belong to the model whose blocks are split."
         )
-    return _cut(module, owner_path, blocks_name, before, after, num_stages, split)
+    return _cut(module, owner_path, blocks_name, before, after, num_stages, split, timer)
 
 
-def _plan_described(module: nn.Module, layout: Any, num_stages: int, split: str | Sequence[Sequence[str]]
-                    ) -> StagePlan:
+def _plan_described(module: nn.Module, layout: Any, num_stages: int, split: str | Sequence[Sequence[str]],
+                    timer: Timer | None) -> StagePlan:
     """The stages of a Hugging Face model, from its own stage description (``transformers_stages.find``)."""
     placed = (layout.blocks, *layout.before, *layout.after)
     stray = [name for name, _ in module.named_parameters()
@@ -179,12 +186,13 @@ def _plan_described(module: nn.Module, layout: Any, num_stages: int, split: str 
             f"Parameters that {type(module.get_submodule(layout.owner)).__name__}'s `base_model_pp_plan` places on"
             f" no stage: {', '.join(stray[:5])}. With `pipeline_parallel_size` > 1 every parameter must belong to a"
             " module the plan names.")
-    return _cut(module, layout.owner, layout.blocks, layout.before, layout.after, num_stages, split,
+    return _cut(module, layout.owner, layout.blocks, layout.before, layout.after, num_stages, split, timer,
                 kind="transformers", output=layout.output)
 
 
 def _cut(module: nn.Module, owner_path: str, blocks_path: str, before: tuple[str, ...], after: tuple[str, ...],
-         num_stages: int, split: str | Sequence[Sequence[str]], **kind: str) -> StagePlan:
+         num_stages: int, split: str | Sequence[Sequence[str]], timer: Timer | None = None,
+         **kind: str) -> StagePlan:
     """The blocks at ``blocks_path`` below the model at ``owner_path`` cut into ``num_stages`` runs as ``split``
     says; ``before`` and ``after`` (paths below the model) go with the first and the last stage."""
     owner = module.get_submodule(owner_path)
@@ -200,6 +208,13 @@ def _cut(module: nn.Module, owner_path: str, blocks_path: str, before: tuple[str
     if not isinstance(split, str):
         runs = _named_runs(split, num_stages, owner_path, blocks_path, keys or tuple(map(str, range(len(blocks)))),
                            before, after)
+    elif split == "time":
+        if timer is None:
+            raise ValueError("`pipeline_split='time'` times the blocks when a fit sets the stages up.")
+        first, *sizes, last = timer(owner, list(blocks.values()) if is_dict else list(blocks))
+        sizes[0] += first
+        sizes[-1] += last
+        runs = tuple(tuple(r) for r in _balanced_runs(sizes, num_stages))
     else:
         sizes = _split_sizes(split, list(blocks.values()) if is_dict else list(blocks), path)
         if split == "parameters":  # (the modules before and after the blocks weigh on the first and last stage)
@@ -292,7 +307,7 @@ def _named_runs(split: Sequence[Sequence[str]], num_stages: int, owner: str, blo
     return tuple(runs)
 
 
-def _balanced_runs(sizes: Sequence[int], parts: int) -> list[list[int]]:
+def _balanced_runs(sizes: Sequence[float], parts: int) -> list[list[int]]:
     """Split ``range(len(sizes))`` into ``parts`` non-empty contiguous runs minimizing the largest run's sum
     (dynamic programming; ties go to the earliest split)."""
     n = len(sizes)
@@ -374,17 +389,33 @@ class StageModule(nn.Module):
         self.__dict__["_stage_blocks"] = stage_blocks(plan, self._blocks)  # (made once; blocks registered in parts)
         self.parts = nn.ModuleList([held[name] for name in held if name in mine] + list(self._blocks.values()))
         self.first, self.last = stage == 0, stage == plan.num_stages - 1
-        self.sent_forward = self.sent_backward = 0
-        """Bytes this stage's training forwards sent on (its outputs) and their backwards sent back (its inputs'
-        gradients), since the runner last counted them."""
+        self.sent_forward: list[int] = []
+        self.sent_backward: list[int] = []
+        """Bytes each of this stage's training forwards sent on (its outputs) and their backwards sent back (its
+        inputs' gradients), since the runner last counted them (one entry per call: the schedule's first step
+        also runs one forward to infer the shapes, which sends none of them)."""
+        self.send_dtype: torch.dtype | None = None
+        """The dtype this stage's floating outputs are cast to before they are sent (their gradients come back in
+        it): set where the next stage runs on another node (``pipeline_activations``); ``None``: as computed."""
+        self.widen = False
+        """Whether this stage's floating inputs, sent narrowed by the stage before, are cast back to the stage's
+        compute dtype (its parameters')."""
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *received: Any, **kwargs: Any) -> Any:
+        args = received
+        if self.widen:
+            dtype = next((p.dtype for p in self.parts.parameters() if p.is_floating_point()),
+                         torch.get_default_dtype())
+            args = tuple(_widened(a, dtype) for a in received)
         out = self._forward(*args, **kwargs)
+        if self.send_dtype is not None:
+            out = _narrowed(out, self.send_dtype)
         if torch.is_grad_enabled():
             if not self.last:
-                self.sent_forward += _tensor_bytes(out)
-            if not self.first:
-                self.sent_backward += _tensor_bytes([a for a in args if isinstance(a, Tensor) and a.requires_grad])
+                self.sent_forward.append(_tensor_bytes(out))
+            if not self.first:  # (their gradients go back in the dtype they came in)
+                self.sent_backward.append(
+                    _tensor_bytes([a for a in received if isinstance(a, Tensor) and a.requires_grad]))
         return out
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -400,6 +431,26 @@ class StageModule(nn.Module):
         finally:
             for name, m in saved.items():
                 _set(owner, name, m)
+
+
+ACTIVATION_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``pipeline_activations`` -> the dtype sent between stages on different nodes (``None``: as computed)."""
+
+
+def _narrowed(value: Any, dtype: torch.dtype) -> Any:
+    """``value``'s floating tensors wider than ``dtype`` cast to it (a differentiable cast: the gradient that comes
+    back is in ``dtype`` too, and is cast back to the tensor's own dtype by autograd)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point()
+                    and t.element_size() > dtype.itemsize else t, value)
+
+
+def _widened(value: Any, dtype: torch.dtype) -> Any:
+    """A received tensor in a narrower floating dtype cast to ``dtype`` (the stage's compute dtype)."""
+    if isinstance(value, Tensor) and value.is_floating_point() and value.element_size() < dtype.itemsize:
+        return value.to(dtype)
+    return value
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -496,7 +547,8 @@ class PipelineRunner:
     def __init__(self, module: nn.Module, plan: StagePlan, schedule: str, microbatches: int,
                  pipeline_size: int, pipeline_rank: int, group: dist.ProcessGroup, device: torch.device,
                  ties: list[Tie], order: Sequence[str], loss_group: dist.ProcessGroup | None = None,
-                 timeout: timedelta | None = None) -> None:
+                 timeout: timedelta | None = None, activations: str = "fp32",
+                 nodes: Sequence[int] | None = None) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.module = module
@@ -515,6 +567,14 @@ class PipelineRunner:
         self.stage_indices = list(range(pipeline_rank, plan.num_stages, pipeline_size))
         self.stages = [PipelineStage(StageModule(self.owner, plan, s), s, plan.num_stages, device, group=group)
                        for s in self.stage_indices]
+        narrow = ACTIVATION_DTYPES[activations]
+        if narrow is not None and nodes is not None:  # (`nodes`: the node of each pipeline rank)
+            for stage in self.stages:
+                module, s, here = stage.submod, stage.stage_index, nodes[stage.stage_index % pipeline_size]
+                if not module.last and nodes[(s + 1) % pipeline_size] != here:
+                    module.send_dtype = narrow
+                if not module.first and nodes[(s - 1) % pipeline_size] != here:
+                    module.widen = True
         self._losses: list[Tensor] = []
         self._scale = 1.0
         self._loss_scaler: GradScaler | None = None
@@ -660,11 +720,12 @@ class PipelineRunner:
         for stage in self.stages:
             module, index = stage.submod, stage.stage_index
             sends = []
-            if module.sent_forward:
-                sends.append(((index + 1) % self.size, module.sent_forward))
-            if module.sent_backward:
-                sends.append(((index - 1) % self.size, module.sent_backward))
-            module.sent_forward = module.sent_backward = 0
+            # (the step's M microbatches: the last M calls, after the first step's shape inference)
+            if forward := sum(module.sent_forward[-self.microbatches:]):
+                sends.append(((index + 1) % self.size, forward))
+            if backward := sum(module.sent_backward[-self.microbatches:]):
+                sends.append(((index - 1) % self.size, backward))
+            module.sent_forward, module.sent_backward = [], []
             if sends and self.comm is not None:
                 self.comm.count_sends(self.group, sends)
 

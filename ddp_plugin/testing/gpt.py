@@ -156,6 +156,9 @@ class GPTModule(L.LightningModule):
         if self.retie:
             self.model.head.weight = self.model.tok.weight
 
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         loss = self.pipeline_loss(self.model(x), y)  # (with pipeline stages the strategy runs the schedule here)

@@ -113,6 +113,8 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
         nan_at: int = -1, scheduler: bool = False, blocks: str = "list") -> None:
     L.seed_everything(1234, verbose=False)
     model = GPTWithValidation(layers=layers, scheduler=scheduler, blocks=blocks)
+    if (flags or {}).get("pipeline_split") == "time":  # a microbatch of one window, to time the blocks on
+        model.example_input_array = torch.zeros(1, model.model.pos.num_embeddings, dtype=torch.long)
     initial = {n: p.detach().clone() for n, p in model.state_dict().items()}
     strategy: object = "ddp" if reference else HierarchicalZeroStrategy(
         devices_per_node=devices_per_node, bucket_size_mb=1 / 256, **{"hierarchical": True, **(flags or {})})
@@ -155,6 +157,9 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
         state = strategy._pipeline.gather_module_state(state)
     else:
         state = strategy.lightning_module_state_dict()
+    # every rank's cross-node bytes by our accounting (a stage's sends, the tied sum), over the whole fit
+    cross_node = [None] * dist.get_world_size()
+    dist.all_gather_object(cross_node, getattr(strategy, "metric_totals", {}).get("comm/cross_node_MB"))
     if trainer.is_global_zero:
         torch.save({
             "state": {k: v.detach().clone() for k, v in state.items()},
@@ -176,6 +181,7 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
                 strategy.config.compression), "states", {})) if getattr(strategy, "config", None) is not None
             and strategy.config.compression else None,
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "cross_node_MB": cross_node,
             "stage_blocks": model._ddp_plugin_stages[0].stage_blocks if hasattr(model, "_ddp_plugin_stages") else None,
         }, os.path.join(out, f"{tag}.pt"))
 
