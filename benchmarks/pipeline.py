@@ -3,7 +3,12 @@ and data parallelism inside each node (D 2), against data parallelism across the
 ``ddp``, at one or several inter-node link rates.
 
     python benchmarks/pipeline.py                               # 1 Gbit/s
-    python benchmarks/pipeline.py --rates 100mbit,1gbit --repeats 2
+    python benchmarks/pipeline.py --rates 100mbit,1gbit,none --repeats 2
+
+The pipeline contenders: today's defaults (``ours_pp2``), each change for slow links alone (the tie's sum through
+``compression="int8"``, ``pipeline_activations="bf16"``, ``pipeline_split="time"``) and all three together
+(``ours_pp2_all``); ``ours_pp2_gpipe`` on request. The rate ``none`` runs the same cluster with the link uncapped:
+each contender's compute floor, set beside its capped steps in a table of its own.
 
 Every contender trains the same tied-embedding GPT (``ddp_plugin.testing.gpt``) from the same seed on the same token
 windows, global batch B 16, AdamW, under Lightning, one torchrun per node (``benchmarks/pipeline.py --worker``).
@@ -25,6 +30,10 @@ Predicted cross-node bytes per node and step of a pipeline contender (float32; s
   each node;
 - the step's mean loss, broadcast from the last stage: 4 bytes per data-parallel position, from node 1 (2*D per
   node on average). Frame headers and ACKs are not counted: the ratio measured / predicted shows them.
+
+With ``pipeline_activations="bf16"`` the activations are B*s*d*2 bytes; with the tie's sum through int8 each part
+crosses as int8 codes plus one fp32 scale per 1024 values, a reduce-scatter and an all-gather of half the part
+each on the 2-rank group: V*d*4 (1/4 + 1/1024) bytes from each node.
 
 Bubble: on every rank of a pipeline contender the benchmark times (wrapping methods of the strategy's schedule
 and stages, not the library's code) the schedule's step and, inside it, the stage's forward, backward and loss

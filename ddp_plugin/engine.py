@@ -7,7 +7,7 @@ The engine knows nothing about how a bucket is reduced; it hands each ready buck
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -254,6 +254,7 @@ class GradientEngine:
 
     def _arm(self, at_end_of_backward: bool = True) -> None:
         self._armed = True
+        self._used: list[bool] | None = None
         self._pending = [len(b.params) for b in self.buckets]
         self._next_launch = 0
         self._in_flight = []
@@ -261,12 +262,19 @@ class GradientEngine:
         if at_end_of_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
-    def synchronize(self) -> None:
+    def synchronize(self, first: Sequence[Parameter] = (), between: Callable[[], None] | None = None) -> None:
         """Synchronize the gradients accumulated so far (with ``require_sync`` False) as a synchronizing backward
         would at its end: every bucket reduced, unused parameters agreed on. For a backward the engine did not
-        watch (a pipeline schedule's microbatches); outside of autograd."""
+        watch (a pipeline schedule's microbatches); outside of autograd. The buckets of the parameters ``first``
+        are reduced ahead of the others (in the same order on every rank), and ``between`` is called once they
+        are, while the others still are (a pipeline's tied gradient crosses the link then)."""
         self._arm(at_end_of_backward=False)
-        self.finish()
+        wanted = {id(p) for p in first}
+        early = [b for b in self.buckets if any(id(p) in wanted for p in b.params)]
+        for bucket in early + [b for b in self.buckets if b not in early]:
+            self._launch_pending(bucket)
+        self._next_launch = len(self.buckets)
+        self.finish(between=between, early=len(early))
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
@@ -301,26 +309,37 @@ class GradientEngine:
             )
         return fut
 
-    def finish(self) -> None:
-        """The sync point: launch what is left, wait for every bucket, fix up unused parameters.
+    def _launch_pending(self, bucket: Bucket) -> None:
+        """Launch ``bucket``, its gradients that did not arrive filled in: zeros for a parameter without one, a
+        copy into the bucket for one that is not its view."""
+        if self._used is None:  # (taken before the first fill-up, which keeps None as None)
+            self._used = [p.grad is not None for p in self._params]
+        if self._pending[bucket.index] != 0:
+            bucket.materialize()
+            for i, p in enumerate(bucket.params):
+                view = self._views[bucket.index][i]
+                if p.grad is None:
+                    view.zero_()
+                elif local_tensor(p.grad).data_ptr() != view.data_ptr():
+                    view.copy_(local_tensor(p.grad))
+                    set_local_grad(p, view)
+        self._launch(bucket)
+
+    def finish(self, between: Callable[[], None] | None = None, early: int = 0) -> None:
+        """The sync point: launch what is left, wait for every bucket, fix up unused parameters. With ``between``:
+        called once the first ``early`` buckets launched are reduced, before waiting for the others.
 
         Runs at the end of a synchronizing backward; a no-op when nothing is armed."""
         if not self._armed:
             return
         self._armed = False
         # Which parameters got a gradient on this rank; taken before the fill-up below, which keeps None as None.
-        flags = [p.grad is not None for p in self._params]
+        if self._used is None:
+            self._used = [p.grad is not None for p in self._params]
+        flags = self._used
         for bucket in self.buckets[self._next_launch :]:
-            if self._pending[bucket.index] != 0:
-                bucket.materialize()
-                for i, p in enumerate(bucket.params):
-                    view = self._views[bucket.index][i]
-                    if p.grad is None:
-                        view.zero_()
-                    elif local_tensor(p.grad).data_ptr() != view.data_ptr():
-                        view.copy_(local_tensor(p.grad))
-                        set_local_grad(p, view)
-            self._launch(bucket)
+            self._launch_pending(bucket)
+        self._used = None
 
         # Agree with the other ranks on which parameters got a gradient anywhere (and, with check_finite, whether
         # any rank saw a NaN/Inf): one small all-reduce on the bookkeeping group, which gloo runs beside the
@@ -336,8 +355,14 @@ class GradientEngine:
         try:
             # A peer died or hung: say which one, rather than gloo's "Connection closed by peer [ip]:port".
             with health.diagnosed():
-                for submitted in self._in_flight:
+                for number, submitted in enumerate(self._in_flight):
+                    if number == early and between is not None:
+                        self._side.join()  # (on CUDA: past the early buckets' reductions, and what is queued)
+                        between()
                     health.wait(health.wait(submitted))
+                if between is not None and early >= len(self._in_flight):
+                    self._side.join()
+                    between()
                 if flags_work is not None:
                     flags_work.wait()
         finally:

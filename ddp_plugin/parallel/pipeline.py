@@ -990,14 +990,16 @@ def synchronize(engine: GradientEngine, runner: PipelineRunner,
     stages. With ``data_parallel`` (this stage's data-parallel group for the training thread, its size D and this
     rank's place in it; gradients whole after the sync, as at ZeRO stage 0) the sum comes after the sync, each
     data-parallel rank summing 1/D of the averaged gradient with its peer and the stage gathering the parts: the
-    tied gradient crosses between the stages once per step instead of once per data-parallel rank. Otherwise
+    tied gradient crosses between the stages once per step instead of once per data-parallel rank; its buckets are
+    reduced first, and the sum runs while the stage's other buckets are. Otherwise
     (a sharder keeps only its shard after the sync) the whole gradients are summed first."""
     if data_parallel is None or data_parallel[1] == 1:
         runner.sum_tied_gradients()
         engine.synchronize()
     else:
-        engine.synchronize()
-        runner.sum_tied_gradients(data_parallel)
+        # The tied gradients' buckets first; their sum crosses the link while the other buckets are reduced.
+        engine.synchronize(first=[t.param for t in runner.ties if t.param is not None],
+                           between=lambda: runner.sum_tied_gradients(data_parallel))
     if engine.check_finite:  # every stage skips the step when any stage saw a NaN/Inf gradient
         flag = torch.tensor([int(engine.nonfinite)], device=runner.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=runner.loss_group)
