@@ -296,6 +296,9 @@ def summarize(args: argparse.Namespace, rate: str, name: str, runs: list[dict[st
     # Every rank's last loss, averaged: the global batch's mean loss under every layout (a pipeline stage reports
     # its data-parallel rank's mean over the microbatches).
     row["final_loss"] = statistics.mean(statistics.mean(r["losses"][-1] for r in ranks) for ranks in ok)
+    # (for a convergence comparison over many steps: the last 10 steps' mean, less noisy than the last step's)
+    row["tail_loss"] = statistics.mean(statistics.mean(statistics.mean(r["losses"][-10:]) for r in ranks)
+                                       for ranks in ok)
     row["peak_rss_mb"] = max(r["maxrss_mb"] for ranks in ok for r in ranks)
     if name in SCHEDULES:
         row["predicted_mb"] = sum(predicted_bytes(args, name).values()) / MB
@@ -343,7 +346,8 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
         f" of {args.global_batch // (D * m)}; the blocks split by parameter count unless the contender says"
         " otherwise (the split is in the stage table)",
         "- s/step: interval from one batch's start to the next's on rank 0, median; cross-node MB: the node's veth"
-        " counter over the window / steps, mean of the 2 nodes; final loss: the last step's, mean over the ranks"
+        " counter over the window / steps, mean of the 2 nodes; final loss: the last step's, mean over the ranks;"
+        " last 10: the mean of the last 10 steps' losses"
         " (the global batch's mean); peak RSS: max over ranks",
         "- our accounting (`comm/cross_node_MB`, summed over the node's ranks) counts the data-parallel sync and,"
         " with pipeline stages, the schedule's sends, the tied-embedding sum and the loss broadcast",
@@ -353,12 +357,12 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
         " B*s*d*2, with the tie through int8 V*d*4 (1/4 + 1/1024) (codes and one fp32 scale per 1024 values)",
         "",
         "| link | contender | median s/step | vs Lightning `ddp` | cross-node MB / node / step | x S | predicted MB"
-        " | measured / predicted | our accounting MB | final loss | peak RSS MB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " | measured / predicted | our accounting MB | final loss | last 10 | peak RSS MB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "median_s" not in r:
-            lines.append(f"| {r['rate']} | {r['label']} | failed: {str(r['error'])[:200]} | | | | | | | | |")
+            lines.append(f"| {r['rate']} | {r['label']} | failed: {str(r['error'])[:200]} | | | | | | | | | |")
             continue
         vs = f"{r['median_s'] / ref[r['rate']]['median_s']:.3f}" if r["rate"] in ref else "-"
         ours = f"{r['ours_mb']:.2f}" if "ours_mb" in r else "-"
@@ -366,7 +370,7 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
                      else "- | -")
         lines.append(f"| {r['rate']} | {r['label']} | {r['median_s']:.3f} | {vs} | {r['tx_mb']:.3f} |"
                      f" {r['tx_mb'] / r['s_mb']:.3f} | {predicted} | {ours} | {r['final_loss']:.4f} |"
-                     f" {r['peak_rss_mb']:.0f} |")
+                     f" {r['tail_loss']:.4f} | {r['peak_rss_mb']:.0f} |")
     floor = {r["name"]: r for r in ok if r["rate"] == "none"}
     capped = [r for r in ok if r["rate"] != "none" and r["name"] in floor]
     if capped:
