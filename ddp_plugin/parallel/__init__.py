@@ -5,8 +5,10 @@ What is here:
 
 - :mod:`~ddp_plugin.parallel.tensor_parallel`: tensor parallelism's mechanics (checks, ties that
   ``parallelize_module`` broke, norms over split parameters, state dicts of DTensors, module-state sync);
-- :mod:`~ddp_plugin.parallel.pipeline`: pipeline stages' mechanics (where the model splits, a stage's modules,
-  parameters several stages hold, the schedule's runner, consolidated stage state);
+- :mod:`~ddp_plugin.parallel.stage_plan`: where the model splits into pipeline stages (``pipeline_split``), and a
+  module cut down to its stages; :mod:`~ddp_plugin.parallel.balance`: the blocks timed for ``"time"``;
+- :mod:`~ddp_plugin.parallel.pipeline`: pipeline stages' mechanics (a stage's modules, parameters several stages
+  hold, the schedule's runner, consolidated stage state);
 - :mod:`~ddp_plugin.parallel.transformers_stages`: a Hugging Face model's stages from its ``base_model_pp_plan``;
 - :mod:`~ddp_plugin.parallel.components`: each parallelism as the strategy sees it.
 

@@ -20,7 +20,7 @@ import torch
 from ddp_plugin.health import diagnosed
 from ddp_plugin.hookspecs import is_tensor_parallel_shard
 from ddp_plugin.hookspecs.types import PIPELINE_COPIES_ATTRIBUTE
-from ddp_plugin.parallel import balance, pipeline, tensor_parallel
+from ddp_plugin.parallel import balance, pipeline, stage_plan, tensor_parallel
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -112,10 +112,10 @@ class PipelineParallel:
         """Keep this rank's stages of the module (split once per module: a second ``fit`` finds it split) and find
         the parameters several stages hold. Collective (the ties' groups)."""
         layout, topology = self.groups.layout, self.groups.topology
-        pipeline.check_module(module, layout.pipeline_parallel_size)
+        stage_plan.check_module(module, layout.pipeline_parallel_size)
         split = getattr(module, "_ddp_plugin_stages", None)
         if split is None:
-            plan = pipeline.plan_stages(module, self.config.pipeline_stages, self.config.pipeline_split,
+            plan = stage_plan.plan_stages(module, self.config.pipeline_stages, self.config.pipeline_split,
                                         self._timer(module, device))
             shared = tensor_parallel.shared_parameters(module)
             split_ties = [t.names for t in pipeline.find_ties(shared, plan, layout.pipeline_parallel_size)
@@ -129,7 +129,7 @@ class PipelineParallel:
                 )
             order = [name for name, _ in module.named_parameters()]
             mine = range(topology.pipeline_parallel_rank, plan.num_stages, layout.pipeline_parallel_size)
-            pipeline.split_module(module, plan, mine)
+            stage_plan.split_module(module, plan, mine)
             split = module._ddp_plugin_stages = (plan, shared, order)
         plan, shared, _ = split
         ties = pipeline.find_ties(shared, plan, layout.pipeline_parallel_size)
@@ -143,7 +143,7 @@ class PipelineParallel:
             log.info("ddp_plugin: shared across pipeline stages: %s", "; ".join(" = ".join(t.names) for t in ties))
         return ties
 
-    def _timer(self, module: pl.LightningModule, device: torch.device) -> pipeline.Timer | None:
+    def _timer(self, module: pl.LightningModule, device: torch.device) -> stage_plan.Timer | None:
         """``pipeline_split="time"``: the blocks timed on the strategy's device, averaged over every rank."""
         if self.config.pipeline_split != "time":
             return None
