@@ -40,7 +40,6 @@ LOSSLESS_AT_STAGE_3 = (None, "fp16", "bf16")
 """The codecs a ZeRO stage 3 unit may hold a parameter that several ranks must keep bit-identical with (a pipeline
 tie, a tensor-parallel replica): they cast each element alone; the others code a bucket as a whole."""
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-PIPELINE_ACTIVATIONS = ("fp32", "bf16", "fp16")
 MAX_BUCKET_SIZE_MB = 2**20  # 1 TiB: no device holds a bucket near that; inf overflowed `int(mb * 2**20)`
 MAX_TIMEOUT = timedelta(days=365)  # much beyond, torch's deadlines (int64 nanoseconds) overflow: about 292 years
 CONFIG_FLAGS = ("zero_stage", "shard_scope", "bucket_size_mb", "compression", "gradient_clip_norm")
@@ -153,6 +152,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
     from ddp_plugin.plugin_manager import check_plugins
     from ddp_plugin.activation_checkpointing import check_policy as check_activation_checkpointing_policy
     from ddp_plugin.zero.units import check_auto_wrap_policy
+    from ddp_plugin.parallel.pipeline import ACTIVATION_DTYPES
     from ddp_plugin.parallel.stage_plan import check_split as check_pipeline_split
     from ddp_plugin.pretrained import check_pretrained
 
@@ -192,7 +192,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "pipeline_virtual_stages": lambda v: None if v is None else check_int("pipeline_virtual_stages", v,
                                                                               minimum=1),
         "pipeline_split": check_pipeline_split,
-        "pipeline_activations": lambda v: check_choice("pipeline_activations", v, PIPELINE_ACTIVATIONS),
+        "pipeline_activations": lambda v: check_choice("pipeline_activations", v, ACTIVATION_DTYPES),
         "pretrained": check_pretrained,
         "activation_checkpointing_policy": check_activation_checkpointing_policy,
         "hpz_partition_size": lambda v: v,

@@ -254,7 +254,6 @@ class GradientEngine:
 
     def _arm(self, at_end_of_backward: bool = True) -> None:
         self._armed = True
-        self._used: list[bool] | None = None
         self._pending = [len(b.params) for b in self.buckets]
         self._next_launch = 0
         self._in_flight = []
@@ -269,12 +268,13 @@ class GradientEngine:
         are reduced ahead of the others (in the same order on every rank), and ``between`` is called once they
         are, while the others still are (a pipeline's tied gradient crosses the link then)."""
         self._arm(at_end_of_backward=False)
+        had_grad = [p.grad is not None for p in self._params]  # (before the fill-up, which keeps None as None)
         wanted = {id(p) for p in first}
         early = [b for b in self.buckets if any(id(p) in wanted for p in b.params)]
         for bucket in early + [b for b in self.buckets if b not in early]:
             self._launch_pending(bucket)
         self._next_launch = len(self.buckets)
-        self.finish(between=between, early=len(early))
+        self.finish(between=between, early=len(early), had_grad=had_grad)
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
@@ -312,8 +312,6 @@ class GradientEngine:
     def _launch_pending(self, bucket: Bucket) -> None:
         """Launch ``bucket``, its gradients that did not arrive filled in: zeros for a parameter without one, a
         copy into the bucket for one that is not its view."""
-        if self._used is None:  # (taken before the first fill-up, which keeps None as None)
-            self._used = [p.grad is not None for p in self._params]
         if self._pending[bucket.index] != 0:
             bucket.materialize()
             for i, p in enumerate(bucket.params):
@@ -325,21 +323,20 @@ class GradientEngine:
                     set_local_grad(p, view)
         self._launch(bucket)
 
-    def finish(self, between: Callable[[], None] | None = None, early: int = 0) -> None:
+    def finish(self, between: Callable[[], None] | None = None, early: int = 0,
+               had_grad: list[bool] | None = None) -> None:
         """The sync point: launch what is left, wait for every bucket, fix up unused parameters. With ``between``:
         called once the first ``early`` buckets launched are reduced, before waiting for the others.
+        ``had_grad``: which parameters had a gradient before the buckets were filled up (default: as they are now).
 
         Runs at the end of a synchronizing backward; a no-op when nothing is armed."""
         if not self._armed:
             return
         self._armed = False
         # Which parameters got a gradient on this rank; taken before the fill-up below, which keeps None as None.
-        if self._used is None:
-            self._used = [p.grad is not None for p in self._params]
-        flags = self._used
+        flags = had_grad if had_grad is not None else [p.grad is not None for p in self._params]
         for bucket in self.buckets[self._next_launch :]:
             self._launch_pending(bucket)
-        self._used = None
 
         # Agree with the other ranks on which parameters got a gradient anywhere (and, with check_finite, whether
         # any rank saw a NaN/Inf): one small all-reduce on the bookkeeping group, which gloo runs beside the
@@ -355,14 +352,13 @@ class GradientEngine:
         try:
             # A peer died or hung: say which one, rather than gloo's "Connection closed by peer [ip]:port".
             with health.diagnosed():
-                for number, submitted in enumerate(self._in_flight):
-                    if number == early and between is not None:
-                        self._side.join()  # (on CUDA: past the early buckets' reductions, and what is queued)
-                        between()
+                for submitted in self._in_flight[:early]:
                     health.wait(health.wait(submitted))
-                if between is not None and early >= len(self._in_flight):
-                    self._side.join()
+                if between is not None:
+                    self._side.join()  # (on CUDA: past the early buckets' reductions, and what is queued)
                     between()
+                for submitted in self._in_flight[early:]:
+                    health.wait(health.wait(submitted))
                 if flags_work is not None:
                     flags_work.wait()
         finally:

@@ -213,8 +213,9 @@ def on_cross_node_reduce(
     choose their own collectives: integers cannot be summed by all-reduce, so an int8 codec all-gathers,
     PowerSGD runs two all-reduces. Communication thread; collective over ``group``. Also called, when a codec
     answers it, with a parameter's gradient that several pipeline stages hold (``bucket.kind ==
-    "tied_gradient"``, over the group of its copies' ranks, on the training thread after the stage's gradient
-    sync): every rank of ``group`` must get the same bits back.
+    "tied_gradient"``, over the group of its copies' ranks, on the training thread: at ZeRO stage 0 while the
+    stage's other buckets are reduced, at stages 1-3 before the sync): every rank of ``group`` must get the same
+    bits back.
 
     Stops at first non-None result. Implemented by the codecs and, as the default (``trylast``),
     ``MeanAllReduce`` (divide by the group size, all-reduce); ``TrafficAccounting`` wraps it.

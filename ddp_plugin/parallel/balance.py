@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 REPEATS = 3
 """Timed passes (after one untimed): each part's median counts."""
@@ -53,7 +55,7 @@ def time_blocks(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, dev
     owner.to(device)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            parts = _timed(owner, blocks, _to(example, device), _synchronizer(device))
+            parts = _timed(owner, blocks, move_data_to_device(example, device), _synchronizer(device))
     finally:
         for p in owner.parameters():
             p.grad = None
@@ -89,7 +91,8 @@ def _timed(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, sync: Ca
             sync()
             start = time.perf_counter()
             output = _call(owner, example)
-            loss = sum(t.float().square().mean() for t in _floating(output))
+            loss = sum(t.float().square().mean() for t in tree_leaves(output)
+                       if isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad)
             sync()
             forward_end = time.perf_counter()
             loss.backward()
@@ -113,26 +116,6 @@ def _call(owner: nn.Module, example: Any) -> Any:
     if isinstance(example, (tuple, list)):
         return owner(*example)
     return owner(example)
-
-
-def _floating(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value] if value.is_floating_point() and value.requires_grad else []
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _floating(v)]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _floating(v)]
-    return []
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, Mapping):
-        return {k: _to(v, device) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    return value
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:
