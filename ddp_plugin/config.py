@@ -36,9 +36,6 @@ WEIGHTINGS = ("rank", "sample")
 CHECKPOINT_MODES = ("master", "sharded")
 BACKENDS = ("gloo", "nccl", "mpi")
 OUTER_OPTIMIZERS = ("average", "nesterov")
-LOSSLESS_AT_STAGE_3 = (None, "fp16", "bf16")
-"""The codecs a ZeRO stage 3 unit may hold a parameter that several ranks must keep bit-identical with (a pipeline
-tie, a tensor-parallel replica): they cast each element alone; the others code a bucket as a whole."""
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 MAX_BUCKET_SIZE_MB = 2**20  # 1 TiB: no device holds a bucket near that; inf overflowed `int(mb * 2**20)`
 MAX_TIMEOUT = timedelta(days=365)  # much beyond, torch's deadlines (int64 nanoseconds) overflow: about 292 years
@@ -244,13 +241,6 @@ def _check_pipeline(c: dict[str, Any]) -> None:
         raise ValueError(
             f"`pipeline_microbatches={m}` must be a multiple of `pipeline_parallel_size={p}` with"
             " `pipeline_schedule='interleaved_1f1b'` (it runs them in rounds of one per stage)."
-        )
-    if c["zero_stage"] == 3 and c["compression"] not in LOSSLESS_AT_STAGE_3:
-        raise ValueError(
-            f"`compression={c['compression']!r}` with `zero_stage=3` and `pipeline_parallel_size={p}` is not"
-            " supported: a stage 3 unit codes a parameter the stages share (a tied embedding) with different"
-            " neighbours on each stage, and its copies would drift apart. Use `zero_stage` 0-2 with this codec, or"
-            " `compression` None, 'fp16' or 'bf16' at stage 3."
         )
 
 

@@ -171,10 +171,10 @@ class GradientEngine:
         solo: Iterable[Parameter] = (),
     ) -> None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        planned = hook.on_plan_buckets(module=module, named_params=named, cap_bytes=bucket_cap_bytes)
+        solo = [p for p in solo if p.requires_grad]
+        planned = hook.on_plan_buckets(module=module, named_params=named, cap_bytes=bucket_cap_bytes, solo=solo)
         if planned is not None:
             _check_plan(named, planned)
-        solo = [p for p in solo if p.requires_grad]
         if solo and planned is None:
             # Parameters that several pipeline stages hold (a tied embedding) get buckets of their own, first:
             # each stage's copy is then reduced alone, under the same index, and every copy gets the same bits.
@@ -275,6 +275,11 @@ class GradientEngine:
             self._launch_pending(bucket)
         self._next_launch = len(self.buckets)
         self.finish(between=between, early=len(early), had_grad=had_grad)
+
+    def gradient_shard(self, bucket: Bucket) -> tuple[int, Tensor] | None:
+        """Once ``bucket`` is reduced in a sync: the part of its mean a sharder keeps on this rank, ``(offset,
+        tensor)``, or ``None`` where the bucket holds the whole mean (the hook ``on_gradient_shard``)."""
+        return self._hook.on_gradient_shard(bucket=bucket)
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 @hookspec(firstresult=True)
 def on_plan_buckets(
-    module: Module, named_params: Sequence[tuple[str, Parameter]], cap_bytes: int
+    module: Module, named_params: Sequence[tuple[str, Parameter]], cap_bytes: int, solo: Sequence[Parameter]
 ) -> Sequence[Sequence[tuple[str, Parameter]]] | None:
     """Decide which parameters share a gradient bucket, or let the engine pack them (reverse registration
     order, ``cap_bytes`` per bucket, a small first bucket, as DDP does).
@@ -73,6 +73,9 @@ def on_plan_buckets(
     :param named_params: the trainable parameters, in registration order, without duplicates (tied
         parameters appear once).
     :param cap_bytes: the ``bucket_size_mb`` flag in bytes.
+    :param solo: parameters that several pipeline stages hold (a tied embedding); give each a bucket of its own
+        where you can, so its copies' sum runs on matching shards (``on_gradient_shard``); otherwise the
+        copies' whole gradients are summed before the sync.
     :returns: the groups of ``(name, parameter)`` in launch order (the order backward finishes them), each
         parameter of ``named_params`` exactly once; or ``None`` for the engine's packing.
     """
@@ -213,8 +216,8 @@ def on_cross_node_reduce(
     choose their own collectives: integers cannot be summed by all-reduce, so an int8 codec all-gathers,
     PowerSGD runs two all-reduces. Communication thread; collective over ``group``. Also called, when a codec
     answers it, with a parameter's gradient that several pipeline stages hold (``bucket.kind ==
-    "tied_gradient"``, over the group of its copies' ranks, on the training thread: at ZeRO stage 0 while the
-    stage's other buckets are reduced, at stages 1-3 before the sync): every rank of ``group`` must get the same
+    "tied_gradient"``, over the group of its copies' ranks, on the training thread: at ZeRO stages 0-2 while the
+    stage's other buckets are reduced, at stage 3 before the sync): every rank of ``group`` must get the same
     bits back.
 
     Stops at first non-None result. Implemented by the codecs and, as the default (``trylast``),
@@ -227,6 +230,25 @@ def on_cross_node_reduce(
         parameters the tensor holds (``bucket.offsets``); elements past the end of the buffer are padding
         (zeros).
     :returns: a future that completes when ``tensor`` holds the mean.
+    """
+
+
+@hookspec(firstresult=True)
+def on_gradient_shard(bucket: Bucket) -> tuple[int, Tensor] | None:
+    """The part of ``bucket``'s reduced gradient this rank keeps, where a plugin keeps only a part and released
+    the bucket's buffer: ``(offset, tensor)``, ``tensor`` holding elements ``offset...`` of the bucket's mean; it
+    is the tensor the optimizer steps with, so what is written into it in place is what the step uses. ``None``
+    where ``bucket.buffer`` holds the whole mean.
+
+    Asked on the training thread, between the reduction of ``bucket`` and the end of the sync, for the bucket of a
+    parameter several pipeline stages hold (alone in its bucket): each rank then sums only its part with the same
+    part of the other stages' copies, so the shared gradient crosses between the stages once per step instead of
+    once per data-parallel rank. Local.
+
+    Stops at first non-None result. Implemented by the ZeRO sharder at stages 2-3 (its shard).
+
+    :param bucket: an engine bucket whose reduction has completed in this sync.
+    :returns: ``(offset, tensor)``, or ``None``.
     """
 
 

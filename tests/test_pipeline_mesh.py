@@ -13,9 +13,10 @@ from tests.support import WORKERS, relative_difference, run_python
 from tests.test_pipeline import RTOL
 
 SYNC = "--flags={\"sync_every\": 4}"
-# the tied embedding's copies summed through the codec, at ZeRO stage 0 (after the stage's sync, 1/D per rank) and
-# stage 2 (the whole gradient, before it)
-TIE_CODECS = ["1f1b:0:int8", "1f1b:0:powersgd", "1f1b:0:fp16", "1f1b:2:int8"]  # DiLoCo's outer Nesterov every 4 steps; the checkpoint at 10 is between syncs
+# the tied embedding's copies summed through the codec, 1/D per data-parallel rank: at ZeRO stages 0 and 1 each
+# rank's 1/D of the reduced gradient, at stages 2 and 3 its shard (at stage 3 in a bucket of its own in its unit)
+TIE_CODECS = ["1f1b:0:int8", "1f1b:0:powersgd", "1f1b:0:fp16", "1f1b:1:int8", "1f1b:2:int8", "1f1b:3:int8",
+              "1f1b:3:powersgd"]  # DiLoCo's outer Nesterov every 4 steps; the checkpoint at 10 is between syncs
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def runs(tmp_path_factory) -> dict:
          "--flags={\"pipeline_microbatches\": 4}"],
         # a stage's two data-parallel ranks on two nodes: int8 on the cross-node stage
         ["--out", out, "--devices", "4", "--devices-per-node", "1", "--pp", "2",
-         "--variants", ",".join(TIE_CODECS), "--tag=-nodes"],
+         "--variants", ",".join([*TIE_CODECS, "1f1b:2"]), "--tag=-nodes"],
         # the stages cut where the blocks' timed compute is equal
         ["--out", out, "--devices", "4", "--devices-per-node", "1", "--pp", "2", "--variants", "1f1b",
          "--tag=-time", "--flags={\"pipeline_split\": \"time\"}"],
@@ -62,7 +63,7 @@ def runs(tmp_path_factory) -> dict:
          "--tag=-sync-pp-resumed", "--resume", out / "1f1b-sync-pp-step10.ckpt", SYNC],
     ]), timeout=600)
     names = ["reference", "reference-l2", "reference-l8", "1f1b-p4", "gpipe-p4", "interleaved_1f1b-p4",
-             *(f"{v}-nodes" for v in TIE_CODECS), "1f1b:0:int8-nodes-bf16", "1f1b-time", "1f1b-t2", "gpipe:2-t2", "interleaved_1f1b:3-t2", "1f1b-sync", "1f1b-sync-pp", "1f1b-sync-pp-resumed", "1f1b-hier", "gpipe:2:int8-hier"]
+             *(f"{v}-nodes" for v in TIE_CODECS), "1f1b:2-nodes", "1f1b:0:int8-nodes-bf16", "1f1b-time", "1f1b-t2", "gpipe:2-t2", "interleaved_1f1b:3-t2", "1f1b-sync", "1f1b-sync-pp", "1f1b-sync-pp-resumed", "1f1b-hier", "gpipe:2:int8-hier"]
     return {name: torch.load(out / f"{name.replace(':', '-')}.pt") for name in names}
 
 
@@ -70,6 +71,7 @@ def runs(tmp_path_factory) -> dict:
     ("1f1b-p4", "reference"), ("gpipe-p4", "reference"), ("1f1b-t2", "reference-l2"), ("gpipe:2-t2", "reference-l2"),
     ("interleaved_1f1b-p4", "reference-l8"), ("interleaved_1f1b:3-t2", "reference"), ("1f1b-hier", "reference"),
     ("1f1b-time", "reference"),  # (the stages cut where the timing says: the same model, trained the same)
+    ("1f1b:2-nodes", "reference"),  # (the tied sum on the ZeRO shards)
 ])
 def test_equals_ddp_on_the_whole_model(runs, variant, reference):
     assert relative_difference(runs[variant]["state"], runs[reference]["state"]) <= RTOL
@@ -103,6 +105,15 @@ def test_the_tied_gradient_goes_through_the_codec_and_its_copies_stay_bit_identi
     assert "tied_gradient/0" in run["codec_keys"], run["codec_keys"]
     assert run["max_tie_diff"] == 0.0 and run["max_replica_diff"] == 0.0
     assert run["losses"][-1] < run["losses"][0] - 0.1
+
+
+@pytest.mark.parametrize("variant", ["1f1b:0:int8", "1f1b:1:int8", "1f1b:2:int8", "1f1b:3:int8"])
+def test_the_tied_gradient_crosses_between_the_stages_once_per_step_at_every_zero_stage(runs, variant):
+    # Each of a stage's 2 data-parallel ranks sums half of the 32 x 16 tied gradient with its peer on the other
+    # stage, every step: at stages 0 and 1 its half of the reduced mean, at stages 2 and 3 its shard (at stage 3
+    # the tie has a bucket of its own in its unit). Before, at stages 1-3 every rank summed the whole gradient
+    # before the sync: 2x these elements.
+    assert runs[f"{variant}-nodes"]["tied_elements"] == [20 * 32 * 16 // 2] * 4
 
 
 def test_activations_cross_between_nodes_in_bf16(runs):

@@ -30,8 +30,6 @@ from ddp_plugin.topology import Layout
     ({"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b", "pipeline_split": [["a"], ["b"]]},
      ["names the modules of 2 stages", "runs 4"]),
     ({"pipeline_activations": "int8"}, ["pipeline_activations='int8'", "'fp32'", "'bf16'", "'fp16'"]),
-    ({"pipeline_parallel_size": 2, "zero_stage": 3, "compression": "int8"},
-     ["`compression='int8'`", "`zero_stage=3`", "'fp16' or 'bf16'"]),
 ])
 def test_bad_flags_fail_at_construction_naming_the_flag(flags, words):
     with pytest.raises(ValueError) as info:

@@ -205,9 +205,9 @@ class PipelineParallel:
             if synchronizing:
                 topology = self.groups.topology
                 with diagnosed("the pipeline stage's gradient sync"):
-                    # (summed after the sync at stage 0 over the stage's data-parallel ranks; not in a sync mode,
+                    # (summed during the sync, 1/D per data-parallel rank; not in a sync mode,
                     # whose nodes hold different replicas between syncs)
-                    pipeline.synchronize(engine, runner, None if self.config.zero_stage or self.config.sync_every > 1
+                    pipeline.synchronize(engine, runner, None if self.config.sync_every > 1
                                          else (topology.side_world_group, topology.world_size, topology.rank))
             # Lightning's backward of the returned loss reaches no parameter: the schedule ran every microbatch's.
             return loss.requires_grad_()

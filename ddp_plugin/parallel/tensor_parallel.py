@@ -32,7 +32,6 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ddp_plugin.comm import broadcast_coalesced
-from ddp_plugin.config import LOSSLESS_AT_STAGE_3
 from ddp_plugin.materialize import unallocated
 from ddp_plugin.hookspecs import (
     block_key,
@@ -56,6 +55,12 @@ def _fsdp_types() -> tuple[type, ...]:
     except ImportError:  # pragma: no cover - older torch
         from torch.distributed._composable.fsdp import FSDPModule
     return FSDPModule, FullyShardedDataParallel
+
+
+LOSSLESS_AT_STAGE_3 = (None, "fp16", "bf16")
+"""The codecs a ZeRO stage 3 unit may hold a tensor-parallel replica with (a parameter several ranks must keep
+bit-identical, beside split ones in the unit's bucket): they cast each element alone; the others code a bucket as a
+whole. (A parameter that pipeline stages share gets a bucket of its own in its unit: every codec works there.)"""
 
 
 def check_flags(tensor_parallel_size: int, zero_stage: int, compression: str | None) -> None:

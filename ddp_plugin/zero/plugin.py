@@ -67,11 +67,11 @@ class ZeroSharder:
     # ------------------------------------------------------------------ setup
 
     @hookimpl
-    def on_plan_buckets(self, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]]
-                        ) -> list[list[tuple[str, nn.Parameter]]] | None:
+    def on_plan_buckets(self, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]],
+                        solo: Sequence[nn.Parameter]) -> list[list[tuple[str, nn.Parameter]]] | None:
         if self.stage != 3:
             return None
-        self._plan = plan_units(module, named_params, self.policy)
+        self._plan = plan_units(module, named_params, self.policy, solo)
         return self._plan.bucket_groups()
 
     @hookimpl
@@ -125,6 +125,13 @@ class ZeroSharder:
             entry.grad = shard
             bucket.release()
         return completed_future(None)
+
+    @hookimpl
+    def on_gradient_shard(self, bucket: Bucket) -> tuple[int, Tensor] | None:
+        if self.stage == 1:
+            return None  # the bucket holds the whole mean
+        grad = self.shards.entries[bucket.index].grad
+        return None if grad is None else (self.shards.layout.shard_index * grad.numel(), grad)
 
     @hookimpl
     def on_after_backward(self, buckets: Sequence[Bucket]) -> None:

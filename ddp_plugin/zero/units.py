@@ -63,21 +63,24 @@ def check_auto_wrap_policy(policy: Any) -> int | tuple[type | str, ...]:
 
 @dataclass
 class UnitPlan:
-    """The units of a model, in launch order (backward finishes the units registered last first; the root
-    unit, named ``""``, last of all), each with its parameters and the names of the modules it is made of."""
+    """The units' buckets of a model, in launch order (backward finishes the units registered last first; the root
+    unit, named ``""``, last of all), each with its unit's name and its parameters (a unit has two buckets where
+    it holds a ``solo`` parameter), and the names of the modules each unit is made of."""
 
     order: list[tuple[str, list[tuple[str, nn.Parameter]]]]
     members: dict[str, list[str]]
     modules: dict[str, nn.Module]
 
     def bucket_groups(self) -> list[list[tuple[str, nn.Parameter]]]:
-        """One bucket per unit, its parameters in the order backward produces their gradients."""
+        """One bucket per entry of ``order``, its parameters in the order backward produces their gradients."""
         return [list(reversed(params)) for _, params in self.order]
 
 
-def plan_units(module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]], policy: int | tuple
-               ) -> UnitPlan:
-    """Group ``named_params`` into units by ``policy`` (a parameter count, or module classes/names)."""
+def plan_units(module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]], policy: int | tuple,
+               solo: Sequence[nn.Parameter] = ()) -> UnitPlan:
+    """Group ``named_params`` into units by ``policy`` (a parameter count, or module classes/names). Each
+    parameter of ``solo`` (one several pipeline stages hold) gets a bucket of its own in its unit, ahead of the
+    unit's other parameters, so that its shards line up with its copies' on the other stages."""
     # A unit is one module, or several modules held by one container (named "a+b+..."), all of them called.
     groups = _unit_roots(module, policy)
     members = {"+".join(g): g for g in groups}
@@ -105,7 +108,16 @@ def plan_units(module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter
     order = sorted((u for u in params_of if u), key=lambda u: -first_seen[u])
     if "" in params_of:
         order.append("")
-    return UnitPlan(order=[(u, params_of[u]) for u in order], members=members, modules=dict(module.named_modules()))
+    alone = {id(p) for p in solo}
+    entries = []
+    for u in order:
+        params = params_of[u]
+        own = [(name, p) for name, p in params if id(p) in alone]
+        if own and len(own) < len(params):
+            entries += [(u, [named]) for named in own] + [(u, [(n, p) for n, p in params if id(p) not in alone])]
+        else:
+            entries.append((u, params))
+    return UnitPlan(order=entries, members=members, modules=dict(module.named_modules()))
 
 
 def _unit_roots(module: nn.Module, policy: int | tuple) -> list[list[str]]:
@@ -179,15 +191,16 @@ def _units_by_count(module: nn.Module, size: int) -> list[list[str]]:
 
 @dataclass(eq=False)
 class Unit:
-    """The modules whose forward needs one bucket's parameters gathered."""
+    """The modules whose forward needs one bucket's parameters gathered (two buckets where a parameter several
+    pipeline stages hold was given a bucket of its own: :func:`plan_units`'s ``solo``)."""
 
     name: str
-    bucket: int
+    buckets: list[int]
     persistent: bool  # the root unit stays gathered
     modules: list[nn.Module] = field(default_factory=list)
     gathered: bool = True
     waiting: set[int] = field(default_factory=set)  # ids of the modules whose forward has yet to run this pass
-    pending: Any = None  # a prefetch in flight (what Shards.gather returned)
+    pending: list[Any] | None = None  # a prefetch in flight (what Shards.gather returned, per bucket)
     remaining: int = 0  # gradients still to come in this backward
 
 
@@ -204,11 +217,17 @@ class Units:
         self.handles: list[Any] = []
         self.forward_order: list[Unit] = []
         self.order_known = False
+        named: dict[str, Unit] = {}
         for b, (uname, _) in enumerate(plan.order):
-            unit = Unit(name=uname or "<root>", bucket=b, persistent=not uname, gathered=not uname)
+            if uname in named:  # (a second bucket of the unit)
+                named[uname].buckets.append(b)
+                self.of_bucket[b] = named[uname]
+                continue
+            unit = Unit(name=uname or "<root>", buckets=[b], persistent=not uname, gathered=not uname)
             self.units.append(unit)
             self.of_bucket[b] = unit
             if not unit.persistent:
+                named[uname] = unit
                 for member in plan.members[uname]:
                     self._register_hooks(unit, plan.modules[member])
         for bucket in shards.buckets:
@@ -224,21 +243,26 @@ class Units:
 
     # ------------------------------------------------------------------ gather and free
 
-    def free(self, unit: Unit) -> None:
-        entry = self.shards.entries[unit.bucket]
+    def _finish(self, unit: Unit) -> None:
         if unit.pending is not None:
-            self.shards.finish_gather(entry.full, unit.pending)
+            for b, pending in zip(unit.buckets, unit.pending):
+                self.shards.finish_gather(self.shards.entries[b].full, pending)
             unit.pending = None
-        entry.full.untyped_storage().resize_(0)
+
+    def free(self, unit: Unit) -> None:
+        self._finish(unit)
+        for b in unit.buckets:
+            self.shards.entries[b].full.untyped_storage().resize_(0)
         unit.gathered = False
 
     def _start_gather(self, unit: Unit, async_op: bool) -> None:
-        entry = self.shards.entries[unit.bucket]
-        entry.full.untyped_storage().resize_(entry.full.numel() * entry.full.element_size())
+        pending = []
+        for b in unit.buckets:
+            entry = self.shards.entries[b]
+            entry.full.untyped_storage().resize_(entry.full.numel() * entry.full.element_size())
+            pending.append(self.shards.gather(entry.full, entry.shard, async_op=async_op))
         unit.gathered = True
-        unit.pending = self.shards.gather(entry.full, entry.shard, async_op=async_op)
-        if not async_op:
-            unit.pending = None
+        unit.pending = pending if async_op else None
         now = self.shards.gathered_bytes()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
         self.fit_peak_gathered_bytes = max(self.fit_peak_gathered_bytes, now)
@@ -246,9 +270,8 @@ class Units:
     def gather(self, unit: Unit) -> None:
         if not unit.gathered:
             self._start_gather(unit, async_op=False)
-        elif unit.pending is not None:
-            self.shards.finish_gather(self.shards.entries[unit.bucket].full, unit.pending)
-            unit.pending = None
+        else:
+            self._finish(unit)
 
     def gather_all(self) -> None:
         for unit in self.units:
@@ -295,7 +318,7 @@ class Units:
                 self.free(unit)
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
             if tensors and torch.is_grad_enabled():
-                unit.remaining = len(self.shards.buckets[unit.bucket].params)
+                unit.remaining = sum(len(self.shards.buckets[b].params) for b in unit.buckets)
 
                 def pre_backward(_grads: Any) -> None:
                     self.gather(unit)
@@ -323,5 +346,6 @@ class Units:
         1 + ``prefetch`` times that while the next units are prefetched). The root unit, always gathered, counts
         too."""
         entries = self.shards.entries
-        return max((entries[u.bucket].full.numel() * entries[u.bucket].full.element_size() for u in self.units),
+        return max((sum(entries[b].full.numel() * entries[b].full.element_size() for b in u.buckets)
+                    for u in self.units),
                    default=0)

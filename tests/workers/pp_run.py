@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
-from ddp_plugin.hookspecs import local_tensor
+from ddp_plugin.hookspecs import hookimpl, local_tensor
 from ddp_plugin.parallel.tensor_parallel import full_state_dict
 from ddp_plugin.testing.callbacks import SaveAt
 from ddp_plugin.testing.data import rank_loader
@@ -108,6 +108,20 @@ class NanAt(L.Callback):
         next(p for p in pl_module.parameters()).register_hook(poison)
 
 
+class TiedSums:
+    """A plugin that counts the elements of the tied gradients' sums this rank sends through the codec (the bucket
+    kind ``"tied_gradient"`` of ``on_cross_node_reduce``), over the whole fit."""
+
+    def __init__(self) -> None:
+        self.elements = 0
+
+    @hookimpl(wrapper=True)
+    def on_cross_node_reduce(self, tensor, bucket):
+        if bucket.kind == "tied_gradient":
+            self.elements += tensor.numel()
+        return (yield)
+
+
 def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: dict | None, reference: bool,
         layers: int, accumulate: int = 1, save_at: int = 0, resume: str | None = None, uneven: bool = False,
         nan_at: int = -1, scheduler: bool = False, blocks: str = "list") -> None:
@@ -116,8 +130,10 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
     if (flags or {}).get("pipeline_split") == "time":  # a microbatch of one window, to time the blocks on
         model.example_input_array = torch.zeros(1, model.model.pos.num_embeddings, dtype=torch.long)
     initial = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    tied_sums = TiedSums()
     strategy: object = "ddp" if reference else HierarchicalZeroStrategy(
-        devices_per_node=devices_per_node, bucket_size_mb=1 / 256, **{"hierarchical": True, **(flags or {})})
+        devices_per_node=devices_per_node, bucket_size_mb=1 / 256, plugins=[tied_sums],
+        **{"hierarchical": True, **(flags or {})})
     checks = Checks()
     callbacks: list[L.Callback] = [checks]
     if save_at:
@@ -160,6 +176,8 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
     # every rank's cross-node bytes by our accounting (a stage's sends, the tied sum), over the whole fit
     cross_node = [None] * dist.get_world_size()
     dist.all_gather_object(cross_node, getattr(strategy, "metric_totals", {}).get("comm/cross_node_MB"))
+    tied_elements = [None] * dist.get_world_size()
+    dist.all_gather_object(tied_elements, tied_sums.elements)
     if trainer.is_global_zero:
         torch.save({
             "state": {k: v.detach().clone() for k, v in state.items()},
@@ -182,6 +200,7 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
             and strategy.config.compression else None,
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
             "cross_node_MB": cross_node,
+            "tied_elements": tied_elements,  # (through the codec: with one only)
             "stage_blocks": model._ddp_plugin_stages[0].stage_blocks if hasattr(model, "_ddp_plugin_stages") else None,
         }, os.path.join(out, f"{tag}.pt"))
 
