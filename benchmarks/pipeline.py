@@ -147,7 +147,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader
 
     from ddp_plugin import HierarchicalZeroStrategy
-    from ddp_plugin.parallel import pipeline as ddp_pipeline
+    from ddp_plugin.parallel import ties as ddp_ties
     from ddp_plugin.testing.gpt import GPTModule, token_dataset
     from ddp_plugin.testing.windows import StepWindow
 
@@ -181,8 +181,8 @@ def worker(args: argparse.Namespace) -> None:
                 return
             self._timed(runner.schedule, "step", "schedule_s")
             self._timed(runner.schedule, "_maybe_compute_loss", "loss_s")
-            self._timed(runner, "sum_tied_gradients", "tie_s")
-            self._timed(ddp_pipeline, "synchronize", "sync_s")  # the stage's sync, tie all-reduce included
+            self._timed(runner.tied, "sum", "tie_s")
+            self._timed(ddp_ties, "synchronize", "sync_s")  # the stage's sync, tie all-reduce included
             for stage in runner.stages:
                 self._timed(stage, "forward_one_chunk", "forward_s")
                 self._timed(stage, "backward_one_chunk", "backward_s")

@@ -120,7 +120,7 @@ class CheckpointRouting:
                 with self.full_parameters():  # (at ZeRO stage 3, copied before the units are freed again)
                     whole = tensor_parallel.full_state_dict(self.lightning_module.state_dict())
                     whole = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in whole.items()}
-                return runner.gather_module_state(whole)
+                return runner.checkpoint.gather_module_state(whole)
         pm = self._state_plugins()
         if self.config.checkpoint == "sharded":  # each rank its pieces (of its tensor-parallel blocks, if split)
             state = pm.hook.on_local_module_state_dict(module=self.lightning_module) if pm is not None else None
@@ -153,7 +153,7 @@ class CheckpointRouting:
             with diagnosed("the checkpoint's gather of the pipeline stages' optimizer state to rank 0"):
                 state = pm.hook.on_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
                 state = tensor_parallel.full_state_dict(state if state is not None else optimizer.state_dict())
-                return runner.gather_optimizer_state(state, optimizer)
+                return runner.checkpoint.gather_optimizer_state(state, optimizer)
         if self.config.checkpoint == "sharded":
             local = pm.hook.on_local_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
             if local is None:
@@ -165,7 +165,7 @@ class CheckpointRouting:
                 local = {**local, "state": blocks, "shapes": {**local.get("shapes", {}), **shapes}}
             if runner is not None:  # keyed by the unsplit model's names: the stages number their parameters alike
                 with diagnosed("the checkpoint's gather of the pipeline stages' optimizer groups to rank 0"):
-                    local = runner.named_sharded_optimizer_state(local, optimizer)
+                    local = runner.checkpoint.named_sharded_optimizer_state(local, optimizer)
             return local
         if tensor_parallel_model:
             with diagnosed("the checkpoint's gather of the tensor-parallel optimizer state"):
@@ -188,7 +188,7 @@ class CheckpointRouting:
             # Each stage's plugins hold their stage's parameters' state (under the unsplit names): rank 0 writes
             # every stage's.
             with diagnosed("the checkpoint's gather of the pipeline stages' plugin state to rank 0"):
-                checkpoint[CHECKPOINT_KEY] = runner.gather_nested(materialize(checkpoint[CHECKPOINT_KEY]))
+                checkpoint[CHECKPOINT_KEY] = runner.checkpoint.gather_nested(materialize(checkpoint[CHECKPOINT_KEY]))
         parts = [part for part in pm.hook.on_save_rank_state_dict() if part]
         if parts:  # the same answer on every rank (the contract), so every rank takes part in the gather
             mine = _merged(parts)
@@ -249,7 +249,7 @@ class CheckpointRouting:
         runner = self._pipeline
         if runner is not None:  # rank 0 writes the shapes of every stage's tensors
             with diagnosed("the checkpoint's gather of the pipeline stages' shapes to rank 0"):
-                shapes = runner.gather_shapes(shapes)
+                shapes = runner.checkpoint.gather_shapes(shapes)
         sharded_checkpoint.save(checkpoint, checkpoint["state_dict"], optimizers, shapes, local_path(filepath))
 
     @override
@@ -347,7 +347,7 @@ class CheckpointRouting:
         runner = self._pipeline
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             if runner is not None:  # the unsplit model's optimizer state: this stage's part, numbered as here
-                state = runner.local_optimizer_state(state, optimizer)
+                state = runner.checkpoint.local_optimizer_state(state, optimizer)
             tensor_parallel_state = self._has_tensor_parallel_model() and not self.config.zero_stage
             if tensor_parallel_state:  # whole tensors in the file: each rank takes (or reads) its part
                 state = tensor_parallel.distribute_optimizer_state(state, optimizer)

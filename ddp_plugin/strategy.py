@@ -28,7 +28,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ddp_plugin import activation_checkpointing, cpu_memory, pretrained
-from ddp_plugin.parallel import pipeline, tensor_parallel
+from ddp_plugin.parallel import tensor_parallel
+from ddp_plugin.parallel.ties import Tie, sync_ties
 from ddp_plugin.checkpoint_io import AtomicCheckpointIO
 from ddp_plugin.checkpointing import CheckpointRouting
 from ddp_plugin.config import CONFIG_FLAGS, UNSET, StrategyConfig, flag_names
@@ -365,7 +366,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 if self._pipeline is not None:  # (before a sharder replaces them with its pieces)
-                    self._pipeline.note_optimizer(optimizer)
+                    self._pipeline.checkpoint.note_optimizer(optimizer)
                 self._session.plugin_manager.hook.on_setup_optimizer(optimizer=optimizer)
         self.setup_precision_plugin()
         if fitting:
@@ -382,7 +383,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
 
-    def _materialize(self, fitting: bool, weights: pretrained.Plan | None, ties: list[pipeline.Tie]
+    def _materialize(self, fitting: bool, weights: pretrained.Plan | None, ties: list[Tie]
                      ) -> Deferred | None:
         """Allocate and initialize what is left on the meta device, read ``pretrained=`` weights, and start every
         replica from the first one's values: each shard from data-parallel rank 0 of its tensor-parallel position,
@@ -404,7 +405,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
                                      plain_group=self._groups.bookkeeping if topology.pipeline_parallel_size > 1
                                      else None)
         tensor_parallel.sync_module_states(self.model, **replicas.keywords)
-        pipeline.sync_ties(ties)
+        sync_ties(ties)
         if deferred is not None:
             deferred.sync = replicas  # (the sharder's units, as it allocates them)
         return deferred
@@ -422,10 +423,9 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
                                    tensor_parallel_peers=self._groups.tensor_parallel_peers, solo=solo,
                                    extra_plugins=[deferred] if deferred is not None else [])
         if self._pipeline is not None:
-            self._pipeline.comm = self._session.comm  # (the schedule's sends counted in the traffic metrics)
-            # (the tied gradients' sums through the codec, where there is one)
-            self._pipeline.hook = (self._session.plugin_manager.hook
-                                   if self._session.options.cross_node_codec is not None else None)
+            # (the schedule's sends counted in the traffic metrics; the tied sums through the codec, if any)
+            self._pipeline.attach(self._session.comm, self._session.plugin_manager.hook
+                                  if self._session.options.cross_node_codec is not None else None)
         if self._pending_plugin_state is not None:
             self._session.load_plugin_state(*self._pending_plugin_state)
             self._pending_plugin_state = None

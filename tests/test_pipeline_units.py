@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from ddp_plugin import HierarchicalZeroStrategy
-from ddp_plugin.parallel.pipeline import PipelineOutput, find_ties
+from ddp_plugin.parallel.pipeline import PipelineOutput
+from ddp_plugin.parallel.ties import find_ties
 from ddp_plugin.parallel.stage_plan import StageBlocks, check_module, plan_stages, split_module
 from ddp_plugin.testing.gpt import GPTModule
 from ddp_plugin.topology import Layout

@@ -7,8 +7,10 @@ What is here:
   ``parallelize_module`` broke, norms over split parameters, state dicts of DTensors, module-state sync);
 - :mod:`~ddp_plugin.parallel.stage_plan`: where the model splits into pipeline stages (``pipeline_split``), and a
   module cut down to its stages; :mod:`~ddp_plugin.parallel.balance`: the blocks timed for ``"time"``;
-- :mod:`~ddp_plugin.parallel.pipeline`: pipeline stages' mechanics (a stage's modules, parameters several stages
-  hold, the schedule's runner, consolidated stage state);
+- :mod:`~ddp_plugin.parallel.pipeline`: the schedule's runner (a step's microbatches, the model's call as a
+  placeholder, predict); :mod:`~ddp_plugin.parallel.stage_module`: one stage's module (its forward, the
+  activations' dtype across nodes); :mod:`~ddp_plugin.parallel.ties`: parameters several stages hold and their
+  gradients' sum; :mod:`~ddp_plugin.parallel.stage_checkpoint`: the stages' state against the unsplit model's;
 - :mod:`~ddp_plugin.parallel.transformers_stages`: a Hugging Face model's stages from its ``base_model_pp_plan``;
 - :mod:`~ddp_plugin.parallel.components`: each parallelism as the strategy sees it.
 

@@ -21,6 +21,7 @@ from ddp_plugin.health import diagnosed
 from ddp_plugin.hookspecs import is_tensor_parallel_shard
 from ddp_plugin.hookspecs.types import PIPELINE_COPIES_ATTRIBUTE
 from ddp_plugin.parallel import balance, pipeline, stage_plan, tensor_parallel
+from ddp_plugin.parallel import ties as stage_ties
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -108,7 +109,7 @@ class PipelineParallel:
         self.config = config
         self.groups = groups
 
-    def split(self, module: pl.LightningModule, device: torch.device) -> list[pipeline.Tie]:
+    def split(self, module: pl.LightningModule, device: torch.device) -> list[stage_ties.Tie]:
         """Keep this rank's stages of the module (split once per module: a second ``fit`` finds it split) and find
         the parameters several stages hold. Collective (the ties' groups)."""
         layout, topology = self.groups.layout, self.groups.topology
@@ -118,7 +119,7 @@ class PipelineParallel:
             plan = stage_plan.plan_stages(module, self.config.pipeline_stages, self.config.pipeline_split,
                                         self._timer(module, device))
             shared = tensor_parallel.shared_parameters(module)
-            split_ties = [t.names for t in pipeline.find_ties(shared, plan, layout.pipeline_parallel_size)
+            split_ties = [t.names for t in stage_ties.find_ties(shared, plan, layout.pipeline_parallel_size)
                           if is_tensor_parallel_shard(module.get_parameter(t.names[0]))]
             if split_ties:  # (decided from the whole module: the same on every rank)
                 raise NotImplementedError(
@@ -132,7 +133,7 @@ class PipelineParallel:
             stage_plan.split_module(module, plan, mine)
             split = module._ddp_plugin_stages = (plan, shared, order)
         plan, shared, _ = split
-        ties = pipeline.find_ties(shared, plan, layout.pipeline_parallel_size)
+        ties = stage_ties.find_ties(shared, plan, layout.pipeline_parallel_size)
         held = dict(module.named_parameters(remove_duplicate=False))
         for tie in ties:
             tie.group = self.groups.stage_peers(tie.ranks)  # (every rank: creating groups is collective)
@@ -158,7 +159,7 @@ class PipelineParallel:
 
         return timer
 
-    def start(self, module: pl.LightningModule, ties: list[pipeline.Tie], device: torch.device
+    def start(self, module: pl.LightningModule, ties: list[stage_ties.Tie], device: torch.device
               ) -> pipeline.PipelineRunner:
         """The schedule's runner over this rank's stages, once they are materialized."""
         topology = self.groups.topology
@@ -207,7 +208,7 @@ class PipelineParallel:
                 with diagnosed("the pipeline stage's gradient sync"):
                     # (summed during the sync, 1/D per data-parallel rank; not in a sync mode,
                     # whose nodes hold different replicas between syncs)
-                    pipeline.synchronize(engine, runner, None if self.config.sync_every > 1
+                    stage_ties.synchronize(engine, runner, None if self.config.sync_every > 1
                                          else (topology.side_world_group, topology.world_size, topology.rank))
             # Lightning's backward of the returned loss reaches no parameter: the schedule ran every microbatch's.
             return loss.requires_grad_()

@@ -170,7 +170,7 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
         # (a sharded run's state dict is each rank's own: every stage's, as the master checkpoint gathers them)
         with strategy.full_parameters():
             state = {k: v.detach().clone() for k, v in full_state_dict(model.state_dict()).items()}
-        state = strategy._pipeline.gather_module_state(state)
+        state = strategy._pipeline.checkpoint.gather_module_state(state)
     else:
         state = strategy.lightning_module_state_dict()
     # every rank's cross-node bytes by our accounting (a stage's sends, the tied sum), over the whole fit
