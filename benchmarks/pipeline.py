@@ -43,7 +43,9 @@ equal stages, (P-1)/(M+P-1), and beside the ideal for stages with the measured c
 no transfers): 1 - c_s / (max(c) (M-1)/M + sum(c)/M). The stages are balanced by parameter count and the last
 also computes the head and the loss (its tied weight counts on both), so they are not equal. Caveat: 4 ranks
 share the machine's cores, so a waiting rank lends its core to the others and compute times stretch with what
-else runs: this is this machine's idle share, not that of a device per rank.
+else runs: this is this machine's idle share, not that of a device per rank. ``--ranks-per-node 1`` runs P 2 x D 1
+instead (2 ranks: one per core on a 2-core machine, none waiting for a core), which measures the schedule's idle
+share itself; the data-parallel contenders then run on the same 2 ranks.
 
 Writes ``benchmarks/results/pipeline.md`` (``--out``) and a PNG beside it. Needs root and iproute2; where the
 cluster cannot be built it prints why and exits 0. A benchmark, not a test: it asserts nothing.
@@ -67,7 +69,6 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "pipeline.md"
 MB = 1e6
 P = 2  # pipeline stages: one per node
-D = 2  # data-parallel ranks per stage: the 4 ranks / P
 
 CONTENDERS = {
     "lightning_ddp": "Lightning `ddp`, the whole model on every rank",
@@ -101,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="inter-node link rate(s) per direction, tc notation, comma-separated (one cluster each);"
                         " 'none': the link uncapped (the compute floor)")
     p.add_argument("--microbatches", type=int, default=8, help="M of the pipeline contenders")
+    p.add_argument("--ranks-per-node", type=int, default=2, choices=(1, 2),
+                   help="D: ranks per node, the data-parallel ranks of a stage (1: a rank per core, no rank waits"
+                        " for a core; the idle share then measures the schedule, not the cores' sharing)")
     p.add_argument("--steps", type=int, default=8, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     p.add_argument("--repeats", type=int, default=1, help="runs per contender and rate, interleaved")
@@ -121,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [c for c in args.contenders if c not in CONTENDERS]
     if unknown:
         p.error(f"unknown contender(s) {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
+    D = args.ranks_per_node
     if args.global_batch % (D * args.microbatches) or args.microbatches < P:
         p.error(f"--microbatches {args.microbatches}: at least {P}, and --global-batch {args.global_batch} must"
                 f" split into D={D} ranks x M={args.microbatches} microbatches")
@@ -135,7 +140,7 @@ def predicted_bytes(args: argparse.Namespace, name: str = "ours_pp2") -> dict[st
     tie = args.vocab * args.d_model * 4
     if flags.get("compression") == "int8":  # a 2-rank group: 2(n-1)/n (S/4 + S/block) with n = 2
         tie = tie / 4 + tie / INT8_BLOCK
-    return {"activations": args.global_batch * args.seq * args.d_model * width, "tie": tie, "loss": 4 * D / 2}
+    return {"activations": args.global_batch * args.seq * args.d_model * width, "tie": tie, "loss": 4 * args.ranks_per_node / 2}
 
 
 # ---------------------------------------------------------------------------------------------- worker (per rank)
@@ -207,10 +212,11 @@ def worker(args: argparse.Namespace) -> None:
         schedule, flags = PIPELINES[name]
         strategy = HierarchicalZeroStrategy(pipeline_parallel_size=P, pipeline_microbatches=args.microbatches,
                                             pipeline_schedule=schedule, devices_per_node=per_node, **flags)
-    replicas = D if name in SCHEDULES else world
+    replicas = per_node if name in SCHEDULES else world
     model = GPTModule(lr=3e-4, **size)
     # a microbatch, for `pipeline_split="time"` to time the blocks on
-    model.example_input_array = torch.zeros(args.global_batch // (D * args.microbatches), args.seq, dtype=torch.long)
+    model.example_input_array = torch.zeros(args.global_batch // (per_node * args.microbatches), args.seq,
+                                            dtype=torch.long)
     window = Window()
     trainer = L.Trainer(accelerator="cpu", devices=per_node, num_nodes=world // per_node, strategy=strategy,
                         max_steps=args.warmup + args.steps, callbacks=[window], logger=False,
@@ -247,7 +253,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     started = time.perf_counter()
     common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--vocab", str(args.vocab), "--d-model",
               str(args.d_model), "--heads", str(args.heads), "--layers", str(args.layers), "--seq", str(args.seq),
-              "--global-batch", str(args.global_batch), "--microbatches", str(args.microbatches)]
+              "--global-batch", str(args.global_batch), "--microbatches", str(args.microbatches),
+              "--ranks-per-node", str(args.ranks_per_node)]
     env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     for rate in args.rates:
         with SimulatedCluster(nodes=2, rate=None if rate == "none" else rate, prefix="ddppp") as cluster, \
@@ -256,10 +263,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 out_dir = Path(tmp) / f"{i}-{name}"
                 t0 = time.perf_counter()
                 nodes = cluster.launch([str(Path(__file__).resolve()), "--worker", "--contender", name, "--out-dir",
-                                        str(out_dir), *common], nproc_per_node=2, env=env, timeout=args.timeout)
+                                        str(out_dir), *common], nproc_per_node=args.ranks_per_node, env=env,
+                                       timeout=args.timeout)
                 ranks = sorted((json.loads(f.read_text()) for f in out_dir.glob("rank*.json")), key=lambda r: r["rank"])
                 errors = sorted({r["error"] for r in ranks if "error" in r})
-                if errors or len(ranks) != 4 or not all(n.ok for n in nodes):
+                if errors or len(ranks) != 2 * args.ranks_per_node or not all(n.ok for n in nodes):
                     why = "; ".join(errors) or f"exit codes {[n.returncode for n in nodes]}"
                     print(f"{rate} {name}: FAILED ({why})\n" + "\n".join(n.stderr[-2000:] for n in nodes), flush=True)
                     results[rate, name].append({"error": why})
@@ -303,8 +311,9 @@ def summarize(args: argparse.Namespace, rate: str, name: str, runs: list[dict[st
     if name in SCHEDULES:
         row["predicted_mb"] = sum(predicted_bytes(args, name).values()) / MB
         stages = []
-        for s in range(P):  # rank // 2 is the pipeline rank (= the node)
-            mine = [step for ranks in ok for r in ranks if r["rank"] // 2 == s for step in r["steps"]]
+        for s in range(P):  # rank // D is the pipeline rank (= the node)
+            mine = [step for ranks in ok for r in ranks if r["rank"] // args.ranks_per_node == s
+                    for step in r["steps"]]
 
             def med(key: str, of: list[dict[str, float]] = mine) -> float:
                 return statistics.median(step.get(key, 0.0) for step in of)
@@ -330,19 +339,19 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
     ok = [r for r in rows if "median_s" in r]
     ref = {r["rate"]: r for r in ok if r["name"] == "lightning_ddp"}
     pred = predicted_bytes(args)
-    m = args.microbatches
+    m, D = args.microbatches, args.ranks_per_node
     lines = [
-        f"# Pipeline parallelism: 2 nodes x 2 ranks, inter-node link {', '.join(args.rates)}",
+        f"# Pipeline parallelism: 2 nodes x {D} rank{'s' if D > 1 else ''}, inter-node link {', '.join(args.rates)}",
         "",
         f"- command: `python benchmarks/pipeline.py{' ' + shlex.join(argv) if argv else ''}`",
         f"- torch {torch.__version__}, lightning {lightning.__version__}, Python {platform.python_version()},"
-        f" {os.cpu_count()} CPU cores shared by the 4 ranks; {wall_s:.0f} s in all",
+        f" {os.cpu_count()} CPU cores shared by the {2 * D} ranks; {wall_s:.0f} s in all",
         f"- model: GPT (`ddp_plugin.testing.gpt`), vocab {args.vocab}, d {args.d_model}, {args.heads} heads,"
         f" {args.layers} layers, seq {args.seq}, tied embedding"
         + (f", {ok[0]['params']:,} parameters, S = {ok[0]['s_mb']:.2f} MB of fp32 gradients" if ok else "")
         + f"; global batch {args.global_batch}, AdamW, {args.warmup} warmup + {args.steps} timed steps,"
         f" {args.repeats} run(s) per contender and rate",
-        f"- pipeline contenders: P {P} (node 0 stage 0, node 1 stage 1), D 2 inside each node, M {m} microbatches"
+        f"- pipeline contenders: P {P} (node 0 stage 0, node 1 stage 1), D {D} inside each node, M {m} microbatches"
         f" of {args.global_batch // (D * m)}; the blocks split by parameter count unless the contender says"
         " otherwise (the split is in the stage table)",
         "- s/step: interval from one batch's start to the next's on rank 0, median; cross-node MB: the node's veth"
@@ -433,7 +442,7 @@ def plot(rows: list[dict[str, Any]], png: Path, rates: list[str]) -> None:
         ax.set_yticks([i + height * (len(rates) - 1) / 2 for i in range(len(names))], names)
         ax.invert_yaxis()
     axes[0].legend(title="link")
-    fig.suptitle("GPT, 2 nodes x 2 ranks: pipeline (a stage per node) vs data parallelism")
+    fig.suptitle("GPT, 2 nodes: pipeline (a stage per node) vs data parallelism")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 

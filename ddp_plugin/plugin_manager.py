@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
 
 from ddp_plugin.codecs import BUILTIN_CODECS, available_codecs, implements, installed_codecs
 from ddp_plugin.hookspecs import PROJECT_NAME, hooks
 from ddp_plugin.plugins import FlatReducer, HierarchicalReducer, MeanAllReduce, TrafficAccounting
-
-if TYPE_CHECKING:
-    from ddp_plugin.config import StrategyConfig
 
 __all__ = ["available_codecs", "build_plugin_manager", "check_plugins", "cross_node_codec", "installed_codecs"]
 
@@ -84,18 +81,6 @@ def build_plugin_manager(
         pm.register(plugin)
     pm.check_pending()
     return pm
-
-
-def build_for(config: StrategyConfig, hierarchical: bool, planner: object | None = None) -> pluggy.PluginManager:
-    """The plugin manager of one ``fit`` with ``config``'s flags."""
-    return build_plugin_manager(
-        config.compression, config.plugins, hierarchical=hierarchical, planner=planner,
-        compression_options=config.compression_options,
-        zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
-        prefetch_units=config.prefetch_units, sync={"every": config.sync_every, "outer_optimizer": config.outer_optimizer,
-              "fragments": config.sync_fragments, "staleness": config.max_staleness,
-              "warmup": config.sync_warmup_steps},
-    )
 
 
 def _load_installed(pm: pluggy.PluginManager, codecs: set[str], keep: set[str]) -> None:

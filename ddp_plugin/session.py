@@ -23,10 +23,10 @@ from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.comm import TracedCommunicator, broadcast_coalesced
 from ddp_plugin.engine import GradientEngine
 from ddp_plugin.hookspecs import Options, local_tensor
-from ddp_plugin.plugin_manager import build_for, cross_node_codec
+from ddp_plugin.plugin_manager import build_plugin_manager, cross_node_codec
 from ddp_plugin.topology import Layout
 from ddp_plugin.planning import FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel, agree, probe
-from ddp_plugin.plugins.adaptive import AdaptivePlanner, call_impl, candidate_names, own_impl, probe_codecs
+from ddp_plugin.plugins.adaptive import AdaptivePlanner, candidate_names, only, probe_codecs
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -77,7 +77,7 @@ class FitSession:
             hierarchical, bucket_size_mb = self._make_plan(config, module, topology, routes)
         self.hierarchical = hierarchical
         """Whether gradients take the hierarchical route (with a plan that chooses per bucket: whether any may)."""
-        self.plugin_manager: pluggy.PluginManager = build_for(config, hierarchical, self.planner)
+        self.plugin_manager: pluggy.PluginManager = _build_plugin_manager(config, hierarchical, self.planner)
         for plugin in extra_plugins:  # (the strategy's own: the initializer of a model built on meta)
             self.plugin_manager.register(plugin)
         self.options = _options(config, hierarchical, bucket_size_mb, cross_node_codec(self.plugin_manager))
@@ -122,9 +122,7 @@ class FitSession:
             pm = self.plugin_manager
             pm.subset_hook_caller("on_setup", remove_plugins=[pm.get_plugin(n) for n in installed])(**setup)
             for name in installed:
-                impl = own_impl(pm, "on_setup", pm.get_plugin(name))
-                if impl is not None:
-                    call_impl(impl, {**setup, "options": self._codec_options(name)})
+                only(pm, "on_setup", pm.get_plugin(name))(**{**setup, "options": self._codec_options(name)})
         else:
             hook.on_setup(**setup)
 
@@ -460,4 +458,17 @@ def _options(config: StrategyConfig, hierarchical: bool, bucket_size_mb: float, 
         compression=config.compression, compression_options=MappingProxyType(dict(config.compression_options)),
         cross_node_codec=cross_node_codec, bucket_size_mb=bucket_size_mb, broadcast_buffers=config.broadcast_buffers,
         devices_per_node=config.devices_per_node,
+    )
+
+
+def _build_plugin_manager(config: StrategyConfig, hierarchical: bool, planner: object | None = None
+                          ) -> pluggy.PluginManager:
+    """The plugin manager of one ``fit`` with ``config``'s flags."""
+    return build_plugin_manager(
+        config.compression, config.plugins, hierarchical=hierarchical, planner=planner,
+        compression_options=config.compression_options,
+        zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
+        prefetch_units=config.prefetch_units, sync={"every": config.sync_every, "outer_optimizer": config.outer_optimizer,
+              "fragments": config.sync_fragments, "staleness": config.max_staleness,
+              "warmup": config.sync_warmup_steps},
     )

@@ -28,11 +28,18 @@ Collectives: a hook whose entry says "collective" is called on every rank at the
 implementation may run collectives in it (through the :class:`~ddp_plugin.hookspecs.Communicator` handed to
 ``on_setup``, which counts their traffic); one that says "local" must not.
 
-Built-in implementers named below: the engine's reducers (``FlatReducer``, ``HierarchicalReducer``), the
-default cross-node mean (``MeanAllReduce``), the codecs (``ddp_plugin.codecs``), the ZeRO sharder
-(``ddp_plugin.zero.ZeroSharder``), the sync modes (``ddp_plugin.sync.OuterSync``), the traffic accounting
-(``TrafficAccounting``) and the initializer of a model built on the meta device
-(``ddp_plugin.materialize.Deferred``).
+Built-in implementers named below: the engine's reducers (``FlatReducer``, ``HierarchicalReducer``, and under
+a link plan ``AdaptivePlanner``, the hierarchical reducer that follows the plan), the default cross-node mean
+(``MeanAllReduce``), the codecs (``ddp_plugin.codecs``) and, with ``compression="auto"``, ``AutoCodec`` (it answers
+``on_cross_node_reduce`` first and calls the codec the plan names, alone, through pluggy's
+``subset_hook_caller``), the ZeRO sharder (``ddp_plugin.zero.ZeroSharder``), the sync modes
+(``ddp_plugin.sync.OuterSync``), the traffic accounting (``TrafficAccounting``) and the initializer of a model built
+on the meta device (``ddp_plugin.materialize.Deferred``).
+
+Ranks: the bucket hooks' collectives (``on_bucket_ready``, ``on_cross_node_reduce``) span data-parallel ranks
+only. With tensor parallelism the topology's groups are those of this rank's tensor-parallel position (the ranks
+holding the same shard), with pipeline stages those of this rank's stage; a stage's shared parameter
+(``bucket.kind == "tied_gradient"``) is summed over the group of its copies across the stages.
 """
 
 from __future__ import annotations

@@ -22,19 +22,21 @@ contract's threading rule), which is why PowerSGD here runs on gloo with any num
 from __future__ import annotations
 
 from collections.abc import Mapping
-from importlib.metadata import entry_points
 from typing import Any
+
+import pluggy
 
 from ddp_plugin.codecs.base import BucketState, Codec
 from ddp_plugin.codecs.cast import Bf16Codec, Fp16Codec
 from ddp_plugin.codecs.int8 import Int8Codec, dequantize_int8, quantize_int8
 from ddp_plugin.codecs.powersgd import PowerSGDCodec, matrix_segments, orthogonalize
 from ddp_plugin.codecs.topk import TopKCodec
-from ddp_plugin.hookspecs import PROJECT_NAME
+from ddp_plugin.hookspecs import PROJECT_NAME, hooks
 
 __all__ = [
     "BUILTIN_CODECS", "Bf16Codec", "BucketState", "Codec", "Fp16Codec", "Int8Codec", "PowerSGDCodec", "TopKCodec",
-    "available_codecs", "check_compression", "dequantize_int8", "implements", "installed_codecs", "matrix_segments",
+    "available_codecs", "check_compression", "dequantize_int8", "implements", "installed_codecs", "installed_plugins",
+    "matrix_segments",
     "orthogonalize", "quantize_int8",
 ]
 
@@ -49,10 +51,19 @@ def implements(plugin: object, hook: str) -> bool:
     return hasattr(getattr(plugin, hook, None), f"{PROJECT_NAME}_impl")
 
 
+def installed_plugins() -> dict[str, object]:
+    """The plugins installed packages declare in the entry-point group ``ddp_plugin``, by entry-point name, loaded
+    by pluggy as a fit's plugin manager loads them (``load_setuptools_entrypoints``) into a manager of their own."""
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hooks)
+    pm.load_setuptools_entrypoints(PROJECT_NAME)
+    return dict(pm.list_name_plugin())
+
+
 def installed_codecs() -> list[str]:
     """Names of the codecs installed packages provide: plugins in the entry-point group ``ddp_plugin`` that
     implement ``on_cross_node_reduce``. The entry point's name is the value to pass as ``compression=``."""
-    return sorted(ep.name for ep in entry_points(group=PROJECT_NAME) if implements(ep.load(), "on_cross_node_reduce"))
+    return sorted(name for name, plugin in installed_plugins().items() if implements(plugin, "on_cross_node_reduce"))
 
 
 def available_codecs() -> list[str]:

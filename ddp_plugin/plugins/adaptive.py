@@ -21,7 +21,6 @@ measurements. Bucket sizes stay as built.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import statistics
 import threading
@@ -65,15 +64,11 @@ def _key(bucket: Bucket) -> str:
     return str(state_key(bucket))
 
 
-def own_impl(pm: pluggy.PluginManager, hook_name: str, plugin: object) -> Any:
-    """``plugin``'s own implementation of ``hook_name`` (not a wrapper), or ``None``."""
-    return next((i for i in getattr(pm.hook, hook_name).get_hookimpls()
-                 if i.plugin is plugin and not (i.wrapper or i.hookwrapper)), None)
-
-
-def call_impl(impl: Any, kwargs: dict[str, Any]) -> Any:
-    """One hook implementation alone, with the arguments it names (as pluggy would pass them)."""
-    return impl.function(**{name: kwargs[name] for name in impl.argnames})
+def only(pm: pluggy.PluginManager, hook_name: str, plugin: object) -> Any:
+    """``pm``'s hook ``hook_name`` called on ``plugin`` alone (pluggy's ``subset_hook_caller`` without every other
+    plugin registered now): a candidate codec's own ``on_setup`` or ``on_cross_node_reduce``, with none of the
+    others' implementations or wrappers around it."""
+    return pm.subset_hook_caller(hook_name, remove_plugins=[p for p in pm.get_plugins() if p is not plugin])
 
 
 class AdaptivePlanner(HierarchicalReducer):
@@ -348,7 +343,7 @@ class AutoCodec:
         self.planner = planner
         self._pm = pm
         self._last: dict[str, str] = {}
-        self._impls: dict[str, Any] = {}
+        self._reduce: dict[str, Any] = {}
         self._topology: Topology | None = None
 
     @hookimpl
@@ -356,7 +351,7 @@ class AutoCodec:
         self._topology = topology
         for name in self.planner.plan.codecs:
             plugin = self._pm.get_plugin("mean_allreduce" if name == NO_CODEC else name)
-            self._impls[name] = own_impl(self._pm, "on_cross_node_reduce", plugin)
+            self._reduce[name] = only(self._pm, "on_cross_node_reduce", plugin)
             self.planner.codec_plugins[name] = plugin
 
     def _stage(self, group: dist.ProcessGroup) -> str:
@@ -387,7 +382,7 @@ class AutoCodec:
         self._last[key] = codec
         timed = not self.planner.routing()
         start = self.planner.clock.stamp()
-        future = call_impl(self._impls[codec], {"tensor": tensor, "group": group, "bucket": bucket, "offset": offset})
+        future = self._reduce[codec](tensor=tensor, group=group, bucket=bucket, offset=offset)
         if timed:
             self.planner.time(key, start, future)
         return future
@@ -425,22 +420,22 @@ def codec_options(name: str, compression: str | None, options: dict[str, Any]) -
 def probe_codecs(names: Sequence[str], compression: str | None, options: dict[str, Any], comm: Communicator,
                  setup_kwargs: dict[str, Any], options_of: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """name -> reduce(tensor, group, bucket) for the probe, each on a codec of its own that training never sees
-    (its state thrown away after the probe): a built-in codec is a fresh instance, PowerSGD without its
-    uncompressed warm-up iterations; an installed codec is a fresh instance of the class of the object its entry
-    point names, built without arguments and set up for the probe (``on_setup`` without buckets, with the options
-    training gets). Only where that class cannot be built so (the entry point names a module, or a class that
-    needs arguments) is it the registered object itself, set up once more, its probe state under
-    ``kind="probe"`` keys."""
-    from importlib.metadata import entry_points
+    (its state thrown away after the probe), registered in a plugin manager of its own and called through its
+    hook: a built-in codec is a fresh instance, PowerSGD without its uncompressed warm-up iterations; an installed
+    codec is a fresh instance of the class of the object its entry point names, built without arguments and set
+    up for the probe (``on_setup`` without buckets, with the options training gets). Only where that class cannot
+    be built so (the entry point names a module, or a class that needs arguments) is it the registered object
+    itself, set up once more, its probe state under ``kind="probe"`` keys."""
+    from ddp_plugin.codecs import BUILTIN_CODECS, installed_plugins
+    from ddp_plugin.plugin_manager import new_plugin_manager
 
-    from ddp_plugin.codecs import BUILTIN_CODECS
-    from ddp_plugin.hookspecs import PROJECT_NAME
-
+    installed = None
     out: dict[str, Any] = {}
     for name in names:
         if name == NO_CODEC:
             out[name] = None
             continue
+        pm = new_plugin_manager()
         if name in BUILTIN_CODECS:
             cls = BUILTIN_CODECS[name]
             opts = codec_options(name, compression, options)
@@ -448,22 +443,17 @@ def probe_codecs(names: Sequence[str], compression: str | None, options: dict[st
                 opts["start_iter"] = 0
             codec = cls(**opts)
             codec.comm = comm
-            out[name] = lambda x, group, bucket, c=codec: c.on_cross_node_reduce(
-                tensor=x, group=group, bucket=bucket, offset=0)
-            continue
-        plugin = _fresh(next(ep.load() for ep in entry_points(group=PROJECT_NAME) if ep.name == name))
-        setup = getattr(plugin, "on_setup", None)
-        if setup is not None:
-            given = {**setup_kwargs, "options": options_of(name) if options_of is not None else None}
-            setup(**{a: given.get(a) for a in inspect.signature(setup).parameters})
-        reduce = plugin.on_cross_node_reduce
-        argnames = tuple(inspect.signature(reduce).parameters)
+            pm.register(codec, name=name)
+        else:
+            installed = installed_plugins() if installed is None else installed
+            pm.register(_fresh(installed[name]), name=name)
+            pm.hook.on_setup(**{"topology": None, "buckets": (), "hook": None, "module": None, "comm": comm,
+                                **setup_kwargs, "options": options_of(name) if options_of is not None else None})
 
-        def run(x: Tensor, group: dist.ProcessGroup, bucket: Bucket, fn: Any = reduce,
-                argnames: tuple[str, ...] = argnames) -> Any:
-            args = {"tensor": x, "group": group, "bucket": bucket, "offset": 0}
-            return fn(**{a: args[a] for a in argnames})
+        def run(x: Tensor, group: dist.ProcessGroup, bucket: Bucket, hook: Any = pm.hook) -> Any:
+            return hook.on_cross_node_reduce(tensor=x, group=group, bucket=bucket, offset=0)
 
+        run.codec = pm.get_plugin(name)  # type: ignore[attr-defined]  # (the object the probe times)
         out[name] = run
     return out
 
