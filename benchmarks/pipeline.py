@@ -287,7 +287,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 def summarize(args: argparse.Namespace, rate: str, name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r["ranks"] for r in runs if "ranks" in r]
-    row: dict[str, Any] = {"rate": rate, "name": name, "label": CONTENDERS[name]}
+    label = CONTENDERS[name].replace("DP 2", f"DP {args.ranks_per_node}").replace("DP 4", f"DP {2 * args.ranks_per_node}")
+    row: dict[str, Any] = {"rate": rate, "name": name, "label": label}
     if not ok:
         row["error"] = runs[-1]["error"]
         return row
