@@ -48,8 +48,8 @@ class TiedGradients:
     def __init__(self, ties: list[Tie]) -> None:
         self.ties = ties
         self.comm: Any = None
-        """The fit's communicator (``TracedCommunicator``): the sums are counted in the traffic metrics. ``None``
-        outside a fit."""
+        """The fit's communicator (``TracedCommunicator``): the sums are counted in the traffic metrics. Set when a
+        fit starts (:meth:`~ddp_plugin.parallel.pipeline.PipelineRunner.attach`); the sums run only in a fit."""
         self.hook: Any = None
         """The fit's hook relay where a codec answers ``on_cross_node_reduce`` (``Options.cross_node_codec``): the
         sums go through it, as a bucket of kind ``"tied_gradient"`` each; ``None``: summed in fp32."""
@@ -57,7 +57,7 @@ class TiedGradients:
         self._lined_up: set[int] = set()
 
     def sum(self, data_parallel: tuple[dist.ProcessGroup, int, int] | None = None,
-                           held: Mapping[int, tuple[int, Tensor, int]] | None = None) -> None:
+            held: Mapping[int, tuple[int, Tensor, int]] | None = None) -> None:
         """Each shared parameter's gradient summed over the stages holding a copy (each copy got the gradient of
         its own uses), so every copy holds the unsplit model's gradient. ``data_parallel`` (group, size D, this
         rank's index): the gradients are the stage's data-parallel mean, the same on its D ranks, and each rank
@@ -86,10 +86,7 @@ class TiedGradients:
             whole[:flat.numel()] = flat
             mine = whole[index * part:(index + 1) * part].clone()
             self._sum(number, tie, mine, whole.numel(), index * part)
-            if self.comm is not None:
-                self.comm.all_gather(whole, mine, group=group)
-            else:
-                dist.all_gather(list(whole.split(part)), mine, group=group)
+            self.comm.all_gather(whole, mine, group=group)
             flat.copy_(whole[:flat.numel()])
 
     def _check_lined_up(self, number: int, tie: Tie, offset: int, size: int, numel: int) -> None:
@@ -98,9 +95,9 @@ class TiedGradients:
         if number in self._lined_up:
             return
         mine = torch.tensor([offset, size, numel], dtype=torch.int64)
-        low, high = mine.clone(), mine.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=tie.group)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=tie.group)
+        spread = torch.cat([mine, -mine])  # (the maximum and minus the minimum in one all-reduce)
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=tie.group)
+        high, low = spread[:3], -spread[3:]
         if not torch.equal(low, high):
             raise RuntimeError(
                 f"ddp_plugin: the ZeRO shards of `{tie.names[0]}`'s copies do not line up across the pipeline"
@@ -113,7 +110,7 @@ class TiedGradients:
         padding) summed over the copies, in place: through the codec where there is one (its mean over the
         copies' group, times their number; every copy decodes the same bits), else an fp32 all-reduce."""
         if self.hook is None:
-            (self.comm.all_reduce if self.comm is not None else dist.all_reduce)(tensor, group=tie.group)
+            self.comm.all_reduce(tensor, group=tie.group)
             return
         bucket = self._tie_buckets.get(number)
         if bucket is None or bucket.numel != numel:
