@@ -19,7 +19,7 @@ from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.materialize import has_meta_tensors, materialize, unallocated
 from ddp_plugin.testing import heap
 from tests.support import WORKERS, run_python
-from tests.workers.meta_init_run import CONVERGED, LAYOUTS, RESUMED
+from tests.workers.meta_init_run import CONVERGED, DEVICES, LAYOUTS, ONE_DEVICE, RESUMED
 
 STEPS = 8
 
@@ -125,6 +125,39 @@ def test_tensor_parallel_shards_start_different(runs, case):
     for r in runs[case]:
         by_position.setdefault(r["tp_rank"], r["q_local"])
     assert len(by_position) == 2 and by_position[0] != by_position[1]
+
+
+# ---------------------------------------------------------------------- one rank, on CPU and on a GPU (NCCL)
+
+
+@pytest.fixture(scope="module", params=[
+    "cpu", pytest.param("gpu", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def one_device(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one") / "result.jsonl"
+    run_python(WORKERS / "meta_init_run.py", "--out", out, "--steps", str(STEPS), "--accelerator", request.param,
+               "--cases", ",".join([*ONE_DEVICE, "resume:one_zero3"]), timeout=900)
+    runs = {r["case"]: r["ranks"][0] for r in map(json.loads, out.read_text().splitlines())}
+    return DEVICES[request.param], runs
+
+
+@pytest.mark.parametrize("case", list(ONE_DEVICE))
+def test_one_rank_materializes_and_initializes_the_meta_built_model_on_its_device(one_device, case):
+    # The one-GPU layout over NCCL: the model is allocated on the device (unit by unit at ZeRO-3), initialized by
+    # its own initializers there (the device's generator), and trains.
+    device, runs = one_device
+    r = runs[case]
+    assert r["built_on"] == "meta" and not r["meta_left"] and r["devices"] == [device], r
+    assert r["finite"] and r["norms"] > 0 and r["norms_reset"] and r["tied"], r
+    assert 0.015 < r["tok_std"] < 0.025, r["tok_std"]
+    assert (r["units_initialized"] > 0) is (ONE_DEVICE[case].get("zero_stage") == 3), r["units_initialized"]
+    assert r["steps"] == STEPS and r["finite_losses"] and r["losses"][-1] < r["losses"][0], r["losses"]
+
+
+def test_one_rank_resumes_a_checkpoint_into_a_meta_built_model_on_its_device(one_device):
+    device, runs = one_device
+    r = runs["resume:one_zero3"]
+    assert r["built_on"] == "meta" and r["devices"] == [device] and r["resumed_equal_to_saved"], r
+    assert r["steps"] == STEPS and r["finite_losses"], r
 
 
 # ---------------------------------------------------------------------- materialize, in this process

@@ -2,6 +2,7 @@
 on every layout, one fit after the other in the same 4 processes.
 
     python tests/workers/meta_init_run.py --out result.jsonl [--cases dp,pp2_tp2,resume:2x2] [--steps 8]
+    python tests/workers/meta_init_run.py --out result.jsonl --accelerator gpu --cases one,one_zero3,resume:one_zero3
 
 The tiny tied GPT (``ddp_plugin.testing.gpt``, which defines ``init_weights()``) is built under the recipe; at
 the start of training every rank records what it holds: where its tensors are, whether they are finite, the
@@ -17,6 +18,7 @@ on meta, and records both runs' losses. Rank 0 gathers every rank's record and a
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 
@@ -49,6 +51,14 @@ LAYOUTS: dict[str, dict] = {
     "pp2_dp2": {"devices_per_node": 2, "pipeline_parallel_size": 2},
     "pp2_tp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
 }
+
+# One rank (the layouts a machine with one GPU runs over NCCL): materialized and initialized on the device.
+ONE_DEVICE: dict[str, dict] = {
+    "one": {},
+    "one_zero3": {"zero_stage": 3},
+    "one_zero3_int8": {"zero_stage": 3, "compression": "int8"},
+}
+DEVICES = {"cpu": "cpu", "gpu": "cuda:0"}
 
 RESUMED = ["resume:2x2", "resume:2x2_zero3", "resume:pp2_tp2"]
 
@@ -98,42 +108,46 @@ class Record(L.Callback):
         self.losses.append(float(loss))
 
 
-def fit(layout: str, steps: int, meta: bool, ckpt_path: str | None = None) -> tuple:
+def fit(layout: str, steps: int, meta: bool, ckpt_path: str | None = None, accelerator: str = "cpu") -> tuple:
     L.seed_everything(1234, verbose=False)
-    strategy = HierarchicalZeroStrategy(**LAYOUTS[layout])
+    one = layout in ONE_DEVICE
+    strategy = HierarchicalZeroStrategy(**(ONE_DEVICE[layout] if one else LAYOUTS[layout]))
     record = Record()
-    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, logger=False,
+    trainer = L.Trainer(accelerator=accelerator, devices=1 if one else 4, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[record])
     with trainer.init_module(empty_init=meta):
         model = GPTModule(vocab=32, d_model=32, heads=2, layers=2, seq=8, lr=3e-3)
     built_on = str(next(model.parameters()).device)
-    trainer.fit(model, DataLoader(token_dataset(8 * 4 * steps, seq=8, vocab=32), batch_size=8), ckpt_path=ckpt_path)
+    data = DataLoader(token_dataset(8 * trainer.world_size * steps, seq=8, vocab=32), batch_size=8)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
     return trainer, model, record, built_on
 
 
-def run(case: str, steps: int, out_dir: str) -> dict:
+def run(case: str, steps: int, out_dir: str, accelerator: str = "cpu") -> dict:
     extra = {}
+    fit_on = functools.partial(fit, accelerator=accelerator)
     if case.startswith("resume:"):
         # Saved by an eagerly built run; resumed into a model built on meta: the checkpoint's values, not the
         # initialization's, are what training starts from.
         layout = case.split(":")[1]
-        trainer, model, _, _ = fit(layout, steps // 2, meta=False)
+        trainer, model, _, _ = fit_on(layout, steps // 2, meta=False)
         path = os.path.join(out_dir, f"{layout}.ckpt")
         trainer.save_checkpoint(path)
         saved = local_parameters(trainer.strategy, model)
-        trainer, model, record, built_on = fit(layout, steps, meta=True, ckpt_path=path)
-        extra = {"resumed_equal_to_saved": bool(torch.equal(record.start_flat, saved)),
+        trainer, model, record, built_on = fit_on(layout, steps, meta=True, ckpt_path=path)
+        # (compared on the host: the fit's teardown has moved the saved run's model off a GPU)
+        extra = {"resumed_equal_to_saved": bool(torch.equal(record.start_flat.cpu(), saved.cpu())),
                  "mapped": getattr(record, "mapped", None)}
     elif case.startswith("converge:"):
         # The same layout, data and seed built eagerly and on meta, trained longer: the initial values differ,
         # the losses they reach should not.
         layout = case.split(":")[1]
-        _, _, eager, _ = fit(layout, CONVERGE_STEPS, meta=False)
-        trainer, model, record, built_on = fit(layout, CONVERGE_STEPS, meta=True)
+        _, _, eager, _ = fit_on(layout, CONVERGE_STEPS, meta=False)
+        trainer, model, record, built_on = fit_on(layout, CONVERGE_STEPS, meta=True)
         extra = {"eager_losses": eager.losses}
     else:
-        trainer, model, record, built_on = fit(case, steps, meta=True)
+        trainer, model, record, built_on = fit_on(case, steps, meta=True)
     mine = {**record.start, **extra, "built_on": built_on, "losses": record.losses,
             "finite_losses": all(math.isfinite(x) for x in record.losses), "steps": trainer.global_step}
     every = every_rank(mine)
@@ -145,10 +159,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", default=",".join([*LAYOUTS, *RESUMED, *CONVERGED]))
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--accelerator", choices=list(DEVICES), default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out_dir = os.path.dirname(os.path.abspath(args.out))
-    run_cases(args.cases.split(","), lambda case: run(case, args.steps, out_dir), args.out)
+    run_cases(args.cases.split(","), lambda case: run(case, args.steps, out_dir, args.accelerator), args.out)
 
 
 if __name__ == "__main__":
