@@ -24,6 +24,7 @@ together; each part is short.)
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import io
 import math
@@ -33,8 +34,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -114,18 +114,10 @@ class CheckpointCollectiveError(RuntimeError):
     """A collective of a checkpoint save or load failed; the message names the rank at fault and why."""
 
 
-@contextmanager
-def diagnosed(what: str) -> Generator[None, None, None]:
-    """Inside, a collective that fails because a peer died or failed raises :class:`CheckpointCollectiveError`
-    naming that rank (:func:`ddp_plugin.health.diagnose`) instead of the backend's bare socket error."""
-    try:
-        yield
-    except CheckpointCollectiveError:
-        raise
-    except Exception as err:
-        if dist.is_available() and dist.is_initialized() and health.is_communication_error(err):
-            raise CheckpointCollectiveError(health.diagnose(err, what=what)) from err
-        raise
+def diagnosed(what: str) -> contextlib.AbstractContextManager[None]:
+    """:func:`ddp_plugin.health.diagnosed` for a checkpoint's collectives: one that fails because a peer died or
+    failed raises :class:`CheckpointCollectiveError` naming that rank instead of the backend's bare socket error."""
+    return health.diagnosed(what, error=CheckpointCollectiveError)
 
 
 def agree_with_rank_0(error: BaseException | None, what: str) -> None:

@@ -492,10 +492,11 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 
 @contextmanager
-def diagnosed(what: str | Callable[[], str] = "gradient synchronization") -> Iterator[None]:
+def diagnosed(what: str | Callable[[], str] = "gradient synchronization",
+              error: type[Exception] = RuntimeError) -> Iterator[None]:
     """Re-raise a failed collective inside ``what`` (the phase, or a callable that tells it when the failure
-    comes) as a ``RuntimeError`` that names the ranks that failed, died or are stuck (:func:`diagnose`), the
-    original chained. Any other exception is this rank's own, and is re-raised as it is, with its traceback and a
+    comes) as an ``error`` (a checkpoint's: ``CheckpointCollectiveError``) that names the ranks that failed, died
+    or are stuck (:func:`diagnose`), the original chained. Any other exception is this rank's own, and is re-raised as it is, with its traceback and a
     note naming the rank and ``what``; it is left on the store first, so the ranks waiting for this one in a
     collective name it and quote it. Either passes a phase around this one as it is."""
     try:
@@ -506,7 +507,7 @@ def diagnosed(what: str | Callable[[], str] = "gradient synchronization") -> Ite
         if callable(what):
             what = what()
         if is_collective_failure(err):
-            diagnosis = RuntimeError(diagnose(err, what=what))
+            diagnosis = error(diagnose(err, what=what))
             setattr(diagnosis, _PHASE, what)
             raise diagnosis from err
         report_exception(err)

@@ -93,9 +93,14 @@ def _load_installed(pm: pluggy.PluginManager, codecs: set[str], keep: set[str]) 
 
 def cross_node_codec(pm: pluggy.PluginManager) -> str | None:
     """The name of the plugin that answers ``on_cross_node_reduce`` ahead of the default mean, or ``None``: what
-    :class:`~ddp_plugin.hookspecs.Options` tells plugins, so that none of them inspects the registry."""
+    :class:`~ddp_plugin.hookspecs.Options` tells plugins, so that none of them inspects the registry. A sync mode's
+    plugin is no codec: it answers for the gradients between its syncs (nothing crosses), and its own
+    pseudo-gradients then take the plain mean or the codec named here."""
+    from ddp_plugin.sync import OuterSync
+
     for impl in reversed(pm.hook.on_cross_node_reduce.get_hookimpls()):  # the order pluggy calls them
-        if impl.hookwrapper or impl.wrapper or isinstance(impl.plugin, MeanAllReduce):
+        # (the built-in mean itself only: a subclass of it registered by the user is a plugin of the user's)
+        if impl.hookwrapper or impl.wrapper or type(impl.plugin) is MeanAllReduce or isinstance(impl.plugin, OuterSync):
             continue
         return pm.get_name(impl.plugin)
     return None

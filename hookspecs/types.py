@@ -288,8 +288,8 @@ class Options:
         compression: the ``compression=`` name (``"auto"``: the link probe's choice per bucket), or ``None``.
         compression_options: the codec's options, read-only (a third-party codec validates its own).
         cross_node_codec: the name of the plugin that answers ``on_cross_node_reduce`` ahead of the plain
-            averaging all-reduce (the codec, or a plugin of the user's), or ``None`` when the cross-node stage
-            is the plain mean; a plugin that could take a cheaper path for a plain mean (a sharder's
+            averaging all-reduce (the codec, or a plugin of the user's; a sync mode's plugin is none), or
+            ``None`` when the cross-node stage is the plain mean; a plugin that could take a cheaper path for a plain mean (a sharder's
             reduce-scatter) asks this instead of inspecting other plugins.
         bucket_size_mb: gradient bucket capacity in MiB (with ``"auto"``, the one chosen).
         broadcast_buffers: whether module buffers are broadcast from rank 0 before each training step.
