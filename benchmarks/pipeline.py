@@ -31,9 +31,10 @@ Predicted cross-node bytes per node and step of a pipeline contender (float32; s
 - the step's mean loss, broadcast from the last stage: 4 bytes per data-parallel position, from node 1 (2*D per
   node on average). Frame headers and ACKs are not counted: the ratio measured / predicted shows them.
 
-With ``pipeline_activations="bf16"`` the activations are B*s*d*2 bytes; with the tie's sum through int8 each part
-crosses as int8 codes plus one fp32 scale per 1024 values, a reduce-scatter and an all-gather of half the part
-each on the 2-rank group: V*d*4 (1/4 + 1/1024) bytes from each node.
+With ``pipeline_activations="bf16"`` the activations are B*s*d*2 bytes (``"int8"``: B*s*(d+4), a scale per row);
+with the tie's sum through int8 each part crosses as int8 codes plus one fp32 scale per 1024 values, a
+reduce-scatter and an all-gather of half the part each on the 2-rank group: V*d*4 (1/4 + 1/1024) bytes from each
+node.
 
 Bubble: on every rank of a pipeline contender the benchmark times (wrapping methods of the strategy's schedule
 and stages, not the library's code) the schedule's step and, inside it, the stage's forward, backward and loss
@@ -76,6 +77,7 @@ CONTENDERS = {
     "ours_pp2": "ours, PP 2 (a stage per node) x DP 2, 1F1B",
     "ours_pp2_int8": "ours, PP 2 x DP 2, 1F1B, the tie's sum through `compression=\"int8\"`",
     "ours_pp2_bf16": "ours, PP 2 x DP 2, 1F1B, `pipeline_activations=\"bf16\"`",
+    "ours_pp2_int8act": "ours, PP 2 x DP 2, 1F1B, `pipeline_activations=\"int8\"`",
     "ours_pp2_time": "ours, PP 2 x DP 2, 1F1B, `pipeline_split=\"time\"`",
     "ours_pp2_all": "ours, PP 2 x DP 2, 1F1B, int8 tie + bf16 activations + split by time",
     "ours_pp2_gpipe": "ours, PP 2 x DP 2, GPipe",
@@ -86,6 +88,7 @@ PIPELINES = {  # the pipeline contenders: their schedule and flags
     "ours_pp2": ("1f1b", {}),
     "ours_pp2_int8": ("1f1b", {"compression": "int8"}),
     "ours_pp2_bf16": ("1f1b", {"pipeline_activations": "bf16"}),
+    "ours_pp2_int8act": ("1f1b", {"pipeline_activations": "int8"}),
     "ours_pp2_time": ("1f1b", {"pipeline_split": "time"}),
     "ours_pp2_all": ("1f1b", {"compression": "int8", "pipeline_activations": "bf16", "pipeline_split": "time"}),
     "ours_pp2_gpipe": ("gpipe", {}),
@@ -136,7 +139,8 @@ def predicted_bytes(args: argparse.Namespace, name: str = "ours_pp2") -> dict[st
     """Cross-node bytes per node and step of a pipeline contender (mean of the 2 nodes), by the docstring's terms,
     with the contender's activation dtype and codec."""
     flags = PIPELINES[name][1]
-    width = 2 if flags.get("pipeline_activations") in ("bf16", "fp16") else 4
+    # bytes per value: int8 rows carry a 4-byte scale each
+    width = {"bf16": 2, "fp16": 2, "int8": 1 + 4 / args.d_model}.get(flags.get("pipeline_activations"), 4)
     tie = args.vocab * args.d_model * 4
     if flags.get("compression") == "int8":  # a 2-rank group: 2(n-1)/n (S/4 + S/block) with n = 2
         tie = tie / 4 + tie / INT8_BLOCK
@@ -364,7 +368,8 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
         f"- predicted (pipeline): activations B*s*d*4 = {pred['activations'] / MB:.4f} MB + tied-embedding"
         f" all-reduce V*d*4 = {pred['tie'] / MB:.4f} MB + loss broadcast {pred['loss']:.0f} B ="
         f" {sum(pred.values()) / MB:.4f} MB per node and step (the docstring derives it); with bf16 activations"
-        " B*s*d*2, with the tie through int8 V*d*4 (1/4 + 1/1024) (codes and one fp32 scale per 1024 values)",
+        " B*s*d*2, with int8 activations B*s*(d+4), with the tie through int8 V*d*4 (1/4 + 1/1024) (codes and"
+        " one fp32 scale per 1024 values)",
         "",
         "| link | contender | median s/step | vs Lightning `ddp` | cross-node MB / node / step | x S | predicted MB"
         " | measured / predicted | our accounting MB | final loss | last 10 | peak RSS MB |",

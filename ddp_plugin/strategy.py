@@ -129,7 +129,8 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
             (by block count), ``"type:<regex>"`` (by the count of blocks whose class name matches), or the module
             names of each stage (``[["tok", "blocks.0"], ["blocks.1", "head"]]``).
         pipeline_activations: the dtype of the activations and their gradients sent between stages on
-            different nodes: ``"fp32"`` (as computed, default), ``"bf16"`` or ``"fp16"`` (half the bytes).
+            different nodes: ``"fp32"`` (as computed, default), ``"bf16"`` or ``"fp16"`` (half the bytes),
+            ``"int8"`` (a scale per row: about a quarter).
         activation_checkpointing_policy: module classes (or their names) whose activations are recomputed in
             the backward instead of kept, as ``FSDPStrategy``'s flag: e.g. ``{Block}``; with every layout
             (docs/activation_checkpointing.md). Default ``None``: off.
@@ -174,7 +175,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, DistributedEnvi
         pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b",
         pipeline_virtual_stages: int | None = None,
         pipeline_split: str | list[list[str]] = "parameters",
-        pipeline_activations: Literal["fp32", "bf16", "fp16"] = "fp32",
+        pipeline_activations: Literal["fp32", "bf16", "fp16", "int8"] = "fp32",
         activation_checkpointing_policy: Any = None,
         pretrained: str | os.PathLike | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,

@@ -5,6 +5,8 @@ stages), or keeps every copy bit-identical."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -42,6 +44,9 @@ def runs(tmp_path_factory) -> dict:
         # the activations and their gradients cross between the stages' nodes in bf16
         ["--out", out, "--devices", "4", "--devices-per-node", "1", "--pp", "2", "--variants", "1f1b:0:int8",
          "--tag=-nodes-bf16", "--flags={\"pipeline_activations\": \"bf16\"}"],
+        # ... and in int8, a scale per row
+        ["--out", out, "--devices", "4", "--devices-per-node", "1", "--pp", "2", "--variants", "1f1b:0:int8",
+         "--tag=-nodes-int8act", "--flags={\"pipeline_activations\": \"int8\"}"],
         # a sync mode without stages on 2 nodes x 2
         ["--out", out, "--devices", "4", "--devices-per-node", "2", "--pp", "1", "--variants", "1f1b", "--tag=-sync",
          SYNC],
@@ -63,7 +68,7 @@ def runs(tmp_path_factory) -> dict:
          "--tag=-sync-pp-resumed", "--resume", out / "1f1b-sync-pp-step10.ckpt", SYNC],
     ]), timeout=600)
     names = ["reference", "reference-l2", "reference-l8", "1f1b-p4", "gpipe-p4", "interleaved_1f1b-p4",
-             *(f"{v}-nodes" for v in TIE_CODECS), "1f1b:2-nodes", "1f1b:0:int8-nodes-bf16", "1f1b-time", "1f1b-t2", "gpipe:2-t2", "interleaved_1f1b:3-t2", "1f1b-sync", "1f1b-sync-pp", "1f1b-sync-pp-resumed", "1f1b-hier", "gpipe:2:int8-hier"]
+             *(f"{v}-nodes" for v in TIE_CODECS), "1f1b:2-nodes", "1f1b:0:int8-nodes-bf16", "1f1b:0:int8-nodes-int8act", "1f1b-time", "1f1b-t2", "gpipe:2-t2", "interleaved_1f1b:3-t2", "1f1b-sync", "1f1b-sync-pp", "1f1b-sync-pp-resumed", "1f1b-hier", "gpipe:2:int8-hier"]
     return {name: torch.load(out / f"{name.replace(':', '-')}.pt") for name in names}
 
 
@@ -128,6 +133,19 @@ def test_activations_cross_between_nodes_in_bf16(runs):
     assert bf16["losses"][-1] == pytest.approx(fp32["losses"][-1], rel=0.02)
     assert bf16["state"].keys() == fp32["state"].keys()
     assert relative_difference(bf16["state"], fp32["state"]) > 0  # (the casts do change the numbers)
+
+
+def test_activations_cross_between_nodes_in_int8_with_a_scale_per_row(runs):
+    # The same windows as above: a row of 16 values crosses as 16 int8 and a 4-byte scale, 20 bytes instead of 64,
+    # both ways (the gradients packed by the receiving stage's backward).
+    fp32, int8 = runs["1f1b:0:int8-nodes"], runs["1f1b:0:int8-nodes-int8act"]
+    saved = 20 * (8 // 2) * 8 * (16 * 4 - (16 + 4)) / 1e6  # steps x windows x rows x the bytes saved per row
+    for rank in range(4):
+        assert fp32["cross_node_MB"][rank] - int8["cross_node_MB"][rank] == pytest.approx(saved, rel=1e-6), rank
+    assert int8["max_tie_diff"] == 0.0 and int8["max_replica_diff"] == 0.0
+    assert all(math.isfinite(x) for x in int8["losses"])
+    assert int8["losses"][-1] == pytest.approx(fp32["losses"][-1], rel=0.02)
+    assert relative_difference(int8["state"], fp32["state"]) > 0  # (the rounding does change the numbers)
 
 
 def test_a_sync_mode_over_pipeline_stages_equals_it_without_stages(runs):

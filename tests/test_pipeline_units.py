@@ -11,6 +11,7 @@ from torch import nn
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.parallel.pipeline import PipelineOutput
 from ddp_plugin.parallel.ties import find_ties
+from ddp_plugin.parallel.stage_module import CARRIER, Int8Rows, _packed, pack_rows, unpack_rows
 from ddp_plugin.parallel.stage_plan import StageBlocks, check_module, plan_stages, split_module
 from ddp_plugin.testing.gpt import GPTModule
 from ddp_plugin.topology import Layout
@@ -30,7 +31,7 @@ from ddp_plugin.topology import Layout
      ["`pipeline_split` names the modules of 1 stages", "runs 2"]),
     ({"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b", "pipeline_split": [["a"], ["b"]]},
      ["names the modules of 2 stages", "runs 4"]),
-    ({"pipeline_activations": "int8"}, ["pipeline_activations='int8'", "'fp32'", "'bf16'", "'fp16'"]),
+    ({"pipeline_activations": "int4"}, ["pipeline_activations='int4'", "'fp32'", "'bf16'", "'fp16'", "'int8'"]),
 ])
 def test_bad_flags_fail_at_construction_naming_the_flag(flags, words):
     with pytest.raises(ValueError) as info:
@@ -257,3 +258,48 @@ def test_what_a_model_must_have_is_named():
 def test_the_placeholder_says_how_to_use_it():
     with pytest.raises(AttributeError, match=r"self.pipeline_loss\(output, target\)"):
         PipelineOutput((torch.zeros(1),), {}).argmax()
+
+
+# ---------------------------------------------------------------------- int8 activations (pipeline_activations)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_carry_each_row_within_half_a_step_of_its_scale_both_ways(dtype):
+    # The sending stage packs its output; the receiving stage unpacks it and, in its backward, packs the gradient
+    # of what it received, which the sending stage's backward unpacks: each way a row's values come back within
+    # half of its scale (its absolute maximum / 127), in the shape and dtype they left in.
+    torch.manual_seed(0)
+    x = (torch.randn(2, 3, 16) * torch.logspace(-3, 3, 16)).to(dtype).requires_grad_()
+    before = x.detach().clone()
+    carrier = Int8Rows.apply(x)
+    assert carrier.dtype == CARRIER and carrier.shape == (2, 3, 10)  # 16 int8 + a 4-byte scale per row
+    assert carrier.numel() * carrier.element_size() == 6 * 20
+    assert torch.equal(x.detach(), before)  # (the activation itself is left alone)
+    received = carrier.detach().requires_grad_()
+    y = Int8Rows.unpack(received, dtype)
+    assert y.dtype == dtype and y.shape == x.shape
+    half_step = before.float().abs().amax(-1, keepdim=True) / 127 / 2
+    tolerance = half_step * 1.01 + (0 if dtype == torch.float32 else before.float().abs() / 128)
+    assert ((y.detach().float() - before.float()).abs() <= tolerance).all()
+    grad = torch.randn(2, 3, 16, dtype=dtype)
+    y.backward(grad)
+    assert received.grad.dtype == CARRIER and received.grad.shape == carrier.shape
+    carrier.backward(received.grad)
+    half_step = grad.float().abs().amax(-1, keepdim=True) / 127 / 2
+    tolerance = half_step * 1.01 + (0 if dtype == torch.float32 else grad.float().abs() / 128)
+    assert x.grad.dtype == dtype and ((x.grad.float() - grad.float()).abs() <= tolerance).all()
+
+
+def test_int8_rows_with_a_non_finite_value_unpack_to_nan_and_zero_rows_to_zeros():
+    x = torch.randn(3, 8)
+    x[0, 2], x[1, 5], x[2] = float("inf"), float("nan"), 0.0
+    y = unpack_rows(pack_rows(x), torch.float32)
+    assert torch.isnan(y[0]).all() and torch.isnan(y[1]).all()  # (a loss scaler sees the overflow)
+    assert torch.equal(y[2], torch.zeros(8))
+
+
+def test_int8_activations_refuse_an_odd_last_dimension_naming_the_flag():
+    with pytest.raises(ValueError, match=r"pipeline_activations='int8'.*shape \(4, 7\).*'bf16'"):
+        _packed(torch.randn(4, 7))
+    tokens = torch.arange(4)
+    assert _packed((tokens, torch.randn(2, 2)))[0] is tokens  # (integer tensors pass as they are)

@@ -121,7 +121,7 @@ class PipelineRunner:
                 if not module.last and nodes[(s + 1) % pipeline_size] != here:
                     module.send_dtype = narrow
                 if not module.first and nodes[(s - 1) % pipeline_size] != here:
-                    module.widen = True
+                    module.widen, module.receive_dtype = True, narrow
         self._losses: list[Tensor] = []
         self._scale = 1.0
         self._loss_scaler: GradScaler | None = None

@@ -1,5 +1,6 @@
 """One pipeline stage's module: the model's own ``forward`` with only the stage's modules in place, its outputs
-narrowed where the next stage is on another node (``pipeline_activations``), and the bytes it sends counted."""
+narrowed where the next stage is on another node (``pipeline_activations``: a 16-bit cast, or int8 with a scale
+per row packed into a 16-bit carrier), and the bytes it sends counted."""
 
 from __future__ import annotations
 
@@ -42,15 +43,21 @@ class StageModule(nn.Module):
         self.widen = False
         """Whether this stage's floating inputs, sent narrowed by the stage before, are cast back to the stage's
         compute dtype (its parameters')."""
+        self.receive_dtype: torch.dtype | None = None
+        """With ``widen``: the stage before's ``send_dtype`` (``torch.int8``: its inputs arrive packed)."""
 
     def forward(self, *received: Any, **kwargs: Any) -> Any:
         args = received
         if self.widen:
             dtype = next((p.dtype for p in self.parts.parameters() if p.is_floating_point()),
                          torch.get_default_dtype())
-            args = tuple(_widened(a, dtype) for a in received)
+            unpack = self.receive_dtype is torch.int8
+            args = tuple(Int8Rows.unpack(a, dtype) if unpack and _is_carrier(a) else _widened(a, dtype)
+                         for a in received)
         out = self._forward(*args, **kwargs)
-        if self.send_dtype is not None:
+        if self.send_dtype is torch.int8:
+            out = _packed(out)
+        elif self.send_dtype is not None:
             out = _narrowed(out, self.send_dtype)
         if torch.is_grad_enabled():
             if not self.last:
@@ -75,8 +82,87 @@ class StageModule(nn.Module):
                 _set(owner, name, m)
 
 
-ACTIVATION_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+ACTIVATION_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 """``pipeline_activations`` -> the dtype sent between stages on different nodes (``None``: as computed)."""
+
+CARRIER = torch.float16
+"""The dtype int8 rows travel in: the schedule sends tensors whose gradients come back through it, which an int8
+tensor cannot have, so the int8 values and each row's fp32 scale are reinterpreted (bit for bit, not converted) as
+a 16-bit floating tensor. Its gradient is the gradient's rows packed the same way. Nothing computes on a carrier:
+it is made, sent, received and unpacked."""
+
+
+class Int8Rows(torch.autograd.Function):
+    """A floating tensor ``x`` of shape ``(..., d)`` (``d`` even) as int8 with a scale per row (its absolute maximum
+    over 127, in fp32), packed into a :data:`CARRIER` tensor of shape ``(..., (d + 4) / 2)``; its backward unpacks
+    the carrier's gradient, packed the same way by the receiving stage (:class:`_Unpack`). A row with a non-finite
+    value unpacks to NaN (its scale is not finite), so a loss scaler still sees the overflow."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.dtype = x.dtype
+        return pack_rows(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return unpack_rows(grad, ctx.dtype)
+
+    @staticmethod
+    def unpack(carrier: Tensor, dtype: torch.dtype) -> Tensor:
+        """A received carrier as a ``dtype`` tensor (its gradient goes back packed)."""
+        return _Unpack.apply(carrier, dtype)
+
+
+class _Unpack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, carrier: Tensor, dtype: torch.dtype) -> Tensor:
+        return unpack_rows(carrier, dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return pack_rows(grad), None
+
+
+def pack_rows(x: Tensor) -> Tensor:
+    """``x`` (``(..., d)``, ``d`` even) as int8 rows with their fp32 scales, in a :data:`CARRIER` tensor."""
+    d = x.shape[-1]
+    rows = x.detach().reshape(-1, d).float()
+    scale = rows.abs().amax(dim=1, keepdim=True).div_(127.0)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # (an all-zero row: any scale gives zeros)
+    packed = torch.empty(rows.shape[0], d + 4, dtype=torch.int8, device=x.device)
+    packed[:, :d] = torch.div(rows, scale).round_().clamp_(-127, 127)  # (NaN where the scale is not finite)
+    packed[:, d:] = scale.view(torch.int8)
+    return packed.view(CARRIER).reshape(*x.shape[:-1], (d + 4) // 2)
+
+
+def unpack_rows(carrier: Tensor, dtype: torch.dtype) -> Tensor:
+    """:func:`pack_rows` undone: a ``dtype`` tensor of shape ``(..., d)``."""
+    width = carrier.shape[-1] * 2
+    packed = carrier.reshape(-1, carrier.shape[-1]).contiguous().view(torch.int8)
+    scale = packed[:, width - 4 :].contiguous().view(torch.float32)
+    return (packed[:, : width - 4].float() * scale).to(dtype).reshape(*carrier.shape[:-1], width - 4)
+
+
+def _is_carrier(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.dtype == CARRIER and value.dim() > 0
+
+
+def _packed(value: Any) -> Any:
+    """``value``'s floating tensors wider than 8 bits as int8 rows in a carrier (:class:`Int8Rows`)."""
+    from torch.utils._pytree import tree_map
+
+    def pack(t: Any) -> Any:
+        if not (isinstance(t, Tensor) and t.is_floating_point() and t.element_size() > 1):
+            return t
+        if t.dim() == 0 or t.shape[-1] % 2:
+            raise ValueError(
+                f"`pipeline_activations='int8'` packs each row of a stage's outputs with its scale, and needs their"
+                f" last dimension even; this stage sends a tensor of shape {tuple(t.shape)}. Use"
+                " `pipeline_activations='bf16'` (or 'fp16') for this model."
+            )
+        return Int8Rows.apply(t)
+
+    return tree_map(pack, value)
 
 
 def _narrowed(value: Any, dtype: torch.dtype) -> Any:
