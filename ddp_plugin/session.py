@@ -5,11 +5,9 @@ save during it writes) until the next ``fit`` replaces it."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,11 +20,12 @@ from ddp_plugin import health
 from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.comm import TracedCommunicator, broadcast_coalesced
 from ddp_plugin.engine import GradientEngine
-from ddp_plugin.hookspecs import Options, local_tensor
+from ddp_plugin.hookspecs import local_tensor
 from ddp_plugin.plugin_manager import build_plugin_manager, cross_node_codec
 from ddp_plugin.topology import Layout
-from ddp_plugin.planning import FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel, agree, probe
-from ddp_plugin.plugins.adaptive import AdaptivePlanner, candidate_names, only, probe_codecs
+from ddp_plugin.link_choices import LinkChoices, options_for, plan_routes
+from ddp_plugin.planning import CommPlan
+from ddp_plugin.plugins.adaptive import AdaptivePlanner, only
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -65,22 +64,22 @@ class FitSession:
         self.device = device
         self.comm = TracedCommunicator(self.layout.ranks_per_node, config.timeout)
         self.module = module
-        self.candidates = candidate_names(config.compression, dict(config.compression_options))
-        """The codecs a plan chooses between (``"none"``: no codec): ``compression="auto"``'s candidates, or the one."""
+        self.choices = LinkChoices(config, topology, module, self.comm, device)
+        """``compression="auto"``, ``hierarchical=None`` and ``bucket_size_mb="auto"``: the link probe and the plan."""
         # Beating before the link probe: a rank that dies or hangs in it is then named (health.diagnosed).
         self.heartbeat = health.Heartbeat(health.peer_watch(
             config.timeout.total_seconds() if config.timeout is not None else None))
-        self.planner: AdaptivePlanner | None = None
         bucket_size_mb = config.bucket_size_mb
         routes = plan_routes(config.hierarchical, topology)
         if topology.world_size > 1 and (config.adaptive or len(routes) > 1):
-            hierarchical, bucket_size_mb = self._make_plan(config, module, topology, routes)
-        self.hierarchical = hierarchical
+            hierarchical, bucket_size_mb = self.choices.make_plan(routes)
+        self.planner: AdaptivePlanner | None = self.choices.planner
+        self.hierarchical = self.choices.hierarchical = hierarchical
         """Whether gradients take the hierarchical route (with a plan that chooses per bucket: whether any may)."""
         self.plugin_manager: pluggy.PluginManager = _build_plugin_manager(config, hierarchical, self.planner)
         for plugin in extra_plugins:  # (the strategy's own: the initializer of a model built on meta)
             self.plugin_manager.register(plugin)
-        self.options = _options(config, hierarchical, bucket_size_mb, cross_node_codec(self.plugin_manager))
+        self.options = options_for(config, hierarchical, bucket_size_mb, cross_node_codec(self.plugin_manager))
         hook = self.plugin_manager.hook
         self.engine = GradientEngine(
             module, hook=hook, bucket_cap_bytes=int(bucket_size_mb * 2**20), flags_group=flags_group,
@@ -115,14 +114,14 @@ class FitSession:
         self._sample_weight: tuple[Any, Tensor, int, int] | None = None
         setup = {"topology": topology, "buckets": self.engine.buckets, "hook": hook, "options": self.options,
                  "module": module, "comm": self.comm}
-        installed = self._installed_candidates()
+        installed = self.choices.installed_candidates()
         if installed:
             # An installed codec among "auto"'s candidates gets its own name and options, as if `compression` named
             # it (its options are the ones under its name), the others the strategy's.
             pm = self.plugin_manager
             pm.subset_hook_caller("on_setup", remove_plugins=[pm.get_plugin(n) for n in installed])(**setup)
             for name in installed:
-                only(pm, "on_setup", pm.get_plugin(name))(**{**setup, "options": self._codec_options(name)})
+                only(pm, "on_setup", pm.get_plugin(name))(**{**setup, "options": self.choices.codec_options(name)})
         else:
             hook.on_setup(**setup)
 
@@ -131,62 +130,6 @@ class FitSession:
     @property
     def comm_plan(self) -> CommPlan | None:
         return self.planner.plan if self.planner is not None else None
-
-    def _probe(self, routes: tuple[str, ...]) -> tuple[CostModel, float]:
-        """Probe the links (collective); the candidates are fresh built-in codecs (installed ones: their plugin)."""
-        config = self.config
-        # (an installed candidate is set up once more for the probe, without buckets, with its own options)
-        setup = {"topology": self.topology, "buckets": (), "hook": None, "module": self.module, "comm": self.comm}
-        codecs = probe_codecs(self.candidates, config.compression, dict(config.compression_options), self.comm,
-                              setup, self._codec_options)
-        with health.diagnosed("the link probe"):
-            # Global rank 0's figures for every rank: one decides, all agree.
-            return agree(probe(self.topology, self.comm, codecs, routes, self.device), self.topology)
-
-    def _installed_candidates(self) -> list[str]:
-        """``compression="auto"``'s candidates that are installed codecs (not built in)."""
-        from ddp_plugin.codecs import BUILTIN_CODECS
-
-        if self.config.compression != "auto":
-            return []
-        return [n for n in self.candidates if n not in BUILTIN_CODECS and n != NO_CODEC]
-
-    def _codec_options(self, name: str) -> Options:
-        """The options an installed candidate ``name`` sees: ``compression=name`` and the options under its name."""
-        config = self.config
-        options = _options(config, getattr(self, "hierarchical", False),
-                           float(config.bucket_size_mb) if config.bucket_size_mb != "auto" else 25.0, name)
-        return dataclasses.replace(options, compression=name, compression_options=MappingProxyType(
-            dict(dict(config.compression_options).get(name, {}))))
-
-    def _make_plan(self, config: StrategyConfig, module: Module, topology: Topology, routes: tuple[str, ...]
-                   ) -> tuple[bool, float]:
-        """Probe, decide what is fixed for the fit (the bucket size; the route where a sharder's layout or a sync
-        mode fixes it), and make the planner; buckets are planned once the engine has built them."""
-        names = self.candidates
-        model, seconds = self._probe(routes)
-        total = sum(local_tensor(p).numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        if config.bucket_size_mb == "auto":
-            from ddp_plugin.engine import FIRST_BUCKET_BYTES, pack
-
-            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-
-            def buckets_for(cap: int) -> list[int]:
-                return [sum(local_tensor(p).numel() * p.element_size() for _, p in group)
-                        for group in pack(reversed(named), cap, FIRST_BUCKET_BYTES)]
-
-            bucket_size_mb = model.choose_bucket_bytes(buckets_for, total, routes, names) / 2**20
-        else:
-            bucket_size_mb = float(config.bucket_size_mb)
-        if len(routes) > 1 and (config.zero_stage or config.sync_every > 1):
-            # The route is the sharder's layout (or the sync mode's) for the whole fit: the one with the least
-            # predicted time over buckets of this size.
-            cap = int(bucket_size_mb * 2**20)
-            sizes = [cap] * (total // cap) + ([total % cap] if total % cap else [])
-            routes = (model.best_route(sizes, routes, names),)
-        plan = CommPlan(model, routes, names, bucket_size_mb, seconds)
-        self.planner = AdaptivePlanner(plan, lambda: self._probe(self.planner.plan.routes))
-        return HIERARCHICAL in routes, bucket_size_mb
 
     def close(self, failed: bool = False) -> None:
         """End of ``fit``: the plugins' teardown, the engine's hooks and thread, the heartbeat. The plugins stay.
@@ -430,16 +373,6 @@ def memory_bytes(module_params: Iterable[Tensor], optimizers: Iterable[Optimizer
     return {"params": params, "grads": grads, "optimizer_state": state, "total": params + grads + state}
 
 
-def plan_routes(hierarchical: bool | None, topology: Topology) -> tuple[str, ...]:
-    """The routes a plan chooses between: the flag's when set, both where the layout allows a choice (several
-    nodes of several ranks) and ``hierarchical`` is ``None``, else the flat one."""
-    if not (topology.num_nodes > 1 and topology.ranks_per_node > 1) or hierarchical is False:
-        return (FLAT,)
-    if hierarchical:
-        return (HIERARCHICAL,)
-    return (FLAT, HIERARCHICAL)
-
-
 def _logs_this_step(module: pl.LightningModule) -> bool:
     """Whether the Trainer writes this training step's logs (``log_every_n_steps``), by its own rule; True where
     that cannot be asked (another Lightning version)."""
@@ -448,17 +381,6 @@ def _logs_this_step(module: pl.LightningModule) -> bool:
         return bool(connector.should_update_logs)
     except Exception:  # noqa: BLE001 - an unknown Lightning: log every step, as before
         return True
-
-
-def _options(config: StrategyConfig, hierarchical: bool, bucket_size_mb: float, cross_node_codec: str | None
-             ) -> Options:
-    """The :class:`Options` plugins see, from the validated flags and what was decided at setup."""
-    return Options(
-        zero_stage=config.zero_stage, shard_scope=config.shard_scope, hierarchical=hierarchical,  # type: ignore[arg-type]
-        compression=config.compression, compression_options=MappingProxyType(dict(config.compression_options)),
-        cross_node_codec=cross_node_codec, bucket_size_mb=bucket_size_mb, broadcast_buffers=config.broadcast_buffers,
-        devices_per_node=config.devices_per_node,
-    )
 
 
 def _build_plugin_manager(config: StrategyConfig, hierarchical: bool, planner: object | None = None

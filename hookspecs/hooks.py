@@ -1,6 +1,6 @@
 """Hook specifications: the whole protocol between the strategy and its plugins.
 
-(One file of about 400 lines on purpose: a plugin author learns the whole protocol from it, as from pytest's
+(One file of about 500 lines on purpose: a plugin author learns the whole protocol from it, as from pytest's
 ``hookspec.py``; it is almost all documentation.)
 
 The strategy calls every hook with keyword arguments; an implementation may accept any subset of a hook's

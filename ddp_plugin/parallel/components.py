@@ -19,7 +19,7 @@ import torch
 
 from ddp_plugin.health import diagnosed
 from ddp_plugin.hookspecs import is_tensor_parallel_shard
-from ddp_plugin.hookspecs.types import PIPELINE_COPIES_ATTRIBUTE
+from ddp_plugin.hookspecs.tensors import PIPELINE_COPIES_ATTRIBUTE
 from ddp_plugin.parallel import balance, pipeline, stage_plan, tensor_parallel
 from ddp_plugin.parallel import ties as stage_ties
 
