@@ -13,6 +13,9 @@ with one object gather, and the world size that saved it).
 The plugins of the last ``fit`` answer the state hooks during it and after it, until the next ``fit``: the
 sharder's layout and the sharded optimizer outlive ``teardown``, so ``trainer.save_checkpoint`` after ``fit``
 (or after ``validate``/``test``) writes what a save during ``fit`` writes.
+
+(Just over 400 lines: the save and the load of each part (model, optimizer, plugin state) sit side by side, so
+that a change to one is seen beside the other.)
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ seconds later (its teardown, its interpreter's exit). So on gloo the heartbeat w
 (another rank failed, found a rank gone, or is diagnosing a failed collective): it then releases this rank's waits
 on its communication threads (:func:`wait`), which raise :class:`PeersFailed`, diagnosed as any failed
 collective.
+
+(Over 600 lines for a reason: the heartbeat, the peer watch, the reports and the diagnosis are the two sides of one
+protocol on the store, whose keys, timings and settling rules must agree; split, each side would read the other's
+constants and private reads across modules.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The choices made once, at a fit's setup, from the links: ``compression="auto"`` (a codec per bucket),
 ``hierarchical=None`` (the route) and ``bucket_size_mb="auto"``. The link probe measures them
-(:mod:`ddp_plugin.planning`), and the :class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner` made here follows the
+(:mod:`ddp_plugin.link_probe`, :mod:`ddp_plugin.planning`), and the :class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner` made here follows the
 plan during the fit; the session asks :class:`LinkChoices` and knows nothing of how."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 from ddp_plugin import health
 from ddp_plugin.hookspecs import Options, local_tensor
-from ddp_plugin.planning import FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel, agree, probe
-from ddp_plugin.plugins.adaptive import AdaptivePlanner, candidate_names, probe_codecs
+from ddp_plugin.link_probe import agree, probe, probe_codecs
+from ddp_plugin.planning import FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel
+from ddp_plugin.plugins.adaptive import AdaptivePlanner, candidate_names
 
 if TYPE_CHECKING:
     import torch

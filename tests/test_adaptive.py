@@ -300,8 +300,7 @@ def probe_with(rank, world, names):
     """The link probe of 2 nodes x 2 over both routes, timing the codecs ``names`` alone (as ``compression=``
     one of them sets it up: no plain mean among the candidates), each a fresh instance; returns every call each
     codec got, as (bucket kind, key, values), and whether the probe fitted a model."""
-    from ddp_plugin.planning import probe
-    from ddp_plugin.plugins.adaptive import probe_codecs
+    from ddp_plugin.link_probe import probe, probe_codecs
     from ddp_plugin.topology import Layout, build_topology
 
     topology = build_topology(Layout(world, 2), torch.device("cpu"))

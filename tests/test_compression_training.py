@@ -102,7 +102,7 @@ def test_installed_example_codec_checks_its_options(onebit_install, monkeypatch)
 def test_the_link_probe_times_an_installed_codec_on_an_instance_training_never_sees(onebit_install, monkeypatch):
     # The registered object is the one training sets up; the probe (at setup, and again on every re-plan during
     # the fit) must neither set it up again (the example's on_setup empties its residuals) nor leave state in it.
-    from ddp_plugin.plugins.adaptive import probe_codecs
+    from ddp_plugin.link_probe import probe_codecs
 
     monkeypatch.syspath_prepend(str(onebit_install))
     registered = importlib.import_module("onebit_codec").codec

@@ -17,6 +17,9 @@ Every step each rank sends its count of consecutive departing steps in one all-r
 optimizer step and read after the next one, so it never waits on the link; when the agreed count reaches
 ``patience`` every rank probes the links again and re-plans, at that step boundary, from global rank 0's
 measurements. Bucket sizes stay as built.
+
+(Over 400 lines for a reason: the two plugins are one plan's two halves, sharing its bucket keys, its trials and
+the timing of each bucket; the probe and the codecs it times are :mod:`ddp_plugin.link_probe`.)
 """
 
 from __future__ import annotations
@@ -24,8 +27,7 @@ from __future__ import annotations
 import logging
 import statistics
 import threading
-import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -415,57 +417,3 @@ def codec_options(name: str, compression: str | None, options: dict[str, Any]) -
     if compression == "auto":
         return dict(options.get(name, {}))
     return dict(options)
-
-
-def probe_codecs(names: Sequence[str], compression: str | None, options: dict[str, Any], comm: Communicator,
-                 setup_kwargs: dict[str, Any], options_of: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """name -> reduce(tensor, group, bucket) for the probe, each on a codec of its own that training never sees
-    (its state thrown away after the probe), registered in a plugin manager of its own and called through its
-    hook: a built-in codec is a fresh instance, PowerSGD without its uncompressed warm-up iterations; an installed
-    codec is a fresh instance of the class of the object its entry point names, built without arguments and set
-    up for the probe (``on_setup`` without buckets, with the options training gets). Only where that class cannot
-    be built so (the entry point names a module, or a class that needs arguments) is it the registered object
-    itself, set up once more, its probe state under ``kind="probe"`` keys."""
-    from ddp_plugin.codecs import BUILTIN_CODECS, installed_plugins
-    from ddp_plugin.plugin_manager import new_plugin_manager
-
-    installed = None
-    out: dict[str, Any] = {}
-    for name in names:
-        if name == NO_CODEC:
-            out[name] = None
-            continue
-        pm = new_plugin_manager()
-        if name in BUILTIN_CODECS:
-            cls = BUILTIN_CODECS[name]
-            opts = codec_options(name, compression, options)
-            if "start_iter" in cls.defaults:
-                opts["start_iter"] = 0
-            codec = cls(**opts)
-            codec.comm = comm
-            pm.register(codec, name=name)
-        else:
-            installed = installed_plugins() if installed is None else installed
-            pm.register(_fresh(installed[name]), name=name)
-            pm.hook.on_setup(**{"topology": None, "buckets": (), "hook": None, "module": None, "comm": comm,
-                                **setup_kwargs, "options": options_of(name) if options_of is not None else None})
-
-        def run(x: Tensor, group: dist.ProcessGroup, bucket: Bucket, hook: Any = pm.hook) -> Any:
-            return hook.on_cross_node_reduce(tensor=x, group=group, bucket=bucket, offset=0)
-
-        run.codec = pm.get_plugin(name)  # type: ignore[attr-defined]  # (the object the probe times)
-        out[name] = run
-    return out
-
-
-def _fresh(plugin: Any) -> Any:
-    """A new instance of ``plugin``'s class, built without arguments; ``plugin`` itself where there is none to
-    build (a module, a class that needs arguments)."""
-    if isinstance(plugin, (type, types.ModuleType)):
-        return plugin
-    try:
-        return type(plugin)()
-    except TypeError:
-        log.info("ddp_plugin: the link probe times the codec %r itself (its class needs constructor arguments);"
-                 " its probe state is kept under keys of kind 'probe'.", plugin)
-        return plugin
