@@ -271,8 +271,9 @@ class CommPlan:
         return out
 
     def plan_stage(self, key: str, stage: str, nbytes: int) -> BucketPlan:
-        """Decide a cross-node stage whose route is not ours (first seen while training: every rank sees the same
-        key and size, and holds the same model, so every rank decides the same)."""
+        """Decide a cross-node stage whose route is not ours (first seen while training: every rank of the plan sees
+        the same key and size, and holds the same model, so they decide the same; a tied weight's sum between
+        pipeline stages, whose plans are made apart, is agreed by :class:`~ddp_plugin.plugins.adaptive.AutoCodec`)."""
         codec, seconds = self.model.choose_codec(stage, nbytes, self.codecs)
         plan = self.buckets[key] = BucketPlan(key, nbytes, stage, codec, seconds * 1e3)
         return plan

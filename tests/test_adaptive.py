@@ -432,6 +432,19 @@ def test_auto_composes_with_tensor_and_pipeline_parallelism(tmp_path):
     assert all(math.isfinite(loss) for loss in pp["losses"])
 
 
+def test_a_tied_weights_codec_is_agreed_by_the_stages_that_plan_apart(tmp_path):
+    # Each pipeline stage's data-parallel ranks probe and plan their own links; a tied embedding's sum runs between
+    # the stages. Here the last stage's plan takes int8 wherever it can and the first stage's the plain mean, as
+    # probes on a busy machine can measure: the sum's collectives must still match (before, the stages ran
+    # different collectives on the tie's group and hung, once in CI).
+    auto = json.dumps({"hierarchical": None, "compression": "auto", "timeout": 120})
+    run_python(WORKERS / "pp_run.py", "--out", tmp_path, "--devices", "4", "--devices-per-node", "2", "--pp", "2",
+               "--variants", "1f1b:0:auto", "--flags", auto, "--prefer-codecs-on-last-stage", timeout=600)
+    pp = torch.load(tmp_path / "1f1b-0-auto.pt")
+    assert pp["max_replica_diff"] == 0 and pp["max_tie_diff"] == 0
+    assert all(math.isfinite(loss) for loss in pp["losses"])
+
+
 # ---------------------------------------------------------------------- a link that changes (simulated cluster)
 
 

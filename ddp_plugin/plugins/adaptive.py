@@ -378,6 +378,8 @@ class AutoCodec:
             if planned is None or (planned.route not in (FLAT, HIERARCHICAL) and planned.nbytes != nbytes):
                 planned = plan.plan_stage(key, self._stage(group), nbytes)
             codec = planned.codec
+        if bucket.kind == "tied_gradient":
+            codec = self._agreed(codec, group, tensor.device)
         last = self._last.get(key)
         if last is not None and last != codec:
             self._carry(last, state_key(bucket), tensor, group)
@@ -388,6 +390,15 @@ class AutoCodec:
         if timed:
             self.planner.time(key, start, future)
         return future
+
+    def _agreed(self, codec: str, group: dist.ProcessGroup, device: torch.device) -> str:
+        """A tied weight's copies are summed by ranks of different pipeline stages, each stage probing and
+        planning its own links: they take the latest candidate any of them chose (one scalar all-reduce over the
+        tie's group, every step), so that every copy runs the same codec's collectives."""
+        names = self.planner.plan.codecs  # (the same candidates, in the same order, on every rank)
+        choice = torch.tensor([names.index(codec)], dtype=torch.int64, device=device)
+        dist.all_reduce(choice, op=dist.ReduceOp.MAX, group=group)
+        return names[int(choice.item())]
 
     def _carry(self, old: str, key: int | str, tensor: Tensor, group: dist.ProcessGroup) -> None:
         """Hand codec ``old``'s error-feedback residual for ``key`` to the route the bucket takes now."""

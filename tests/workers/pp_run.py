@@ -224,8 +224,20 @@ def main(argv: list[str] | None = None) -> None:
                         help="2 data-parallel ranks reading 3 and 5 of each step's 8 samples")
     parser.add_argument("--nan-at", type=int, default=-1, help="a NaN gradient on global rank 2 at this step")
     parser.add_argument("--scheduler", action="store_true", help="StepLR, and a ModelCheckpoint every 10 steps")
+    parser.add_argument("--prefer-codecs-on-last-stage", action="store_true",
+                        help="the last pipeline stage's ranks plan a codec wherever one is measured")
     parser.add_argument("--blocks", default="list", help="'dict': the GPT's blocks in an nn.ModuleDict")
     args = parser.parse_args(argv)
+    if args.prefer_codecs_on_last_stage and int(os.environ.get("LOCAL_RANK", 0)) >= args.devices - args.devices // args.pp:
+        # The last stage's plan takes a codec for every stage it plans while training (as if its probe had seen a
+        # slower link than the first stage's): the stages then plan a tied weight's sum apart.
+        from ddp_plugin.planning import NO_CODEC, CostModel
+
+        def prefer_a_codec(model, stage, nbytes, codecs=None):
+            lossy = [c for c in (codecs or model.codecs) if c != NO_CODEC and (stage, c) in model.cross]
+            return lossy[0], model.stage_seconds(stage, lossy[0], nbytes)
+
+        CostModel.choose_codec = prefer_a_codec
     extra = {"uneven": args.uneven, "nan_at": args.nan_at, "scheduler": args.scheduler, "blocks": args.blocks}
     torch.set_num_threads(1)
     if args.reference:
