@@ -112,10 +112,18 @@ def max_rank_difference(strategy: Any, tensor: Tensor) -> float:
 # ---------------------------------------------------------------------------------------------- a pool of ranks
 
 
+_READY = "ready"
+
+
 def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    except BaseException:  # noqa: BLE001 - reported: the pool starts again on another port
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, _READY))
     try:
         while True:
             task = tasks.get()
@@ -138,19 +146,44 @@ class RankPool:
     must its arguments and results be picklable.
     """
 
-    def __init__(self, world_size: int, timeout: float = 60.0) -> None:
+    def __init__(self, world_size: int, timeout: float = 60.0, attempts: int = 3) -> None:
         self.world_size = world_size
         self.timeout = timeout
+        """For each function: the ranks' start is not counted (on a busy machine spawning and importing can take
+        minutes), only the function's own run."""
+        for attempt in range(attempts):
+            failures = self._start(free_port())
+            if not failures:
+                return
+            self.close(force=True)  # (another process took the free port first, say)
+        raise RuntimeError(f"the ranks did not start in {attempts} attempts:\n" + "\n".join(failures))
+
+    def _start(self, port: int) -> list[str]:
+        """Spawn the ranks on ``port`` and wait until each has joined the group, or failed (its error), or ended."""
         ctx = mp.get_context("spawn")
-        port = free_port()
         self._results = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
-            ctx.Process(target=_serve, args=(r, world_size, port, self._tasks[r], self._results), daemon=True)
-            for r in range(world_size)
+            ctx.Process(target=_serve, args=(r, self.world_size, port, self._tasks[r], self._results), daemon=True)
+            for r in range(self.world_size)
         ]
         for p in self._procs:
             p.start()
+        ready: set[int] = set()
+        failures: list[str] = []
+        while len(ready) + len(failures) < self.world_size:
+            try:
+                rank, ok, value = self._results.get(timeout=5.0)
+            except queue.Empty:
+                gone = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in ready]
+                if gone:
+                    return failures + [f"rank {r} ended while starting" for r in gone]
+                continue
+            if ok:
+                ready.add(rank)
+            else:
+                failures.append(f"rank {rank}:\n{value}")
+        return failures
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """``fn(rank, world_size, *args)`` on every rank; the results in rank order. A failure on any rank
