@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -8,6 +9,10 @@ import pytest
 
 from ddp_plugin.testing.simcluster import SimulatedCluster
 from tests.support import ROOT
+
+# Every Python the tests start (ranks, workers, the zygote and so its forked children) prints each thread's stack
+# when native code crashes, so a rank that dies of a signal in CI says where.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 @pytest.fixture(scope="module")
