@@ -1,7 +1,7 @@
-"""The process side of the strategy: devices and ranks, the launcher, the rendezvous with its timeouts, and
-the collectives Lightning itself calls (barrier, broadcast, reduce), with failures diagnosed. What Lightning's
-``DDPStrategy`` does for its processes, as the base class of ``HierarchicalZeroStrategy``; it reads the
-settings from the subclass's ``config``."""
+"""The process side of the strategy: devices and ranks, the launcher, the rendezvous with its timeouts, the
+process groups and device mesh of the layout, and the collectives Lightning itself calls (barrier, broadcast,
+reduce), with failures diagnosed. What Lightning's ``DDPStrategy`` does for its processes, as the base class of
+``HierarchicalZeroStrategy``; it reads the settings from the subclass's ``config``."""
 
 from __future__ import annotations
 
@@ -30,9 +30,12 @@ from torch import Tensor
 from typing_extensions import override
 
 from ddp_plugin import health
+from ddp_plugin.process_groups import ProcessGroups, check_ranks_per_node
 from ddp_plugin.topology import Layout, connect_timeout, set_collective_timeout
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from ddp_plugin.config import StrategyConfig
 
 
@@ -41,6 +44,7 @@ class DistributedEnvironment(ParallelStrategy):
     ``timeout``, ``devices_per_node``)."""
 
     config: StrategyConfig
+    _groups: ProcessGroups | None = None
     _backend: str | None = None
     _num_nodes: int = 1
 
@@ -133,6 +137,26 @@ class DistributedEnvironment(ParallelStrategy):
                               device_id=device_id)
         if initializing:  # a default group the user created keeps the timeout they gave it
             set_collective_timeout(dist.group.WORLD, self.config.timeout)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """Lightning's ``("data_parallel", "tensor_parallel")`` mesh, as ``ModelParallelStrategy`` has it; the
+        LightningModule reads it as ``self.device_mesh`` in ``configure_model``. Made when the processes connect,
+        for a module that overrides ``configure_model`` or a ``tensor_parallel_size`` above 1."""
+        if self._groups is None or not self._groups.has_device_mesh:
+            raise RuntimeError(
+                "The device mesh exists once the processes have connected, for a LightningModule that overrides"
+                " `configure_model` (or with `tensor_parallel_size` > 1); read it in `configure_model`."
+            )
+        return self._groups.device_mesh()
+
+    def _connect(self) -> None:
+        """The process groups and meshes of the layout. Collectives, so not in `setup_environment` for a module
+        that needs no device mesh: that (as DDPStrategy's) only creates the process group, and code that mocks its
+        creation, as Lightning's tests do, must not reach a collective."""
+        if self.config.devices_per_node is None:  # simulated nodes: the user chose the layout on purpose
+            check_ranks_per_node(self.cluster_environment, self.num_processes, self.world_size)
+        self._groups = ProcessGroups.get(self._layout(), self.root_device, self._backend, self.config.timeout)
 
     def _get_process_group_backend(self) -> str:
         if self.config.process_group_backend:

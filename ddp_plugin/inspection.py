@@ -1,7 +1,7 @@
-"""What a user (or a callback, or the precision plugin) asks the strategy about the ``fit`` in progress: the
-full parameters and gradients where they are sharded, gradient norms, gradient clipping that sees every shard,
-memory, and the plugins' metrics. A mixin of ``HierarchicalZeroStrategy``; outside a ``fit`` each answers as
-unsharded training would."""
+"""What a user (or a callback, or the precision plugin) asks the strategy about the ``fit`` in progress: its
+topology, plugins, engine and plan, the full parameters and gradients where they are sharded, gradient norms,
+gradient clipping that sees every shard, memory, and the plugins' metrics. A mixin of ``HierarchicalZeroStrategy``;
+outside a ``fit`` each answers as unsharded training would."""
 
 from __future__ import annotations
 
@@ -16,9 +16,14 @@ from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.session import memory_bytes
 
 if TYPE_CHECKING:
+    import pluggy
     from torch.amp import GradScaler
     from torch.optim import Optimizer
 
+    from ddp_plugin.engine import GradientEngine
+    from ddp_plugin.hookspecs import Topology
+    from ddp_plugin.planning import CommPlan
+    from ddp_plugin.process_groups import ProcessGroups
     from ddp_plugin.session import FitSession
 
 
@@ -26,10 +31,45 @@ class FitInspection:
     """The inspection methods of ``HierarchicalZeroStrategy``."""
 
     _session: FitSession | None
+    _groups: ProcessGroups | None
 
     def _running(self) -> FitSession | None:
         """The session of the ``fit`` in progress, if one is."""
         return self._session if self._session is not None and self._session.active else None
+
+    @property
+    def topology(self) -> Topology | None:
+        return self._groups.topology if self._groups is not None else None
+
+    @property
+    def plugin_manager(self) -> pluggy.PluginManager | None:
+        """The pluggy plugin manager of the current or last ``fit`` (``None`` before the first)."""
+        return self._session.plugin_manager if self._session is not None else None
+
+    @property
+    def engine(self) -> GradientEngine | None:
+        """The gradient engine of the current ``fit`` (``None`` outside of it)."""
+        return self._session.engine if self._running() else None
+
+    @property
+    def comm_plan(self) -> CommPlan | None:
+        """What the link probe measured and decided, per bucket (docs/adaptive.md); ``None`` when nothing was left
+        to decide (one rank, or every choice set by a flag) or before the first ``fit``."""
+        return self._session.comm_plan if self._session is not None else None
+
+    @property
+    def uses_hierarchical_reducer(self) -> bool:
+        """Whether gradients are reduced in node, cross-node and gather stages (decided once the layout is known;
+        during a ``fit`` whose plan chooses per bucket: whether any bucket may be)."""
+        if self._session is not None:
+            return self._session.hierarchical
+        return self._hierarchical_by_flags()
+
+    def _hierarchical_by_flags(self) -> bool:
+        if self.config.hierarchical is not None:
+            return self.config.hierarchical
+        layout = self._layout().data_parallel_layout
+        return layout.num_nodes > 1 and layout.ranks_per_node > 1
 
     @property
     def skipped_steps(self) -> int:

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from ddp_plugin.health import diagnosed
 from ddp_plugin.hookspecs import is_tensor_parallel_shard
@@ -45,9 +46,20 @@ class TensorParallel:
         """The module's shared parameters before ``configure_model`` ran (it may break them)."""
         self.whereabouts: tensor_parallel.Whereabouts | None = None
 
-    def note_ties(self, module: Module) -> None:
-        """Before ``configure_model``: which parameters are one (an embedding tied to the head)."""
-        self.ties = tensor_parallel.shared_parameters(module)
+    def before_configure_model(self, module: pl.LightningModule | None, size: int) -> bool:
+        """Before ``configure_model`` runs: refuse a ``size`` above 1 without one, and take note of the ties it
+        may break (:func:`tensor_parallel.restore_ties`). Whether the module needs the device mesh (it overrides
+        ``configure_model``, which reads it)."""
+        configures = module is not None and is_overridden("configure_model", module)
+        if size > 1 and not configures:
+            raise TypeError(
+                f"`tensor_parallel_size={size}` needs a LightningModule that overrides `configure_model` and splits"
+                " its layers there on `self.device_mesh['tensor_parallel']` (`parallelize_module`, as for"
+                " Lightning's ModelParallelStrategy); without it every rank would hold the whole model. Add"
+                " `configure_model`, or set `tensor_parallel_size=1`."
+            )
+        self.ties = tensor_parallel.shared_parameters(module) if configures else []
+        return configures
 
     def prepare(self, model: Module, groups: ProcessGroups, config: StrategyConfig) -> None:
         """After ``configure_model``, before anything is allocated: refuse what cannot work, tie again what it
