@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ddp_plugin.codecs.int8 import dequantize_int8, quantize_int8
 from ddp_plugin.parallel import transformers_stages
 from ddp_plugin.parallel.stage_plan import StagePlan, _get, _left_out, _set, stage_blocks
 
@@ -124,14 +125,13 @@ class _Unpack(torch.autograd.Function):
 
 
 def pack_rows(x: Tensor) -> Tensor:
-    """``x`` (``(..., d)``, ``d`` even) as int8 rows with their fp32 scales, in a :data:`CARRIER` tensor."""
+    """``x`` (``(..., d)``, ``d`` even) as int8 rows with their fp32 scales (the int8 codec's quantization, a block
+    per row), in a :data:`CARRIER` tensor. A row holding inf or NaN has a non-finite scale: it comes back NaN."""
     d = x.shape[-1]
-    rows = x.detach().reshape(-1, d).float()
-    scale = rows.abs().amax(dim=1, keepdim=True).div_(127.0)
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # (an all-zero row: any scale gives zeros)
-    packed = torch.empty(rows.shape[0], d + 4, dtype=torch.int8, device=x.device)
-    packed[:, :d] = torch.div(rows, scale).round_().clamp_(-127, 127)  # (NaN where the scale is not finite)
-    packed[:, d:] = scale.view(torch.int8)
+    q, scales = quantize_int8(x.detach().reshape(-1, d))
+    packed = torch.empty(q.shape[0], d + 4, dtype=torch.int8, device=x.device)
+    packed[:, :d] = q
+    packed[:, d:] = scales.view(torch.int8).view(-1, 4)
     return packed.view(CARRIER).reshape(*x.shape[:-1], (d + 4) // 2)
 
 
@@ -139,8 +139,9 @@ def unpack_rows(carrier: Tensor, dtype: torch.dtype) -> Tensor:
     """:func:`pack_rows` undone: a ``dtype`` tensor of shape ``(..., d)``."""
     width = carrier.shape[-1] * 2
     packed = carrier.reshape(-1, carrier.shape[-1]).contiguous().view(torch.int8)
-    scale = packed[:, width - 4 :].contiguous().view(torch.float32)
-    return (packed[:, : width - 4].float() * scale).to(dtype).reshape(*carrier.shape[:-1], width - 4)
+    scales = packed[:, width - 4 :].contiguous().view(torch.float32).squeeze(1)
+    rows = dequantize_int8(packed[:, : width - 4], scales)
+    return rows.to(dtype).reshape(*carrier.shape[:-1], width - 4)
 
 
 def _is_carrier(value: Any) -> bool:
