@@ -34,7 +34,8 @@ Predicted cross-node bytes per node and step of a pipeline contender (float32; s
 With ``pipeline_activations="bf16"`` the activations are B*s*d*2 bytes (``"int8"``: B*s*(d+4), a scale per row);
 with the tie's sum through int8 each part crosses as int8 codes plus one fp32 scale per 1024 values, a
 reduce-scatter and an all-gather of half the part each on the 2-rank group: V*d*4 (1/4 + 1/1024) bytes from each
-node.
+node. At ZeRO stages 1-3 (the ``_z`` contenders) the same: each data-parallel rank sums its own 1/D part (its
+shard at stages 2-3), and a stage's shards and gathered units stay inside its node.
 
 Bubble: on every rank of a pipeline contender the benchmark times (wrapping methods of the strategy's schedule
 and stages, not the library's code) the schedule's step and, inside it, the stage's forward, backward and loss
@@ -81,6 +82,8 @@ CONTENDERS = {
     "ours_pp2_time": "ours, PP 2 x DP 2, 1F1B, `pipeline_split=\"time\"`",
     "ours_pp2_all": "ours, PP 2 x DP 2, 1F1B, int8 tie + bf16 activations + split by time",
     "ours_pp2_gpipe": "ours, PP 2 x DP 2, GPipe",
+    **{f"ours_pp2_all_z{z}": f"ours, PP 2 x DP 2, 1F1B, int8 tie + bf16 activations + split by time, ZeRO stage {z}"
+       for z in (1, 2, 3)},
 }
 DEFAULT_CONTENDERS = ("lightning_ddp", "ours_dp_int8", "ours_pp2", "ours_pp2_int8", "ours_pp2_bf16", "ours_pp2_time",
                       "ours_pp2_all")
@@ -92,6 +95,8 @@ PIPELINES = {  # the pipeline contenders: their schedule and flags
     "ours_pp2_time": ("1f1b", {"pipeline_split": "time"}),
     "ours_pp2_all": ("1f1b", {"compression": "int8", "pipeline_activations": "bf16", "pipeline_split": "time"}),
     "ours_pp2_gpipe": ("gpipe", {}),
+    **{f"ours_pp2_all_z{z}": ("1f1b", {"compression": "int8", "pipeline_activations": "bf16",
+                                       "pipeline_split": "time", "zero_stage": z}) for z in (1, 2, 3)},
 }
 SCHEDULES = {name: schedule for name, (schedule, _) in PIPELINES.items()}
 INT8_BLOCK = 1024  # the int8 codec's default values per scale
