@@ -453,7 +453,7 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
 def run_torch(args: argparse.Namespace) -> dict[str, Any]:
     """A plain training loop for the contenders Lightning cannot run on CPU."""
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     local_world = int(os.environ["LOCAL_WORLD_SIZE"])
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)

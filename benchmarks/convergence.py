@@ -392,7 +392,7 @@ def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: 
         f" AdamW(lr={_lrs_text(args)}, weight_decay={WEIGHT_DECAY:g}) on every rank; initial parameters from"
         f" `seed_everything({SEED})`, the same in every run",
         f"- inner learning rate (`--schedule {args.schedule}`), the same in every run: {schedule_text(args)}"
-        + (f"; each run trained once at each of its peak lrs (`--lr`, or its own with `--runs name@lr`)"
+        + ("; each run trained once at each of its peak lrs (`--lr`, or its own with `--runs name@lr`)"
            if grid else "")
         + ("" if args.schedule == "constant" else
            " (`CharModel(lr_lambda=WarmupCosine(...))`, a `LambdaLR` stepped after every optimizer step; the outer"
