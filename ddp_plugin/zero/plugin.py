@@ -85,7 +85,8 @@ class ZeroSharder:
         self.shards = Shards(buckets, layout, comm, release_gradients=self.stage >= 2,
                              release_parameters=unit_buckets,
                              initialize=lambda params: hook.on_initialize_parameters(params=params))
-        self.units = Units(self._plan, self.shards, self.prefetch_units) if self.stage == 3 else None
+        self.units = (Units(self._plan, self.shards, self.prefetch_units, hold=topology.pipeline_parallel_size > 1)
+                      if self.stage == 3 else None)
         if self.stage == 1:
             self._register_stage_1_hooks()
         self.optimizers = ShardedOptimizers(self.shards, self.shards.make_pieces(), self.stage)
@@ -270,7 +271,8 @@ class ZeroSharder:
         if self.units is None:
             return {}
         peak, self.units.peak_gathered_bytes = self.units.peak_gathered_bytes, self.shards.gathered_bytes()
-        return {"zero/gathered_peak_MB": peak / 1e6}
+        gathers, self.units.gathers = self.units.gathers, 0
+        return {"zero/gathered_peak_MB": peak / 1e6, "zero/unit_gathers": float(gathers)}
 
     # ------------------------------------------------------------------ for tests and benchmarks
 

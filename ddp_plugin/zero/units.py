@@ -208,10 +208,15 @@ class Units:
     """Stage 3 at run time: the units over ``shards`` (whose non-root units hold only their shard at first),
     the module hooks that gather and free them, and the peak of gathered bytes (metrics)."""
 
-    def __init__(self, plan: UnitPlan, shards: Shards, prefetch: int = 2) -> None:
+    def __init__(self, plan: UnitPlan, shards: Shards, prefetch: int = 2, hold: bool = False) -> None:
         self.shards = shards
         self.prefetch = prefetch
         """Units gathered ahead of the one running (0: none; 1: the next, as FSDP; 2: the next two, the default)."""
+        self.hold = hold
+        """Keep a unit gathered from its first forward with gradients until the sharder frees every unit (after
+        the step's backward, and after the optimizer step): for pipeline stages, whose microbatches each run the
+        stage's forward and backward, which would otherwise gather every unit 2M times a step (torchtitan keeps
+        FSDP's units gathered under pipeline parallelism too, ``reshard_after_forward=False``)."""
         self.units: list[Unit] = []
         self.of_bucket: dict[int, Unit] = {}
         self.handles: list[Any] = []
@@ -235,6 +240,8 @@ class Units:
             for p in bucket.params:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._make_grad_done(unit)))
         self.peak_gathered_bytes = self.fit_peak_gathered_bytes = shards.gathered_bytes()
+        self.gathers = 0
+        """Units gathered since the last metrics collection (one step): ``zero/unit_gathers``."""
 
     def remove_hooks(self) -> None:
         for h in self.handles:
@@ -256,6 +263,7 @@ class Units:
         unit.gathered = False
 
     def _start_gather(self, unit: Unit, async_op: bool) -> None:
+        self.gathers += 1
         pending = []
         for b in unit.buckets:
             entry = self.shards.entries[b]
@@ -314,7 +322,7 @@ class Units:
 
         def post_forward(_module: nn.Module, _args: Any, output: Any) -> Any:
             unit.waiting.discard(id(_module))
-            if not unit.waiting:
+            if not unit.waiting and not (self.hold and torch.is_grad_enabled()):
                 self.free(unit)
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
             if tensors and torch.is_grad_enabled():
@@ -335,7 +343,7 @@ class Units:
             if unit.persistent:
                 return
             unit.remaining -= 1
-            if unit.remaining == 0 and unit.gathered:
+            if unit.remaining == 0 and unit.gathered and not self.hold:
                 self.free(unit)
 
         return grad_done

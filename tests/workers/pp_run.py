@@ -192,6 +192,9 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
             "val_loss": float(trainer.callback_metrics["val_loss"]),
             "sampler": trainer.strategy.distributed_sampler_kwargs,
             "skipped_steps": getattr(trainer.strategy, "skipped_steps", 0),
+            # stage 3: units gathered per step (the metric's mean), and the units there are to gather
+            "unit_gathers": getattr(strategy, "metric_means", {}).get("zero/unit_gathers"),
+            "units": _units(strategy),
             "hierarchical": getattr(trainer.strategy, "uses_hierarchical_reducer", False),
             # the codec's per-bucket state (error feedback, PowerSGD's matrices) by key: "tied_gradient/<i>" where
             # the sum of a tie's copies went through it
@@ -203,6 +206,13 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
             "tied_elements": tied_elements,  # (through the codec: with one only)
             "stage_blocks": model._ddp_plugin_stages[0].stage_blocks if hasattr(model, "_ddp_plugin_stages") else None,
         }, os.path.join(out, f"{tag}.pt"))
+
+
+def _units(strategy) -> int | None:
+    """ZeRO stage 3: the units the sharder gathers and frees (the root unit stays gathered); else None."""
+    manager = getattr(strategy, "plugin_manager", None)
+    units = getattr(manager.get_plugin("zero_sharder") if manager is not None else None, "units", None)
+    return None if units is None else sum(not unit.persistent for unit in units.units)
 
 
 def main(argv: list[str] | None = None) -> None:
