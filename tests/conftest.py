@@ -10,8 +10,8 @@ import pytest
 from ddp_plugin.testing.simcluster import SimulatedCluster
 from tests.support import ROOT
 
-# Every Python the tests start (ranks, workers, the zygote and so its forked children) prints each thread's stack
-# when native code crashes, so a rank that dies of a signal in CI says where.
+# Every Python the tests start (ranks, workers, the zygote and so its forked children, whose stderr is the caller's
+# by then) prints each thread's stack when native code crashes, so a rank that dies of a signal in CI says where.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 

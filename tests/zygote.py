@@ -234,7 +234,6 @@ def serve(path: str) -> None:
 
 
 def _child(request: dict, fds: list[int], conn: socket.socket) -> None:
-    import faulthandler
     import gc
     import random
     import runpy
@@ -245,9 +244,6 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> None:
     for number, fd in enumerate(fds):
         os.dup2(fd, number)
         os.close(fd)
-    # A crash in native code (a segfault in a collective) prints every thread's Python stack to the caller's
-    # stderr, as PYTHONFAULTHANDLER would in a fresh interpreter: CI once saw a rank end with -11 and no trace.
-    faulthandler.enable(all_threads=True)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

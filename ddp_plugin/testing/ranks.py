@@ -151,7 +151,7 @@ class RankPool:
         self.timeout = timeout
         """For each function: the ranks' start is not counted (on a busy machine spawning and importing can take
         minutes), only the function's own run."""
-        for attempt in range(attempts):
+        for _ in range(attempts):
             failures = self._start(free_port())
             if not failures:
                 return
