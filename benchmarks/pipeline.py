@@ -42,7 +42,8 @@ and stages, not the library's code) the schedule's step and, inside it, the stag
 of each microbatch. Idle share = 1 - compute / schedule time: the time the stage waited for a neighbour, that is
 the pipeline bubble plus activations and gradients in flight. It is set beside the schedule's ideal bubble for
 equal stages, (P-1)/(M+P-1), and beside the ideal for stages with the measured compute times c_s (fill and drain,
-no transfers): 1 - c_s / (max(c) (M-1)/M + sum(c)/M). The stages are balanced by parameter count and the last
+no transfers): 1 - c_s / (max(c) (M-1)/M + sum(c)/M). The stages are balanced by parameter count (by time where
+the contender says so, which may cut a block between the stages: the stage table shows where) and the last
 also computes the head and the loss (its tied weight counts on both), so they are not equal. Caveat: 4 ranks
 share the machine's cores, so a waiting rank lends its core to the others and compute times stretch with what
 else runs: this is this machine's idle share, not that of a device per rank. ``--ranks-per-node 1`` runs P 2 x D 1
@@ -242,6 +243,7 @@ def worker(args: argparse.Namespace) -> None:
         out["steps"] = window.steps
         plan = getattr(model, "_ddp_plugin_stages", None)  # (private: which blocks each stage ran)
         out["stage_blocks"] = [list(b) for b in plan[0].stage_blocks] if plan else None
+        out["cuts"] = [[i, cut.at] for i, cut in plan[0].cuts] if plan else []
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"rank{out['rank']}.json").write_text(json.dumps(out))
     if error:
@@ -339,6 +341,7 @@ def summarize(args: argparse.Namespace, rate: str, name: str, runs: list[dict[st
         row["stages"] = stages
         row["ideal_bubble"] = (P - 1) / (m + P - 1)
         row["stage_blocks"] = ok[0][0].get("stage_blocks")
+        row["cuts"] = ok[0][0].get("cuts", [])
     return row
 
 
@@ -422,7 +425,10 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
         ]
         for r in piped:
             for s, st in enumerate(r["stages"]):
-                blocks = ",".join(map(str, r["stage_blocks"][s])) if r.get("stage_blocks") else "?"
+                cut = dict(r.get("cuts", []))  # a block cut between two stages: up to / from its module `at`
+                blocks = ",".join(
+                    (f"{i} (from `{cut[i]}`)" if s and i in r["stage_blocks"][s - 1] else f"{i} (to `{cut[i]}`)")
+                    if i in cut else str(i) for i in r["stage_blocks"][s]) if r.get("stage_blocks") else "?"
                 lines.append(f"| {r['rate']} | {r['name']} | {r['node_mb'][0]:.3f} / {r['node_mb'][1]:.3f} | {s} |"
                              f" {blocks} | {st['schedule_s']:.3f} | {st['compute_s']:.3f} | {st['idle']:.3f} |"
                              f" {r['ideal_bubble']:.3f} | {st['ideal_idle']:.3f} | {st['sync_s']:.3f} |"

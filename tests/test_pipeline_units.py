@@ -143,7 +143,7 @@ def test_the_split_by_time_gives_a_heavy_block_a_stage_of_its_own():
     example = torch.randn(256, 128)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     rng = torch.get_rng_state()
-    timer = lambda owner, blocks: time_blocks(owner, blocks, example, torch.device("cpu"))  # noqa: E731
+    timer = lambda owner, blocks, cuts={}: time_blocks(owner, blocks, example, torch.device("cpu"), cuts=cuts)  # noqa: E731
     seconds = timer(model, list(model.blocks))
     assert len(seconds) == 6 and all(t > 0 for t in seconds[1:5])
     assert seconds[4] > sum(seconds[:4]), seconds  # the heavy block measured as such (a busy machine blurs the rest)

@@ -22,6 +22,8 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from ddp_plugin.parallel.block_cut import Cut
+
 REPEATS = 3
 """Timed passes (after one untimed): each part's median counts."""
 
@@ -40,10 +42,13 @@ def check_example(module: Any) -> Any:
 
 
 def time_blocks(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, device: torch.device,
-                group: dist.ProcessGroup | None = None) -> list[float]:
+                group: dist.ProcessGroup | None = None, cuts: Mapping[int, Cut] | None = None) -> list[float]:
     """Seconds of forward plus backward of what runs before the first block, of each block, and of what runs after
     the last (``len(blocks) + 2`` numbers), on ``device`` (``owner`` moved there for the timing and back),
-    averaged over the ranks of ``group`` (collective)."""
+    averaged over the ranks of ``group`` (collective). With ``cuts`` (a cut per block position), then for each
+    cut, in the order of the positions, the share of its block's time that its first part takes: the forward
+    time of the modules the first part calls over that of all the modules either part calls (the backward taken
+    to follow the forward's proportions)."""
     if any(p.is_meta for p in owner.parameters()):
         raise ValueError(
             "`pipeline_split='time'` runs the model to time its blocks, and this model was built on the meta device"
@@ -55,7 +60,7 @@ def time_blocks(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, dev
     owner.to(device)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            parts = _timed(owner, blocks, move_data_to_device(example, device), _synchronizer(device))
+            parts = _timed(owner, blocks, move_data_to_device(example, device), _synchronizer(device), cuts or {})
     finally:
         for p in owner.parameters():
             p.grad = None
@@ -70,8 +75,10 @@ def time_blocks(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, dev
     return seconds.tolist()
 
 
-def _timed(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, sync: Callable[[], None]) -> list[float]:
+def _timed(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, sync: Callable[[], None],
+           cuts: Mapping[int, Cut]) -> list[float]:
     stamps: dict[tuple[str, int], float] = {}
+    spent: dict[tuple[int, str], float] = {}  # (block, attribute): forward seconds of the cut blocks' modules
 
     def stamp(key: str, i: int) -> Callable[..., None]:
         def hook(*_: Any) -> None:
@@ -84,10 +91,16 @@ def _timed(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, sync: Ca
         handles += [block.register_forward_pre_hook(stamp("f0", i)), block.register_forward_hook(stamp("f1", i)),
                     block.register_full_backward_pre_hook(stamp("b0", i)),
                     block.register_full_backward_hook(stamp("b1", i))]
-    n, runs = len(blocks), []
+    for i, cut in cuts.items():
+        for name in (*cut.first, *cut.second):
+            if isinstance(child := blocks[i]._modules.get(name), nn.Module):
+                handles += [child.register_forward_pre_hook(_started(spent, (i, name), sync)),
+                            child.register_forward_hook(_ended(spent, (i, name), sync))]
+    n, runs, shares = len(blocks), [], []
     try:
         for _ in range(REPEATS + 1):
             stamps.clear()
+            spent.clear()
             sync()
             start = time.perf_counter()
             output = _call(owner, example)
@@ -102,12 +115,34 @@ def _timed(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, sync: Ca
             run += [stamps["f1", i] - stamps["f0", i] + stamps["b1", i] - stamps["b0", i] for i in range(n)]
             run.append(forward_end - stamps["f1", n - 1] + stamps["b0", n - 1] - forward_end)
             runs.append(run)
+            shares.append([_share(spent, i, cut) for i, cut in sorted(cuts.items())])
             for p in owner.parameters():
                 p.grad = None
     finally:
         for handle in handles:
             handle.remove()
-    return [max(0.0, statistics.median(column)) for column in zip(*runs[1:])]
+    return ([max(0.0, statistics.median(column)) for column in zip(*runs[1:])]
+            + [statistics.median(column) for column in zip(*shares[1:])])
+
+
+def _started(spent: dict[Any, float], key: Any, sync: Callable[[], None]) -> Callable[..., None]:
+    def hook(*_: Any) -> None:
+        sync()
+        spent[key] = spent.get(key, 0.0) - time.perf_counter()
+    return hook
+
+
+def _ended(spent: dict[Any, float], key: Any, sync: Callable[[], None]) -> Callable[..., None]:
+    def hook(*_: Any) -> None:
+        sync()
+        spent[key] += time.perf_counter()
+    return hook
+
+
+def _share(spent: Mapping[tuple[int, str], float], block: int, cut: Cut) -> float:
+    first = sum(spent.get((block, name), 0.0) for name in cut.first)
+    total = first + sum(spent.get((block, name), 0.0) for name in cut.second)
+    return first / total if total > 0 else 0.5
 
 
 def _call(owner: nn.Module, example: Any) -> Any:

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from ddp_plugin.config import StrategyConfig
+    from ddp_plugin.parallel.block_cut import Cut
     from ddp_plugin.process_groups import ProcessGroups
     from ddp_plugin.topology import Layout
     from ddp_plugin.session import FitSession
@@ -162,11 +163,14 @@ class PipelineParallel:
             return None
         example = balance.check_example(module)
 
-        def timer(owner: Module, blocks: Sequence[Module]) -> list[float]:
-            seconds = balance.time_blocks(owner, blocks, example, device)
-            log.info("ddp_plugin: pipeline_split='time': %s ms before the blocks, %s per block, %s after them",
-                     f"{seconds[0] * 1e3:.2f}", ", ".join(f"{t * 1e3:.2f}" for t in seconds[1:-1]),
-                     f"{seconds[-1] * 1e3:.2f}")
+        def timer(owner: Module, blocks: Sequence[Module], cuts: Mapping[int, Cut]) -> list[float]:
+            seconds = balance.time_blocks(owner, blocks, example, device, cuts=cuts)
+            n = len(blocks)
+            log.info("ddp_plugin: pipeline_split='time': %s ms before the blocks, %s per block, %s after them%s",
+                     f"{seconds[0] * 1e3:.2f}", ", ".join(f"{t * 1e3:.2f}" for t in seconds[1:n + 1]),
+                     f"{seconds[n + 1] * 1e3:.2f}", "".join(
+                         f"; block {i} before `{cut.at}`: {share:.2f} of it" for (i, cut), share
+                         in zip(sorted(cuts.items()), seconds[n + 2:])))
             return seconds
 
         return timer

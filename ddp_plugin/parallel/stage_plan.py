@@ -16,7 +16,8 @@ from typing import Any
 
 from torch import nn
 
-from ddp_plugin.parallel import transformers_stages
+from ddp_plugin.parallel import block_cut, transformers_stages
+from ddp_plugin.parallel.block_cut import Cut
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -39,9 +40,15 @@ class StagePlan:
     and ``after`` may then be dotted paths below ``owner``."""
     output: str = ""
     """``"transformers"``: the attribute of the model's output a stage returns (``"logits"``)."""
+    cuts: tuple[tuple[int, Cut], ...] = ()
+    """The blocks cut between two stages (:mod:`ddp_plugin.parallel.block_cut`): (position, cut). Such a block is
+    in the ``stage_blocks`` of both; the earlier runs its first part, the later its second."""
 
     def key(self, position: int) -> str:
         return self.keys[position] if self.keys else str(position)
+
+    def cut(self, position: int) -> Cut | None:
+        return dict(self.cuts).get(position)
 
     @property
     def num_stages(self) -> int:
@@ -60,9 +67,13 @@ class StagePlan:
         if any(map(under, self.after)):
             return {self.num_stages - 1}
         if rest.startswith(f"{self.blocks}."):
-            key = rest[len(self.blocks) + 1:].partition(".")[0]
+            key, _, inside = rest[len(self.blocks) + 1:].partition(".")
             index = self.keys.index(key) if self.keys else int(key)
-            return {s for s, blocks in enumerate(self.stage_blocks) if index in blocks}
+            stages = sorted(s for s, blocks in enumerate(self.stage_blocks) if index in blocks)
+            cut = self.cut(index)
+            if cut is not None and inside:
+                return {stages[-1] if inside.partition(".")[0] in cut.second else stages[0]}
+            return set(stages)
         return set(range(self.num_stages))
 
 
@@ -104,8 +115,10 @@ def check_split(value: Any) -> str | tuple[tuple[str, ...], ...]:
     )
 
 
-Timer = Callable[[nn.Module, Sequence[nn.Module]], Sequence[float]]
-"""``pipeline_split="time"``'s measure: (the model, its blocks) -> seconds before the blocks, per block, after them."""
+Timer = Callable[[nn.Module, Sequence[nn.Module], Mapping[int, Cut]], Sequence[float]]
+"""``pipeline_split="time"``'s measure: (the model, its blocks, a cut per block that may be cut) -> seconds before
+the blocks, per block, after them, then per cut (in the order of its block) the share of the block's seconds its
+first part takes (:func:`ddp_plugin.parallel.balance.time_blocks`)."""
 
 
 def plan_stages(module: nn.Module, num_stages: int, split: str | Sequence[Sequence[str]] = "parameters",
@@ -183,18 +196,29 @@ def _cut(module: nn.Module, owner_path: str, blocks_path: str, before: tuple[str
         )
     is_dict = isinstance(blocks, nn.ModuleDict)
     keys = tuple(blocks.keys()) if is_dict else ()
+    listed = list(blocks.values()) if is_dict else list(blocks)
+    cuts: dict[int, Cut] = {}
     if not isinstance(split, str):
-        runs = _named_runs(split, num_stages, owner_path, blocks_path, keys or tuple(map(str, range(len(blocks)))),
-                           before, after)
+        runs, named = _named_runs(split, num_stages, owner_path, blocks_path,
+                                  keys or tuple(map(str, range(len(blocks)))), before, after)
+        cuts = {i: _named_cut(listed[i], f"{path}.{keys[i] if keys else i}", *parts) for i, parts in named.items()}
     elif split == "time":
         if timer is None:
             raise ValueError("`pipeline_split='time'` times the blocks when a fit sets the stages up.")
-        first, *sizes, last = timer(owner, list(blocks.values()) if is_dict else list(blocks))
-        sizes[0] += first
-        sizes[-1] += last
-        runs = tuple(tuple(r) for r in _balanced_runs(sizes, num_stages))
+        options = {i: _middle(b, found) for i, b in enumerate(listed) if (found := block_cut.candidates(b))}
+        seconds = timer(owner, listed, options)
+        first, *sizes, last = seconds[:len(listed) + 2]
+        shares = dict(zip(sorted(options), seconds[len(listed) + 2:]))
+        pieces = []  # (block, seconds): a block that may be cut is two pieces, its parts
+        for i, t in enumerate(sizes):
+            pieces += [(i, t * shares[i]), (i, t * (1 - shares[i]))] if i in shares else [(i, t)]
+        weights = [t for _, t in pieces]
+        weights[0] += first
+        weights[-1] += last
+        runs = tuple(tuple(dict.fromkeys(pieces[j][0] for j in run)) for run in _balanced_runs(weights, num_stages))
+        cuts = {run[-1]: options[run[-1]] for run, later in zip(runs, runs[1:]) if run[-1] == later[0]}
     else:
-        sizes = _split_sizes(split, list(blocks.values()) if is_dict else list(blocks), path)
+        sizes = _split_sizes(split, listed, path)
         if split == "parameters":  # (the modules before and after the blocks weigh on the first and last stage)
             def count(names: tuple[str, ...]) -> int:
                 return sum(p.numel() for n in names if (m := _get(owner, n)) is not None for p in m.parameters())
@@ -202,7 +226,36 @@ def _cut(module: nn.Module, owner_path: str, blocks_path: str, before: tuple[str
             sizes[0] += count(before)
             sizes[-1] += count(after)
         runs = tuple(tuple(r) for r in _balanced_runs(sizes, num_stages))
-    return StagePlan(owner_path, blocks_path, before, after, runs, keys, is_dict, **kind)
+    return StagePlan(owner_path, blocks_path, before, after, runs, keys, is_dict, cuts=tuple(sorted(cuts.items())),
+                     **kind)
+
+
+def _middle(block: nn.Module, cuts: Sequence[Cut]) -> Cut:
+    """Of a block's cuts, the one nearest its middle by parameter count (the split by time then times it)."""
+    def count(names: Sequence[str]) -> int:
+        held = [getattr(block, n) for n in names]
+        return sum(p.numel() for m in held if isinstance(m, nn.Module) for p in m.parameters()) + sum(
+            m.numel() for m in held if isinstance(m, nn.Parameter))
+
+    return min(cuts, key=lambda c: abs(count(c.first) - count(c.second)))
+
+
+def _named_cut(block: nn.Module, path: str, first: Sequence[str], second: Sequence[str]) -> Cut:
+    """The cut of the block at ``path`` whose first part holds the attributes ``first`` and whose second part holds
+    ``second`` (as the stages named them); ``ValueError`` saying why where none does."""
+    fitting = [c for c in block_cut.candidates(block) if set(first) <= set(c.first) and set(second) <= set(c.second)]
+    if fitting:
+        return fitting[0]
+    try:
+        block_cut.find(block, second[0])
+        why = "no cut puts them on those sides"
+    except ValueError as err:
+        why = str(err)
+    raise ValueError(
+        f"`pipeline_split` cuts `{path}` between two stages ({', '.join(f'`{path}.{n}`' for n in first)} before,"
+        f" {', '.join(f'`{path}.{n}`' for n in second)} after), and it cannot be cut there: {why}. A block is cut"
+        " where one value crosses (docs/pipeline.md, \"Where the stages split\"); or name it whole in one stage."
+    )
 
 
 def _split_sizes(split: str, blocks: Sequence[nn.Module], path: str) -> list[int]:
@@ -241,25 +294,37 @@ def _left_out(plan: StagePlan) -> nn.Module | None:
 
 
 def _named_runs(split: Sequence[Sequence[str]], num_stages: int, owner: str, blocks: str, keys: Sequence[str],
-                before: Sequence[str], after: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+                before: Sequence[str], after: Sequence[str]
+                ) -> tuple[tuple[tuple[int, ...], ...], dict[int, tuple[tuple[str, ...], tuple[str, ...]]]]:
     """The blocks' positions per stage from the module names of each stage (``pipeline_split`` as a list, as
     torchtitan's ``module_fqns_per_model_part``): names of the model's modules, with or without the
     LightningModule's prefix (``"blocks.3"`` or ``"model.blocks.3"``). The blocks must be named once each, in
     order, at least one per stage; the modules before them may be named in the first stage, those after them in
-    the last."""
+    the last. A block may instead be cut between two consecutive stages, each naming its own part's children
+    (``"blocks.2.attn"`` at the end of one stage, ``"blocks.2.mlp"`` at the start of the next); such blocks are
+    returned too, with the attributes each stage named."""
     flag = f"`pipeline_split` (a list of {len(split)} stages)"
     if len(split) != num_stages:
         raise ValueError(f"{flag} names {len(split)} stages; the pipeline runs {num_stages}"
                          " (`pipeline_parallel_size` x `pipeline_virtual_stages`): one list per stage.")
     position = {f"{blocks}.{key}": i for i, key in enumerate(keys)}
     prefix = f"{owner}." if owner else ""
-    runs, seen = [], []
+    runs, seen, parts = [], [], []  # parts: per stage, block position -> the attributes it named
     for stage, names in enumerate(split):
-        run = []
+        run: list[int] = []
+        named: dict[int, list[str]] = {}
         for full in names:
             name = full[len(prefix):] if prefix and full.startswith(prefix) else full
+            block, inside = None, ""
+            for head in position:
+                if name.startswith(f"{head}."):
+                    block, inside = head, name[len(head) + 1:].partition(".")[0]
             if name in position:
                 run.append(position[name])
+            elif block is not None:
+                if not run or run[-1] != position[block]:
+                    run.append(position[block])
+                named.setdefault(position[block], []).append(inside)
             elif name in before or name in after:
                 where, wanted = ("first", 0) if name in before else ("last", num_stages - 1)
                 if stage != wanted:
@@ -274,15 +339,32 @@ def _named_runs(split: Sequence[Sequence[str]], num_stages: int, owner: str, blo
         if not run:
             raise ValueError(f"{flag}: stage {stage} ({list(names)}) names no block; each stage runs at least one.")
         runs.append(tuple(run))
+        parts.append(named)
         seen.extend(run)
-    if seen != list(range(len(keys))):
+    cuts: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+    for stage, named in enumerate(parts):
+        for i, attributes in named.items():
+            nxt = parts[stage + 1].get(i) if stage + 1 < num_stages else None
+            if i in cuts:
+                continue
+            if (nxt is None or runs[stage][-1] != i or runs[stage + 1][0] != i
+                    or (stage > 0 and i in parts[stage - 1])):
+                name = f"{prefix}{blocks}.{keys[i]}"
+                raise ValueError(
+                    f"{flag} names parts of `{name}` ({', '.join(f'`{name}.{a}`' for a in attributes)}) in stage"
+                    f" {stage}: a block is named whole, or cut between two consecutive stages, its first part's"
+                    " modules last in one stage and its second part's first in the next."
+                )
+            cuts[i] = (tuple(attributes), tuple(nxt))
+    merged = [i for j, i in enumerate(seen) if not (j and i == seen[j - 1] and i in cuts)]
+    if merged != list(range(len(keys))):
         missing = [f"{blocks}.{keys[i]}" for i in range(len(keys)) if i not in seen]
         raise ValueError(
             f"{flag} must name every block of `{prefix}{blocks}` once, in order, stage after stage"
             + (f"; missing: {', '.join(missing)}" if missing else f"; named: {', '.join(f'{blocks}.{keys[i]}' for i in seen)}")
             + "."
         )
-    return tuple(runs)
+    return tuple(runs), cuts
 
 
 def _balanced_runs(sizes: Sequence[float], parts: int) -> list[list[int]]:
@@ -341,6 +423,13 @@ def split_module(module: nn.Module, plan: StagePlan, stages: Iterable[int]) -> N
     owner = module.get_submodule(plan.owner)
     keep = {i for s in stages for i in plan.stage_blocks[s]}
     blocks = _get(owner, plan.blocks)
+    for i, cut in plan.cuts:  # a cut block: this rank's part of it
+        held = [s for s in stages if i in plan.stage_blocks[s]]
+        if len(held) == 2:
+            raise ValueError(f"Both parts of the cut block `{plan.blocks}.{plan.key(i)}` are on one pipeline rank.")
+        if held:
+            second = held[0] == max(s for s, run in enumerate(plan.stage_blocks) if i in run)
+            block_cut.keep_part(blocks._modules[plan.key(i)], cut, second)
     _set(owner, plan.blocks, stage_blocks(plan, {i: blocks._modules[plan.key(i)] for i in keep}))
     for name in plan.before if 0 not in stages else ():
         _set(owner, name, _left_out(plan))

@@ -47,6 +47,9 @@ LAYOUTS: dict[str, dict] = {
     "2x2_zero3_node_diloco": {"devices_per_node": 2, "zero_stage": 3, "shard_scope": "node", "sync_every": 2},
     "tp2_dp2_zero3": {"devices_per_node": 2, "tensor_parallel_size": 2, "zero_stage": 3},
     "pp2_dp2_zero3": {"devices_per_node": 2, "pipeline_parallel_size": 2, "zero_stage": 3},
+    # a block cut between the stages (traced on meta; each stage materializes and initializes its part)
+    "pp2_dp2_cut": {"devices_per_node": 2, "pipeline_parallel_size": 2,
+                    "pipeline_split": [["blocks.0", "blocks.1.attn"], ["blocks.1.mlp"]]},
     "tp2_dp2": {"devices_per_node": 2, "tensor_parallel_size": 2},
     "pp2_dp2": {"devices_per_node": 2, "pipeline_parallel_size": 2},
     "pp2_tp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
@@ -77,7 +80,9 @@ class Record(L.Callback):
         flat = self.start_flat = local_parameters(strategy, pl_module)
         with strategy.full_parameters():
             norms = [m for m in gpt.modules() if isinstance(m, torch.nn.LayerNorm)]
-            q = next((b.attn.q.weight for b in gpt.blocks if b is not None), None)  # (this stage's first block)
+            # (this stage's first block that holds an attention: with a block cut between the stages, a stage may
+            # hold only the part of one after its attention)
+            q = next((b.attn.q.weight for b in gpt.blocks if b is not None and hasattr(b, "attn")), None)
             self.start = {
                 "meta_left": any(local_tensor(t).is_meta for t in tensors),
                 "devices": sorted({str(local_tensor(t).device) for t in tensors}),
