@@ -49,6 +49,7 @@ def runs(tmp_path_factory) -> dict:
         ["--out", out, *P2, "--variants", "1f1b", "--tag=-named", "--flags={\"pipeline_split\": [[\"tok\","
          " \"pos\", \"blocks.0\"], [\"model.blocks.1\", \"blocks.2\", \"blocks.3\", \"ln_f\", \"head\"]]}"],
         ["--out", out, *P2, "--variants", "1f1b:3", "--save-at", "10", "--tag=-cut", CUT],
+        ["--out", out, *P2, "--variants", "1f1b", "--resume", out / "gpipe-1-step10.ckpt", "--tag=-into-cut", CUT],
         # checkpoint="sharded": each rank writes its stage's part, keyed by the unsplit model's names
         ["--out", out, *P2, "--variants", "1f1b:1", "--save-at", "10", "--tag=-sharded", SHARDED],
         ["--out", out, *P2, "--variants", "gpipe:3", "--resume", out / "1f1b-1-sharded-step10.ckpt",
@@ -75,7 +76,7 @@ def runs(tmp_path_factory) -> dict:
     names = ["reference", "reference-acc", "reference-sched", *VARIANTS, "interleaved_1f1b:1-acc", "1f1b:2-resumed",
              "1f1b-p1", "reference-resumed", "gpipe-sample", "gpipe-rank", "1f1b-nan", "1f1b:1-sched",
              "1f1b:1-sharded", "gpipe:3-sharded-resumed", "1f1b-p4", "1f1b:1-sharded-p1", "gpipe:1-from-3",
-             "1f1b-dict", "1f1b-dict-p1", "1f1b-named", "1f1b:3-cut", "1f1b-cut-p1"]
+             "1f1b-dict", "1f1b-dict-p1", "1f1b-named", "1f1b:3-cut", "1f1b-cut-p1", "1f1b-into-cut"]
     runs = {name: torch.load(out / f"{name.replace(':', '-')}.pt") for name in names}
     runs["checkpoints"] = out
     return runs
@@ -117,7 +118,7 @@ def test_stages_named_by_the_user_split_there_and_train_as_ddp(runs):
 
 def test_a_block_cut_between_two_stages_trains_and_resumes_as_ddp(runs):
     # ZeRO-3 with each block a unit: the cut block is a unit on each stage (its part); the checkpoint, written under
-    # the unsplit model's names, resumes without stages.
+    # the unsplit model's names, resumes without stages, and one written by whole-block stages resumes into the cut.
     run = runs["1f1b:3-cut"]
     assert run["stage_blocks"] == ((0, 1), (1, 2, 3))
     assert relative_difference(run["state"], runs["reference"]["state"]) <= RTOL
@@ -125,6 +126,7 @@ def test_a_block_cut_between_two_stages_trains_and_resumes_as_ddp(runs):
     assert run["losses"] == pytest.approx(runs["reference"]["losses"], rel=1e-3)
     assert run["units"] == 2 and run["unit_gathers"] <= 2.5 * run["units"]  # (rank 0: blocks 0 and 1's part)
     assert relative_difference(runs["1f1b-cut-p1"]["state"], runs["reference"]["state"]) <= RTOL
+    assert relative_difference(runs["1f1b-into-cut"]["state"], runs["reference"]["state"]) <= RTOL
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
