@@ -7,7 +7,8 @@ and data parallelism inside each node (D 2), against data parallelism across the
 
 The pipeline contenders: today's defaults (``ours_pp2``), each change for slow links alone (the tie's sum through
 ``compression="int8"``, ``pipeline_activations="bf16"``, ``pipeline_split="time"``) and all three together
-(``ours_pp2_all``); ``ours_pp2_gpipe`` on request. The rate ``none`` runs the same cluster with the link uncapped:
+(``ours_pp2_all``); ``ours_pp2_gpipe`` and ``ours_pp2_all_cut`` (the three with the middle block cut after its
+attention, named: the cut the split by time makes with a rank per core) on request. The rate ``none`` runs the same cluster with the link uncapped:
 each contender's compute floor, set beside its capped steps in a table of its own.
 
 Every contender trains the same tied-embedding GPT (``ddp_plugin.testing.gpt``) from the same seed on the same token
@@ -83,6 +84,7 @@ CONTENDERS = {
     "ours_pp2_time": "ours, PP 2 x DP 2, 1F1B, `pipeline_split=\"time\"`",
     "ours_pp2_all": "ours, PP 2 x DP 2, 1F1B, int8 tie + bf16 activations + split by time",
     "ours_pp2_gpipe": "ours, PP 2 x DP 2, GPipe",
+    "ours_pp2_all_cut": "ours, PP 2 x DP 2, 1F1B, int8 tie + bf16 activations, the middle block cut after its attention",
     **{f"ours_pp2_all_z{z}": f"ours, PP 2 x DP 2, 1F1B, int8 tie + bf16 activations + split by time, ZeRO stage {z}"
        for z in (1, 2, 3)},
 }
@@ -96,6 +98,8 @@ PIPELINES = {  # the pipeline contenders: their schedule and flags
     "ours_pp2_time": ("1f1b", {"pipeline_split": "time"}),
     "ours_pp2_all": ("1f1b", {"compression": "int8", "pipeline_activations": "bf16", "pipeline_split": "time"}),
     "ours_pp2_gpipe": ("gpipe", {}),
+    # the cut `pipeline_split="time"` makes with a rank per core, named (the setup's timing is not repeated)
+    "ours_pp2_all_cut": ("1f1b", {"compression": "int8", "pipeline_activations": "bf16", "pipeline_split": "cut"}),
     **{f"ours_pp2_all_z{z}": ("1f1b", {"compression": "int8", "pipeline_activations": "bf16",
                                        "pipeline_split": "time", "zero_stage": z}) for z in (1, 2, 3)},
 }
@@ -220,6 +224,11 @@ def worker(args: argparse.Namespace) -> None:
         strategy = HierarchicalZeroStrategy(hierarchical=True, compression="int8")
     else:
         schedule, flags = PIPELINES[name]
+        if flags.get("pipeline_split") == "cut":  # block layers // 2 cut after its attention, one stage each side
+            middle = args.layers // 2
+            flags = {**flags, "pipeline_split": [[*(f"blocks.{i}" for i in range(middle)), f"blocks.{middle}.attn"],
+                                                 [f"blocks.{middle}.mlp",
+                                                  *(f"blocks.{i}" for i in range(middle + 1, args.layers))]]}
         strategy = HierarchicalZeroStrategy(pipeline_parallel_size=P, pipeline_microbatches=args.microbatches,
                                             pipeline_schedule=schedule, devices_per_node=per_node, **flags)
     replicas = per_node if name in SCHEDULES else world
