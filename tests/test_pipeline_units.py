@@ -138,16 +138,24 @@ class Stack(nn.Module):
 def test_the_split_by_time_gives_a_heavy_block_a_stage_of_its_own():
     from ddp_plugin.parallel.balance import time_blocks
 
-    model = Stack([1, 1, 1, 16])  # equal parameters: by count two blocks per stage
+    model = Stack([1, 1, 1, 64])  # equal parameters: by count two blocks per stage
     assert plan_stages(model, 2).stage_blocks == ((0, 1), (2, 3))
     example = torch.randn(256, 128)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     rng = torch.get_rng_state()
-    timer = lambda owner, blocks, cuts={}: time_blocks(owner, blocks, example, torch.device("cpu"), cuts=cuts)  # noqa: E731
-    seconds = timer(model, list(model.blocks))
-    assert len(seconds) == 6 and all(t > 0 for t in seconds[1:5])
+    measured = []
+
+    def timer(owner, blocks, cuts):
+        measured.append(time_blocks(owner, blocks, example, torch.device("cpu"), cuts=cuts))
+        return measured[-1]
+
+    plan = plan_stages(model, 2, "time", timer)
+    seconds = measured[0]  # (the plan's own measurement: a second one on a busy machine may differ)
+    assert len(seconds) == 6 + 4 and all(t > 0 for t in seconds[1:5])  # (and each block's share before its cut)
     assert seconds[4] > sum(seconds[:4]), seconds  # the heavy block measured as such (a busy machine blurs the rest)
-    assert plan_stages(model, 2, "time", timer).stage_blocks == ((0, 1, 2), (3,))
+    # the heavy block gets a stage of its own (the first stage may also take its part before the norm, where the
+    # timing says that balances better)
+    assert plan.stage_blocks[0][:3] == (0, 1, 2) and plan.stage_blocks[1] == (3,), plan
     # nothing left behind: no gradient, the batch norms' statistics and the generator as they were
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
