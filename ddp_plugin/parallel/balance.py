@@ -94,8 +94,8 @@ def _timed(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, sync: Ca
     for i, cut in cuts.items():
         for name in (*cut.first, *cut.second):
             if isinstance(child := blocks[i]._modules.get(name), nn.Module):
-                handles += [child.register_forward_pre_hook(_started(spent, (i, name), sync)),
-                            child.register_forward_hook(_ended(spent, (i, name), sync))]
+                handles += [child.register_forward_pre_hook(_clock(spent, (i, name), sync, -1.0)),
+                            child.register_forward_hook(_clock(spent, (i, name), sync, 1.0))]
     n, runs, shares = len(blocks), [], []
     try:
         for _ in range(REPEATS + 1):
@@ -125,17 +125,12 @@ def _timed(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, sync: Ca
             + [statistics.median(column) for column in zip(*shares[1:])])
 
 
-def _started(spent: dict[Any, float], key: Any, sync: Callable[[], None]) -> Callable[..., None]:
+def _clock(spent: dict[Any, float], key: Any, sync: Callable[[], None], sign: float) -> Callable[..., None]:
+    """A hook adding ``sign`` x now to ``spent[key]``: -1 as a module's forward starts, +1 as it ends (a module
+    called several times adds up each call)."""
     def hook(*_: Any) -> None:
         sync()
-        spent[key] = spent.get(key, 0.0) - time.perf_counter()
-    return hook
-
-
-def _ended(spent: dict[Any, float], key: Any, sync: Callable[[], None]) -> Callable[..., None]:
-    def hook(*_: Any) -> None:
-        sync()
-        spent[key] += time.perf_counter()
+        spent[key] = spent.get(key, 0.0) + sign * time.perf_counter()
     return hook
 
 

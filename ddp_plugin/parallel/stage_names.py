@@ -33,10 +33,10 @@ def named_runs(split: Sequence[Sequence[str]], num_stages: int, owner: str, bloc
         named: dict[int, list[str]] = {}
         for full in names:
             name = full[len(prefix):] if prefix and full.startswith(prefix) else full
-            block, inside = None, ""
-            for head in position:
-                if name.startswith(f"{head}."):
-                    block, inside = head, name[len(head) + 1:].partition(".")[0]
+            key, _, rest = name[len(blocks) + 1:].partition(".") if name.startswith(f"{blocks}.") else ("", "", "")
+            block, inside = (f"{blocks}.{key}", rest.partition(".")[0]) if rest else (None, "")
+            if block not in position:
+                block = None
             if name in position:
                 run.append(position[name])
             elif block is not None:

@@ -233,9 +233,7 @@ def _cut(module: nn.Module, owner_path: str, blocks_path: str, before: tuple[str
 def _middle(block: nn.Module, cuts: Sequence[Cut]) -> Cut:
     """Of a block's cuts, the one nearest its middle by parameter count (the split by time then times it)."""
     def count(names: Sequence[str]) -> int:
-        held = [getattr(block, n) for n in names]
-        return sum(p.numel() for m in held if isinstance(m, nn.Module) for p in m.parameters()) + sum(
-            m.numel() for m in held if isinstance(m, nn.Parameter))
+        return sum(p.numel() for name, p in block.named_parameters() if name.partition(".")[0] in names)
 
     return min(cuts, key=lambda c: abs(count(c.first) - count(c.second)))
 
