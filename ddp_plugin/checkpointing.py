@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from ddp_plugin import cpu_memory, sharded_checkpoint
 from ddp_plugin.parallel import tensor_parallel
+from ddp_plugin.parallel.state_parts import StatePart, TensorParallelState
 from ddp_plugin.hookspecs import local_tensor, pipeline_copies
 from ddp_plugin.checkpoint_io import (
     AtomicCheckpointIO,
@@ -111,34 +112,34 @@ class CheckpointRouting:
                 " (`ddp_plugin.sharded_checkpoint.consolidate` makes one file of it where memory allows)."
             )
 
+    def _state_parts(self) -> list[StatePart]:
+        """Every parallelism's part in this fit's checkpoints (:mod:`ddp_plugin.parallel.state_parts`), in the
+        order a save applies them; a load applies them in reverse. None: every rank holds the whole model."""
+        parts: list[StatePart] = []
+        if self._has_tensor_parallel_model():
+            parts.append(TensorParallelState(self.lightning_module, sharder=bool(self.config.zero_stage)))
+        if self._pipeline is not None:
+            parts.append(self._pipeline.checkpoint)
+        return parts
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        runner = self._pipeline
-        if self.config.checkpoint == "master" and (runner is not None or self._has_tensor_parallel_model()):
-            self._refuse_master_beyond_memory()
-        if runner is not None and self.config.checkpoint == "master":
-            # Each stage's whole state (tensor-parallel blocks gathered), then every stage's to global rank 0
-            # under the unsplit model's names, a tied parameter's names sharing one tensor.
-            with diagnosed("the checkpoint's gather of the pipeline stages to rank 0"):
-                with self.full_parameters():  # (at ZeRO stage 3, copied before the units are freed again)
-                    whole = tensor_parallel.full_state_dict(self.lightning_module.state_dict())
-                    whole = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in whole.items()}
-                return runner.checkpoint.gather_module_state(whole)
         pm = self._state_plugins()
-        if self.config.checkpoint == "sharded":  # each rank its pieces (of its tensor-parallel blocks, if split)
+        parts = self._state_parts()
+        if self.config.checkpoint == "sharded":
+            # Each rank its pieces (ZeRO's, of a split tensor's local shard if split) or its own tensors; DTensors
+            # stay DTensors, which DCP stores as each rank's shard of the whole tensor.
             state = pm.hook.on_local_module_state_dict(module=self.lightning_module) if pm is not None else None
-            state = state if state is not None else self.lightning_module.state_dict()
-            return tensor_parallel.local_blocks(state)[0] if self._has_tensor_parallel_model() else state
-        if self._has_tensor_parallel_model():
-            # Whole, plain tensors under the unsplit model's names (an all-gather per split tensor, every rank;
-            # at ZeRO stage 3 inside `full_parameters()`, copied before its units are freed again): loadable into
-            # the unsplit model in one process, and into any other split.
-            with diagnosed("the checkpoint's gather of the tensor-parallel model"), self.full_parameters():
-                state = super().lightning_module_state_dict()
-                whole = tensor_parallel.full_state_dict(state)
-                if self.config.zero_stage == 3:  # (a replicated DTensor's whole value is its local tensor)
-                    whole = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in whole.items()}
-                return whole
+            return state if state is not None else self.lightning_module.state_dict()
+        if parts:  # a model no rank holds whole: made whole by its parts, rank 0 writes it
+            self._refuse_master_beyond_memory()
+            with diagnosed(f"the checkpoint's gather of {_what(parts)}"), self.full_parameters():
+                state = self.lightning_module.state_dict()
+                if self.config.zero_stage == 3:  # copied before the units are freed again on leaving
+                    state = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in state.items()}
+                for part in parts:
+                    state = part.whole_module(state)
+            return state
         if pm is not None:
             with diagnosed("the checkpoint's gather of the model to rank 0"):
                 state = pm.hook.on_module_state_dict(module=self.lightning_module)
@@ -150,30 +151,24 @@ class CheckpointRouting:
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         pm = self._state_plugins()
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
-        tensor_parallel_model = self._has_tensor_parallel_model()
-        runner = self._pipeline
-        if runner is not None and self.config.checkpoint == "master":
-            with diagnosed("the checkpoint's gather of the pipeline stages' optimizer state to rank 0"):
-                state = pm.hook.on_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
-                state = tensor_parallel.full_state_dict(state if state is not None else optimizer.state_dict())
-                return runner.checkpoint.gather_optimizer_state(state, optimizer)
+        parts = self._state_parts()
         if self.config.checkpoint == "sharded":
             local = pm.hook.on_local_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
             if local is None:
                 sd = optimizer.state_dict()
                 flat = {f"{i}/{k}": v for i, st in sd["state"].items() for k, v in st.items()}
                 local = {"state": flat, "param_groups": sd["param_groups"], "shapes": {}}
-            if tensor_parallel_model:  # this rank's blocks of state tensors that are DTensors
-                blocks, shapes = tensor_parallel.local_blocks(local["state"])
-                local = {**local, "state": blocks, "shapes": {**local.get("shapes", {}), **shapes}}
-            if runner is not None:  # keyed by the unsplit model's names: the stages number their parameters alike
-                with diagnosed("the checkpoint's gather of the pipeline stages' optimizer groups to rank 0"):
-                    local = runner.checkpoint.named_sharded_optimizer_state(local, optimizer)
+            with diagnosed(f"the checkpoint's gather of the optimizer groups of {_what(parts)}"):
+                for part in parts:
+                    local = part.local_optimizer(local, optimizer)
             return local
-        if tensor_parallel_model:
-            with diagnosed("the checkpoint's gather of the tensor-parallel optimizer state"):
+        if parts:
+            with diagnosed(f"the checkpoint's gather of the optimizer state of {_what(parts)}"):
                 state = pm.hook.on_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
-                return tensor_parallel.full_state_dict(state if state is not None else optimizer.state_dict())
+                state = state if state is not None else optimizer.state_dict()
+                for part in parts:
+                    state = part.whole_optimizer(state, optimizer)
+            return state
         if pm is not None:
             with diagnosed("the checkpoint's gather of the optimizer state's layout to rank 0"):
                 state = pm.hook.on_optimizer_state_dict(optimizer=optimizer)
@@ -186,12 +181,10 @@ class CheckpointRouting:
         if pm is None:
             return
         checkpoint[CHECKPOINT_KEY] = _merged(pm.hook.on_save_state_dict())
-        runner = self._pipeline
-        if runner is not None:
-            # Each stage's plugins hold their stage's parameters' state (under the unsplit names): rank 0 writes
-            # every stage's.
-            with diagnosed("the checkpoint's gather of the pipeline stages' plugin state to rank 0"):
-                checkpoint[CHECKPOINT_KEY] = runner.checkpoint.gather_nested(materialize(checkpoint[CHECKPOINT_KEY]))
+        parts = self._state_parts()
+        with diagnosed(f"the checkpoint's gather of the plugin state of {_what(parts)} to rank 0"):
+            for part in parts:
+                checkpoint[CHECKPOINT_KEY] = part.plugin_state(checkpoint[CHECKPOINT_KEY])
         parts = [part for part in pm.hook.on_save_rank_state_dict() if part]
         if parts:  # the same answer on every rank (the contract), so every rank takes part in the gather
             mine = _merged(parts)
@@ -240,8 +233,6 @@ class CheckpointRouting:
         shapes: dict[str, tuple[int, ...]] = {
             f"model/{name}": tuple(value.shape) for name, value in live.items() if isinstance(value, Tensor)
         }
-        # Every rank's block shape of the tensor-parallel parameters (rank 0 writes them, holding only its own).
-        shapes.update({f"model/{key}": shape for key, shape in tensor_parallel.block_shapes(live).items()})
         if deferred_storages({k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}):
             # Plugin state to be gathered (a sync mode's outer state): gathered now, on every rank, into what rank 0
             # writes beside the shards (the sharded layout keeps only model and optimizer tensors per rank).
@@ -249,10 +240,10 @@ class CheckpointRouting:
         optimizers = checkpoint.get("optimizer_states", [])
         for j, opt in enumerate(optimizers):
             shapes.update({f"optim/{j}/{k}": v for k, v in opt.get("shapes", {}).items()})
-        runner = self._pipeline
-        if runner is not None:  # rank 0 writes the shapes of every stage's tensors
-            with diagnosed("the checkpoint's gather of the pipeline stages' shapes to rank 0"):
-                shapes = runner.checkpoint.gather_shapes(shapes)
+        parts = self._state_parts()
+        with diagnosed(f"the checkpoint's gather of the shapes of {_what(parts)} to rank 0"):
+            for part in parts:
+                shapes = part.shapes(shapes)
         sharded_checkpoint.save(checkpoint, checkpoint["state_dict"], optimizers, shapes, local_path(filepath))
 
     @override
@@ -275,7 +266,7 @@ class CheckpointRouting:
         if is_local_path(checkpoint_path) and sharded_checkpoint.is_sharded_checkpoint(local_path(checkpoint_path)):
             # A model no rank holds whole (pipeline stages, tensor parallelism) reads its own part only: the
             # tensors are read as `load_model_state_dict` and `load_optimizer_state_dict` take them.
-            lazy = self._pipeline is not None or self._has_tensor_parallel_model()
+            lazy = bool(self._state_parts())
             checkpoint = sharded_checkpoint.load(local_path(checkpoint_path), lazy=lazy)
         else:
             try:
@@ -309,7 +300,7 @@ class CheckpointRouting:
     def _mapped_load(self, checkpoint_path: Any) -> bool:
         """Whether a consolidated checkpoint is read by memory mapping: a local file in ``torch.save``'s zip format,
         read through this library's or Lightning's own checkpoint IO, into a model no rank holds whole."""
-        if not (self._pipeline is not None or self._has_tensor_parallel_model()):
+        if not self._state_parts():
             return False
         if type(self.checkpoint_io) not in (AtomicCheckpointIO, TorchCheckpointIO) or not is_local_path(checkpoint_path):
             return False
@@ -318,9 +309,8 @@ class CheckpointRouting:
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state = checkpoint["state_dict"]
-        if self._pipeline is not None:  # the unsplit model's: this stage takes its own entries
-            mine = self.lightning_module.state_dict().keys()
-            state = {k: v for k, v in state.items() if k in mine}
+        for part in reversed(self._state_parts()):  # this rank's part of the unsplit model's state, split as here
+            state = part.module_to_load(state, self.lightning_module)
         missing, unexpected, mismatched = _compare_state_dicts(self.lightning_module.state_dict(), state)
         if strict and (missing or unexpected or mismatched):
             details = []
@@ -337,8 +327,6 @@ class CheckpointRouting:
         if any(isinstance(v, sharded_checkpoint.StoredTensor) for v in state.values()):
             _load_stored(self.lightning_module, state, strict)
             return
-        if self._has_tensor_parallel_model():
-            state = tensor_parallel.distribute_state_dict(state, self.lightning_module)  # each rank its part
         self.lightning_module.load_state_dict(state, strict=strict)
 
     @override
@@ -347,17 +335,14 @@ class CheckpointRouting:
             return super().load_optimizer_state_dict(
                 {**checkpoint, "optimizer_states": sharded_checkpoint.materialized(checkpoint["optimizer_states"])})
         pm = self._session.plugin_manager
-        runner = self._pipeline
+        parts = list(reversed(self._state_parts()))
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if runner is not None:  # the unsplit model's optimizer state: this stage's part, numbered as here
-                state = runner.checkpoint.local_optimizer_state(state, optimizer)
-            tensor_parallel_state = self._has_tensor_parallel_model() and not self.config.zero_stage
-            if tensor_parallel_state:  # whole tensors in the file: each rank takes (or reads) its part
-                state = tensor_parallel.distribute_optimizer_state(state, optimizer)
+            for part in parts:  # the unsplit model's optimizer state: this rank's part, numbered and split as here
+                state = part.optimizer_to_load(state, optimizer)
             state = sharded_checkpoint.materialized(state)  # (what is left, whole: the hooks take tensors)
             if not pm.hook.on_load_optimizer_state_dict(optimizer=optimizer, state_dict=state):
-                if self._has_tensor_parallel_model() and not tensor_parallel_state:
-                    state = tensor_parallel.distribute_optimizer_state(state, optimizer)
+                for part in parts:
+                    state = part.optimizer_fallback(state, optimizer)
                 optimizer.load_state_dict(state)
             _optimizers_to_device([optimizer], self.root_device)
         return None
@@ -383,6 +368,10 @@ def _load_stored(module: Module, state: Mapping[str, Any], strict: bool) -> None
             del value
     if rest:
         module.load_state_dict(rest, strict=False)
+
+
+def _what(parts: list[StatePart]) -> str:
+    return " and ".join(part.what for part in parts) or "the model"
 
 
 def _merged(parts: list[dict[str, Any] | None]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ What is here:
   placeholder, predict); :mod:`~ddp_plugin.parallel.stage_module`: one stage's module (its forward, the
   activations' dtype across nodes); :mod:`~ddp_plugin.parallel.ties`: parameters several stages hold and their
   gradients' sum; :mod:`~ddp_plugin.parallel.stage_checkpoint`: the stages' state against the unsplit model's;
+  :mod:`~ddp_plugin.parallel.state_parts`: each parallelism's part in a checkpoint (the contract the routing asks);
 - :mod:`~ddp_plugin.parallel.transformers_stages`: a Hugging Face model's stages from its ``base_model_pp_plan``;
 - :mod:`~ddp_plugin.parallel.components`: each parallelism as the strategy sees it.
 
@@ -19,6 +20,8 @@ The contract between a parallelism and the strategy (:class:`~ddp_plugin.paralle
 once per layout) for its groups, it prepares the module in ``setup`` before anything is allocated (tensor
 parallelism checks what ``configure_model`` did on the meta device; pipeline parallelism keeps this rank's
 stages), it starts once the module is materialized (the pipeline's schedule runner), and it wraps the steps it
-changes (the forward, the backward, a pipelined ``*_step``). The strategy's ``setup`` runs them in torchtitan's
-order: build (meta), split, parallelize, materialize, shard (the fit's session), optimizers.
+changes (the forward, the backward, a pipelined ``*_step``). Its say in a checkpoint is a part
+(:class:`~ddp_plugin.parallel.state_parts.StatePart`) that the checkpoint routing applies on every save and load.
+The strategy's ``setup`` runs them in torchtitan's order: build (meta), split, parallelize, materialize, shard
+(the fit's session), optimizers.
 """

@@ -11,17 +11,22 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ddp_plugin.checkpoint_io import materialize
+from ddp_plugin.parallel.state_parts import StatePart
+
 if TYPE_CHECKING:
     import torch
 
     from ddp_plugin.parallel.ties import Tie
 
 
-class StageCheckpoint:
+class StageCheckpoint(StatePart):
     """The state of this rank's stages against the unsplit model's: ``module`` (the LightningModule, holding this
     rank's stages only), ``group`` (this rank's pipeline group of ``size`` ranks, in which it is ``rank``),
     ``ties`` and ``order`` (the unsplit model's parameter names in ``named_parameters()`` order, a tied parameter
-    once)."""
+    once). Pipeline parallelism's part in a checkpoint (:class:`~ddp_plugin.parallel.state_parts.StatePart`)."""
+
+    what = "the pipeline stages"
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, size: int, rank: int, ties: list[Tie],
                  order: Sequence[str]) -> None:
@@ -176,6 +181,33 @@ class StageCheckpoint:
                 local += 1
             out_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": indices})
         return {"state": out_state, "param_groups": out_groups}
+
+
+    # ------------------------------------------------------------------ the part in a checkpoint (StatePart)
+
+    def whole_module(self, state: dict[str, Any]) -> dict[str, Any]:
+        return self.gather_module_state(state)
+
+    def whole_optimizer(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self.gather_optimizer_state(state, optimizer)
+
+    def local_optimizer(self, local: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self.named_sharded_optimizer_state(local, optimizer)
+
+    def shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        return self.gather_shapes(shapes)
+
+    def plugin_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        # Each stage's plugins hold their stage's parameters' state (under the unsplit names): rank 0 writes every
+        # stage's.
+        return self.gather_nested(materialize(state))
+
+    def module_to_load(self, state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+        mine = module.state_dict().keys()  # the unsplit model's: this stage takes its own entries
+        return {k: v for k, v in state.items() if k in mine}
+
+    def optimizer_to_load(self, state: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self.local_optimizer_state(state, optimizer)
 
 
 def _to_cpu(value: Any) -> Any:
