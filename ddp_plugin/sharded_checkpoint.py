@@ -8,12 +8,16 @@ Tensors are stored under flat keys. A tensor every rank holds whole is ``model/<
 ``optim/<j>/<index>/<state key>`` for optimizer ``j``'s state of parameter ``index``, numbered across parameter
 groups as in an unsharded ``optimizer.state_dict()``); DCP writes such a key once, whichever ranks hold it. A
 piece of a sharded tensor is ``<key>#<start>``: the 1-D slice of the flattened tensor that starts at element
-``start``. A tensor split by tensor parallelism is written as blocks: ``<key>@<dim>:<offset>`` is the block of
-the whole tensor that starts at ``offset`` along ``dim`` (a rank's local shard), and ``<key>@<dim>:<offset>#<start>``
-a piece of that block's flattening (ZeRO shards a local shard). Loading assembles the unsharded layout from
-whatever pieces and blocks the writers held, so a sharded
-checkpoint resumes on any world size, stage, shard scope or hierarchy, exactly like a consolidated one, and
-:func:`consolidate` turns it into a single file plain Lightning loads.
+``start``. A tensor split by tensor parallelism (a DTensor) is written as DCP writes DTensors, as torch's own
+``get_model_state_dict`` and ``dcp.save`` would: each rank's shard under the tensor's key, with the whole shape
+and the shard's offsets in DCP's metadata, so ``dcp.load`` reads it into any split or whole. Where ZeRO shards a
+rank's shard further (stage 3), the pieces are ``<key>@<dim>:<offset>#<start>``: the 1-D slice, starting at
+element ``start``, of the flattened block of the whole tensor that starts at ``offset`` along ``dim`` (torch has
+no encoding for a flat piece of a DTensor's shard). Layout 1 (no ``FORMAT_KEY``: written before the layout had a
+version) wrote every tensor-parallel shard as such a block ``<key>@<dim>:<offset>``; it still loads. Loading
+assembles the unsharded layout from whatever pieces and blocks the writers held, so a sharded checkpoint resumes
+on any world size, stage, shard scope or hierarchy, exactly like a consolidated one, and :func:`consolidate` turns
+it into a single file plain Lightning loads.
 
 The directory is written as ``<path>.partial`` and renamed to ``<path>`` once every rank has finished (a
 previous checkpoint of the same name is moved aside first and deleted after), so a crash in the middle of a
@@ -47,6 +51,11 @@ from ddp_plugin.checkpoint_io import (
 )
 
 META_FILE = "meta.pt"
+FORMAT_KEY = "ddp_plugin_sharded_format"
+FORMAT = 2
+"""The layout's version: 1 (no ``FORMAT_KEY``: 0.1.0, and development versions until the version was recorded)
+wrote tensor-parallel shards under keys of its own (``<key>@<dim>:<offset>``); 2 writes them as DTensors, as DCP
+does. Both load."""
 SHAPES_KEY = "ddp_plugin_shapes"
 OPTIM_KEY = "ddp_plugin_optimizers"
 
@@ -107,6 +116,7 @@ def save(checkpoint: Mapping[str, Any], local_model: Mapping[str, Any], local_op
         try:
             meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             meta[SHAPES_KEY] = dict(shapes)
+            meta[FORMAT_KEY] = FORMAT
             # (with pipeline stages the state is keyed by parameter name, numbered by `param_names` on load)
             meta[OPTIM_KEY] = [{"param_groups": opt["param_groups"],
                                 **({"param_names": opt["param_names"]} if opt.get("param_names") else {})}
@@ -151,6 +161,12 @@ def load(path: Any, lazy: bool = False) -> dict[str, Any]:
         if bad is not None:
             raise bad from err
         raise
+    version = meta.pop(FORMAT_KEY, 1)
+    if version > FORMAT:
+        raise ValueError(
+            f"The sharded checkpoint `{path}` is in layout {version}, written by a newer ddp_plugin; this one reads"
+            f" layouts up to {FORMAT}. Upgrade ddp_plugin to load it."
+        )
     reader = FileSystemReader(str(p))
     metadata = reader.read_metadata()
     shapes: dict[str, tuple[int, ...]] = meta.pop(SHAPES_KEY)
@@ -237,14 +253,22 @@ class StoredTensor:
 
     def read_like(self, like: Any) -> Any:
         """The part of this tensor that the DTensor ``like`` holds on this rank (its mesh and placements), as a
-        DTensor like it; only the blocks that overlap that part are read."""
+        DTensor like it; only what overlaps that part is read (of the stored shards, blocks or pieces)."""
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         local_shape, offset = compute_local_shape_and_global_offset(self.shape, like.device_mesh, like.placements)
         local = torch.empty(tuple(local_shape), dtype=self.dtype)
         want = [(o, o + n) for o, n in zip(offset, local_shape)]
-        if None in self._parts:
+        whole_keys = self._parts.get(None, [])
+        if len(whole_keys) == 1 and _split_key(whole_keys[0])[1] is None:
+            # One DCP entry (a DTensor's shards, or a tensor written whole): DCP reads what overlaps this rank's part.
+            # (`from_local` moves `local` to the mesh's device type: the part read is the DTensor's local tensor)
+            target = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                        shape=self.shape, stride=like.stride())
+            _read({whole_keys[0]: target}, self.path)
+            local = target.to_local()
+        elif None in self._parts:
             whole = self._read_keys(self._parts[None], tuple(self.shape))
             local.copy_(whole[tuple(slice(a, b) for a, b in want)])
             del whole

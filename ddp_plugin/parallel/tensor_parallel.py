@@ -34,7 +34,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ddp_plugin.comm import broadcast_coalesced
 from ddp_plugin.materialize import unallocated
 from ddp_plugin.hookspecs import (
-    block_key,
     is_tensor_parallel_shard,
     local_tensor,
     pipeline_copies,
@@ -327,23 +326,6 @@ def distribute_optimizer_state(state: Mapping[str, Any], optimizer: torch.optim.
             entries = {k: split(v, p) for k, v in entries.items()}
         out_state[index] = entries
     return {**state, "state": out_state}
-
-
-def local_blocks(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
-    """``state`` (flat keys) with every DTensor replaced by its local tensor, for a sharded checkpoint: a split one
-    under ``<key>@<dim>:<offset>`` (:func:`~ddp_plugin.hookspecs.block_key`), a replicated one under ``<key>``
-    (every rank holds it whole). Also the shapes a loader needs to put the blocks together: ``<key>``'s whole
-    shape and every rank's ``<key>@<dim>:<offset>`` block shape. No communication."""
-    out: dict[str, Any] = {}
-    shapes = block_shapes(state)
-    for key, value in state.items():
-        if isinstance(value, DTensor):
-            out[block_key(key, value)] = local_tensor(value).detach()
-            if is_tensor_parallel_shard(value):
-                shapes[key] = tuple(value.shape)
-        else:
-            out[key] = value
-    return out, shapes
 
 
 def block_shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
