@@ -255,6 +255,7 @@ class StoredTensor:
         """The part of this tensor that the DTensor ``like`` holds on this rank (its mesh and placements), as a
         DTensor like it; only what overlaps that part is read (of the stored shards, blocks or pieces)."""
         from torch.distributed.tensor import DTensor
+        # (private: torch has no public function for the part of the whole tensor a rank's shard is; DCP uses it)
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         local_shape, offset = compute_local_shape_and_global_offset(self.shape, like.device_mesh, like.placements)
