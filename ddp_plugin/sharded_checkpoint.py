@@ -23,6 +23,9 @@ The directory is written as ``<path>.partial`` and renamed to ``<path>`` once ev
 previous checkpoint of the same name is moved aside first and deleted after), so a crash in the middle of a
 save never leaves a half-written checkpoint under the final name; a save that fails (a full disk, a read-only
 directory) removes ``<path>.partial`` and fails on every rank, naming the rank and the cause.
+
+(Just over 400 lines: the writer, the reader and the keys of both layouts sit together, so that a change to what
+is written is seen beside what reads it, the lazy reader of a model no rank holds whole included.)
 """
 
 from __future__ import annotations
