@@ -185,9 +185,9 @@ class CheckpointRouting:
         with diagnosed(f"the checkpoint's gather of the plugin state of {_what(parts)} to rank 0"):
             for part in parts:
                 checkpoint[CHECKPOINT_KEY] = part.plugin_state(checkpoint[CHECKPOINT_KEY])
-        parts = [part for part in pm.hook.on_save_rank_state_dict() if part]
-        if parts:  # the same answer on every rank (the contract), so every rank takes part in the gather
-            mine = _merged(parts)
+        rank_states = [state for state in pm.hook.on_save_rank_state_dict() if state]
+        if rank_states:  # the same answer on every rank (the contract), so every rank takes part in the gather
+            mine = _merged(rank_states)
             ranks: list[Any] | None = [mine]
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 # To rank 0 only: it writes the file, and no other rank holds every rank's state.
