@@ -19,9 +19,11 @@ from ddp_plugin.materialize import Deferred, has_meta_tensors
 from ddp_plugin.materialize import materialize as allocate
 from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.parallel.ties import Tie, sync_ties
+from ddp_plugin.fault_tolerance import start_replicas
 from ddp_plugin.session import FitSession
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import Precision
     from torch.nn import Module
 
@@ -78,9 +80,12 @@ def materialize(model: Module, module: Any, groups: ProcessGroups, config: Strat
 
 def start_session(config: StrategyConfig, model: Module, groups: ProcessGroups, device: torch.device,
                   hierarchical: bool, measure_memory: Callable[[], dict[str, int]], runner: PipelineRunner | None,
-                  ties: Iterable[Tie] = (), deferred: Deferred | None = None) -> FitSession:
+                  ties: Iterable[Tie] = (), deferred: Deferred | None = None,
+                  module: pl.LightningModule | None = None, optimizers: Callable[[], list] | None = None
+                  ) -> FitSession:
     """The fit's session over the set-up model: its plugins (reducer, codec, sharder, sync mode), the gradient
-    engine, and the pipeline runner's sends counted in its traffic (the tied sums through its codec, if any)."""
+    engine, and the pipeline runner's sends counted in its traffic (the tied sums through its codec, if any). With
+    ``fault_tolerance``, this rank's place among the replica groups, healing ``module`` and ``optimizers()``."""
     release = config.release_cpu_memory
     wanted = config.zero_stage >= 2 if release is None else release
     if wanted and device.type == "cpu" and cpu_memory.release_freed_buffers():
@@ -89,7 +94,9 @@ def start_session(config: StrategyConfig, model: Module, groups: ProcessGroups, 
                          node_flags_group=groups.node_bookkeeping, layout=groups.layout,
                          tensor_parallel_peers=groups.tensor_parallel_peers,
                          solo=[t.param for t in ties if t.param is not None],
-                         extra_plugins=[deferred] if deferred is not None else [])
+                         extra_plugins=[deferred] if deferred is not None else [],
+                         replicas=start_replicas(config, module, optimizers, groups.topology, device)
+                         if config.fault_tolerance is not None else None)
     if deferred is not None:
         log.info("ddp_plugin: ZeRO stage 3 allocated and initialized the model unit by unit (%d units)",
                  deferred.groups)

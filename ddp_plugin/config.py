@@ -20,6 +20,7 @@ from typing import Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
+from ddp_plugin.fault_tolerance.options import check_composition as check_fault_tolerance_composition
 from ddp_plugin.checks import (
     check_bool,
     check_choice,
@@ -106,6 +107,8 @@ class StrategyConfig:
     """Module classes (or names) whose forward is recomputed in the backward; ``None``: off."""
     pretrained: str | None = None
     """A ``.safetensors`` file or folder read into the model at its first setup; ``None``: none."""
+    fault_tolerance: Any = None
+    """Replica groups on torchft (:class:`~ddp_plugin.fault_tolerance.FaultTolerance`); ``None``: off."""
     hpz_partition_size: int | None = None
     """From a DeepSpeed config's ``zero_hpz_partition_size``: must equal the ranks per node (checked at setup)."""
 
@@ -152,6 +155,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
     from ddp_plugin.parallel.stage_module import ACTIVATION_DTYPES
     from ddp_plugin.parallel.stage_plan import check_split as check_pipeline_split
     from ddp_plugin.pretrained import check_pretrained
+    from ddp_plugin.fault_tolerance.options import check_fault_tolerance
 
     out: dict[str, Any] = {}
     checks = {
@@ -192,6 +196,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "pipeline_activations": lambda v: check_choice("pipeline_activations", v, ACTIVATION_DTYPES),
         "pretrained": check_pretrained,
         "activation_checkpointing_policy": check_activation_checkpointing_policy,
+        "fault_tolerance": check_fault_tolerance,
         "hpz_partition_size": lambda v: v,
     }
     for name, value in values.items():
@@ -209,6 +214,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
     _check_sync_mode(every_flag)
     _check_tensor_parallel(every_flag)
     _check_pipeline(every_flag)
+    check_fault_tolerance_composition(every_flag)
     return out
 
 

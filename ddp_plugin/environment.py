@@ -87,7 +87,12 @@ class DistributedEnvironment(ParallelStrategy):
         # splits over data-parallel ranks.
         layout = self._layout()
         tp = layout.tensor_parallel_size
-        return {"num_replicas": layout.data_parallel_size, "rank": (self.global_rank % layout.stage_size) // tp}
+        rank = (self.global_rank % layout.stage_size) // tp
+        ft = self.config.fault_tolerance
+        if ft is not None:  # every replica group its own part of the data, live or not (docs/fault_tolerance.md)
+            n = layout.data_parallel_size
+            return {"num_replicas": n * ft.replica_groups, "rank": ft.replica_group * n + rank}
+        return {"num_replicas": layout.data_parallel_size, "rank": rank}
 
     @property
     def process_group_backend(self) -> str | None:

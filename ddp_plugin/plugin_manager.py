@@ -31,6 +31,7 @@ def build_plugin_manager(
     sync: dict[str, Any] | None = None,
     prefetch_units: int = 2,
     planner: object | None = None,
+    reducer: object | None = None,
 ) -> pluggy.PluginManager:
     """Register, in order: the built-in defaults (``trylast``; the hierarchical or the flat reducer), the
     traffic accounting, the ZeRO sharder (``zero_stage`` 1-3), the built-in codec ``compression`` names
@@ -40,7 +41,8 @@ def build_plugin_manager(
     ``check_pending()`` makes a misspelled hook fail here. Installed codecs receive ``compression_options``
     through ``on_setup(options=...)``.
 
-    With a ``planner`` (:class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner`) it is the reducer; with
+    With a ``reducer`` (replica groups: :class:`~ddp_plugin.fault_tolerance.reducer.ReplicaGroupReducer`) or a
+    ``planner`` (:class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner`) it is the reducer; with
     ``compression="auto"`` every candidate codec is registered under its name (a built-in one constructed with
     ``compression_options[name]``), and :class:`~ddp_plugin.plugins.adaptive.AutoCodec` answers
     ``on_cross_node_reduce`` ahead of them with the one the plan names."""
@@ -51,7 +53,8 @@ def build_plugin_manager(
     pm = new_plugin_manager()
     builtins: dict[str, object] = {
         "mean_allreduce": MeanAllReduce(),
-        "reducer": planner if planner is not None else HierarchicalReducer() if hierarchical else FlatReducer(),
+        "reducer": reducer if reducer is not None else planner if planner is not None
+        else HierarchicalReducer() if hierarchical else FlatReducer(),
         "traffic": TrafficAccounting(),
     }
     if zero_stage:

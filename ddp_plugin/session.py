@@ -20,6 +20,7 @@ from ddp_plugin import health
 from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.comm import TracedCommunicator, broadcast_coalesced
 from ddp_plugin.engine import GradientEngine
+from ddp_plugin.fault_tolerance.reducer import ReplicaGroupReducer
 from ddp_plugin.hookspecs import local_tensor
 from ddp_plugin.plugin_manager import build_plugin_manager, cross_node_codec
 from ddp_plugin.topology import Layout
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from ddp_plugin.config import StrategyConfig
+    from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
     from ddp_plugin.hookspecs import Topology
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,8 @@ class FitSession:
                  node_flags_group: Callable[[], dist.ProcessGroup | None] | None = None,
                  layout: Layout | None = None,
                  tensor_parallel_peers: Callable[[], dist.ProcessGroup | None] | None = None,
-                 solo: Iterable[torch.nn.Parameter] = (), extra_plugins: Iterable[object] = ()) -> None:
+                 solo: Iterable[torch.nn.Parameter] = (), extra_plugins: Iterable[object] = (),
+                 replicas: ReplicaGroups | None = None) -> None:
         if config.hpz_partition_size is not None and config.hpz_partition_size != topology.ranks_per_node:
             raise ValueError(
                 f"The DeepSpeed config's `zero_optimization.zero_hpz_partition_size={config.hpz_partition_size}`"
@@ -76,7 +79,10 @@ class FitSession:
         self.planner: AdaptivePlanner | None = self.choices.planner
         self.hierarchical = self.choices.hierarchical = hierarchical
         """Whether gradients take the hierarchical route (with a plan that chooses per bucket: whether any may)."""
-        self.plugin_manager: pluggy.PluginManager = _build_plugin_manager(config, hierarchical, self.planner)
+        self.replicas = replicas
+        """With ``fault_tolerance``: this rank's torchft Manager among the replica groups (docs/fault_tolerance.md)."""
+        self.plugin_manager: pluggy.PluginManager = _build_plugin_manager(
+            config, hierarchical, self.planner, reducer=ReplicaGroupReducer(replicas) if replicas is not None else None)
         for plugin in extra_plugins:  # (the strategy's own: the initializer of a model built on meta)
             self.plugin_manager.register(plugin)
         self.options = options_for(config, hierarchical, bucket_size_mb, cross_node_codec(self.plugin_manager))
@@ -139,6 +145,8 @@ class FitSession:
         self.active = False
         try:
             self.plugin_manager.hook.on_teardown(failed=failed)
+            if self.replicas is not None:
+                self.replicas.close()
         finally:
             self.engine.remove(failed=failed)
             self.heartbeat.stop()
@@ -150,6 +158,8 @@ class FitSession:
         """Buffers from rank 0 (as DDP), and with ``weighting="sample"`` the all-reduce of the batch sizes,
         overlapping the forward pass."""
         health.shield_sigterm_handler()  # (the Trainer installs its handlers after the strategy's setup)
+        if self.replicas is not None:
+            self.replicas.start_step()  # (the quorum is computed while the forward runs)
         self._choose_step_group()
         group, size = self._step_group, self._step_size
         if self.config.broadcast_buffers and size > 1:
@@ -223,7 +233,17 @@ class FitSession:
             return result
 
         # (The strategy's clipping runs after the closure, in after_closure: after a loss scaler's unscale_.)
-        if self.config.skip_nonfinite:
+        if self.replicas is not None:
+            # Run forward and backward first: whether every live group applies the step is known after them.
+            result = closure_then_hook()
+            nonfinite = self.config.skip_nonfinite and self.engine.nonfinite and scaler is None
+            if not self.replicas.commit() or nonfinite:
+                self.skipped_steps += nonfinite
+                optimizer.zero_grad(set_to_none=True)
+                self._log_metrics()
+                return result
+            output = step(lambda: result)
+        elif self.config.skip_nonfinite:
             # Run forward and backward first: whether to step is known only after the gradients are synchronized.
             result = closure_then_hook()
             if self.engine.nonfinite and scaler is None:
@@ -383,11 +403,11 @@ def _logs_this_step(module: pl.LightningModule) -> bool:
         return True
 
 
-def _build_plugin_manager(config: StrategyConfig, hierarchical: bool, planner: object | None = None
-                          ) -> pluggy.PluginManager:
+def _build_plugin_manager(config: StrategyConfig, hierarchical: bool, planner: object | None = None,
+                          reducer: object | None = None) -> pluggy.PluginManager:
     """The plugin manager of one ``fit`` with ``config``'s flags."""
     return build_plugin_manager(
-        config.compression, config.plugins, hierarchical=hierarchical, planner=planner,
+        config.compression, config.plugins, hierarchical=hierarchical, planner=planner, reducer=reducer,
         compression_options=config.compression_options,
         zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
         prefetch_units=config.prefetch_units, sync={"every": config.sync_every, "outer_optimizer": config.outer_optimizer,

@@ -134,6 +134,10 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, Di
         pretrained: a Hugging Face style ``.safetensors`` file (or a folder of them) read into the model at its
             first ``setup``, after it is split and materialized: each rank reads only its stages and its
             tensor-parallel slices (docs/checkpoints.md). Skipped when ``ckpt_path`` resumes. Default ``None``.
+        fault_tolerance: replica groups on torchft, each a node launched on its own: a lost group does not stop
+            the others, a returning one heals from a live peer. A mapping (``replica_group``, ``replica_groups``,
+            ``lighthouse``, ``min_replicas``, ``quorum_timeout``), a ``FaultTolerance``, or ``True`` (from the
+            environment) (docs/fault_tolerance.md). Default ``None``: off.
     """
 
     strategy_name = "hierarchical_zero"
@@ -175,6 +179,7 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, Di
         pipeline_activations: Literal["fp32", "bf16", "fp16", "int8"] = "fp32",
         activation_checkpointing_policy: Any = None,
         pretrained: str | os.PathLike | None = None,
+        fault_tolerance: dict[str, Any] | bool | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -290,7 +295,8 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, Di
             if self._running():
                 self._session.close()  # a setup without teardown (as some of Lightning's tests do)
             self._session = assembly.start_session(config, self.model, groups, device, self._hierarchical_by_flags(),
-                                                   self.memory_bytes, self._pipeline, ties, deferred)
+                                                   self.memory_bytes, self._pipeline, ties, deferred, module,
+                                                   lambda: self.optimizers)
             if self._pending_plugin_state is not None:
                 self._session.load_plugin_state(*self._pending_plugin_state)
                 self._pending_plugin_state = None

@@ -1,0 +1,49 @@
+"""Replica groups on torchft (``fault_tolerance=``): a lost group does not stop the others, a returning one heals
+from a live peer (docs/fault_tolerance.md).
+
+- :mod:`~ddp_plugin.fault_tolerance.options`: the flag, checked at construction;
+- :mod:`~ddp_plugin.fault_tolerance.replicas`: this rank's torchft Manager (quorum, commit, healing);
+- :mod:`~ddp_plugin.fault_tolerance.reducer`: the hierarchical reducer's cross stage through it;
+- :mod:`~ddp_plugin.fault_tolerance.healing`: what a returning group receives.
+
+torchft is an extra (``pip install ddp_plugin[torchft]``), imported only when the flag is on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ddp_plugin.fault_tolerance.options import FaultTolerance
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    import torch
+    from torch.optim import Optimizer
+
+    from ddp_plugin.config import StrategyConfig
+    from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
+    from ddp_plugin.hookspecs import Topology
+
+__all__ = ["FaultTolerance", "start_replicas"]
+
+
+def start_replicas(config: StrategyConfig, module: pl.LightningModule, optimizers: Callable[[], list[Optimizer]],
+                   topology: Topology, device: torch.device) -> ReplicaGroups:
+    """This rank's Manager, its healing state the module's, ``optimizers()``' and the fit loop's."""
+    if importlib.util.find_spec("torchft") is None:
+        raise ImportError("`fault_tolerance` runs on torchft: `pip install ddp_plugin[torchft]` (or `pip install"
+                          " torchft`).")
+    from ddp_plugin.fault_tolerance.healing import fit_state, load_fit_state
+    from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
+
+    if topology.num_nodes != 1:
+        raise ValueError(
+            f"With `fault_tolerance`, a replica group is one node, launched on its own (its own rendezvous);"
+            f" this launch spans {topology.num_nodes} nodes. Launch each node as its replica group"
+            " (`num_nodes=1`, `fault_tolerance={'replica_group': i, ...}`)."
+        )
+    return ReplicaGroups(config.fault_tolerance, topology.rank, topology.world_size, device,
+                         lambda: fit_state(module, optimizers()),
+                         lambda state: load_fit_state(module, optimizers(), state), config.timeout)

@@ -1,0 +1,33 @@
+"""What a returning replica group receives from a live peer: the module's and the optimizers' state, the
+plugins' state, and where the fit is (Lightning's step counters), so that its next optimizer step is its peers'."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.optim import Optimizer
+
+
+def fit_state(module: pl.LightningModule, optimizers: list[Optimizer]) -> dict[str, Any]:
+    """On a live peer, at the quorum of a step (before its optimizer step): references to the live tensors, which
+    torchft's transport serializes before the peer's optimizer steps."""
+    loop = module.trainer.fit_loop.epoch_loop
+    return {
+        "module": module.state_dict(),
+        "optimizers": [getattr(o, "_optimizer", o).state_dict() for o in optimizers],
+        "optimizer_steps": loop.automatic_optimization.optim_progress.optimizer.step.total.completed,
+        "batches_that_stepped": loop._batches_that_stepped,
+    }
+
+
+def load_fit_state(module: pl.LightningModule, optimizers: list[Optimizer], state: dict[str, Any]) -> None:
+    """On the returning group's ranks, inside the optimizer step (Lightning counted it ready, not completed)."""
+    module.load_state_dict(state["module"])
+    for optimizer, saved in zip(optimizers, state["optimizers"]):
+        getattr(optimizer, "_optimizer", optimizer).load_state_dict(saved)
+    loop = module.trainer.fit_loop.epoch_loop
+    total = loop.automatic_optimization.optim_progress.optimizer.step.total
+    total.completed, total.ready = state["optimizer_steps"], state["optimizer_steps"] + 1
+    loop._batches_that_stepped = state["batches_that_stepped"]

@@ -1,0 +1,98 @@
+"""``fault_tolerance=``: the flag, checked at construction time (no torch, no torchft import)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ddp_plugin.checks import check_int, check_positive_number, invalid
+
+REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
+REPLICA_GROUPS_ENV = "NUM_REPLICA_GROUPS"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+ENVIRONMENT = {"replica_group": REPLICA_GROUP_ENV, "replica_groups": REPLICA_GROUPS_ENV, "lighthouse": LIGHTHOUSE_ENV}
+"""The environment variables torchft's own examples read, read here for the keys not given."""
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """Replica groups on torchft (docs/fault_tolerance.md). Every key may come from the environment instead."""
+
+    replica_group: int
+    """This group's id, 0 to ``replica_groups`` - 1 (``REPLICA_GROUP_ID``)."""
+    replica_groups: int
+    """How many groups the data is split over, live or not (``NUM_REPLICA_GROUPS``)."""
+    lighthouse: str
+    """The lighthouse's address, ``http://host:port`` (``TORCHFT_LIGHTHOUSE``)."""
+    min_replicas: int = 1
+    """Groups a step needs to commit; fewer live, the others wait for a quorum."""
+    quorum_timeout: float = 60.0
+    """Seconds a quorum may take (a returning group's healing included) before the step fails."""
+
+
+def check_fault_tolerance(value: Any) -> FaultTolerance | None:
+    """``None``/``False`` (off), ``True`` (every key from the environment), a mapping (LightningCLI YAML) or a
+    :class:`FaultTolerance`; the keys checked, naming the flag and what is allowed."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, FaultTolerance):
+        value = {f.name: getattr(value, f.name) for f in fields(value)}
+    elif value is True:
+        value = {}
+    elif not isinstance(value, Mapping):
+        raise invalid("fault_tolerance", value, "None, True, a FaultTolerance or a mapping with the keys"
+                      " replica_group, replica_groups, lighthouse, min_replicas, quorum_timeout")
+    known = {f.name for f in fields(FaultTolerance)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"`fault_tolerance` has unknown key(s) {', '.join(map(repr, unknown))}; allowed keys:"
+                         f" {', '.join(sorted(known))}.")
+    given = dict(value)
+    for key, env in ENVIRONMENT.items():
+        if key not in given and env in os.environ:
+            given[key] = os.environ[env]
+            if key != "lighthouse":
+                try:
+                    given[key] = int(given[key])
+                except ValueError:
+                    raise ValueError(f"`fault_tolerance`: {env}={os.environ[env]!r} must be an integer.") from None
+    missing = [key for key in ENVIRONMENT if key not in given]
+    if missing:
+        raise ValueError(
+            f"`fault_tolerance` needs {', '.join(missing)}: give them as keys, or set"
+            f" {', '.join(ENVIRONMENT[k] for k in missing)} (each replica group's launch sets its own id; the"
+            " lighthouse is the address `torchft_lighthouse` listens on)."
+        )
+    groups = check_int("fault_tolerance['replica_groups']", given["replica_groups"], minimum=1)
+    group = check_int("fault_tolerance['replica_group']", given["replica_group"], minimum=0, maximum=groups - 1,
+                      expected=f"an integer from 0 to {groups - 1} (`replica_groups={groups}`)")
+    lighthouse = given["lighthouse"]
+    if not isinstance(lighthouse, str) or not lighthouse.startswith(("http://", "https://")):
+        raise invalid("fault_tolerance['lighthouse']", lighthouse, "the lighthouse's address, 'http://host:port'")
+    minimum = check_int("fault_tolerance['min_replicas']", given.get("min_replicas", 1), minimum=1,
+                        maximum=groups, expected=f"an integer from 1 to {groups} (`replica_groups`)")
+    timeout = check_positive_number("fault_tolerance['quorum_timeout']", given.get("quorum_timeout", 60.0))
+    return FaultTolerance(group, groups, lighthouse, minimum, float(timeout))
+
+
+def check_composition(c: Mapping[str, Any]) -> None:
+    """What cannot run with replica groups yet, refused at construction, saying why."""
+    ft = c["fault_tolerance"]
+    if ft is None:
+        return
+    refused = [
+        (c["sync_every"] > 1, f"`sync_every={c['sync_every']}` (a sync mode's outer average over the live groups)"),
+        (c["zero_stage"] > 0, f"`zero_stage={c['zero_stage']}` (a sharder's reduce and its state to heal)"),
+        (c["compression"] is not None, f"`compression={c['compression']!r}` (a codec's collectives across groups)"),
+        (c["pipeline_parallel_size"] > 1, "`pipeline_parallel_size` > 1 (stages across groups)"),
+        (c["tensor_parallel_size"] not in (1,), f"`tensor_parallel_size={c['tensor_parallel_size']!r}`"),
+        (bool(c["plugins"]), "`plugins=` (a plugin's collectives would span one group only)"),
+    ]
+    names = [what for bad, what in refused if bad]
+    if names:
+        raise NotImplementedError(
+            f"`fault_tolerance` runs the synchronous data-parallel route (ZeRO stage 0, no codec) for now; not yet"
+            f" with {', '.join(names)}. Drop the flag, or those."
+        )

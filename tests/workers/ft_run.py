@@ -1,0 +1,93 @@
+"""Worker for the fault-tolerance tests: one replica group (one node's ranks, its own rendezvous) of a run on
+torchft, training a tiny MLP on the sine task; optionally every rank of the group kills itself (SIGKILL) at a
+step, as a node lost mid-run.
+
+    python tests/workers/ft_run.py --out DIR --group 0 --groups 3 --lighthouse http://HOST:PORT --devices 2 \\
+        --steps 30 [--kill-at 10 --kill-in backward|end] [--step-sleep 0.05] [--tag TAG]
+
+Rank 0 of the group writes ``DIR/<group><tag>.pt``: the final parameters, and per optimizer step the time, the
+global step, the live replicas, the steps lost and the heals so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.data import sine_dataset
+from ddp_plugin.testing.models import TinyModule, mlp
+
+FEATURES, HIDDEN, BATCH = 8, 16, 4
+
+
+class Record(L.Callback):
+    def __init__(self, kill_at: int | None, kill_in: str, sleep: float, gate: str | None, group: int) -> None:
+        self.kill_at, self.kill_in, self.sleep, self.gate, self.group = kill_at, kill_in, sleep, gate, group
+        self.steps: list[dict] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.gate is None:
+            return
+        # Every group set up before any trains (the launches of a loaded machine start far apart).
+        open(f"{self.gate}.{self.group}.{trainer.global_rank}", "w").close()
+        while not os.path.exists(self.gate):
+            time.sleep(0.05)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self.kill_in == "backward" and self.kill_at is not None and trainer.global_step >= self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # inside the step: the live groups are about to reduce with it
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        session = trainer.strategy._session
+        replicas = session.replicas.metrics() if session is not None and session.replicas is not None else {}
+        self.steps.append({"time": time.time(), "global_step": trainer.global_step, **replicas})
+        if self.kill_in == "end" and self.kill_at is not None and trainer.global_step >= self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # every rank of the group: the node is gone
+        time.sleep(self.sleep)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--group", type=int, required=True)
+    parser.add_argument("--groups", type=int, required=True)
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--kill-in", choices=["end", "backward"], default="backward",
+                        help="where in the step every rank of the group kills itself")
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--gate", default=None, help="wait for this file before the first step (after writing"
+                        " GATE.<group>.<rank>)")
+    args = parser.parse_args()
+
+    torch.manual_seed(args.group)  # different initial parameters per group: the first quorum makes them equal
+    model = TinyModule(mlp(FEATURES, HIDDEN, 1, layers=1, activation=nn.Tanh), optimizer="adamw", lr=1e-2)
+    data = DataLoader(sine_dataset(4096, FEATURES, seed=3), batch_size=BATCH)
+    record = Record(args.kill_at, args.kill_in, args.step_sleep, args.gate, args.group)
+    strategy = HierarchicalZeroStrategy(fault_tolerance={
+        "replica_group": args.group, "replica_groups": args.groups, "lighthouse": args.lighthouse,
+        "min_replicas": args.min_replicas, "quorum_timeout": 120.0}, timeout=120.0)
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=1, strategy=strategy,
+                        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[record], use_distributed_sampler=True)
+    trainer.fit(model, data)
+    if trainer.global_rank == 0:
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        torch.save({"params": params, "steps": record.steps},
+                   os.path.join(args.out, f"{args.group}{args.tag}.pt"))
+
+
+if __name__ == "__main__":
+    main()
