@@ -70,9 +70,8 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, Di
             replica per node, so parameter all-gathers never cross the slow link (HSDP, ZeRO++ hpZ).
         auto_wrap_policy: stage 3 units: module classes (or names) whose instances become units, or a parameter
             count (default 1,000,000) modules are grouped into bottom-up. Containers are never units.
-        prefetch_units: stage 3: how many units' all-gathers run ahead of the unit computing, during forward
-            and backward (0, 1 as FSDP, 2 by default: measured 1.12-1.20x ``ddp``'s step against 1.32-1.37x with 1);
-            each one holds a gathered unit more.
+        prefetch_units: stage 3: units all-gathered ahead of the one computing (0, 1 as FSDP, 2 by default: 1.12-1.20x
+            ``ddp``'s step against 1.32-1.37x with 1), each holding a gathered unit more.
         gradient_clip_norm: clip to this global 2-norm before every step; default none.
         checkpoint: ``"master"`` (one consolidated file from global rank 0, loadable anywhere) or ``"sharded"``
             (each rank writes its part through ``torch.distributed.checkpoint``; resharded on load).
@@ -109,14 +108,12 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, Di
             then start the sync mode from the model they reached (post-local SGD; DiLoCo starts from a
             synchronously trained model). Default 0.
         tensor_parallel_size: ranks of a node that split each layer between them (default 1: none; ``"auto"``: all
-            the ranks of a node, as ``ModelParallelStrategy``'s default). The module's
-            ``configure_model`` parallelizes itself on ``self.device_mesh["tensor_parallel"]`` as for Lightning's
-            ``ModelParallelStrategy``; every data-parallel feature above then runs over the
-            ``"data_parallel"`` dimension, on the local shards (docs/tensor_parallel.md).
-        pipeline_parallel_size: pipeline stages (default 1: none): the model's block list is split into this many
-            runs balanced by parameter count, run by a ``torch.distributed.pipelining`` schedule; the mesh becomes
-            ``("pipeline_parallel", "data_parallel", "tensor_parallel")``, and every data-parallel feature runs per
-            stage (docs/pipeline.md).
+            the ranks of a node). The module's ``configure_model`` parallelizes itself on
+            ``self.device_mesh["tensor_parallel"]`` as for Lightning's ``ModelParallelStrategy``; the data-parallel
+            features run over ``"data_parallel"``, on the local shards (docs/tensor_parallel.md).
+        pipeline_parallel_size: pipeline stages (default 1: none), run by a ``torch.distributed.pipelining``
+            schedule; the mesh becomes ``("pipeline_parallel", "data_parallel", "tensor_parallel")``, and every
+            data-parallel feature runs per stage (docs/pipeline.md).
         pipeline_microbatches: microbatches per batch (default: the number of stages); a data-parallel rank's
             batch must split into them evenly.
         pipeline_schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"interleaved_1f1b"``.
@@ -134,10 +131,8 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, Di
         pretrained: a Hugging Face style ``.safetensors`` file (or a folder of them) read into the model at its
             first ``setup``, after it is split and materialized: each rank reads only its stages and its
             tensor-parallel slices (docs/checkpoints.md). Skipped when ``ckpt_path`` resumes. Default ``None``.
-        fault_tolerance: replica groups on torchft, each a node launched on its own: a lost group does not stop
-            the others, a returning one heals from a live peer. A mapping (``replica_group``, ``replica_groups``,
-            ``lighthouse``, ``min_replicas``, ``quorum_timeout``), a ``FaultTolerance``, or ``True`` (from the
-            environment) (docs/fault_tolerance.md). Default ``None``: off.
+        fault_tolerance: replica groups on torchft (a node each): a lost group does not stop the others, a returning
+            one heals from a live peer; a mapping, or ``True`` for the environment's (docs/fault_tolerance.md).
     """
 
     strategy_name = "hierarchical_zero"

@@ -28,8 +28,10 @@ Collectives: a hook whose entry says "collective" is called on every rank at the
 implementation may run collectives in it (through the :class:`~ddp_plugin.hookspecs.Communicator` handed to
 ``on_setup``, which counts their traffic); one that says "local" must not.
 
-Built-in implementers named below: the engine's reducers (``FlatReducer``, ``HierarchicalReducer``, and under
-a link plan ``AdaptivePlanner``, the hierarchical reducer that follows the plan), the default cross-node mean
+Built-in implementers named below: the engine's reducers (``FlatReducer``, ``HierarchicalReducer``, under
+a link plan ``AdaptivePlanner``, the hierarchical reducer that follows the plan, and with ``fault_tolerance``
+``ReplicaGroupReducer``, whose cross stage runs over the live replica groups through torchft and not through
+``on_cross_node_reduce``), the default cross-node mean
 (``MeanAllReduce``), the codecs (``ddp_plugin.codecs``) and, with ``compression="auto"``, ``AutoCodec`` (it answers
 ``on_cross_node_reduce`` first and calls the codec the plan names, alone, through pluggy's
 ``subset_hook_caller``), the ZeRO sharder (``ddp_plugin.zero.ZeroSharder``), the sync modes

@@ -187,3 +187,40 @@ def test_strategy_constructs_with_no_arguments_and_documented_defaults():
     assert (strategy.zero_stage, strategy.shard_scope, strategy.bucket_size_mb) == (0, "global", 25)
     assert (strategy.compression, strategy.gradient_clip_norm, strategy.checkpoint) == (None, None, "master")
     assert strategy.broadcast_buffers is True and strategy.skip_nonfinite is False
+
+
+FT = {"replica_group": 1, "replica_groups": 3, "lighthouse": "http://lighthouse:29510"}
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), [
+    ({"fault_tolerance": {**FT, "replica_group": 3}}, r"replica_group'\]=3` must be an integer from 0 to 2"),
+    ({"fault_tolerance": {**FT, "lighthouse": "lighthouse:29510"}}, r"'http://host:port'"),
+    ({"fault_tolerance": {**FT, "min_replicas": 4}}, r"min_replicas'\]=4` must be an integer from 1 to 3"),
+    ({"fault_tolerance": {**FT, "replicas": 2}}, r"unknown key\(s\) 'replicas'; allowed keys: lighthouse"),
+    ({"fault_tolerance": "yes"}, r"`fault_tolerance='yes'` must be None, True, a FaultTolerance or a mapping"),
+    ({"fault_tolerance": FT, "compression": "int8"}, r"not yet with `compression='int8'`"),
+    ({"fault_tolerance": FT, "sync_every": 4}, r"not yet with `sync_every=4`"),
+    ({"fault_tolerance": FT, "zero_stage": 1}, r"not yet with `zero_stage=1`"),
+])
+def test_fault_tolerance_is_checked_at_construction_and_refuses_what_cannot_run_yet(kwargs, pattern):
+    with pytest.raises((ValueError, NotImplementedError), match=pattern):
+        HierarchicalZeroStrategy(**kwargs)
+
+
+def test_fault_tolerance_true_reads_torchfts_environment_variables_and_names_the_missing_ones(monkeypatch):
+    for name in ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="needs replica_group, replica_groups, lighthouse: .* REPLICA_GROUP_ID"):
+        HierarchicalZeroStrategy(fault_tolerance=True)
+    monkeypatch.setenv("REPLICA_GROUP_ID", "2")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "4")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://host:29510")
+    ft = HierarchicalZeroStrategy(fault_tolerance=True).config.fault_tolerance
+    assert (ft.replica_group, ft.replica_groups, ft.lighthouse, ft.min_replicas) == (2, 4, "http://host:29510", 1)
+
+
+def test_fault_tolerance_splits_the_data_over_every_replica_groups_ranks():
+    # Group 2 of 3, 2 ranks each: its rank 0 reads part 4 of 6 (before the launch, this process is rank 0).
+    trainer = L.Trainer(accelerator="cpu", devices=2, logger=False,
+                        strategy=HierarchicalZeroStrategy(fault_tolerance={**FT, "replica_group": 2}))
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 6, "rank": 4}
