@@ -1,5 +1,7 @@
-"""What a returning replica group receives from a live peer: the module's and the optimizers' state, the
-plugins' state, and where the fit is (Lightning's step counters), so that its next optimizer step is its peers'."""
+"""What a returning replica group receives from a live peer: the module's, the optimizers' and the learning-rate
+schedulers' state, the precision plugin's (a loss scaler's scale), and where the fit is (Lightning's step
+counters), so that its next optimizer step is its peers'. (The sharders, codecs and sync modes whose state
+would also belong here are refused with ``fault_tolerance`` for now.)"""
 
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ if TYPE_CHECKING:
 def fit_state(module: pl.LightningModule, optimizers: list[Optimizer]) -> dict[str, Any]:
     """On a live peer, at the quorum of a step (before its optimizer step): references to the live tensors, which
     torchft's transport serializes before the peer's optimizer steps."""
-    loop = module.trainer.fit_loop.epoch_loop
+    trainer = module.trainer
+    loop = trainer.fit_loop.epoch_loop
     return {
         "module": module.state_dict(),
         "optimizers": [getattr(o, "_optimizer", o).state_dict() for o in optimizers],
+        "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "precision": trainer.precision_plugin.state_dict(),
         "optimizer_steps": loop.automatic_optimization.optim_progress.optimizer.step.total.completed,
         "batches_that_stepped": loop._batches_that_stepped,
     }
@@ -27,7 +32,12 @@ def load_fit_state(module: pl.LightningModule, optimizers: list[Optimizer], stat
     module.load_state_dict(state["module"])
     for optimizer, saved in zip(optimizers, state["optimizers"]):
         getattr(optimizer, "_optimizer", optimizer).load_state_dict(saved)
-    loop = module.trainer.fit_loop.epoch_loop
+    trainer = module.trainer
+    for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
+        config.scheduler.load_state_dict(saved)
+    if state["precision"]:
+        trainer.precision_plugin.load_state_dict(state["precision"])
+    loop = trainer.fit_loop.epoch_loop
     total = loop.automatic_optimization.optim_progress.optimizer.step.total
     total.completed, total.ready = state["optimizer_steps"], state["optimizer_steps"] + 1
     loop._batches_that_stepped = state["batches_that_stepped"]

@@ -1,5 +1,5 @@
 """Worker for the fault-tolerance tests: one replica group (one node's ranks, its own rendezvous) of a run on
-torchft, training a tiny MLP on the sine task; optionally every rank of the group kills itself (SIGKILL) at a
+torchft, training a tiny MLP on the sine task (AdamW, the learning rate decayed every step); optionally every rank of the group kills itself (SIGKILL) at a
 step, as a node lost mid-run.
 
     python tests/workers/ft_run.py --out DIR --group 0 --groups 3 --lighthouse http://HOST:PORT --devices 2 \\
@@ -26,6 +26,15 @@ from ddp_plugin.testing.data import sine_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
 
 FEATURES, HIDDEN, BATCH = 8, 16, 4
+
+
+class Model(TinyModule):
+    """AdamW with a learning rate that decays every step: a returning group must take its peers' schedule."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.99 ** step)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 class Record(L.Callback):
@@ -73,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(args.group)  # different initial parameters per group: the first quorum makes them equal
-    model = TinyModule(mlp(FEATURES, HIDDEN, 1, layers=1, activation=nn.Tanh), optimizer="adamw", lr=1e-2)
+    model = Model(mlp(FEATURES, HIDDEN, 1, layers=1, activation=nn.Tanh))
     data = DataLoader(sine_dataset(4096, FEATURES, seed=3), batch_size=BATCH)
     record = Record(args.kill_at, args.kill_in, args.step_sleep, args.gate, args.group)
     strategy = HierarchicalZeroStrategy(fault_tolerance={
