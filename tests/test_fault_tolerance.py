@@ -21,6 +21,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
 
 STEPS = 120
 KILL_AT = 10
+HOLD_AT = 40
+"""The live groups wait at this step until the group started again is set up (it may start slowly)."""
 
 
 def launch(out, group: int, groups: int, lighthouse: str, devices: int, *extra: str, tag: str = ""):
@@ -59,8 +61,10 @@ def run(request, tmp_path_factory):
         address = lighthouse.address()
         last = groups - 1
         gate = out / "gate"
+        back_ready = out / "back"
         procs = [launch(out, g, groups, address, devices, "--gate", str(gate),
-                        *(["--kill-at", str(KILL_AT), "--kill-in", "backward"] if g == last else []))
+                        *(["--kill-at", str(KILL_AT), "--kill-in", "backward"] if g == last else
+                          ["--hold-at", str(HOLD_AT), "--hold-until", f"{back_ready}.0"]))
                  for g in range(groups)]
         ready = [out / f"gate.{g}.{r}" for g in range(groups) for r in range(devices)]
         deadline = time.time() + 600
@@ -70,7 +74,8 @@ def run(request, tmp_path_factory):
         gate.touch()
         assert wait(procs[last], out, 600) == -9
         killed_at = time.time()
-        back = launch(out, last, groups, address, devices, tag="-back")
+        time.sleep(5)  # the live groups step without it for a while (however fast it would start again)
+        back = launch(out, last, groups, address, devices, "--announce", str(back_ready), tag="-back")
         for proc in procs[:last]:
             assert wait(proc, out, 600) == 0
         assert wait(back, out, 600) == 0

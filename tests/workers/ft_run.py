@@ -38,11 +38,15 @@ class Model(TinyModule):
 
 
 class Record(L.Callback):
-    def __init__(self, kill_at: int | None, kill_in: str, sleep: float, gate: str | None, group: int) -> None:
-        self.kill_at, self.kill_in, self.sleep, self.gate, self.group = kill_at, kill_in, sleep, gate, group
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.kill_at, self.kill_in, self.sleep, self.gate, self.group = (
+            args.kill_at, args.kill_in, args.step_sleep, args.gate, args.group)
+        self.hold_at, self.hold_until, self.announce = args.hold_at, args.hold_until, args.announce
         self.steps: list[dict] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
+        if self.announce is not None:
+            open(f"{self.announce}.{trainer.global_rank}", "w").close()
         if self.gate is None:
             return
         # Every group set up before any trains (the launches of a loaded machine start far apart).
@@ -60,6 +64,10 @@ class Record(L.Callback):
         self.steps.append({"time": time.time(), "global_step": trainer.global_step, **replicas})
         if self.kill_in == "end" and self.kill_at is not None and trainer.global_step >= self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # every rank of the group: the node is gone
+        if self.hold_at is not None and trainer.global_step == self.hold_at:
+            # (so that a group started again joins while this one still trains, however slowly it starts)
+            while not os.path.exists(self.hold_until):
+                time.sleep(0.05)
         time.sleep(self.sleep)
 
 
@@ -77,6 +85,9 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--tag", default="")
+    parser.add_argument("--hold-at", type=int, default=None, help="at this step, wait for --hold-until")
+    parser.add_argument("--hold-until", default=None)
+    parser.add_argument("--announce", default=None, help="write ANNOUNCE.<rank> once set up")
     parser.add_argument("--gate", default=None, help="wait for this file before the first step (after writing"
                         " GATE.<group>.<rank>)")
     args = parser.parse_args()
@@ -84,7 +95,7 @@ def main() -> None:
     torch.manual_seed(args.group)  # different initial parameters per group: the first quorum makes them equal
     model = Model(mlp(FEATURES, HIDDEN, 1, layers=1, activation=nn.Tanh))
     data = DataLoader(sine_dataset(4096, FEATURES, seed=3), batch_size=BATCH)
-    record = Record(args.kill_at, args.kill_in, args.step_sleep, args.gate, args.group)
+    record = Record(args)
     strategy = HierarchicalZeroStrategy(fault_tolerance={
         "replica_group": args.group, "replica_groups": args.groups, "lighthouse": args.lighthouse,
         "min_replicas": args.min_replicas, "quorum_timeout": 120.0}, timeout=120.0)
