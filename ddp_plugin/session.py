@@ -233,22 +233,15 @@ class FitSession:
             return result
 
         # (The strategy's clipping runs after the closure, in after_closure: after a loss scaler's unscale_.)
-        if self.replicas is not None:
-            # Run forward and backward first: whether every live group applies the step is known after them.
+        if self.replicas is not None or self.config.skip_nonfinite:
+            # Run forward and backward first: whether to step is known only after the gradients are synchronized
+            # (whether any rank saw NaN/Inf; with replica groups, whether every live group applies the step).
             result = closure_then_hook()
+            # (With a loss scaler, the scaler skips a non-finite step, told so in after_closure, and backs off.)
             nonfinite = self.config.skip_nonfinite and self.engine.nonfinite and scaler is None
-            if not self.replicas.commit() or nonfinite:
+            committed = self.replicas.commit() if self.replicas is not None else True
+            if nonfinite or not committed:
                 self.skipped_steps += nonfinite
-                optimizer.zero_grad(set_to_none=True)
-                self._log_metrics()
-                return result
-            output = step(lambda: result)
-        elif self.config.skip_nonfinite:
-            # Run forward and backward first: whether to step is known only after the gradients are synchronized.
-            result = closure_then_hook()
-            if self.engine.nonfinite and scaler is None:
-                # (With a loss scaler, the scaler skips the step, told so in after_closure, and backs its scale off.)
-                self.skipped_steps += 1
                 optimizer.zero_grad(set_to_none=True)
                 self._log_metrics()
                 return result

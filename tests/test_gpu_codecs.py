@@ -16,11 +16,9 @@ test the driver (both sides on the CPU: the same bits).
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from contextlib import contextmanager
-from datetime import timedelta
 
 import pytest
 import torch
@@ -31,7 +29,7 @@ from ddp_plugin import Bucket
 from ddp_plugin.codecs import BUILTIN_CODECS, dequantize_int8, quantize_int8
 from ddp_plugin.codecs.int8 import div_
 from ddp_plugin.comm import TracedCommunicator
-from ddp_plugin.testing.ranks import free_port
+from ddp_plugin.testing.ranks import init_one_rank
 
 CASES: dict[str, tuple[str, dict]] = {
     "fp16": ("fp16", {}),
@@ -186,13 +184,7 @@ def bits(device: torch.device) -> dict:
 
 
 def main(out: str, device_name: str) -> None:
-    device = torch.device("cuda", 0) if device_name == "cuda" else torch.device("cpu")
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())  # one-rank rendezvous
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=60), device_id=device)
-    else:
-        dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
+    device = init_one_rank(device_name)
     try:
         gloo = dist.new_group(backend="gloo")
         data = torch.randn(STEPS, NUMEL, generator=torch.Generator().manual_seed(3))

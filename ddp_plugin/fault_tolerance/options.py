@@ -87,7 +87,7 @@ def check_composition(c: Mapping[str, Any]) -> None:
         (c["zero_stage"] > 0, f"`zero_stage={c['zero_stage']}` (a sharder's reduce and its state to heal)"),
         (c["compression"] is not None, f"`compression={c['compression']!r}` (a codec's collectives across groups)"),
         (c["pipeline_parallel_size"] > 1, "`pipeline_parallel_size` > 1 (stages across groups)"),
-        (c["tensor_parallel_size"] not in (1,), f"`tensor_parallel_size={c['tensor_parallel_size']!r}`"),
+        (c["tensor_parallel_size"] != 1, f"`tensor_parallel_size={c['tensor_parallel_size']!r}`"),
         (bool(c["plugins"]), "`plugins=` (a plugin's collectives would span one group only)"),
     ]
     names = [what for bad, what in refused if bad]

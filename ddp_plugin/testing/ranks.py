@@ -57,6 +57,24 @@ def free_port(host: str = "127.0.0.1") -> int:
 # ---------------------------------------------------------------------------------------------- C1
 
 
+def init_one_rank(device_name: str) -> torch.device:
+    """A one-rank process group on a free local port: NCCL on ``cuda:0`` for ``"cuda"``, else gloo on the CPU.
+    The device, made current."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    device = torch.device("cuda", 0) if device_name == "cuda" else torch.device("cpu")
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=60), device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
+    return device
+
+
 def flat_parameters(module: nn.Module | Iterable[Tensor]) -> Tensor:
     """Every parameter of ``module`` (or the given tensors), detached and flattened into one new vector."""
     params = module.parameters() if isinstance(module, nn.Module) else module

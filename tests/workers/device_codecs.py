@@ -12,9 +12,7 @@ inputs, for tests/test_single_device.py to judge.
 
 from __future__ import annotations
 
-import os
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,7 +21,7 @@ from torch import nn
 from ddp_plugin import Bucket
 from ddp_plugin.codecs import BUILTIN_CODECS, dequantize_int8, quantize_int8
 from ddp_plugin.comm import TracedCommunicator
-from ddp_plugin.testing.ranks import free_port
+from ddp_plugin.testing.ranks import init_one_rank
 
 OPTIONS = {
     "fp16": {},
@@ -76,13 +74,7 @@ def run(name: str, device: torch.device, group: dist.ProcessGroup, data: torch.T
 
 def main() -> None:
     out = sys.argv[1]
-    device = torch.device("cuda", 0) if sys.argv[2] == "cuda" else torch.device("cpu")
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())  # one-rank rendezvous
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=60), device_id=device)
-    else:
-        dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
+    device = init_one_rank(sys.argv[2])
     gloo = dist.new_group(backend="gloo")
     data = torch.randn(STEPS, SHAPE[0] * SHAPE[1], generator=torch.Generator().manual_seed(3))
     results: dict = {"backend": dist.get_backend(), "data": data, "codecs": {}}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -16,17 +15,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ddp_plugin import sharded_checkpoint
-from ddp_plugin.testing.ranks import free_port
+from ddp_plugin.testing.ranks import init_one_rank
 
 
 def main(out: str, device_name: str) -> None:
-    device = torch.device("cuda", 0) if device_name == "cuda" else torch.device("cpu")
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())  # one-rank rendezvous
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=60), device_id=device)
-    else:
-        dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
+    device = init_one_rank(device_name)
     try:
         mesh = init_device_mesh(device.type, (1,))
         whole = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
