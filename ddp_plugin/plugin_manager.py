@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import pluggy
@@ -32,6 +32,7 @@ def build_plugin_manager(
     prefetch_units: int = 2,
     planner: object | None = None,
     reducer: object | None = None,
+    outer_sync: Callable[..., object] | None = None,
 ) -> pluggy.PluginManager:
     """Register, in order: the built-in defaults (``trylast``; the hierarchical or the flat reducer), the
     traffic accounting, the ZeRO sharder (``zero_stage`` 1-3), the built-in codec ``compression`` names
@@ -42,7 +43,9 @@ def build_plugin_manager(
     through ``on_setup(options=...)``.
 
     With a ``reducer`` (replica groups: :class:`~ddp_plugin.fault_tolerance.reducer.ReplicaGroupReducer`) or a
-    ``planner`` (:class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner`) it is the reducer; with
+    ``planner`` (:class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner`) it is the reducer; ``outer_sync`` makes the
+    sync mode's plugin from ``sync`` (replica groups:
+    :class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`); with
     ``compression="auto"`` every candidate codec is registered under its name (a built-in one constructed with
     ``compression_options[name]``), and :class:`~ddp_plugin.plugins.adaptive.AutoCodec` answers
     ``on_cross_node_reduce`` ahead of them with the one the plan names."""
@@ -67,7 +70,7 @@ def build_plugin_manager(
     if sync is not None and sync["every"] > 1:
         from ddp_plugin.sync import OuterSync
 
-        builtins["outer_sync"] = OuterSync(**sync)
+        builtins["outer_sync"] = (outer_sync or OuterSync)(**sync)
     for name, plugin in builtins.items():
         pm.register(plugin, name=name)
     _load_installed(pm, set(wanted), keep=set(builtins))

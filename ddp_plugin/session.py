@@ -5,6 +5,7 @@ save during it writes) until the next ``fit`` replaces it."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.comm import TracedCommunicator, broadcast_coalesced
 from ddp_plugin.engine import GradientEngine
 from ddp_plugin.fault_tolerance.reducer import ReplicaGroupReducer
+from ddp_plugin.fault_tolerance.sync import ReplicaGroupSync
 from ddp_plugin.hookspecs import local_tensor
 from ddp_plugin.plugin_manager import build_plugin_manager, cross_node_codec
 from ddp_plugin.topology import Layout
@@ -81,8 +83,7 @@ class FitSession:
         """Whether gradients take the hierarchical route (with a plan that chooses per bucket: whether any may)."""
         self.replicas = replicas
         """With ``fault_tolerance``: this rank's torchft Manager among the replica groups (docs/fault_tolerance.md)."""
-        self.plugin_manager: pluggy.PluginManager = _build_plugin_manager(
-            config, hierarchical, self.planner, reducer=ReplicaGroupReducer(replicas) if replicas is not None else None)
+        self.plugin_manager: pluggy.PluginManager = _build_plugin_manager(config, hierarchical, self.planner, replicas)
         for plugin in extra_plugins:  # (the strategy's own: the initializer of a model built on meta)
             self.plugin_manager.register(plugin)
         self.options = options_for(config, hierarchical, bucket_size_mb, cross_node_codec(self.plugin_manager))
@@ -158,7 +159,7 @@ class FitSession:
         """Buffers from rank 0 (as DDP), and with ``weighting="sample"`` the all-reduce of the batch sizes,
         overlapping the forward pass."""
         health.shield_sigterm_handler()  # (the Trainer installs its handlers after the strategy's setup)
-        if self.replicas is not None:
+        if self.replicas is not None and self.replicas.per_step:
             self.replicas.start_step()  # (the quorum is computed while the forward runs)
         self._choose_step_group()
         group, size = self._step_group, self._step_size
@@ -233,15 +234,18 @@ class FitSession:
             return result
 
         # (The strategy's clipping runs after the closure, in after_closure: after a loss scaler's unscale_.)
-        if self.replicas is not None or self.config.skip_nonfinite:
+        replicas = self.replicas if self.replicas is not None and self.replicas.per_step else None
+        if replicas is not None or self.config.skip_nonfinite:
             # Run forward and backward first: whether to step is known only after the gradients are synchronized
             # (whether any rank saw NaN/Inf; with replica groups, whether every live group applies the step).
             result = closure_then_hook()
             # (With a loss scaler, the scaler skips a non-finite step, told so in after_closure, and backs off.)
             nonfinite = self.config.skip_nonfinite and self.engine.nonfinite and scaler is None
-            committed = self.replicas.commit() if self.replicas is not None else True
+            committed = replicas.commit() if replicas is not None else True
             if nonfinite or not committed:
                 self.skipped_steps += nonfinite
+                if not committed:
+                    replicas.steps_lost += 1
                 optimizer.zero_grad(set_to_none=True)
                 self._log_metrics()
                 return result
@@ -397,10 +401,13 @@ def _logs_this_step(module: pl.LightningModule) -> bool:
 
 
 def _build_plugin_manager(config: StrategyConfig, hierarchical: bool, planner: object | None = None,
-                          reducer: object | None = None) -> pluggy.PluginManager:
-    """The plugin manager of one ``fit`` with ``config``'s flags."""
+                          replicas: ReplicaGroups | None = None) -> pluggy.PluginManager:
+    """The plugin manager of one ``fit`` with ``config``'s flags (with ``replicas``, the reducer's and the sync
+    mode's steps between groups go through torchft)."""
     return build_plugin_manager(
-        config.compression, config.plugins, hierarchical=hierarchical, planner=planner, reducer=reducer,
+        config.compression, config.plugins, hierarchical=hierarchical, planner=planner,
+        reducer=ReplicaGroupReducer(replicas) if replicas is not None else None,
+        outer_sync=functools.partial(ReplicaGroupSync, replicas) if replicas is not None else None,
         compression_options=config.compression_options,
         zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
         prefetch_units=config.prefetch_units, sync={"every": config.sync_every, "outer_optimizer": config.outer_optimizer,

@@ -35,7 +35,8 @@ a link plan ``AdaptivePlanner``, the hierarchical reducer that follows the plan,
 (``MeanAllReduce``), the codecs (``ddp_plugin.codecs``) and, with ``compression="auto"``, ``AutoCodec`` (it answers
 ``on_cross_node_reduce`` first and calls the codec the plan names, alone, through pluggy's
 ``subset_hook_caller``), the ZeRO sharder (``ddp_plugin.zero.ZeroSharder``), the sync modes
-(``ddp_plugin.sync.OuterSync``), the traffic accounting (``TrafficAccounting``) and the initializer of a model built
+(``ddp_plugin.sync.OuterSync``; with ``fault_tolerance`` ``ReplicaGroupSync``, whose pseudo-gradients cross
+replica groups through torchft and not through ``on_cross_node_reduce``), the traffic accounting (``TrafficAccounting``) and the initializer of a model built
 on the meta device (``ddp_plugin.materialize.Deferred``).
 
 Ranks: the bucket hooks' collectives (``on_bucket_ready``, ``on_cross_node_reduce``) span data-parallel ranks

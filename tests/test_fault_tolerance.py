@@ -1,13 +1,18 @@
 """Replica groups on torchft (``fault_tolerance=``): a lighthouse in this process, each replica group a Lightning
 launch of its own (its own rendezvous) of tests/workers/ft_run.py; one group kills every one of its ranks
 (SIGKILL) inside a step and is started again; the live groups go on without it, and it returns healed from a
-live peer, with parameters and step counters equal to theirs."""
+live peer, with parameters and step counters equal to theirs. The same with DiLoCo (a quorum per outer sync),
+the group killed inside a sync."""
 
 from __future__ import annotations
 
 import importlib.util
+import signal
+import socket
 import subprocess
+import sysconfig
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,13 +30,14 @@ HOLD_AT = 40
 """The live groups wait at this step until the group started again is set up (it may start slowly)."""
 
 
-def launch(out, group: int, groups: int, lighthouse: str, devices: int, *extra: str, tag: str = ""):
+def launch(out, group: int, groups: int, lighthouse: str, devices: int, sync_every: int, *extra: str,
+           tag: str = ""):
     env = clean_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"})
     log = open(out / f"log{group}{tag}.txt", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(
         [interpreter(), str(WORKERS / "ft_run.py"), "--out", str(out), "--group", str(group), "--groups",
          str(groups), "--lighthouse", lighthouse, "--devices", str(devices), "--steps", str(STEPS),
-         "--step-sleep", "0.2", f"--tag={tag}", *extra],
+         "--step-sleep", "0.2", "--sync-every", str(sync_every), f"--tag={tag}", *extra],
         env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     proc.log = log
     return proc
@@ -50,11 +56,12 @@ def wait(proc, out, timeout: float) -> int:
     return code
 
 
-@pytest.fixture(scope="module", params=[(3, 1), (2, 2)], ids=["3 groups of 1", "2 groups of 2"])
+@pytest.fixture(scope="module", params=[(3, 1, 1, "backward"), (2, 2, 1, "backward"), (3, 1, 5, "sync")],
+                ids=["3 groups of 1", "2 groups of 2", "DiLoCo, 3 groups of 1, killed in a sync"])
 def run(request, tmp_path_factory):
     from torchft._torchft import LighthouseServer
 
-    groups, devices = request.param
+    groups, devices, sync_every, kill_in = request.param
     out = tmp_path_factory.mktemp("ft")
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
     try:
@@ -62,9 +69,9 @@ def run(request, tmp_path_factory):
         last = groups - 1
         gate = out / "gate"
         back_ready = out / "back"
-        procs = [launch(out, g, groups, address, devices, "--gate", str(gate),
-                        *(["--kill-at", str(KILL_AT), "--kill-in", "backward"] if g == last else
-                          ["--hold-at", str(HOLD_AT), "--hold-until", f"{back_ready}.0"]))
+        procs = [launch(out, g, groups, address, devices, sync_every, "--gate", str(gate),
+                        *(["--kill-at", str(KILL_AT), "--kill-in", kill_in] if g == last else
+                          ["--hold", f"{HOLD_AT}:{back_ready}.0"]))
                  for g in range(groups)]
         ready = [out / f"gate.{g}.{r}" for g in range(groups) for r in range(devices)]
         deadline = time.time() + 600
@@ -75,7 +82,7 @@ def run(request, tmp_path_factory):
         assert wait(procs[last], out, 600) == -9
         killed_at = time.time()
         time.sleep(5)  # the live groups step without it for a while (however fast it would start again)
-        back = launch(out, last, groups, address, devices, "--announce", str(back_ready), tag="-back")
+        back = launch(out, last, groups, address, devices, sync_every, "--announce", str(back_ready), tag="-back")
         for proc in procs[:last]:
             assert wait(proc, out, 600) == 0
         assert wait(back, out, 600) == 0
@@ -83,7 +90,7 @@ def run(request, tmp_path_factory):
         lighthouse.shutdown()
     found = {g: torch.load(out / f"{g}.pt") for g in range(last)}
     found["back"] = torch.load(out / f"{last}-back.pt")
-    return {"groups": groups, "killed_at": killed_at, **found}
+    return {"groups": groups, "sync_every": sync_every, "killed_at": killed_at, **found}
 
 
 def test_every_group_ends_at_the_same_step_with_the_same_parameters_bit_for_bit(run):
@@ -95,17 +102,141 @@ def test_every_group_ends_at_the_same_step_with_the_same_parameters_bit_for_bit(
 
 
 def test_the_live_groups_went_on_without_the_lost_one_and_lost_at_most_the_step_it_died_in(run):
+    every = run["sync_every"]
     for g in range(run["groups"] - 1):
         steps = run[g]["steps"]
-        alone = [s for s in steps if s["global_step"] > KILL_AT + 1 and s["ft/replicas"] < run["groups"]]
+        alone = [s for s in steps if s["global_step"] > KILL_AT + every and s["ft/replicas"] < run["groups"]]
         assert alone, "no step was made without the lost group"
         lost = steps[-1]["ft/steps_lost"]
-        assert lost <= 2, lost
-        assert steps[-1]["ft/step"] == STEPS - lost  # torchft's committed steps: the others
+        if every == 1:
+            assert lost <= 2, lost
+            assert steps[-1]["ft/step"] == STEPS - lost  # torchft's committed steps: the others
+        else:
+            # The sync the group died in was redone over the live groups: every sync committed, no step lost.
+            assert steps[-1]["ft/uncommitted"] >= 1
+            assert lost == 0, lost
+            assert steps[-1]["ft/step"] == STEPS // every
 
 
 def test_the_returning_group_healed_from_a_live_peer_and_stepped_on_from_there(run):
     steps = run["back"]["steps"]
-    assert steps[0]["global_step"] > KILL_AT + 1  # it did not start over: it took its peers' step counters
+    # It did not start over: it took its peers' step counters (with a sync mode, at its first sync).
+    assert steps[run["sync_every"] - 1]["global_step"] > KILL_AT + 1
+    assert len(steps) < STEPS - KILL_AT
     assert steps[-1]["ft/heals"] >= 1
     assert steps[-1]["ft/replicas"] == run["groups"]  # back in the quorum, counted as a participant
+
+
+QUORUM_TIMEOUT = 60
+TIMEOUT = 15
+LIGHTHOUSE_AWAY = 4
+
+
+def start_lighthouse(port: int, out) -> subprocess.Popen:
+    """torchft's lighthouse as a process of its own (so that it can be killed and started again). A quorum waits
+    up to a minute for every group that beats but has not asked (here: a group held at a step)."""
+    proc = subprocess.Popen(
+        [str(Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"), "--min_replicas", "1", "--join_timeout_ms", "60000",
+         "--heartbeat_timeout_ms", "1000", "--bind", f"[::]:{port}"],
+        stdout=open(out / "lighthouse.txt", "a"), stderr=subprocess.STDOUT)  # noqa: SIM115 - closed with it
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            assert time.time() < deadline and proc.poll() is None, "the lighthouse did not start"
+            time.sleep(0.1)
+
+
+def wait_for(*paths, procs=(), timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while not all(path.exists() for path in paths):
+        assert time.time() < deadline, f"waited {timeout} s for {paths}"
+        for proc in procs:
+            if proc.poll() is not None:
+                pytest.fail(f"{proc.args} exited with {proc.returncode}:\n" + open(proc.log.name).read()[-6000:])
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sync_every", [1, 5], ids=["synchronous", "DiLoCo"])
+def test_two_groups_lost_at_once_one_killed_in_its_healing_and_the_lighthouse_away(sync_every, tmp_path):
+    """4 groups of 1 rank: groups 2 and 3 die in the backward of step 10; group 2 returns; group 3 returns, is
+    killed once it has received its peer's state (inside its healing), and returns again; then the lighthouse stops
+    answering for a while, less than ``quorum_timeout`` (stopped: SIGSTOP, then SIGCONT). Every group ends at the same step with the same parameters bit for bit."""
+    out, port = tmp_path, free_port()
+    groups = 4
+    lighthouse = start_lighthouse(port, out)
+    address = f"http://127.0.0.1:{port}"
+    # (a group that dies once it has asked for a quorum is in it: the others' process group waits `timeout` for it)
+    args = ("--quorum-timeout", str(QUORUM_TIMEOUT), "--timeout", str(TIMEOUT))
+    back2, heal3, back3 = out / "back2", out / "heal3", out / "back3"
+    try:
+        gate = out / "gate"
+        procs = [launch(out, g, groups, address, 1, sync_every, "--gate", str(gate), *args,
+                        *(["--kill-at", str(KILL_AT), "--kill-in", "backward"] if g >= 2 else
+                          ["--hold", f"{HOLD_AT}:{back2}.0,{heal3}.0", "--hold", f"80:{back3}.0"]))
+                 for g in range(groups)]
+        wait_for(*[out / f"gate.{g}.0" for g in range(groups)], procs=procs)
+        gate.touch()
+        assert wait(procs[2], out, 600) == -9 and wait(procs[3], out, 600) == -9  # two nodes at once
+        time.sleep(2)
+        returned = launch(out, 2, groups, address, 1, sync_every, "--announce", str(back2), "--hold",
+                          f"80:{back3}.0", *args, tag="-back")
+        healing = launch(out, 3, groups, address, 1, sync_every, "--announce", str(heal3), "--kill-in", "heal",
+                         *args, tag="-heal")
+        assert wait(healing, out, 600) == -9  # killed in its healing, by its own hand
+        last = launch(out, 3, groups, address, 1, sync_every, "--announce", str(back3), *args, tag="-back")
+        wait_for(Path(f"{back3}.0"), procs=[last, returned, *procs[:2]])
+        time.sleep(3)  # every group in the quorums, then the lighthouse does not answer for a while
+        lighthouse.send_signal(signal.SIGSTOP)
+        away = time.time()
+        time.sleep(LIGHTHOUSE_AWAY)
+        lighthouse.send_signal(signal.SIGCONT)
+        for proc in [*procs[:2], returned, last]:
+            assert wait(proc, out, 600) == 0
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    found = {name: torch.load(out / f"{name}.pt") for name in ("0", "1", "2-back", "3-back")}
+    first = found["0"]["params"]
+    for name, run in found.items():
+        assert run["steps"][-1]["global_step"] == STEPS, name
+        for key, value in first.items():
+            assert torch.equal(run["params"][key], value), (name, key)
+        assert run["steps"][-1]["ft/replicas"] == groups, name
+    for name in ("0", "1"):
+        steps = found[name]["steps"]
+        assert any(s["ft/replicas"] == 2 for s in steps), "no step or sync was made by the two live groups alone"
+        # While the lighthouse was away no step committed (a sync mode's inner steps go on, up to its sync).
+        quiet = [s for s in steps if away + 0.5 < s["time"] < away + LIGHTHOUSE_AWAY - 0.5]
+        assert len(quiet) <= sync_every - 1, quiet
+        assert steps[-1]["time"] > away + LIGHTHOUSE_AWAY  # and they went on
+        assert steps[-1]["ft/steps_lost"] <= (2 if sync_every == 1 else 0)
+    for name in ("2-back", "3-back"):
+        assert found[name]["steps"][-1]["ft/heals"] >= 1
+        assert len(found[name]["steps"]) < STEPS - KILL_AT  # it did not start over
+
+
+def test_the_example_runs_as_its_docstring_launches_it(tmp_path):
+    """examples/fault_tolerance.py, 2 groups of 1 rank with DiLoCo, each with its own MASTER_PORT."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000, heartbeat_timeout_ms=1000)
+    try:
+        procs = []
+        for g in range(2):
+            env = clean_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "REPLICA_GROUP_ID": str(g),
+                             "NUM_REPLICA_GROUPS": "2", "TORCHFT_LIGHTHOUSE": lighthouse.address(), "DEVICES": "1",
+                             "STEPS": "20", "SYNC_EVERY": "5"})
+            log = open(tmp_path / f"log{g}.txt", "w")  # noqa: SIM115 - closed with the process
+            proc = subprocess.Popen([interpreter(), str(ROOT / "examples" / "fault_tolerance.py")], env=env, cwd=tmp_path,
+                                    stdout=log, stderr=subprocess.STDOUT)
+            proc.log = log
+            procs.append(proc)
+        for proc in procs:
+            assert wait(proc, tmp_path, 600) == 0
+    finally:
+        lighthouse.shutdown()
+    for g in range(2):
+        assert "`Trainer.fit` stopped: `max_steps=20` reached" in (tmp_path / f"log{g}.txt").read_text()

@@ -199,12 +199,20 @@ FT = {"replica_group": 1, "replica_groups": 3, "lighthouse": "http://lighthouse:
     ({"fault_tolerance": {**FT, "replicas": 2}}, r"unknown key\(s\) 'replicas'; allowed keys: lighthouse"),
     ({"fault_tolerance": "yes"}, r"`fault_tolerance='yes'` must be None, True, a FaultTolerance or a mapping"),
     ({"fault_tolerance": FT, "compression": "int8"}, r"not yet with `compression='int8'`"),
-    ({"fault_tolerance": FT, "sync_every": 4}, r"not yet with `sync_every=4`"),
+    ({"fault_tolerance": FT, "sync_every": 4, "sync_fragments": 2}, r"not yet with `sync_fragments=2`"),
+    ({"fault_tolerance": FT, "sync_every": 4, "max_staleness": 1}, r"not yet with `max_staleness=1`"),
+    ({"fault_tolerance": FT, "sync_every": 4, "sync_warmup_steps": 8}, r"not yet with `sync_warmup_steps=8`"),
     ({"fault_tolerance": FT, "zero_stage": 1}, r"not yet with `zero_stage=1`"),
 ])
 def test_fault_tolerance_is_checked_at_construction_and_refuses_what_cannot_run_yet(kwargs, pattern):
     with pytest.raises((ValueError, NotImplementedError), match=pattern):
         HierarchicalZeroStrategy(**kwargs)
+
+
+def test_fault_tolerance_takes_local_sgd_and_diloco():
+    for outer in ("average", "nesterov"):
+        strategy = HierarchicalZeroStrategy(fault_tolerance=FT, sync_every=4, outer_optimizer=outer)
+        assert strategy.config.fault_tolerance.replica_groups == 3
 
 
 def test_fault_tolerance_true_reads_torchfts_environment_variables_and_names_the_missing_ones(monkeypatch):

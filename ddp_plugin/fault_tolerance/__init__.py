@@ -4,6 +4,7 @@ from a live peer (docs/fault_tolerance.md).
 - :mod:`~ddp_plugin.fault_tolerance.options`: the flag, checked at construction;
 - :mod:`~ddp_plugin.fault_tolerance.replicas`: this rank's torchft Manager (quorum, commit, healing);
 - :mod:`~ddp_plugin.fault_tolerance.reducer`: the hierarchical reducer's cross stage through it;
+- :mod:`~ddp_plugin.fault_tolerance.sync`: the sync modes' outer syncs through it;
 - :mod:`~ddp_plugin.fault_tolerance.healing`: what a returning group receives.
 
 torchft is an extra (``pip install ddp_plugin[torchft]``), imported only when the flag is on.
@@ -46,4 +47,5 @@ def start_replicas(config: StrategyConfig, module: pl.LightningModule, optimizer
         )
     return ReplicaGroups(config.fault_tolerance, topology.rank, topology.world_size, device,
                          lambda: fit_state(module, optimizers()),
-                         lambda state: load_fit_state(module, optimizers(), state), config.timeout)
+                         lambda state: load_fit_state(module, optimizers(), state), config.timeout,
+                         per_step=config.sync_every == 1)

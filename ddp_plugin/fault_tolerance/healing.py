@@ -1,7 +1,8 @@
 """What a returning replica group receives from a live peer: the module's, the optimizers' and the learning-rate
 schedulers' state, the precision plugin's (a loss scaler's scale), and where the fit is (Lightning's step
-counters), so that its next optimizer step is its peers'. (The sharders, codecs and sync modes whose state
-would also belong here are refused with ``fault_tolerance`` for now.)"""
+counters), so that its next optimizer step is its peers'. A sync mode adds its own (the global copy, the outer
+optimizer, the schedule's position: :class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`). (The sharders
+and codecs whose state would also belong here are refused with ``fault_tolerance`` for now.)"""
 
 from __future__ import annotations
 

@@ -83,7 +83,10 @@ def check_composition(c: Mapping[str, Any]) -> None:
     if ft is None:
         return
     refused = [
-        (c["sync_every"] > 1, f"`sync_every={c['sync_every']}` (a sync mode's outer average over the live groups)"),
+        (c["sync_fragments"] > 1, f"`sync_fragments={c['sync_fragments']}` (streaming fragments' quorums)"),
+        (c["max_staleness"] > 0, f"`max_staleness={c['max_staleness']}` (a sync in flight across a quorum)"),
+        (c["sync_warmup_steps"] > 0 and c["sync_every"] > 1,
+         f"`sync_warmup_steps={c['sync_warmup_steps']}` (a quorum per step, then per sync)"),
         (c["zero_stage"] > 0, f"`zero_stage={c['zero_stage']}` (a sharder's reduce and its state to heal)"),
         (c["compression"] is not None, f"`compression={c['compression']!r}` (a codec's collectives across groups)"),
         (c["pipeline_parallel_size"] > 1, "`pipeline_parallel_size` > 1 (stages across groups)"),
@@ -93,6 +96,7 @@ def check_composition(c: Mapping[str, Any]) -> None:
     names = [what for bad, what in refused if bad]
     if names:
         raise NotImplementedError(
-            f"`fault_tolerance` runs the synchronous data-parallel route (ZeRO stage 0, no codec) for now; not yet"
-            f" with {', '.join(names)}. Drop the flag, or those."
+            f"`fault_tolerance` runs the synchronous data-parallel route and the sync modes without fragments or"
+            f" staleness (local SGD, DiLoCo), at ZeRO stage 0 without a codec, for now; not yet with"
+            f" {', '.join(names)}. Drop the flag, or those."
         )

@@ -30,23 +30,29 @@ class ReplicaGroups:
 
     ``state`` and ``load_state``: what a returning group receives from a live peer (called by torchft: ``state``
     on a live peer's quorum thread while it runs its forward, ``load_state`` on the returning group's ranks inside
-    :meth:`commit`, before the optimizer steps)."""
+    :meth:`commit`, before the optimizer steps); a plugin adds its own with :meth:`add_state`.
+
+    ``per_step``: a quorum and a commit per optimizer step (the synchronous route); without, a sync mode's plugin
+    asks for them once per outer sync (:class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`)."""
 
     def __init__(self, options: FaultTolerance, rank: int, size: int, device: torch.device,
                  state: Callable[[], dict[str, Any]], load_state: Callable[[dict[str, Any]], None],
-                 timeout: timedelta | None) -> None:
+                 timeout: timedelta | None, per_step: bool = True) -> None:
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         timeout = timeout or timedelta(seconds=60)
         self.options = options
+        self.per_step = per_step
         self.steps_lost = 0
-        """Steps whose gradients no group applied (a group was lost in them, or too few were live)."""
+        """Optimizer steps whose work no group applied (a group was lost in them, or too few were live)."""
+        self.uncommitted = 0
+        """Quorums whose step or sync was committed nowhere (a sync mode redoes them over the live groups)."""
         self.heals = 0
         self._started = False
-        self._load_state = load_state
+        self._parts: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {"fit": (state, load_state)}
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
-            pg=pg, load_state_dict=self._healed, state_dict=state, min_replica_size=options.min_replicas,
+            pg=pg, load_state_dict=self._healed, state_dict=self._state, min_replica_size=options.min_replicas,
             rank=rank, world_size=size, replica_id=f"replica_group_{options.replica_group}",
             lighthouse_addr=options.lighthouse, timeout=timeout,
             quorum_timeout=timedelta(seconds=options.quorum_timeout), connect_timeout=timeout,
@@ -54,11 +60,19 @@ class ReplicaGroups:
             store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
         )
 
+    def add_state(self, name: str, state: Callable[[], Any], load_state: Callable[[Any], None]) -> None:
+        """A part of what a returning group receives (a plugin's state), loaded after the fit's."""
+        self._parts[name] = (state, load_state)
+
+    def _state(self) -> dict[str, Any]:
+        return {name: state() for name, (state, _) in self._parts.items()}
+
     def _healed(self, state: dict[str, Any]) -> None:
         self.heals += 1
         log.warning("ddp_plugin: replica group %d healed from a live peer at step %d",
                     self.options.replica_group, self.manager.current_step())
-        self._load_state(state)
+        for name, (_, load) in self._parts.items():
+            load(state[name])
 
     def start_step(self) -> None:
         """The quorum of the coming step, computed while the forward runs (once per optimizer step: the inner
@@ -67,26 +81,43 @@ class ReplicaGroups:
             self.manager.start_quorum()
             self._started = True
 
-    def allreduce(self, tensor: Tensor) -> None:
-        """``tensor`` averaged over the live groups' rank of this group rank, in place (a group still healing
-        adds zeros and is not counted). A failure is swallowed: the step will not commit."""
-        self.manager.allreduce(tensor).wait()
+    def wait_quorum(self) -> None:
+        """Wait for the quorum started. One that failed names the lighthouse: torchft 0.2 does not ask it again,
+        and a lighthouse started again would hand out quorum ids the groups' stores already hold."""
+        try:
+            self.manager.wait_quorum()
+        except Exception as err:  # (torchft raises the lighthouse client's error as it is)
+            raise RuntimeError(
+                f"replica group {self.options.replica_group}: no quorum within {self.options.quorum_timeout:g} s"
+                f" (fault_tolerance['quorum_timeout']): is the lighthouse at {self.options.lighthouse} up, and"
+                f" are at least min_replicas={self.options.min_replicas} groups running? torchft said: {err}"
+            ) from err
 
-    def commit(self) -> bool:
-        """Whether every live group applies this step (torchft's ``should_commit``; a returning group loads its
-        peer's state here first). Every rank of the group calls it once per optimizer step."""
+    def allreduce(self, *tensors: Tensor) -> None:
+        """Each tensor averaged over the live groups' rank of this group rank, in place (a group still healing
+        adds zeros and is not counted), all in flight at once. A failure is swallowed: the quorum's step or sync
+        will not commit."""
+        self.wait_quorum()
+        for work in [self.manager.allreduce(t) for t in tensors]:
+            work.wait()
+
+    def commit(self, what: str = "step") -> bool:
+        """Whether every live group applies this quorum's step or sync (torchft's ``should_commit``; a returning
+        group loads its peer's state here first). Every rank of the group calls it once per quorum."""
         self._started = False
+        self.wait_quorum()
         committed = self.manager.should_commit()
         if not committed:
-            self.steps_lost += 1
-            log.warning("ddp_plugin: replica group %d: step not committed (a group was lost, or fewer than"
+            self.uncommitted += 1
+            log.warning("ddp_plugin: replica group %d: %s not committed (a group was lost, or fewer than"
                         " min_replicas=%d are live); the next quorum goes on with the live ones",
-                        self.options.replica_group, self.options.min_replicas)
+                        self.options.replica_group, what, self.options.min_replicas)
         return committed
 
     def metrics(self) -> dict[str, float]:
         return {"ft/replicas": float(self.manager.num_participants()), "ft/steps_lost": float(self.steps_lost),
-                "ft/heals": float(self.heals), "ft/step": float(self.manager.current_step())}
+                "ft/uncommitted": float(self.uncommitted), "ft/heals": float(self.heals),
+                "ft/step": float(self.manager.current_step())}
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)

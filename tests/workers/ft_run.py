@@ -3,7 +3,8 @@ torchft, training a tiny MLP on the sine task (AdamW, the learning rate decayed 
 step, as a node lost mid-run.
 
     python tests/workers/ft_run.py --out DIR --group 0 --groups 3 --lighthouse http://HOST:PORT --devices 2 \\
-        --steps 30 [--kill-at 10 --kill-in backward|end] [--step-sleep 0.05] [--tag TAG]
+        --steps 30 [--kill-at 10 --kill-in backward|end|sync|heal] [--sync-every 5] [--step-sleep 0.05]
+        [--hold 40:FILE[,FILE]] [--tag TAG]
 
 Rank 0 of the group writes ``DIR/<group><tag>.pt``: the final parameters, and per optimizer step the time, the
 global step, the live replicas, the steps lost and the heals so far.
@@ -22,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
 from ddp_plugin.testing.data import sine_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
 
@@ -37,11 +39,18 @@ class Model(TinyModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+def kill_instead(replicas: ReplicaGroups, *_args) -> None:
+    replicas.manager.wait_quorum()  # (in the quorum: the live groups are about to reduce with it)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Record(L.Callback):
     def __init__(self, args: argparse.Namespace) -> None:
         self.kill_at, self.kill_in, self.sleep, self.gate, self.group = (
             args.kill_at, args.kill_in, args.step_sleep, args.gate, args.group)
-        self.hold_at, self.hold_until, self.announce = args.hold_at, args.hold_until, args.announce
+        # (step, files): at the first step from `step` on, wait until every file exists
+        self.holds = [(int(step), files.split(",")) for step, files in (h.split(":", 1) for h in args.hold)]
+        self.announce = args.announce
         self.steps: list[dict] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -54,6 +63,10 @@ class Record(L.Callback):
         while not os.path.exists(self.gate):
             time.sleep(0.05)
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.kill_in == "sync" and self.kill_at is not None and trainer.global_step >= self.kill_at:
+            ReplicaGroups.allreduce = kill_instead  # (the next all-reduce across groups is the outer sync's)
+
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if self.kill_in == "backward" and self.kill_at is not None and trainer.global_step >= self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # inside the step: the live groups are about to reduce with it
@@ -64,10 +77,11 @@ class Record(L.Callback):
         self.steps.append({"time": time.time(), "global_step": trainer.global_step, **replicas})
         if self.kill_in == "end" and self.kill_at is not None and trainer.global_step >= self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # every rank of the group: the node is gone
-        if self.hold_at is not None and trainer.global_step == self.hold_at:
+        while self.holds and trainer.global_step >= self.holds[0][0]:
             # (so that a group started again joins while this one still trains, however slowly it starts)
-            while not os.path.exists(self.hold_until):
+            while not all(os.path.exists(f) for f in self.holds[0][1]):
                 time.sleep(0.05)
+            self.holds.pop(0)
         time.sleep(self.sleep)
 
 
@@ -80,25 +94,33 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-at", type=int, default=None)
-    parser.add_argument("--kill-in", choices=["end", "backward"], default="backward",
-                        help="where in the step every rank of the group kills itself")
+    parser.add_argument("--kill-in", choices=["end", "backward", "sync", "heal"], default="backward",
+                        help="where in the step every rank of the group kills itself (sync: in the first outer sync"
+                        " from --kill-at on, before its all-reduce across groups; heal: once it has received a live peer's"
+                        " state, before loading it)")
+    parser.add_argument("--sync-every", type=int, default=1, help="DiLoCo's H (1: the synchronous route)")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--quorum-timeout", type=float, default=120.0)
+    parser.add_argument("--timeout", type=float, default=120.0, help="the strategy's `timeout` (torchft's collectives"
+                        " and process group set-ups too)")
     parser.add_argument("--tag", default="")
-    parser.add_argument("--hold-at", type=int, default=None, help="at this step, wait for --hold-until")
-    parser.add_argument("--hold-until", default=None)
+    parser.add_argument("--hold", action="append", default=[], help="STEP:FILE[,FILE]: at the first step from"
+                        " STEP on, wait until every FILE exists")
     parser.add_argument("--announce", default=None, help="write ANNOUNCE.<rank> once set up")
     parser.add_argument("--gate", default=None, help="wait for this file before the first step (after writing"
                         " GATE.<group>.<rank>)")
     args = parser.parse_args()
 
+    if args.kill_in == "heal":
+        ReplicaGroups._healed = kill_instead  # (the state received from a live peer, before it is loaded)
     torch.manual_seed(args.group)  # different initial parameters per group: the first quorum makes them equal
     model = Model(mlp(FEATURES, HIDDEN, 1, layers=1, activation=nn.Tanh))
     data = DataLoader(sine_dataset(4096, FEATURES, seed=3), batch_size=BATCH)
     record = Record(args)
     strategy = HierarchicalZeroStrategy(fault_tolerance={
         "replica_group": args.group, "replica_groups": args.groups, "lighthouse": args.lighthouse,
-        "min_replicas": args.min_replicas, "quorum_timeout": 120.0}, timeout=120.0)
+        "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout}, timeout=args.timeout, sync_every=args.sync_every)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=1, strategy=strategy,
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[record], use_distributed_sampler=True)
