@@ -10,6 +10,8 @@ On one machine, 2 ranks per group, 3 groups:
             MASTER_ADDR=localhost MASTER_PORT=$((29600 + i)) python examples/fault_tolerance.py &
     done
 
+``SYNC_EVERY=50`` runs DiLoCo instead (a quorum per outer sync; nothing crosses nodes between syncs).
+
 On a cluster, the same per node (its own address as ``MASTER_ADDR``, ``torchrun --nproc_per_node K`` or
 Lightning's launcher), with the lighthouse's host in ``TORCHFT_LIGHTHOUSE``.
 """
@@ -50,7 +52,7 @@ def main() -> None:
         accelerator="cpu", devices=int(os.environ.get("DEVICES", 2)), num_nodes=1,
         max_steps=int(os.environ.get("STEPS", 2000)),
         # Every key from the environment: REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE.
-        strategy=HierarchicalZeroStrategy(fault_tolerance=True),
+        strategy=HierarchicalZeroStrategy(fault_tolerance=True, sync_every=int(os.environ.get("SYNC_EVERY", 1))),
         logger=False, enable_checkpointing=False,
     )
     trainer.fit(Regression(), data)
