@@ -240,3 +240,22 @@ def test_the_example_runs_as_its_docstring_launches_it(tmp_path):
         lighthouse.shutdown()
     for g in range(2):
         assert "`Trainer.fit` stopped: `max_steps=20` reached" in (tmp_path / f"log{g}.txt").read_text()
+
+
+def test_other_nodes_reach_this_groups_manager_and_checkpoints_at_its_rendezvous_host():
+    """torchft 0.2 advertises the machine's host name, which another node (a network namespace of the simulated
+    cluster) may not reach: the manager and the checkpoint transport are advertised at the rendezvous host."""
+    import socket
+    from datetime import timedelta
+
+    from ddp_plugin.fault_tolerance.replicas import advertised_host, http_transport, state_bytes
+
+    assert advertised_host("10.77.0.2") == "10.77.0.2"
+    for loopback in ("localhost", "127.0.0.1", "::1"):
+        assert advertised_host(loopback) == socket.gethostname()
+    transport = http_transport("10.77.0.2", timedelta(seconds=5))
+    try:
+        assert transport.metadata().startswith("http://10.77.0.2:") and transport.metadata().endswith("/checkpoint/")
+    finally:
+        transport.shutdown(wait=False)
+    assert state_bytes({"a": torch.zeros(3), "b": [torch.zeros(2, dtype=torch.float16), 7]}) == 16

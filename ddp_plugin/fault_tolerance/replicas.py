@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -48,16 +49,22 @@ class ReplicaGroups:
         self.uncommitted = 0
         """Quorums whose step or sync was committed nowhere (a sync mode redoes them over the live groups)."""
         self.heals = 0
+        self.healed_bytes = 0
+        """What the healings received, in bytes of tensors."""
         self._started = False
         self._parts: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {"fit": (state, load_state)}
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        host = advertised_host(os.environ["MASTER_ADDR"])
         self.manager = Manager(
             pg=pg, load_state_dict=self._healed, state_dict=self._state, min_replica_size=options.min_replicas,
             rank=rank, world_size=size, replica_id=f"replica_group_{options.replica_group}",
             lighthouse_addr=options.lighthouse, timeout=timeout,
             quorum_timeout=timedelta(seconds=options.quorum_timeout), connect_timeout=timeout,
-            # The group's own store (Lightning's and torchrun's rendezvous both serve one there).
+            # The group's own store (Lightning's and torchrun's rendezvous both serve one there), and the address
+            # the other groups reach this group's manager at (to heal from it): the rendezvous host, unless that
+            # is a loopback name.
             store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+            hostname=host, checkpoint_transport=http_transport(host, timeout),
         )
 
     def add_state(self, name: str, state: Callable[[], Any], load_state: Callable[[Any], None]) -> None:
@@ -69,6 +76,7 @@ class ReplicaGroups:
 
     def _healed(self, state: dict[str, Any]) -> None:
         self.heals += 1
+        self.healed_bytes += state_bytes(state)
         log.warning("ddp_plugin: replica group %d healed from a live peer at step %d",
                     self.options.replica_group, self.manager.current_step())
         for name, (_, load) in self._parts.items():
@@ -117,7 +125,39 @@ class ReplicaGroups:
     def metrics(self) -> dict[str, float]:
         return {"ft/replicas": float(self.manager.num_participants()), "ft/steps_lost": float(self.steps_lost),
                 "ft/uncommitted": float(self.uncommitted), "ft/heals": float(self.heals),
+                "ft/healed_MB": self.healed_bytes / 2**20,
                 "ft/step": float(self.manager.current_step())}
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def advertised_host(rendezvous_host: str) -> str:
+    """Where the other replica groups reach this group's torchft manager: the group's rendezvous host (its own
+    node's address, as torchrun's ``--master_addr`` gives it), or this machine's host name for a loopback one."""
+    if rendezvous_host in ("localhost", "127.0.0.1", "::1") or rendezvous_host.startswith("127."):
+        return socket.gethostname()
+    return rendezvous_host
+
+
+def http_transport(host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (what its Manager makes by default), advertised at ``host``: torchft 0.2
+    advertises the machine's host name, which another node may not reach (a network namespace's, say)."""
+    from torchft.checkpointing import HTTPTransport
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return Transport(timeout=timeout, num_chunks=0)
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
