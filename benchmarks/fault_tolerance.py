@@ -1,0 +1,306 @@
+"""Nodes that come and go, on the simulated cluster: a whole node killed (SIGKILL, every process of it) at a random
+step and started again, with ``fault_tolerance=`` (replica groups on torchft) against today's fail-fast + resume from
+the last checkpoint, on the same script (``benchmarks/ft_worker.py``), the same cluster and the same step.
+
+    sudo python benchmarks/fault_tolerance.py            # 3 nodes at 100 Mbit/s; writes benchmarks/results/fault_tolerance.md
+    python benchmarks/fault_tolerance.py --nodes 4 --rate 1gbit --routes diloco
+
+Per route (synchronous hierarchical, DiLoCo with ``sync_every=10``), three runs of ``--steps`` steps, one rank per node:
+
+- **torchft**: the lighthouse in node 0's namespace, each node a replica group launched on its own; the last node
+  is killed at step K and started again ``--down`` seconds later;
+- **fail-fast + resume**: one torchrun job over every node, a checkpoint every ``--ckpt-every`` steps; the last
+  node is killed at step K, the others fail (naming it), and the whole job is started again from ``last.ckpt``;
+- **uninterrupted**: the torchft run without a kill, for the final loss.
+
+Reported: the seconds the live nodes could not step (from the kill until their next step past the kill, less a
+median step), the steps lost (committed nowhere, or redone after the resume), how long the returning node took
+from its start to being in the quorum, the bytes its healing received, the final loss (mean of the last 10 steps),
+and the wall time of the run. Needs root (network namespaces); a benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "ft_worker.py"
+LIGHTHOUSE_PORT = 29510
+ROUTES = {"synchronous": 1, "diloco": 10}
+
+
+def records(out: Path, node: int, tag: str = "") -> list[dict]:
+    path = out / f"rec-{node}{tag}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for_step(out: Path, node: int, step: int, procs: list[subprocess.Popen], tag: str = "",
+                  timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while not any(r["global_step"] >= step for r in records(out, node, tag)):
+        if time.time() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            raise RuntimeError(f"node {node} did not reach step {step}; see the logs in {out}")
+        time.sleep(0.02)
+
+
+def kill_node(cluster, node: int, proc: subprocess.Popen) -> float:
+    """SIGKILL every process in the node's namespace (torchrun's workers are sessions of their own); the time."""
+    pids = subprocess.run(["ip", "netns", "pids", cluster.node_namespace(node)], capture_output=True, text=True,
+                          check=True).stdout.split()
+    killed = time.time()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    return killed
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float = 900) -> list[int]:
+    deadline = time.time() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return [p.returncode for p in procs]
+
+
+def worker_env(cluster, node: int, port: int) -> dict[str, str]:
+    return cluster.launch_env(node, {"MASTER_ADDR": cluster.addresses[node], "MASTER_PORT": str(port),
+                                     "PYTHONPATH": str(HERE.parent)})
+
+
+def run_torchft(cluster, args, sync_every: int, out: Path, kills: list[int], seed: int = 0) -> dict:
+    """The torchft run: node ``n - 1 - i`` killed once it reaches step ``kills[i]``, started again ``--down`` s
+    later (tagged ``-back``)."""
+    lighthouse = cluster.popen(0, [str(Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"), "--min_replicas",
+                                   "1", "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "1000", "--bind",
+                                   f"[::]:{LIGHTHOUSE_PORT}"], stdout=open(out / "lighthouse.txt", "w"),
+                               stderr=subprocess.STDOUT)
+    time.sleep(1.0)
+    address = f"http://{cluster.addresses[0]}:{LIGHTHOUSE_PORT}"
+    n = cluster.nodes
+
+    def launch(node: int, tag: str = "") -> subprocess.Popen:
+        spec = {"out": str(out), "node": node, "nodes": n, "steps": args.steps, "sync_every": sync_every,
+                "lighthouse": address, "tag": tag, "sleep": args.step_sleep, "seed": seed}
+        return cluster.popen(node, [sys.executable, str(WORKER), json.dumps(spec)],
+                             env=worker_env(cluster, node, (29700 if tag else 29600) + node),
+                             stdout=open(out / f"log{node}{tag}.txt", "w"), stderr=subprocess.STDOUT)
+
+    started = time.time()
+    procs = [launch(i) for i in range(n)]
+    result: dict = {"kills": kills, "stall_s": [], "rejoin_s": [], "healed_MB": []}
+    try:
+        events = []
+        for i, kill_at in enumerate(kills):
+            node = n - 1 - i
+            wait_for_step(out, node, kill_at, procs)
+            killed = kill_node(cluster, node, procs[node])
+            time.sleep(args.down)
+            procs[node] = launch(node, "-back")
+            events.append((node, killed, time.time()))
+        codes = wait_all(procs)
+        live = records(out, 0)
+        step = statistics.median(b["time"] - a["time"] for a, b in zip(live, live[1:]) if b["time"] < events[0][1]) \
+            if events else float("nan")
+        for node, killed, relaunched in events:
+            after = [r for r in live if r["time"] > killed]
+            gaps = [b["time"] - a["time"] for a, b in zip(after, after[1:])]
+            result["stall_s"].append(max([after[0]["time"] - killed, *gaps[: 2 * sync_every + 2]]) - step)
+            returned = records(out, node, "-back")
+            joined = next((r for r in returned if r.get("ft/replicas", 0) == n), None)
+            result["rejoin_s"].append(joined["time"] - relaunched if joined else float("nan"))
+            result["healed_MB"].append(returned[-1]["ft/healed_MB"] if returned else float("nan"))
+        result.update({"codes": codes, "step_s": step, "wall_s": live[-1]["time"] - started,
+                       "steps_lost": live[-1]["ft/steps_lost"], "uncommitted": live[-1]["ft/uncommitted"],
+                       "final_loss": statistics.fmean(r["loss"] for r in live[-10:]),
+                       "curve": [(r["global_step"], r["loss"]) for r in live]})
+    finally:
+        os.killpg(lighthouse.pid, signal.SIGKILL)
+        lighthouse.wait()
+    return result
+
+
+def run_failfast(cluster, args, sync_every: int, out: Path, kills: list[int], port: int) -> dict:
+    """Today's run: one torchrun job over every node, a checkpoint every ``--ckpt-every`` steps; at each kill the
+    others fail and the job is started again from ``last.ckpt``."""
+    n = cluster.nodes
+
+    def launch(tag: str, resume: bool, port: int) -> list[subprocess.Popen]:
+        procs = []
+        for node in range(n):
+            spec = {"out": str(out), "node": node, "nodes": n, "steps": args.steps, "sync_every": sync_every,
+                    "ckpt_every": args.ckpt_every, "resume": resume, "tag": tag, "sleep": args.step_sleep}
+            command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={n}", f"--node_rank={node}",
+                       "--nproc_per_node=1", f"--master_addr={cluster.addresses[0]}", f"--master_port={port}",
+                       "--max_restarts=0", str(WORKER), json.dumps(spec)]
+            env = cluster.launch_env(node, {"PYTHONPATH": str(HERE.parent)})
+            procs.append(cluster.popen(node, command, env=env, stdout=open(out / f"log{node}{tag}.txt", "w"),
+                                       stderr=subprocess.STDOUT))
+        return procs
+
+    started = time.time()
+    procs, tag = launch("", False, port), ""
+    result: dict = {"kills": kills, "stall_s": [], "steps_lost": 0, "detected_s": []}
+    curve: list = []
+    for i, kill_at in enumerate(kills):
+        node = n - 1 - i
+        wait_for_step(out, node, kill_at, procs, tag)
+        killed = kill_node(cluster, node, procs[node])
+        wait_all(procs, timeout=300)
+        result["detected_s"].append(time.time() - killed)
+        done = records(out, 0, tag)
+        curve += [(r["global_step"], r["loss"]) for r in done]
+        if i == 0:
+            result["step_s"] = statistics.median(b["time"] - a["time"] for a, b in zip(done, done[1:]))
+        tag = f"-resume{i}"
+        procs = launch(tag, True, port + 1 + i)
+        last_before = max(r["global_step"] for r in done)
+        while not records(out, 0, tag) or max(r["global_step"] for r in records(out, 0, tag)) <= last_before:
+            if all(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.05)
+        resumed = records(out, 0, tag)
+        past = next(r for r in resumed if r["global_step"] > last_before)
+        result["stall_s"].append(past["time"] - killed - result["step_s"])
+        result["steps_lost"] += last_before - (resumed[0]["global_step"] - 1)
+    result["codes"] = wait_all(procs)
+    final = records(out, 0, tag)
+    curve += [(r["global_step"], r["loss"]) for r in final]
+    result.update({"wall_s": final[-1]["time"] - started, "final_loss": statistics.fmean(r["loss"] for r in final[-10:]),
+                   "curve": curve})
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--rate", default="100mbit")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--ckpt-every", type=int, default=50)
+    parser.add_argument("--down", type=float, default=5.0, help="seconds a killed node stays down (torchft)")
+    parser.add_argument("--step-sleep", type=float, default=0.05, help="a step's simulated compute, seconds")
+    parser.add_argument("--routes", default=",".join(ROUTES))
+    parser.add_argument("--repeats", type=int, default=3, help="uninterrupted runs (seeds 0..), for the spread")
+    parser.add_argument("--seed", type=int, default=0, help="draws the kill steps")
+    parser.add_argument("--out", default=str(HERE / "results" / "fault_tolerance.md"))
+    args = parser.parse_args()
+
+    from ddp_plugin.testing.simcluster import SimulatedCluster, available
+
+    ok, why = available()
+    if not ok:
+        sys.exit(f"needs the simulated cluster: {why}")
+    rng = random.Random(args.seed)
+    rows = {}
+    with SimulatedCluster(nodes=args.nodes, rate=args.rate, prefix="ftbench") as cluster:
+        for k, route in enumerate(args.routes.split(",")):
+            every = ROUTES[route]
+            # Two failures and two returns: node N-1 early, node N-2 once the first is back.
+            kills = [rng.randrange(args.steps // 6, args.steps // 4), rng.randrange(args.steps // 2, 2 * args.steps // 3)]
+            runs = {}
+            for name in ["torchft", "failfast", *(f"uninterrupted, seed {i}" for i in range(args.repeats))]:
+                out = Path(tempfile.mkdtemp(prefix=f"ft-{route}-{name.split(',')[0]}-"))
+                print(f"{route}: {name} (kills at steps {kills}) in {out}", flush=True)
+                if name == "torchft":
+                    runs[name] = run_torchft(cluster, args, every, out, kills)
+                elif name == "failfast":
+                    runs[name] = run_failfast(cluster, args, every, out, kills, 29400 + 10 * k)
+                else:
+                    runs[name] = run_torchft(cluster, args, every, out, [], seed=int(name.rsplit(" ", 1)[1]))
+                print({key: v for key, v in runs[name].items() if key != "curve"}, flush=True)
+                shutil.rmtree(out, ignore_errors=True)
+            rows[route] = runs
+    write(args, rows)
+    write_plot(args, rows, Path(args.out).with_suffix(".png"))
+
+
+def _list(values, fmt: str) -> str:
+    return ", ".join(format(v, fmt) for v in values) if values else "-"
+
+
+def write(args, rows: dict) -> None:
+    lines = [
+        "# Nodes that come and go: torchft replica groups against fail-fast + resume",
+        "",
+        f"`python benchmarks/fault_tolerance.py --nodes {args.nodes} --rate {args.rate} --steps {args.steps}"
+        f" --ckpt-every {args.ckpt_every} --down {args.down} --repeats {args.repeats} --seed {args.seed}`, on"
+        f" {platform.node()} ({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}. One rank per simulated node (gloo,"
+        f" links capped at {args.rate}), a 2-layer MLP (width 128, AdamW) on the sine task, {args.step_sleep} s of"
+        " simulated compute a step. Node N-1, then node N-2, is killed (SIGKILL, every process in its namespace)"
+        " at the steps shown; torchft: started again after"
+        f" {args.down} s; fail-fast: every node fails, and the job is started again from the last checkpoint"
+        f" (every {args.ckpt_every} steps).",
+        "",
+        "| route | run | killed at step | live nodes stalled (s) | steps lost | a step (s) | back in the quorum (s)"
+        " | healing received (MB) | final loss | wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for route, runs in rows.items():
+        for name, r in runs.items():
+            lines.append(
+                f"| {route} | {name} | {_list(r.get('kills'), 'd')} | {_list(r.get('stall_s'), '.2f')} |"
+                f" {r.get('steps_lost', '-') if r.get('kills') else '-'} | {r.get('step_s', float('nan')):.3f} |"
+                f" {_list(r.get('rejoin_s'), '.1f')} | {_list(r.get('healed_MB'), '.3f')} |"
+                f" {r['final_loss']:.4f} | {r['wall_s']:.1f} |")
+        clean = [r["final_loss"] for name, r in runs.items() if name.startswith("uninterrupted")]
+        if clean:
+            lines.append(f"| {route} | uninterrupted spread | | | | | | | {min(clean):.4f} - {max(clean):.4f} | |")
+    lines += ["", "Exit codes: " + "; ".join(f"{route} {name}: {r['codes']}" for route, runs in rows.items()
+                                             for name, r in runs.items())]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    Path(args.out).with_suffix(".json").write_text(json.dumps(rows))
+    print("\n".join(lines))
+
+
+def write_plot(args, rows: dict, path: Path) -> None:
+    """Loss (a running mean over 25 steps) against the step, per route: each run, the kills marked."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed, so no plot was written (pip install matplotlib)", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(7 * len(rows), 4.5), squeeze=False)
+    for ax, (route, runs) in zip(axes[0], rows.items()):
+        for name, r in runs.items():
+            steps = [s for s, _ in r["curve"]]
+            losses = [v for _, v in r["curve"]]
+            smooth = [statistics.fmean(losses[max(0, i - 24): i + 1]) for i in range(len(losses))]
+            style = {"torchft": ("tab:blue", "-"), "failfast": ("tab:red", "-")}.get(name, ("0.6", ":"))
+            ax.plot(steps, smooth, color=style[0], ls=style[1], lw=1.2, label=name)
+        for kill in runs["torchft"].get("kills", []):
+            ax.axvline(kill, color="k", ls="--", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xlabel("global step (dashed: a node killed)")
+        ax.set_ylabel("training loss (running mean of 25 steps)")
+        ax.set_title(f"{route} ({args.nodes} nodes, {args.rate})")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Worker of ``benchmarks/fault_tolerance.py``: one node's training (one rank), on the simulated cluster.
+
+    python benchmarks/ft_worker.py '{"out": DIR, "node": 0, "steps": 200, "sync_every": 1, ...}'
+
+With ``"lighthouse"`` in the spec it is replica group ``node`` of a run on torchft (its own rendezvous); without,
+node ``node`` of one torchrun job over every node (today's fail-fast run), which checkpoints every
+``ckpt_every`` steps and, with ``"resume"``, resumes from the last one. Every optimizer step appends a JSON line to
+``DIR/rec-<node><tag>.jsonl``: the time, the global step, the loss and the ``ft/`` metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.testing.data import sine_dataset
+from ddp_plugin.testing.models import TinyModule, mlp
+
+
+class Record(L.Callback):
+    def __init__(self, path: str, sleep: float) -> None:
+        self.file = open(path, "a")  # noqa: SIM115 - open for the run
+        self.sleep = sleep
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        session = trainer.strategy._session
+        ft = session.replicas.metrics() if session is not None and session.replicas is not None else {}
+        loss = float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs)
+        self.file.write(json.dumps({"time": time.time(), "global_step": trainer.global_step, "loss": loss, **ft})
+                        + "\n")
+        self.file.flush()
+        time.sleep(self.sleep)  # (the compute of a larger model, so that a step is not only communication)
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    torch.manual_seed(spec.get("seed", 0))  # every node starts from the same parameters
+    model = TinyModule(mlp(8, spec.get("width", 128), 1, layers=2, activation=nn.Tanh), optimizer="adamw",
+                       lr=spec.get("lr", 3e-3))
+    data = DataLoader(sine_dataset(1 << 16, 8, seed=3), batch_size=32)
+    options = {"sync_every": spec["sync_every"], "timeout": 30.0}
+    callbacks = [Record(os.path.join(spec["out"], f"rec-{spec['node']}{spec.get('tag', '')}.jsonl"),
+                        spec.get("sleep", 0.05))]
+    ckpt_dir = os.path.join(spec["out"], "ckpt")
+    if spec.get("lighthouse"):
+        options["fault_tolerance"] = {"replica_group": spec["node"], "replica_groups": spec["nodes"],
+                                      "lighthouse": spec["lighthouse"], "quorum_timeout": 60.0}
+        num_nodes = 1
+    else:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=spec["ckpt_every"], save_last=True,
+                                         save_top_k=0))
+        num_nodes = spec["nodes"]
+    trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=num_nodes,
+                        strategy=HierarchicalZeroStrategy(**options), max_steps=spec["steps"], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                        enable_checkpointing=not spec.get("lighthouse"))
+    resume = os.path.join(ckpt_dir, "last.ckpt") if spec.get("resume") else None
+    trainer.fit(model, data, ckpt_path=resume if resume and os.path.exists(resume) else None)
+
+
+if __name__ == "__main__":
+    main()
