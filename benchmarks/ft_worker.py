@@ -10,9 +10,9 @@ node ``node`` of one torchrun job over every node (today's fail-fast run), which
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import time
 
 import lightning as L
@@ -42,7 +42,9 @@ class Record(L.Callback):
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", type=json.loads, help="the run, as JSON (written by benchmarks/fault_tolerance.py)")
+    spec = parser.parse_args().spec
     torch.set_num_threads(1)
     torch.manual_seed(spec.get("seed", 0))  # every node starts from the same parameters
     model = TinyModule(mlp(8, spec.get("width", 128), 1, layers=2, activation=nn.Tanh), optimizer="adamw",
