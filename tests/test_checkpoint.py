@@ -337,8 +337,9 @@ def test_kill_of_rank_0_while_the_ranks_gather_a_stage_2_checkpoint_names_rank_0
     finally:
         end_run(proc, tmp_path)
     print(f"the other ranks were gone {survivors_gone_after:.1f} s after rank 0 was killed")
-    # Not the 120 s collective timeout: the gather fails at once, the diagnosis takes a few seconds.
-    assert survivors_gone_after < 30, out[-4000:]
+    # Not the 120 s collective timeout: the gather fails at once, the diagnosis takes a few seconds (38 s seen
+    # on a loaded 2-core machine, so the bound is not tighter).
+    assert survivors_gone_after < 60, out[-4000:]
     # Rank 0's process is on this machine: its end is seen at once, and it is named, not only the store it hosted.
     named = re.findall(r"rank ([123]): (the checkpoint's gather to rank 0|waiting for rank 0 to write the checkpoint"
                        r" `[^`]*`) failed because rank 0 stopped responding \(killed, crashed or hung\); its process on"
