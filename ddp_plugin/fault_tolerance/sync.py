@@ -54,9 +54,7 @@ class ReplicaGroupSync(OuterSync):
 
     def _outer_step(self, pieces: list[Piece], pseudo: list[Tensor], snapshots: list[Tensor] | None
                     ) -> tuple[list[Update], float]:
-        local = torch.zeros((), dtype=torch.float64, device=self.topology.device)
-        for g in pseudo:
-            local += torch.linalg.vector_norm(g, dtype=torch.float32).double().square()
+        local = self._squared_norm(pseudo)
         if self.topology.ranks_per_node > 1:
             self.comm.all_reduce(local, group=self.intra)
         for attempt in range(RETRIES + 1):

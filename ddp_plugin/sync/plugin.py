@@ -401,10 +401,7 @@ class OuterSync:
         """On the outer thread, behind the next inner steps: the pseudo-gradients averaged over the nodes, the
         outer optimizer's step, and what this rank's part of the replica takes from it; plus the node's drift
         (the norm of its pseudo-gradient of this fragment)."""
-        local = torch.zeros((), dtype=torch.float64, device=self.topology.device)
-        for g in pseudo:
-            # A metric: float32's norm is 3x faster than float64's (and bf16 parameters get a float32 one).
-            local += torch.linalg.vector_norm(g, dtype=torch.float32).double().square()
+        local = self._squared_norm(pseudo)
         # The node's sum runs beside the cross-node average (a local rank that starts late does not hold up the
         # others' sends); it is waited for once the average is in.
         node_sum = (self.comm.all_reduce(local, group=self.intra, async_op=True)
@@ -416,6 +413,14 @@ class OuterSync:
         self._outer_optimizer_step(pieces, pseudo)
         # (the pseudo-gradients' memory takes the updates)
         return self.updates(pieces, snapshots, pseudo), float(local.sqrt())
+
+    def _squared_norm(self, tensors: list[Tensor]) -> Tensor:
+        """The squared norm of ``tensors`` together, in float64 (the drift metric)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.topology.device)
+        for g in tensors:
+            # A metric: float32's norm is 3x faster than float64's (and bf16 parameters get a float32 one).
+            total += torch.linalg.vector_norm(g, dtype=torch.float32).double().square()
+        return total
 
     def _outer_optimizer_step(self, pieces: list[Piece], grads: list[Tensor]) -> None:
         # Only this fragment's pieces have a gradient, so the step moves only them (the training thread reads
