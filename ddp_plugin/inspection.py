@@ -5,7 +5,7 @@ outside a ``fit`` each answers as unsharded training would."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Iterable
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ddp_plugin.parallel import tensor_parallel
-from ddp_plugin.session import memory_bytes
+from ddp_plugin.hookspecs import local_tensor
 
 if TYPE_CHECKING:
     import pluggy
@@ -152,3 +152,31 @@ class FitInspection:
                     measured[name] = measured.get(name, 0) + value
                     measured["total"] += value
         return measured
+
+
+def memory_bytes(module_params: Iterable[Tensor], optimizers: Iterable[Optimizer], buckets: Iterable[Tensor]
+                 ) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state, measured on the live tensors (each storage counted
+    once, released ones as zero): module parameters and the optimizers' (sharded) ones, gradient buckets and
+    every ``.grad``, and every tensor in the optimizers' state."""
+    seen: set[int] = set()
+    optimizers = list(optimizers)
+
+    def size(tensors: Iterable[Tensor | None]) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            storage = local_tensor(t).untyped_storage()  # (a DTensor's: its local shard's)
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return total
+
+    module_params = list(module_params)
+    opt_params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    params = size([*module_params, *opt_params])
+    grads = size([*buckets, *(p.grad for p in module_params), *(p.grad for p in opt_params)])
+    state = size(v for opt in optimizers for st in opt.state.values() for v in st.values() if isinstance(v, Tensor))
+    return {"params": params, "grads": grads, "optimizer_state": state, "total": params + grads + state}

@@ -5,7 +5,6 @@ save during it writes) until the next ``fit`` replaces it."""
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
@@ -21,8 +20,7 @@ from ddp_plugin import health
 from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.comm import TracedCommunicator, broadcast_coalesced
 from ddp_plugin.engine import GradientEngine
-from ddp_plugin.fault_tolerance.reducer import ReplicaGroupReducer
-from ddp_plugin.fault_tolerance.sync import ReplicaGroupSync
+from ddp_plugin.fault_tolerance.plugins import heal_plugins, replica_group_plugins
 from ddp_plugin.hookspecs import local_tensor
 from ddp_plugin.plugin_manager import build_plugin_manager, cross_node_codec
 from ddp_plugin.topology import Layout
@@ -67,7 +65,8 @@ class FitSession:
         # bookkeeping groups join them all, and a node's traffic stays inside it by physical ranks.
         self.layout = layout if layout is not None else Layout(topology.world_size, topology.ranks_per_node)
         self.device = device
-        self.comm = TracedCommunicator(self.layout.ranks_per_node, config.timeout)
+        self.comm = (TracedCommunicator(self.layout.ranks_per_node, config.timeout) if replicas is None
+                     else replicas.communicator(self.layout.ranks_per_node, config.timeout))
         self.module = module
         self.choices = LinkChoices(config, topology, module, self.comm, device)
         """``compression="auto"``, ``hierarchical=None`` and ``bucket_size_mb="auto"``: the link probe and the plan."""
@@ -362,34 +361,6 @@ class FitSession:
         self.plugin_manager.hook.on_load_state_dict(state=state, rank_state=rank_state)
 
 
-def memory_bytes(module_params: Iterable[Tensor], optimizers: Iterable[Optimizer], buckets: Iterable[Tensor]
-                 ) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state, measured on the live tensors (each storage counted
-    once, released ones as zero): module parameters and the optimizers' (sharded) ones, gradient buckets and
-    every ``.grad``, and every tensor in the optimizers' state."""
-    seen: set[int] = set()
-    optimizers = list(optimizers)
-
-    def size(tensors: Iterable[Tensor | None]) -> int:
-        total = 0
-        for t in tensors:
-            if t is None:
-                continue
-            storage = local_tensor(t).untyped_storage()  # (a DTensor's: its local shard's)
-            if storage.nbytes() == 0 or storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-        return total
-
-    module_params = list(module_params)
-    opt_params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-    params = size([*module_params, *opt_params])
-    grads = size([*buckets, *(p.grad for p in module_params), *(p.grad for p in opt_params)])
-    state = size(v for opt in optimizers for st in opt.state.values() for v in st.values() if isinstance(v, Tensor))
-    return {"params": params, "grads": grads, "optimizer_state": state, "total": params + grads + state}
-
-
 def _logs_this_step(module: pl.LightningModule) -> bool:
     """Whether the Trainer writes this training step's logs (``log_every_n_steps``), by its own rule; True where
     that cannot be asked (another Lightning version)."""
@@ -403,14 +374,16 @@ def _logs_this_step(module: pl.LightningModule) -> bool:
 def _build_plugin_manager(config: StrategyConfig, hierarchical: bool, planner: object | None = None,
                           replicas: ReplicaGroups | None = None) -> pluggy.PluginManager:
     """The plugin manager of one ``fit`` with ``config``'s flags (with ``replicas``, the reducer's and the sync
-    mode's steps between groups go through torchft)."""
-    return build_plugin_manager(
+    mode's steps between groups go through torchft, and a returning group heals the codec's state too)."""
+    pm = build_plugin_manager(
         config.compression, config.plugins, hierarchical=hierarchical, planner=planner,
-        reducer=ReplicaGroupReducer(replicas) if replicas is not None else None,
-        outer_sync=functools.partial(ReplicaGroupSync, replicas) if replicas is not None else None,
+        **(replica_group_plugins(replicas) if replicas is not None else {}),
         compression_options=config.compression_options,
         zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
         prefetch_units=config.prefetch_units, sync={"every": config.sync_every, "outer_optimizer": config.outer_optimizer,
               "fragments": config.sync_fragments, "staleness": config.max_staleness,
               "warmup": config.sync_warmup_steps},
     )
+    if replicas is not None:
+        heal_plugins(replicas, pm)
+    return pm

@@ -30,13 +30,13 @@ implementation may run collectives in it (through the :class:`~ddp_plugin.hooksp
 
 Built-in implementers named below: the engine's reducers (``FlatReducer``, ``HierarchicalReducer``, under
 a link plan ``AdaptivePlanner``, the hierarchical reducer that follows the plan, and with ``fault_tolerance``
-``ReplicaGroupReducer``, whose cross stage runs over the live replica groups through torchft and not through
-``on_cross_node_reduce``), the default cross-node mean
+``ReplicaGroupReducer``, whose cross stage runs over the live replica groups through torchft: its all-reduce,
+or with a built-in codec ``on_cross_node_reduce`` on torchft's process group), the default cross-node mean
 (``MeanAllReduce``), the codecs (``ddp_plugin.codecs``) and, with ``compression="auto"``, ``AutoCodec`` (it answers
 ``on_cross_node_reduce`` first and calls the codec the plan names, alone, through pluggy's
 ``subset_hook_caller``), the ZeRO sharder (``ddp_plugin.zero.ZeroSharder``), the sync modes
 (``ddp_plugin.sync.OuterSync``; with ``fault_tolerance`` ``ReplicaGroupSync``, whose pseudo-gradients cross
-replica groups through torchft and not through ``on_cross_node_reduce``), the traffic accounting (``TrafficAccounting``) and the initializer of a model built
+replica groups the same way), the traffic accounting (``TrafficAccounting``) and the initializer of a model built
 on the meta device (``ddp_plugin.materialize.Deferred``).
 
 Ranks: the bucket hooks' collectives (``on_bucket_ready``, ``on_cross_node_reduce``) span data-parallel ranks
@@ -234,7 +234,10 @@ def on_cross_node_reduce(
     ``MeanAllReduce`` (divide by the group size, all-reduce); ``TrafficAccounting`` wraps it.
 
     :param tensor: 1-D, contiguous; the mean must be written into it in place.
-    :param group: the process group to average over (may have a single rank).
+    :param group: the process group to average over (may have a single rank). With ``fault_tolerance``, torchft's
+        process group across the live replica groups, which ``torch.distributed`` does not know: only the
+        ``comm`` of ``on_setup`` runs collectives on it (a failure there is torchft's: it is not raised, and the
+        step is committed nowhere), and ``dist.get_world_size(group)`` gives its size.
     :param bucket: the bucket the tensor belongs to, for per-bucket codec state.
     :param offset: where ``tensor[0]`` sits in ``bucket.buffer`` (elements), so that a codec can tell which
         parameters the tensor holds (``bucket.offsets``); elements past the end of the buffer are padding

@@ -198,7 +198,7 @@ FT = {"replica_group": 1, "replica_groups": 3, "lighthouse": "http://lighthouse:
     ({"fault_tolerance": {**FT, "min_replicas": 4}}, r"min_replicas'\]=4` must be an integer from 1 to 3"),
     ({"fault_tolerance": {**FT, "replicas": 2}}, r"unknown key\(s\) 'replicas'; allowed keys: lighthouse"),
     ({"fault_tolerance": "yes"}, r"`fault_tolerance='yes'` must be None, True, a FaultTolerance or a mapping"),
-    ({"fault_tolerance": FT, "compression": "int8"}, r"not yet with `compression='int8'`"),
+    ({"fault_tolerance": FT, "compression": "auto"}, r"not yet with `compression='auto'` \(the link probe"),
     ({"fault_tolerance": FT, "sync_every": 4, "sync_fragments": 2}, r"not yet with `sync_fragments=2`"),
     ({"fault_tolerance": FT, "sync_every": 4, "max_staleness": 1}, r"not yet with `max_staleness=1`"),
     ({"fault_tolerance": FT, "sync_every": 4, "sync_warmup_steps": 8}, r"not yet with `sync_warmup_steps=8`"),
@@ -209,10 +209,22 @@ def test_fault_tolerance_is_checked_at_construction_and_refuses_what_cannot_run_
         HierarchicalZeroStrategy(**kwargs)
 
 
-def test_fault_tolerance_takes_local_sgd_and_diloco():
+def test_fault_tolerance_takes_local_sgd_and_diloco_and_every_builtin_codec():
     for outer in ("average", "nesterov"):
         strategy = HierarchicalZeroStrategy(fault_tolerance=FT, sync_every=4, outer_optimizer=outer)
         assert strategy.config.fault_tolerance.replica_groups == 3
+    for codec in ("fp16", "bf16", "int8", "topk", "powersgd"):
+        assert HierarchicalZeroStrategy(fault_tolerance=FT, compression=codec).config.compression == codec
+
+
+def test_fault_tolerance_refuses_an_installed_codec_naming_the_builtin_ones(monkeypatch):
+    from ddp_plugin.fault_tolerance import options
+
+    monkeypatch.setattr(options, "_builtin_codecs", lambda: ["fp16", "int8"])
+    with pytest.raises(NotImplementedError, match=r"`compression='topk'`, an installed codec .* built-in: 'fp16'"):
+        options.check_composition({"fault_tolerance": object(), "sync_fragments": 1, "max_staleness": 0,
+                                   "sync_warmup_steps": 0, "sync_every": 1, "zero_stage": 0, "compression": "topk",
+                                   "pipeline_parallel_size": 1, "tensor_parallel_size": 1, "plugins": []})
 
 
 def test_fault_tolerance_true_reads_torchfts_environment_variables_and_names_the_missing_ones(monkeypatch):

@@ -5,7 +5,9 @@ from a live peer (docs/fault_tolerance.md).
 - :mod:`~ddp_plugin.fault_tolerance.replicas`: this rank's torchft Manager (quorum, commit, healing);
 - :mod:`~ddp_plugin.fault_tolerance.reducer`: the hierarchical reducer's cross stage through it;
 - :mod:`~ddp_plugin.fault_tolerance.sync`: the sync modes' outer syncs through it;
-- :mod:`~ddp_plugin.fault_tolerance.healing`: what a returning group receives.
+- :mod:`~ddp_plugin.fault_tolerance.healing`: what a returning group receives;
+- :mod:`~ddp_plugin.fault_tolerance.communicator`: the collectives of a codec across groups;
+- :mod:`~ddp_plugin.fault_tolerance.plugins`: the plugins of a fit with replica groups.
 
 torchft is an extra (``pip install ddp_plugin[torchft]``), imported only when the flag is on.
 """

@@ -88,7 +88,10 @@ def check_composition(c: Mapping[str, Any]) -> None:
         (c["sync_warmup_steps"] > 0 and c["sync_every"] > 1,
          f"`sync_warmup_steps={c['sync_warmup_steps']}` (a quorum per step, then per sync)"),
         (c["zero_stage"] > 0, f"`zero_stage={c['zero_stage']}` (a sharder's reduce and its state to heal)"),
-        (c["compression"] is not None, f"`compression={c['compression']!r}` (a codec's collectives across groups)"),
+        (c["compression"] == "auto", "`compression='auto'` (the link probe's plan measures one group's links)"),
+        (c["compression"] not in (None, "auto") and c["compression"] not in _builtin_codecs(),
+         f"`compression={c['compression']!r}`, an installed codec (its state is not known to heal; built-in:"
+         f" {', '.join(map(repr, _builtin_codecs()))})"),
         (c["pipeline_parallel_size"] > 1, "`pipeline_parallel_size` > 1 (stages across groups)"),
         (c["tensor_parallel_size"] != 1, f"`tensor_parallel_size={c['tensor_parallel_size']!r}`"),
         (bool(c["plugins"]), "`plugins=` (a plugin's collectives would span one group only)"),
@@ -97,6 +100,12 @@ def check_composition(c: Mapping[str, Any]) -> None:
     if names:
         raise NotImplementedError(
             f"`fault_tolerance` runs the synchronous data-parallel route and the sync modes without fragments or"
-            f" staleness (local SGD, DiLoCo), at ZeRO stage 0 without a codec, for now; not yet with"
+            f" staleness (local SGD, DiLoCo), at ZeRO stage 0, with or without a built-in codec, for now; not yet with"
             f" {', '.join(names)}. Drop the flag, or those."
         )
+
+
+def _builtin_codecs() -> list[str]:
+    from ddp_plugin.codecs import BUILTIN_CODECS
+
+    return list(BUILTIN_CODECS)

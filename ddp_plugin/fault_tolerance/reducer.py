@@ -8,21 +8,28 @@ from ddp_plugin.hookspecs import hookimpl
 from ddp_plugin.plugins.hierarchical_reducer import HierarchicalReducer
 
 if TYPE_CHECKING:
+    from pluggy import HookRelay
     from torch import Tensor
 
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
-    from ddp_plugin.hookspecs import Bucket
+    from ddp_plugin.hookspecs import Bucket, Communicator, Options, Topology
 
 
 class ReplicaGroupReducer(HierarchicalReducer):
     """Average a bucket over every rank of every live replica group, in the hierarchical reducer's three stages:
     a reduce-scatter inside the group (its world: one node's ranks), the 1/k shard averaged over the live groups'
-    ranks of the same group rank through torchft's Manager (the only stage between groups), an all-gather inside
-    the group. One rank per group: the whole bucket crosses."""
+    ranks of the same group rank through torchft's Manager (the only stage between groups; with a codec, the codec
+    on torchft's process group), an all-gather inside the group. One rank per group: the whole bucket crosses."""
 
     def __init__(self, replicas: ReplicaGroups) -> None:
         super().__init__()
         self._replicas = replicas
+        self._codec = False
+
+    @hookimpl
+    def on_setup(self, topology: Topology, hook: HookRelay, comm: Communicator, options: Options) -> None:
+        super().on_setup(topology, hook, comm)
+        self._codec = options.cross_node_codec is not None
 
     @property
     def splits(self) -> bool:
@@ -35,7 +42,10 @@ class ReplicaGroupReducer(HierarchicalReducer):
         padded.div_(topo.ranks_per_node)  # the group's sum of the chunk, then the mean over the live groups
         shard = padded[topo.local_rank * c : (topo.local_rank + 1) * c]
         self._comm.reduce_scatter(shard, padded, group=topo.intra_node_group)
-        self._replicas.allreduce(shard)
+        if self._codec:
+            self._replicas.reduce(self._hook, shard, bucket, topo.local_rank * c)
+        else:
+            self._replicas.allreduce(shard)
         return shard
 
     @hookimpl

@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from pluggy import HookRelay
     from torch import Tensor
+
+    from ddp_plugin.fault_tolerance.communicator import ReplicaGroupCommunicator
+    from ddp_plugin.hookspecs import Bucket
 
     from ddp_plugin.fault_tolerance.options import FaultTolerance
 
@@ -54,6 +58,9 @@ class ReplicaGroups:
         self._started = False
         self._parts: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {"fit": (state, load_state)}
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.pg = pg
+        """torchft's process group of this group rank over the live groups (what a codec's collectives run on)."""
+        self.comm: ReplicaGroupCommunicator | None = None
         host = advertised_host(os.environ["MASTER_ADDR"])
         self.manager = Manager(
             pg=pg, load_state_dict=self._healed, state_dict=self._state, min_replica_size=options.min_replicas,
@@ -66,6 +73,13 @@ class ReplicaGroups:
             store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
             hostname=host, checkpoint_transport=http_transport(host, timeout),
         )
+
+    def communicator(self, ranks_per_node: int, timeout: timedelta | None) -> ReplicaGroupCommunicator:
+        """The fit's communicator: the strategy's collectives, and a codec's on :attr:`pg`."""
+        from ddp_plugin.fault_tolerance.communicator import ReplicaGroupCommunicator
+
+        self.comm = ReplicaGroupCommunicator(ranks_per_node, timeout, self.pg, self.manager)
+        return self.comm
 
     def add_state(self, name: str, state: Callable[[], Any], load_state: Callable[[Any], None]) -> None:
         """A part of what a returning group receives (a plugin's state), loaded after the fit's."""
@@ -106,8 +120,29 @@ class ReplicaGroups:
         adds zeros and is not counted), all in flight at once. A failure is swallowed: the quorum's step or sync
         will not commit."""
         self.wait_quorum()
+        if self.comm is not None and not self.manager.errored():
+            n = self.pg.size()  # (every group in the quorum, a healing one included: each sends its part)
+            self.comm.count_cross(sum(2 * (n - 1) / n * t.numel() * t.element_size() for t in tensors))
         for work in [self.manager.allreduce(t) for t in tensors]:
             work.wait()
+
+    def reduce(self, hook: HookRelay, tensor: Tensor, bucket: Bucket, offset: int) -> None:
+        """``tensor`` averaged over the live groups through a codec (``on_cross_node_reduce`` on :attr:`pg`), in
+        place. In a quorum where a group heals (it adds zeros, and its codec's state is not yet its peers'), every
+        group takes torchft's plain all-reduce instead, and the codecs' state stays as it was; a failure is
+        swallowed, as in :meth:`allreduce`."""
+        self.wait_quorum()
+        if self.manager.errored():
+            return
+        if self.heals_in_quorum():
+            self.allreduce(tensor)
+            return
+        hook.on_cross_node_reduce(tensor=tensor, group=self.pg, bucket=bucket, offset=offset).wait()
+
+    def heals_in_quorum(self) -> bool:
+        """Whether a group heals in this quorum, as every group of it sees it: one behind the others' step, or, at
+        step 0, every group but the first (torchft makes them start from its state)."""
+        return self.manager.current_step() == 0 or self.manager.num_participants() < self.pg.size()
 
     def commit(self, what: str = "step") -> bool:
         """Whether every live group applies this quorum's step or sync (torchft's ``should_commit``; a returning

@@ -33,7 +33,8 @@ class ReplicaGroupSync(OuterSync):
 
     1. its quorum (on the training thread, which waits for the sync anyway);
     2. the pseudo-gradients ``x - s`` averaged over the live groups' ranks of this group rank (torchft's
-       all-reduce: a group still healing adds zeros and is not counted);
+       all-reduce: a group still healing adds zeros and is not counted; with a codec, the codec on torchft's
+       process group, except in a sync a group heals in);
     3. the commit: a returning group loads a live peer's state here (its replica, inner and outer optimizer,
        global copy, the schedule's position and the fit's counters); the outer optimizer steps on every group
        only if the sync committed everywhere. One that did not (a group died inside it) is redone over a new
@@ -64,7 +65,11 @@ class ReplicaGroupSync(OuterSync):
                 with torch.no_grad():
                     for piece, g in zip(pieces, pseudo):
                         torch.sub(piece.outer.detach(), self.access.read(piece.bucket, piece.lo, piece.hi), out=g)
-            self._replicas.allreduce(*pseudo)
+            if self.coded:
+                for piece, g in zip(pieces, pseudo):
+                    self._replicas.reduce(self.hook, g, piece.pseudo, piece.lo)
+            else:
+                self._replicas.allreduce(*pseudo)
             if self._replicas.commit("outer sync"):
                 self._outer_optimizer_step(pieces, pseudo)
                 return self.updates(pieces, snapshots, pseudo), float(local.sqrt())

@@ -3,16 +3,18 @@ torchft, training a tiny MLP on the sine task (AdamW, the learning rate decayed 
 step, as a node lost mid-run.
 
     python tests/workers/ft_run.py --out DIR --group 0 --groups 3 --lighthouse http://HOST:PORT --devices 2 \\
-        --steps 30 [--kill-at 10 --kill-in backward|end|sync|heal] [--sync-every 5] [--step-sleep 0.05]
+        --steps 30 [--kill-at 10 --kill-in backward|end|sync|heal] [--sync-every 5] [--compression int8]
+        [--step-sleep 0.05]
         [--hold 40:FILE[,FILE]] [--tag TAG]
 
 Rank 0 of the group writes ``DIR/<group><tag>.pt``: the final parameters, and per optimizer step the time, the
-global step, the live replicas, the steps lost and the heals so far.
+global step, the live replicas, the steps lost and the heals so far, and the traffic metrics (``comm/...``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import time
@@ -65,7 +67,8 @@ class Record(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.kill_in == "sync" and self.kill_at is not None and trainer.global_step >= self.kill_at:
-            ReplicaGroups.allreduce = kill_instead  # (the next all-reduce across groups is the outer sync's)
+            # (the next all-reduce across groups is the outer sync's; with a codec, its reduce)
+            ReplicaGroups.allreduce = ReplicaGroups.reduce = kill_instead
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if self.kill_in == "backward" and self.kill_at is not None and trainer.global_step >= self.kill_at:
@@ -74,7 +77,8 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         session = trainer.strategy._session
         replicas = session.replicas.metrics() if session is not None and session.replicas is not None else {}
-        self.steps.append({"time": time.time(), "global_step": trainer.global_step, **replicas})
+        comm = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")}
+        self.steps.append({"time": time.time(), "global_step": trainer.global_step, **replicas, **comm})
         if self.kill_in == "end" and self.kill_at is not None and trainer.global_step >= self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # every rank of the group: the node is gone
         while self.holds and trainer.global_step >= self.holds[0][0]:
@@ -99,6 +103,8 @@ def main() -> None:
                         " from --kill-at on, before its all-reduce across groups; heal: once it has received a live peer's"
                         " state, before loading it)")
     parser.add_argument("--sync-every", type=int, default=1, help="DiLoCo's H (1: the synchronous route)")
+    parser.add_argument("--compression", default=None, help="the codec of what crosses groups (`compression=`)")
+    parser.add_argument("--compression-options", type=json.loads, default=None, help="`compression_options=`, JSON")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=120.0)
@@ -120,9 +126,10 @@ def main() -> None:
     record = Record(args)
     strategy = HierarchicalZeroStrategy(fault_tolerance={
         "replica_group": args.group, "replica_groups": args.groups, "lighthouse": args.lighthouse,
-        "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout}, timeout=args.timeout, sync_every=args.sync_every)
+        "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout}, timeout=args.timeout, sync_every=args.sync_every,
+        compression=args.compression, compression_options=args.compression_options)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=1, strategy=strategy,
-                        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        max_steps=args.steps, logger=False, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[record], use_distributed_sampler=True)
     trainer.fit(model, data)
     if trainer.global_rank == 0:

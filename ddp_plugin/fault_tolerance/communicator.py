@@ -1,0 +1,130 @@
+"""The communicator with ``fault_tolerance``: the strategy's own, plus the collectives of a codec across replica
+groups, on torchft's process group of this group rank.
+
+That process group is torchft's (reconfigured over the live groups at each quorum), not one of this Lightning
+world's: ``torch.distributed`` knows neither its ranks nor its peers. A collective on it is issued on the group
+itself, every byte it sends counted as crossing nodes (its peers are other replica groups), and a failure (a peer
+died inside it) is handed to torchft's Manager instead of raised: the step or sync is then committed nowhere, as
+with torchft's own all-reduce, and the collectives after it in that quorum are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions
+
+from ddp_plugin.comm import TracedCommunicator
+
+if TYPE_CHECKING:
+    from datetime import timedelta
+
+    from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class ReplicaGroupCommunicator(TracedCommunicator):
+    """:class:`~ddp_plugin.comm.TracedCommunicator` whose collectives on ``cross`` (torchft's process group,
+    ``manager``'s) run on it as torchft's own do: counted as cross-node bytes, failures reported to ``manager``."""
+
+    def __init__(self, ranks_per_node: int, timeout: timedelta | None, cross: Any, manager: Any) -> None:
+        super().__init__(ranks_per_node, timeout)
+        self.cross = cross
+        self.manager = manager
+
+    def count_cross(self, sends: float) -> None:
+        """Bytes this rank sent to other replica groups (torchft's own all-reduce, issued through its Manager)."""
+        with self._lock:
+            self._traffic.cross_node_bytes += int(sends)
+        self._local.sent = self.bytes_sent_by_this_thread() + int(sends)
+
+    def _issue(self, start: Any, output: Tensor, sends: float, async_op: bool) -> Any:
+        n = self.cross.size()
+        work = _Guarded(None, output, self.manager) if n == 1 or self.manager.errored() else None
+        if work is None:
+            self.count_cross(sends)
+            try:
+                work = _Guarded(start(), output, self.manager)
+            except Exception as err:  # noqa: BLE001 - torchft's rule: a failed collective fails the step
+                work = _Guarded(None, output, self.manager, err)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, piece_bytes=None):
+        if group is not self.cross:
+            return super().all_reduce(tensor, op, group, async_op, piece_bytes)
+        opts = AllreduceOptions()
+        opts.reduceOp = op
+        n = self.cross.size()
+        return self._issue(lambda: self.cross.allreduce([tensor], opts), tensor,
+                           2 * (n - 1) / n * _nbytes(tensor), async_op)
+
+    def all_gather(self, output, input, group=None, async_op=False):  # noqa: A002
+        if group is not self.cross:
+            return super().all_gather(output, input, group, async_op)
+        n = self.cross.size()
+        chunks = list(output.view(-1).split(input.numel()))
+        return self._issue(lambda: self.cross.allgather([chunks], [input.reshape(-1)], AllgatherOptions()),
+                           output, (n - 1) * _nbytes(input), async_op)
+
+    def all_to_all(self, output, input, group=None, async_op=False):  # noqa: A002
+        if group is not self.cross:
+            return super().all_to_all(output, input, group, async_op)
+        n = self.cross.size()
+        return self._issue(lambda: self.cross.alltoall_base(output, input, [], [], AllToAllOptions()), output,
+                           (n - 1) / n * _nbytes(input), async_op)
+
+    def broadcast(self, tensor, src, group=None, async_op=False):
+        if group is not self.cross:
+            return super().broadcast(tensor, src, group, async_op)
+        opts = BroadcastOptions()
+        opts.rootRank = src
+        n = self.cross.size()
+        sends = (n - 1) * _nbytes(tensor) if self.cross.parent.rank() == src else 0
+        return self._issue(lambda: self.cross.broadcast([tensor], opts), tensor, sends, async_op)
+
+    def reduce_scatter(self, output, input, group=None):  # noqa: A002
+        if group is self.cross:
+            raise NotImplementedError("reduce_scatter across replica groups (torchft's gloo group has none)")
+        return super().reduce_scatter(output, input, group)
+
+
+class _Guarded:
+    """A collective's work on torchft's group: waiting never raises. A failure is reported to the Manager (the
+    quorum's step or sync will not commit) and the output's values are then meaningless; ``work=None``: skipped
+    (one rank alone, or an earlier collective of the quorum failed), or failed to start with ``error``."""
+
+    def __init__(self, work: Any, output: Tensor, manager: Any, error: Exception | None = None) -> None:
+        self.work, self.output, self.manager = work, output, manager
+        if error is not None:
+            self._failed(error)
+
+    def _failed(self, err: Exception) -> None:
+        log.warning("ddp_plugin: a collective across replica groups failed (%s); this quorum's step is committed"
+                    " nowhere", err)
+        self.manager.report_error(err)
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            try:
+                self.work.wait()
+            except Exception as err:  # noqa: BLE001
+                self._failed(err)
+            self.work = None
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self.output)
+        return fut

@@ -1,0 +1,29 @@
+"""The plugins of a ``fit`` with replica groups: the reducer and the sync mode whose steps between groups go
+through torchft, and the codec's state added to what a returning group receives."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from ddp_plugin.fault_tolerance.healing import heal_codec
+from ddp_plugin.fault_tolerance.reducer import ReplicaGroupReducer
+from ddp_plugin.fault_tolerance.sync import ReplicaGroupSync
+from ddp_plugin.plugin_manager import cross_node_codec
+
+if TYPE_CHECKING:
+    import pluggy
+
+    from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
+
+
+def replica_group_plugins(replicas: ReplicaGroups) -> dict[str, Any]:
+    """``build_plugin_manager``'s ``reducer`` and ``outer_sync``."""
+    return {"reducer": ReplicaGroupReducer(replicas), "outer_sync": functools.partial(ReplicaGroupSync, replicas)}
+
+
+def heal_plugins(replicas: ReplicaGroups, pm: pluggy.PluginManager) -> None:
+    """Once ``pm`` is built: the codec's shared state heals with the rest (the sync mode adds its own)."""
+    name = cross_node_codec(pm)
+    if name is not None:
+        heal_codec(replicas, pm.get_plugin(name))
