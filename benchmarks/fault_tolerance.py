@@ -5,7 +5,8 @@ the last checkpoint, on the same script (``benchmarks/ft_worker.py``), the same 
     sudo python benchmarks/fault_tolerance.py            # 3 nodes at 100 Mbit/s; writes benchmarks/results/fault_tolerance.md
     python benchmarks/fault_tolerance.py --nodes 4 --rate 1gbit --routes diloco
 
-Per route (synchronous hierarchical, DiLoCo with ``sync_every=10``), three runs of ``--steps`` steps, one rank per node:
+Per route (synchronous, DiLoCo with ``sync_every=10``, one rank per node; synchronous hierarchical with int8 across
+nodes, two ranks per node), runs of ``--steps`` steps:
 
 - **torchft**: the lighthouse in node 0's namespace, each node a replica group launched on its own; the last node
   is killed at step K and started again ``--down`` seconds later;
@@ -16,7 +17,9 @@ Per route (synchronous hierarchical, DiLoCo with ``sync_every=10``), three runs 
 Reported: the seconds the live nodes could not step (from the kill until their next step past the kill, less a
 median step), the steps lost (committed nowhere, or redone after the resume), how long the returning node took
 from its start to being in the quorum, the bytes its healing received, the final loss (mean of the last 10 steps),
-and the wall time of the run. Needs root (network namespaces); a benchmark, not a test: it asserts nothing.
+and the wall time of the run; and, for a run with kills, the uninterrupted runs' loss after as many replica-steps
+(a step of n live nodes is n of them; the mean of 10 steps there). The torchft runs start once every node is set
+up. Needs root (network namespaces); a benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -39,7 +42,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "ft_worker.py"
 LIGHTHOUSE_PORT = 29510
-ROUTES = {"synchronous": 1, "diloco": 10}
+ROUTES = {
+    "synchronous": {"sync_every": 1},
+    "diloco": {"sync_every": 10},
+    "hierarchical_int8": {"sync_every": 1, "devices": 2, "compression": "int8", "hierarchical": True},
+}
+"""Per route, the worker's spec: ``sync_every``, ranks per node (``devices``), ``compression``, ``hierarchical``."""
 
 
 def records(out: Path, node: int, tag: str = "") -> list[dict]:
@@ -88,9 +96,10 @@ def worker_env(cluster, node: int, port: int) -> dict[str, str]:
                                      "PYTHONPATH": str(HERE.parent)})
 
 
-def run_torchft(cluster, args, sync_every: int, out: Path, kills: list[int], seed: int = 0) -> dict:
-    """The torchft run: node ``n - 1 - i`` killed once it reaches step ``kills[i]``, started again ``--down`` s
-    later (tagged ``-back``)."""
+def run_torchft(cluster, args, route: dict, out: Path, kills: list[int], seed: int = 0) -> dict:
+    """The torchft run: every node set up before any steps (a gate), then node ``n - 1 - i`` killed once it
+    reaches step ``kills[i]``, started again ``--down`` s later (tagged ``-back``)."""
+    sync_every = route["sync_every"]
     lighthouse = cluster.popen(0, [str(Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"), "--min_replicas",
                                    "1", "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "1000", "--bind",
                                    f"[::]:{LIGHTHOUSE_PORT}"], stdout=open(out / "lighthouse.txt", "w"),
@@ -100,14 +109,21 @@ def run_torchft(cluster, args, sync_every: int, out: Path, kills: list[int], see
     n = cluster.nodes
 
     def launch(node: int, tag: str = "") -> subprocess.Popen:
-        spec = {"out": str(out), "node": node, "nodes": n, "steps": args.steps, "sync_every": sync_every,
-                "lighthouse": address, "tag": tag, "sleep": args.step_sleep, "seed": seed}
+        spec = {**route, "out": str(out), "node": node, "nodes": n, "steps": args.steps, "lighthouse": address,
+                "tag": tag, "sleep": args.step_sleep, "seed": seed, "gate": str(out / "gate")}
         return cluster.popen(node, [sys.executable, str(WORKER), json.dumps(spec)],
                              env=worker_env(cluster, node, (29700 if tag else 29600) + node),
                              stdout=open(out / f"log{node}{tag}.txt", "w"), stderr=subprocess.STDOUT)
 
-    started = time.time()
     procs = [launch(i) for i in range(n)]
+    ready = [out / f"gate.{i}.{r}" for i in range(n) for r in range(route.get("devices", 1))]
+    deadline = time.time() + 300
+    while not all(p.exists() for p in ready):
+        if time.time() > deadline or any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"a node did not start; see the logs in {out}")
+        time.sleep(0.05)
+    (out / "gate").touch()
+    started = time.time()
     result: dict = {"kills": kills, "stall_s": [], "rejoin_s": [], "healed_MB": []}
     try:
         events = []
@@ -132,6 +148,8 @@ def run_torchft(cluster, args, sync_every: int, out: Path, kills: list[int], see
             result["healed_MB"].append(returned[-1]["ft/healed_MB"] if returned else float("nan"))
         result.update({"codes": codes, "step_s": step, "wall_s": live[-1]["time"] - started,
                        "steps_lost": live[-1]["ft/steps_lost"], "uncommitted": live[-1]["ft/uncommitted"],
+                       # (the groups whose work each step applied: a step of n groups is n replica-steps)
+                       "replica_steps": sum(r["ft/replicas"] for r in live),
                        "final_loss": statistics.fmean(r["loss"] for r in live[-10:]),
                        "curve": [(r["global_step"], r["loss"]) for r in live]})
     finally:
@@ -140,18 +158,19 @@ def run_torchft(cluster, args, sync_every: int, out: Path, kills: list[int], see
     return result
 
 
-def run_failfast(cluster, args, sync_every: int, out: Path, kills: list[int], port: int) -> dict:
+def run_failfast(cluster, args, route: dict, out: Path, kills: list[int], port: int) -> dict:
     """Today's run: one torchrun job over every node, a checkpoint every ``--ckpt-every`` steps; at each kill the
     others fail and the job is started again from ``last.ckpt``."""
     n = cluster.nodes
+    devices = route.get("devices", 1)
 
     def launch(tag: str, resume: bool, port: int) -> list[subprocess.Popen]:
         procs = []
         for node in range(n):
-            spec = {"out": str(out), "node": node, "nodes": n, "steps": args.steps, "sync_every": sync_every,
+            spec = {**route, "out": str(out), "node": node, "nodes": n, "steps": args.steps,
                     "ckpt_every": args.ckpt_every, "resume": resume, "tag": tag, "sleep": args.step_sleep}
             command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={n}", f"--node_rank={node}",
-                       "--nproc_per_node=1", f"--master_addr={cluster.addresses[0]}", f"--master_port={port}",
+                       f"--nproc_per_node={devices}", f"--master_addr={cluster.addresses[0]}", f"--master_port={port}",
                        "--max_restarts=0", str(WORKER), json.dumps(spec)]
             env = cluster.launch_env(node, {"PYTHONPATH": str(HERE.parent)})
             procs.append(cluster.popen(node, command, env=env, stdout=open(out / f"log{node}{tag}.txt", "w"),
@@ -187,7 +206,7 @@ def run_failfast(cluster, args, sync_every: int, out: Path, kills: list[int], po
     final = records(out, 0, tag)
     curve += [(r["global_step"], r["loss"]) for r in final]
     result.update({"wall_s": final[-1]["time"] - started, "final_loss": statistics.fmean(r["loss"] for r in final[-10:]),
-                   "curve": curve})
+                   "curve": curve, "replica_steps": n * args.steps})
     return result
 
 
@@ -214,7 +233,7 @@ def main() -> None:
     rows = {}
     with SimulatedCluster(nodes=args.nodes, rate=args.rate, prefix="ftbench") as cluster:
         for k, route in enumerate(args.routes.split(",")):
-            every = ROUTES[route]
+            spec = ROUTES[route]
             # Two failures and two returns: node N-1 early, node N-2 once the first is back.
             kills = [rng.randrange(args.steps // 6, args.steps // 4), rng.randrange(args.steps // 2, 2 * args.steps // 3)]
             runs = {}
@@ -222,16 +241,22 @@ def main() -> None:
                 out = Path(tempfile.mkdtemp(prefix=f"ft-{route}-{name.split(',')[0]}-"))
                 print(f"{route}: {name} (kills at steps {kills}) in {out}", flush=True)
                 if name == "torchft":
-                    runs[name] = run_torchft(cluster, args, every, out, kills)
+                    runs[name] = run_torchft(cluster, args, spec, out, kills)
                 elif name == "failfast":
-                    runs[name] = run_failfast(cluster, args, every, out, kills, 29400 + 10 * k)
+                    runs[name] = run_failfast(cluster, args, spec, out, kills, 29400 + 10 * k)
                 else:
-                    runs[name] = run_torchft(cluster, args, every, out, [], seed=int(name.rsplit(" ", 1)[1]))
+                    runs[name] = run_torchft(cluster, args, spec, out, [], seed=int(name.rsplit(" ", 1)[1]))
                 print({key: v for key, v in runs[name].items() if key != "curve"}, flush=True)
                 shutil.rmtree(out, ignore_errors=True)
             rows[route] = runs
     write(args, rows)
     write_plot(args, rows, Path(args.out).with_suffix(".png"))
+
+
+def loss_at(curve: list, step: float, window: int = 10) -> float:
+    """The mean loss of the ``window`` steps up to ``step`` (as the final loss is the mean of the last 10)."""
+    values = [loss for s, loss in curve if step - window < s <= step]
+    return statistics.fmean(values) if values else float("nan")
 
 
 def _list(values, fmt: str) -> str:
@@ -244,27 +269,34 @@ def write(args, rows: dict) -> None:
         "",
         f"`python benchmarks/fault_tolerance.py --nodes {args.nodes} --rate {args.rate} --steps {args.steps}"
         f" --ckpt-every {args.ckpt_every} --down {args.down} --repeats {args.repeats} --seed {args.seed}`, on"
-        f" {platform.node()} ({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}. One rank per simulated node (gloo,"
-        f" links capped at {args.rate}), a 2-layer MLP (width 128, AdamW) on the sine task, {args.step_sleep} s of"
+        f" {platform.node()} ({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}. Routes:"
+        f" {', '.join(f'{r} {ROUTES[r]}' for r in rows)}; gloo, links capped at {args.rate}, a 2-layer MLP (width 128, AdamW) on the sine task, {args.step_sleep} s of"
         " simulated compute a step. Node N-1, then node N-2, is killed (SIGKILL, every process in its namespace)"
         " at the steps shown; torchft: started again after"
         f" {args.down} s; fail-fast: every node fails, and the job is started again from the last checkpoint"
         f" (every {args.ckpt_every} steps).",
         "",
         "| route | run | killed at step | live nodes stalled (s) | steps lost | a step (s) | back in the quorum (s)"
-        " | healing received (MB) | final loss | wall (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        " | healing received (MB) | replica-steps | final loss | uninterrupted, same replica-steps | wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for route, runs in rows.items():
+        clean = [r for name, r in runs.items() if name.startswith("uninterrupted")]
         for name, r in runs.items():
+            same = ""
+            if clean and r.get("kills"):
+                # The uninterrupted runs' loss after as many replica-steps as this run made (n per step).
+                at = [loss_at(c["curve"], r["replica_steps"] / args.nodes) for c in clean]
+                same = f"{min(at):.4f} - {max(at):.4f} (step {r['replica_steps'] / args.nodes:.0f})"
             lines.append(
                 f"| {route} | {name} | {_list(r.get('kills'), 'd')} | {_list(r.get('stall_s'), '.2f')} |"
                 f" {r.get('steps_lost', '-') if r.get('kills') else '-'} | {r.get('step_s', float('nan')):.3f} |"
                 f" {_list(r.get('rejoin_s'), '.1f')} | {_list(r.get('healed_MB'), '.3f')} |"
-                f" {r['final_loss']:.4f} | {r['wall_s']:.1f} |")
-        clean = [r["final_loss"] for name, r in runs.items() if name.startswith("uninterrupted")]
+                f" {r.get('replica_steps', float('nan')):.0f} | {r['final_loss']:.4f} | {same} | {r['wall_s']:.1f} |")
         if clean:
-            lines.append(f"| {route} | uninterrupted spread | | | | | | | {min(clean):.4f} - {max(clean):.4f} | |")
+            losses = [r["final_loss"] for r in clean]
+            lines.append(f"| {route} | uninterrupted spread | | | | | | | | {min(losses):.4f} - {max(losses):.4f} | |"
+                         " |")
     lines += ["", "Exit codes: " + "; ".join(f"{route} {name}: {r['codes']}" for route, runs in rows.items()
                                              for name, r in runs.items())]
     Path(args.out).write_text("\n".join(lines) + "\n")

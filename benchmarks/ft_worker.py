@@ -5,7 +5,9 @@
 With ``"lighthouse"`` in the spec it is replica group ``node`` of a run on torchft (its own rendezvous); without,
 node ``node`` of one torchrun job over every node (today's fail-fast run), which checkpoints every
 ``ckpt_every`` steps and, with ``"resume"``, resumes from the last one. Every optimizer step appends a JSON line to
-``DIR/rec-<node><tag>.jsonl``: the time, the global step, the loss and the ``ft/`` metrics.
+``DIR/rec-<node><tag>.jsonl`` (the node's local rank 0): the time, the global step, the loss and the ``ft/``
+metrics. ``"devices"`` ranks per node, ``"compression"`` and ``"hierarchical"`` as the strategy's flags; with
+``"gate"``, every rank writes ``GATE.<node>.<local rank>`` once set up and waits for ``GATE`` before its first step.
 """
 
 from __future__ import annotations
@@ -27,11 +29,23 @@ from ddp_plugin.testing.models import TinyModule, mlp
 
 
 class Record(L.Callback):
-    def __init__(self, path: str, sleep: float) -> None:
-        self.file = open(path, "a")  # noqa: SIM115 - open for the run
+    def __init__(self, path: str, sleep: float, gate: str | None, node: int) -> None:
+        self.path, self.file = path, None
         self.sleep = sleep
+        self.gate, self.node = gate, node
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.local_rank == 0:
+            self.file = open(self.path, "a")  # noqa: SIM115 - open for the run
+        if self.gate:  # every node set up before any steps (a returning node finds the gate open)
+            open(f"{self.gate}.{self.node}.{trainer.local_rank}", "w").close()
+            while not os.path.exists(self.gate):
+                time.sleep(0.02)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.file is None:  # (the node's other ranks)
+            time.sleep(self.sleep)
+            return
         session = trainer.strategy._session
         ft = session.replicas.metrics() if session is not None and session.replicas is not None else {}
         loss = float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs)
@@ -50,9 +64,10 @@ def main() -> None:
     model = TinyModule(mlp(8, spec.get("width", 128), 1, layers=2, activation=nn.Tanh), optimizer="adamw",
                        lr=spec.get("lr", 3e-3))
     data = DataLoader(sine_dataset(1 << 16, 8, seed=3), batch_size=32)
-    options = {"sync_every": spec["sync_every"], "timeout": 30.0}
+    options = {"sync_every": spec["sync_every"], "timeout": 30.0, "compression": spec.get("compression"),
+               "hierarchical": spec.get("hierarchical")}
     callbacks = [Record(os.path.join(spec["out"], f"rec-{spec['node']}{spec.get('tag', '')}.jsonl"),
-                        spec.get("sleep", 0.05))]
+                        spec.get("sleep", 0.05), spec.get("gate"), spec["node"])]
     ckpt_dir = os.path.join(spec["out"], "ckpt")
     if spec.get("lighthouse"):
         options["fault_tolerance"] = {"replica_group": spec["node"], "replica_groups": spec["nodes"],
@@ -62,7 +77,7 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=spec["ckpt_every"], save_last=True,
                                          save_top_k=0))
         num_nodes = spec["nodes"]
-    trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=num_nodes,
+    trainer = L.Trainer(accelerator="cpu", devices=spec.get("devices", 1), num_nodes=num_nodes,
                         strategy=HierarchicalZeroStrategy(**options), max_steps=spec["steps"], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
                         enable_checkpointing=not spec.get("lighthouse"))
