@@ -151,11 +151,12 @@ TIMEOUT = 15
 LIGHTHOUSE_AWAY = 4
 
 
-def start_lighthouse(port: int, out) -> subprocess.Popen:
+def start_lighthouse(port: int, out, min_replicas: int = 1) -> subprocess.Popen:
     """torchft's lighthouse as a process of its own (so that it can be killed and started again). A quorum waits
     up to a minute for every group that beats but has not asked (here: a group held at a step)."""
     proc = subprocess.Popen(
-        [str(Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"), "--min_replicas", "1", "--join_timeout_ms", "60000",
+        [str(Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"), "--min_replicas", str(min_replicas), "--join_timeout_ms",
+         "60000",
          "--heartbeat_timeout_ms", "1000", "--bind", f"[::]:{port}"],
         stdout=open(out / "lighthouse.txt", "a"), stderr=subprocess.STDOUT)  # noqa: SIM115 - closed with it
     deadline = time.time() + 60
@@ -237,6 +238,48 @@ def test_two_groups_lost_at_once_one_killed_in_its_healing_and_the_lighthouse_aw
         assert len(found[name]["steps"]) < STEPS - KILL_AT  # it did not start over
 
 
+@pytest.mark.parametrize("sync_every", [1, 5], ids=["synchronous", "DiLoCo"])
+def test_the_lighthouse_killed_and_started_again_mid_run(sync_every, tmp_path):
+    """3 groups of 1 rank; the lighthouse is killed (SIGKILL) and started again on the same port; then a group is
+    killed and returns, healing through the new lighthouse. The groups go on, and end equal bit for bit."""
+    out, port = tmp_path, free_port()
+    groups = 3
+    lighthouse = start_lighthouse(port, out, min_replicas=2)
+    address = f"http://127.0.0.1:{port}"
+    # (a majority: a lighthouse started again knows no group until each beats, and may give the first to ask a
+    # quorum of its own; with min_replicas=1 that group would step alone, apart from the others)
+    args = ("--quorum-timeout", str(QUORUM_TIMEOUT), "--timeout", str(TIMEOUT), "--min-replicas", "2")
+    restarted, back = out / "restarted", out / "back"
+    try:
+        gate = out / "gate"
+        procs = [launch(out, g, groups, address, 1, sync_every, "--gate", str(gate), *args,
+                        *(["--hold", f"20:{restarted}", "--kill-at", "50", "--kill-in", "backward"] if g == 2 else
+                          ["--hold", f"20:{restarted}", "--hold", f"{HOLD_AT + 30}:{back}.0"]))
+                 for g in range(groups)]
+        wait_for(*[out / f"gate.{g}.0" for g in range(groups)], procs=procs)
+        gate.touch()
+        time.sleep(2)
+        lighthouse.kill()
+        lighthouse.wait()
+        time.sleep(2)  # (the groups' quorums find no lighthouse, and ask again)
+        lighthouse = start_lighthouse(port, out, min_replicas=2)
+        restarted.touch()
+        assert wait(procs[2], out, 600) == -9
+        returned = launch(out, 2, groups, address, 1, sync_every, "--announce", str(back), *args, tag="-back")
+        for proc in [*procs[:2], returned]:
+            assert wait(proc, out, 600) == 0
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    found = {name: torch.load(out / f"{name}.pt") for name in ("0", "1", "2-back")}
+    for name, run in found.items():
+        assert run["steps"][-1]["global_step"] == STEPS, name
+        for key, value in found["0"]["params"].items():
+            assert torch.equal(run["params"][key], value), (name, key)
+        assert run["steps"][-1]["ft/replicas"] == groups, name
+    assert found["2-back"]["steps"][-1]["ft/heals"] >= 1
+
+
 @pytest.mark.parametrize("codec", ["fp16", "bf16", "topk"])
 def test_the_other_codecs_across_groups_leave_every_group_with_the_same_parameters(codec, tmp_path):
     """The codecs the faults above do not run (int8, PowerSGD), on 2 groups of 1 rank: what crosses is coded
@@ -300,3 +343,35 @@ def test_other_nodes_reach_this_groups_manager_and_checkpoints_at_its_rendezvous
     finally:
         transport.shutdown(wait=False)
     assert state_bytes({"a": torch.zeros(3), "b": [torch.zeros(2, dtype=torch.float16), 7]}) == 16
+
+
+def test_a_restarted_lighthouses_quorum_ids_neither_reuse_rendezvous_keys_nor_keep_a_stale_process_group():
+    """A new lighthouse hands out quorum ids from 1 again: the rendezvous keys carry the quorum's step, and a known
+    id with other groups makes the Manager reconfigure (torchft's client and Manager stand-ins record the calls)."""
+    from types import SimpleNamespace
+
+    from ddp_plugin.fault_tolerance.replicas import QuorumRecorder, unique_rendezvous
+
+    answers = iter([SimpleNamespace(quorum_id=1, max_step=0, replica_ids=["g0:a", "g1:b"]),
+                    SimpleNamespace(quorum_id=1, max_step=0, replica_ids=["g0:a", "g1:b"]),
+                    SimpleNamespace(quorum_id=1, max_step=40, replica_ids=["g1:b"])])
+    manager = SimpleNamespace(_quorum_id=None)
+    recorder = QuorumRecorder(SimpleNamespace(_quorum=lambda **_: next(answers), should_commit="kept"), manager)
+    assert recorder.should_commit == "kept"  # (everything else is torchft's client's)
+    configured = []
+
+    class Group:
+        def configure(self, store_addr, *args):
+            configured.append(store_addr)
+
+    pg = unique_rendezvous(Group)()
+    pg.quorums = recorder
+    recorder._quorum()
+    pg.configure("host:1/torchft/1/0")
+    manager._quorum_id = 1
+    recorder._quorum()
+    assert manager._quorum_id == 1  # the same quorum: nothing to reconfigure
+    recorder._quorum()
+    assert manager._quorum_id is None  # the same id, other groups: a new quorum for the Manager
+    pg.configure("host:1/torchft/1/0")
+    assert configured == ["host:1/torchft/1/0/step0", "host:1/torchft/1/0/step40"]

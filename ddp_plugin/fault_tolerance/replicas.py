@@ -57,7 +57,7 @@ class ReplicaGroups:
         """What the healings received, in bytes of tensors."""
         self._started = False
         self._parts: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {"fit": (state, load_state)}
-        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        pg = unique_rendezvous(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
         self.pg = pg
         """torchft's process group of this group rank over the live groups (what a codec's collectives run on)."""
         self.comm: ReplicaGroupCommunicator | None = None
@@ -72,7 +72,11 @@ class ReplicaGroups:
             # is a loopback name.
             store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
             hostname=host, checkpoint_transport=http_transport(host, timeout),
+            # A lighthouse that does not answer (restarted, say) is asked again about once a second, up to
+            # quorum_timeout (torchft's manager server retries; without, the first refusal fails the quorum).
+            quorum_retries=max(1, int(options.quorum_timeout)),
         )
+        pg.quorums = self.manager._client = QuorumRecorder(self.manager._client, self.manager)
 
     def communicator(self, ranks_per_node: int, timeout: timedelta | None) -> ReplicaGroupCommunicator:
         """The fit's communicator: the strategy's collectives, and a codec's on :attr:`pg`."""
@@ -104,8 +108,8 @@ class ReplicaGroups:
             self._started = True
 
     def wait_quorum(self) -> None:
-        """Wait for the quorum started. One that failed names the lighthouse: torchft 0.2 does not ask it again,
-        and a lighthouse started again would hand out quorum ids the groups' stores already hold."""
+        """Wait for the quorum started. One that failed (the lighthouse asked again for ``quorum_timeout``, in
+        vain) names the lighthouse."""
         try:
             self.manager.wait_quorum()
         except Exception as err:  # (torchft raises the lighthouse client's error as it is)
@@ -165,6 +169,45 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class QuorumRecorder:
+    """torchft's client of its manager server, keeping the step of the last quorum it returned (the highest step
+    of its groups: every group of the quorum gets the same), and making the Manager reconfigure its process group
+    for a quorum whose id it already has but whose groups differ: a lighthouse started again hands out ids from 1
+    again, and torchft 0.2 reconfigures only on a new id."""
+
+    def __init__(self, client: Any, manager: Any) -> None:
+        self._client, self._manager = client, manager
+        self.max_step = 0
+        self._members: tuple[int, list[str]] | None = None
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        self.max_step = quorum.max_step
+        members = (quorum.quorum_id, list(quorum.replica_ids))
+        if self._members is not None and members[0] == self._members[0] and members[1] != self._members[1]:
+            self._manager._quorum_id = None  # (read next by the Manager: a new id for it, so it reconfigures)
+        self._members = members
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def unique_rendezvous(base: type) -> type:
+    """torchft's process group whose rendezvous keys, at each reconfiguration, are under the quorum's step as well
+    as its id: torchft 0.2 keys them by quorum id only, which a lighthouse started again hands out from 1 again,
+    and the stores still hold the keys of the first quorums under those (a reconfiguration then hangs on them)."""
+
+    class UniqueRendezvous(base):
+        quorums: QuorumRecorder | None = None
+
+        def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
+            step = self.quorums.max_step if self.quorums is not None else 0
+            super().configure(f"{store_addr}/step{step}", *args, **kwargs)
+
+    return UniqueRendezvous
 
 
 def advertised_host(rendezvous_host: str) -> str:
