@@ -23,9 +23,8 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from ddp_plugin.fault_tolerance.communicator import ReplicaGroupCommunicator
-    from ddp_plugin.hookspecs import Bucket
-
     from ddp_plugin.fault_tolerance.options import FaultTolerance
+    from ddp_plugin.hookspecs import Bucket
 
 log = logging.getLogger(__name__)
 
