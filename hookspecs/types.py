@@ -229,8 +229,8 @@ class Communicator(Protocol):
     it; collectives a plugin issues through ``torch.distributed`` directly are not counted. Every method takes
     the group (``None``: the world) and, where torch does, ``async_op`` (then it returns the work handle).
     With ``fault_tolerance`` the group of ``on_cross_node_reduce`` may be torchft's across replica groups:
-    ``all_reduce``, ``all_gather``, ``all_to_all`` and ``broadcast`` run on it (every byte counted as crossing
-    nodes), ``reduce_scatter`` does not.
+    ``all_reduce``, ``all_gather`` and ``all_to_all`` run on it (every byte counted as crossing nodes),
+    ``reduce_scatter`` and ``broadcast`` do not.
     """
 
     def all_reduce(self, tensor: Tensor, op: ReduceOp = ..., group: ProcessGroup | None = None,

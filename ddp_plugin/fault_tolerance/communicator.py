@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
 from ddp_plugin.comm import TracedCommunicator
 
@@ -85,13 +85,9 @@ class ReplicaGroupCommunicator(TracedCommunicator):
                            (n - 1) / n * _nbytes(input), async_op)
 
     def broadcast(self, tensor, src, group=None, async_op=False):
-        if group is not self.cross:
-            return super().broadcast(tensor, src, group, async_op)
-        opts = BroadcastOptions()
-        opts.rootRank = src
-        n = self.cross.size()
-        sends = (n - 1) * _nbytes(tensor) if self.cross.parent.rank() == src else 0
-        return self._issue(lambda: self.cross.broadcast([tensor], opts), tensor, sends, async_op)
+        if group is self.cross:
+            raise NotImplementedError("broadcast across replica groups (no built-in codec runs one)")
+        return super().broadcast(tensor, src, group, async_op)
 
     def reduce_scatter(self, output, input, group=None):  # noqa: A002
         if group is self.cross:
