@@ -179,6 +179,15 @@ def wait_for(*paths, procs=(), timeout: float = 600) -> None:
         time.sleep(0.1)
 
 
+def launch_gated(out, groups: int, address: str, sync_every: int, extra) -> list:
+    """Every group (1 rank each, its arguments ``extra(g)``) set up, then let go at once."""
+    gate = out / "gate"
+    procs = [launch(out, g, groups, address, 1, sync_every, "--gate", str(gate), *extra(g)) for g in range(groups)]
+    wait_for(*[out / f"gate.{g}.0" for g in range(groups)], procs=procs)
+    gate.touch()
+    return procs
+
+
 @pytest.mark.parametrize("sync_every", [1, 5], ids=["synchronous", "DiLoCo"])
 def test_two_groups_lost_at_once_one_killed_in_its_healing_and_the_lighthouse_away(sync_every, tmp_path):
     """4 groups of 1 rank: groups 2 and 3 die in the backward of step 10; group 2 returns; group 3 returns, is
@@ -192,13 +201,9 @@ def test_two_groups_lost_at_once_one_killed_in_its_healing_and_the_lighthouse_aw
     args = ("--quorum-timeout", str(QUORUM_TIMEOUT), "--timeout", str(TIMEOUT))
     back2, heal3, back3 = out / "back2", out / "heal3", out / "back3"
     try:
-        gate = out / "gate"
-        procs = [launch(out, g, groups, address, 1, sync_every, "--gate", str(gate), *args,
-                        *(["--kill-at", str(KILL_AT), "--kill-in", "backward"] if g >= 2 else
-                          ["--hold", f"{HOLD_AT}:{back2}.0,{heal3}.0", "--hold", f"80:{back3}.0"]))
-                 for g in range(groups)]
-        wait_for(*[out / f"gate.{g}.0" for g in range(groups)], procs=procs)
-        gate.touch()
+        procs = launch_gated(out, groups, address, sync_every, lambda g: [
+            *args, *(["--kill-at", str(KILL_AT), "--kill-in", "backward"] if g >= 2 else
+                     ["--hold", f"{HOLD_AT}:{back2}.0,{heal3}.0", "--hold", f"80:{back3}.0"])])
         assert wait(procs[2], out, 600) == -9 and wait(procs[3], out, 600) == -9  # two nodes at once
         time.sleep(2)
         returned = launch(out, 2, groups, address, 1, sync_every, "--announce", str(back2), "--hold",
@@ -251,13 +256,9 @@ def test_the_lighthouse_killed_and_started_again_mid_run(sync_every, tmp_path):
     args = ("--quorum-timeout", str(QUORUM_TIMEOUT), "--timeout", str(TIMEOUT), "--min-replicas", "2")
     restarted, back = out / "restarted", out / "back"
     try:
-        gate = out / "gate"
-        procs = [launch(out, g, groups, address, 1, sync_every, "--gate", str(gate), *args,
-                        *(["--hold", f"20:{restarted}", "--kill-at", "50", "--kill-in", "backward"] if g == 2 else
-                          ["--hold", f"20:{restarted}", "--hold", f"{HOLD_AT + 30}:{back}.0"]))
-                 for g in range(groups)]
-        wait_for(*[out / f"gate.{g}.0" for g in range(groups)], procs=procs)
-        gate.touch()
+        procs = launch_gated(out, groups, address, sync_every, lambda g: [
+            *args, "--hold", f"20:{restarted}", *(["--kill-at", "50", "--kill-in", "backward"] if g == 2 else
+                                                  ["--hold", f"{HOLD_AT + 30}:{back}.0"])])
         time.sleep(2)
         lighthouse.kill()
         lighthouse.wait()
