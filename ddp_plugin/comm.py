@@ -68,10 +68,14 @@ class TracedCommunicator:
                 intra += nbytes
             else:
                 cross += nbytes
+        self._add(intra, cross)
+
+    def _add(self, intra: float, cross: float) -> None:
+        """Count bytes this rank sent inside its node and across nodes."""
         with self._lock:
             self._traffic.intra_node_bytes += int(intra)
             self._traffic.cross_node_bytes += int(cross)
-        self._local.sent = self.bytes_sent_by_this_thread() + int(intra + cross)
+        self._local.sent = self.bytes_sent_by_this_thread() + int(intra) + int(cross)
 
     def bytes_sent_by_this_thread(self) -> int:
         return getattr(self._local, "sent", 0)

@@ -20,7 +20,7 @@ from ddp_plugin import health
 from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.comm import TracedCommunicator, broadcast_coalesced
 from ddp_plugin.engine import GradientEngine
-from ddp_plugin.fault_tolerance.plugins import heal_plugins, replica_group_plugins
+from ddp_plugin.fault_tolerance.plugins import bind_plugins, replica_group_plugins
 from ddp_plugin.hookspecs import local_tensor
 from ddp_plugin.plugin_manager import build_plugin_manager, cross_node_codec
 from ddp_plugin.topology import Layout
@@ -385,5 +385,5 @@ def _build_plugin_manager(config: StrategyConfig, hierarchical: bool, planner: o
               "warmup": config.sync_warmup_steps},
     )
     if replicas is not None:
-        heal_plugins(replicas, pm)
+        bind_plugins(replicas, pm)
     return pm

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
-from ddp_plugin.comm import TracedCommunicator
+from ddp_plugin.comm import TracedCommunicator, _nbytes
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -25,10 +25,6 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 log = logging.getLogger(__name__)
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class ReplicaGroupCommunicator(TracedCommunicator):
@@ -40,17 +36,15 @@ class ReplicaGroupCommunicator(TracedCommunicator):
         self.cross = cross
         self.manager = manager
 
-    def count_cross(self, sends: float) -> None:
-        """Bytes this rank sent to other replica groups (torchft's own all-reduce, issued through its Manager)."""
-        with self._lock:
-            self._traffic.cross_node_bytes += int(sends)
-        self._local.sent = self.bytes_sent_by_this_thread() + int(sends)
+    def count_allreduce(self, tensors: list[Tensor]) -> None:
+        """Count what torchft's own all-reduce of ``tensors`` (issued through its Manager) sends from this rank."""
+        self._add(0, _ring_bytes(self.cross.size(), tensors))
 
     def _issue(self, start: Any, output: Tensor, sends: float, async_op: bool) -> Any:
         n = self.cross.size()
         work = _Guarded(None, output, self.manager) if n == 1 or self.manager.errored() else None
         if work is None:
-            self.count_cross(sends)
+            self._add(0, sends)
             try:
                 work = _Guarded(start(), output, self.manager)
             except Exception as err:  # noqa: BLE001 - torchft's rule: a failed collective fails the step
@@ -65,9 +59,8 @@ class ReplicaGroupCommunicator(TracedCommunicator):
             return super().all_reduce(tensor, op, group, async_op, piece_bytes)
         opts = AllreduceOptions()
         opts.reduceOp = op
-        n = self.cross.size()
         return self._issue(lambda: self.cross.allreduce([tensor], opts), tensor,
-                           2 * (n - 1) / n * _nbytes(tensor), async_op)
+                           _ring_bytes(self.cross.size(), [tensor]), async_op)
 
     def all_gather(self, output, input, group=None, async_op=False):  # noqa: A002
         if group is not self.cross:
@@ -93,6 +86,11 @@ class ReplicaGroupCommunicator(TracedCommunicator):
         if group is self.cross:
             raise NotImplementedError("reduce_scatter across replica groups (torchft's gloo group has none)")
         return super().reduce_scatter(output, input, group)
+
+
+def _ring_bytes(n: int, tensors: list[Tensor]) -> float:
+    """What a ring all-reduce of ``tensors`` over ``n`` ranks sends from each: 2(n-1)/n of them."""
+    return sum(2 * (n - 1) / n * _nbytes(t) for t in tensors)
 
 
 class _Guarded:

@@ -1,5 +1,6 @@
 """The plugins of a ``fit`` with replica groups: the reducer and the sync mode whose steps between groups go
-through torchft, and the codec's state added to what a returning group receives."""
+through torchft, and the codec that codes what crosses groups, its state added to what a returning group
+receives."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ def replica_group_plugins(replicas: ReplicaGroups) -> dict[str, Any]:
     return {"reducer": ReplicaGroupReducer(replicas), "outer_sync": functools.partial(ReplicaGroupSync, replicas)}
 
 
-def heal_plugins(replicas: ReplicaGroups, pm: pluggy.PluginManager) -> None:
-    """Once ``pm`` is built: the codec's shared state heals with the rest (the sync mode adds its own)."""
+def bind_plugins(replicas: ReplicaGroups, pm: pluggy.PluginManager) -> None:
+    """Once ``pm`` is built: what crosses groups goes through its codec, whose shared state heals with the rest
+    (the sync mode adds its own)."""
     name = cross_node_codec(pm)
     if name is not None:
+        replicas.coded = True
         heal_codec(replicas, pm.get_plugin(name))

@@ -8,11 +8,10 @@ from ddp_plugin.hookspecs import hookimpl
 from ddp_plugin.plugins.hierarchical_reducer import HierarchicalReducer
 
 if TYPE_CHECKING:
-    from pluggy import HookRelay
     from torch import Tensor
 
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
-    from ddp_plugin.hookspecs import Bucket, Communicator, Options, Topology
+    from ddp_plugin.hookspecs import Bucket
 
 
 class ReplicaGroupReducer(HierarchicalReducer):
@@ -24,12 +23,6 @@ class ReplicaGroupReducer(HierarchicalReducer):
     def __init__(self, replicas: ReplicaGroups) -> None:
         super().__init__()
         self._replicas = replicas
-        self._codec = False
-
-    @hookimpl
-    def on_setup(self, topology: Topology, hook: HookRelay, comm: Communicator, options: Options) -> None:
-        super().on_setup(topology, hook, comm)
-        self._codec = options.cross_node_codec is not None
 
     @property
     def splits(self) -> bool:
@@ -42,10 +35,7 @@ class ReplicaGroupReducer(HierarchicalReducer):
         padded.div_(topo.ranks_per_node)  # the group's sum of the chunk, then the mean over the live groups
         shard = padded[topo.local_rank * c : (topo.local_rank + 1) * c]
         self._comm.reduce_scatter(shard, padded, group=topo.intra_node_group)
-        if self._codec:
-            self._replicas.reduce(self._hook, shard, bucket, topo.local_rank * c)
-        else:
-            self._replicas.allreduce(shard)
+        self._replicas.reduce(self._hook, [(shard, bucket, topo.local_rank * c)])
         return shard
 
     @hookimpl

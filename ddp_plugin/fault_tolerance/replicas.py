@@ -60,6 +60,8 @@ class ReplicaGroups:
         self.pg = pg
         """torchft's process group of this group rank over the live groups (what a codec's collectives run on)."""
         self.comm: ReplicaGroupCommunicator | None = None
+        self.coded = False
+        """Whether a codec codes what crosses groups (set with the fit's plugins)."""
         host = advertised_host(os.environ["MASTER_ADDR"])
         self.manager = Manager(
             pg=pg, load_state_dict=self._healed, state_dict=self._state, min_replica_size=options.min_replicas,
@@ -124,23 +126,23 @@ class ReplicaGroups:
         will not commit."""
         self.wait_quorum()
         if self.comm is not None and not self.manager.errored():
-            n = self.pg.size()  # (every group in the quorum, a healing one included: each sends its part)
-            self.comm.count_cross(sum(2 * (n - 1) / n * t.numel() * t.element_size() for t in tensors))
+            self.comm.count_allreduce(list(tensors))  # (a healing group sends its part too)
         for work in [self.manager.allreduce(t) for t in tensors]:
             work.wait()
 
-    def reduce(self, hook: HookRelay, tensor: Tensor, bucket: Bucket, offset: int) -> None:
-        """``tensor`` averaged over the live groups through a codec (``on_cross_node_reduce`` on :attr:`pg`), in
-        place. In a quorum where a group heals (it adds zeros, and its codec's state is not yet its peers'), every
-        group takes torchft's plain all-reduce instead, and the codecs' state stays as it was; a failure is
-        swallowed, as in :meth:`allreduce`."""
+    def reduce(self, hook: HookRelay, parts: list[tuple[Tensor, Bucket, int]]) -> None:
+        """Each ``(tensor, bucket, offset)`` averaged over the live groups, in place: without a codec (:attr:`coded`)
+        by :meth:`allreduce`; with one, through it (``on_cross_node_reduce`` on :attr:`pg`), except in a quorum where
+        a group heals (it adds zeros, and its codec's state is not yet its peers'): every group then takes the
+        plain all-reduce, and the codecs' state stays as it was. A failure is swallowed, as in :meth:`allreduce`."""
         self.wait_quorum()
+        if not self.coded or (not self.manager.errored() and self.heals_in_quorum()):
+            self.allreduce(*(tensor for tensor, _, _ in parts))
+            return
         if self.manager.errored():
             return
-        if self.heals_in_quorum():
-            self.allreduce(tensor)
-            return
-        hook.on_cross_node_reduce(tensor=tensor, group=self.pg, bucket=bucket, offset=offset).wait()
+        for tensor, bucket, offset in parts:
+            hook.on_cross_node_reduce(tensor=tensor, group=self.pg, bucket=bucket, offset=offset).wait()
 
     def heals_in_quorum(self) -> bool:
         """Whether a group heals in this quorum, as every group of it sees it: one behind the others' step, or, at

@@ -65,11 +65,7 @@ class ReplicaGroupSync(OuterSync):
                 with torch.no_grad():
                     for piece, g in zip(pieces, pseudo):
                         torch.sub(piece.outer.detach(), self.access.read(piece.bucket, piece.lo, piece.hi), out=g)
-            if self.coded:
-                for piece, g in zip(pieces, pseudo):
-                    self._replicas.reduce(self.hook, g, piece.pseudo, piece.lo)
-            else:
-                self._replicas.allreduce(*pseudo)
+            self._replicas.reduce(self.hook, [(g, piece.pseudo, piece.lo) for piece, g in zip(pieces, pseudo)])
             if self._replicas.commit("outer sync"):
                 self._outer_optimizer_step(pieces, pseudo)
                 return self.updates(pieces, snapshots, pseudo), float(local.sqrt())

@@ -128,9 +128,7 @@ class OuterSync:
         self.access = ShardParts(shards) if shards is not None else ModuleChunks(self.buckets, t, comm)
         # With the plain mean across nodes (no codec answers for the pseudo-gradients) the global copy and the
         # outer optimizer's state are sharded over the nodes too: 1/N of them per rank instead of 1/k.
-        self.coded = options.cross_node_codec is not None
-        """Whether a codec answers for the pseudo-gradients across nodes."""
-        self.sharded_outer = m > 1 and not self.coded
+        self.sharded_outer = m > 1 and options.cross_node_codec is None
         sizes = [local_tensor(p).numel() for b in self.buckets for p in b.params]
         if self.schedule.fragments > len(sizes):
             raise ValueError(
