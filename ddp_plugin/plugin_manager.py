@@ -33,6 +33,7 @@ def build_plugin_manager(
     planner: object | None = None,
     reducer: object | None = None,
     outer_sync: Callable[..., object] | None = None,
+    cross_stage: Callable[..., None] | None = None,
 ) -> pluggy.PluginManager:
     """Register, in order: the built-in defaults (``trylast``; the hierarchical or the flat reducer), the
     traffic accounting, the ZeRO sharder (``zero_stage`` 1-3), the built-in codec ``compression`` names
@@ -45,7 +46,8 @@ def build_plugin_manager(
     With a ``reducer`` (replica groups: :class:`~ddp_plugin.fault_tolerance.reducer.ReplicaGroupReducer`) or a
     ``planner`` (:class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner`) it is the reducer; ``outer_sync`` makes the
     sync mode's plugin from ``sync`` (replica groups:
-    :class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`); with
+    :class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`), and ``cross_stage`` the sharder's cross-node stage
+    (replica groups on the synchronous route: ``ReplicaGroups.reduce``); with
     ``compression="auto"`` every candidate codec is registered under its name (a built-in one constructed with
     ``compression_options[name]``), and :class:`~ddp_plugin.plugins.adaptive.AutoCodec` answers
     ``on_cross_node_reduce`` ahead of them with the one the plan names."""
@@ -62,7 +64,8 @@ def build_plugin_manager(
     }
     if zero_stage:
         # Answers `on_bucket_ready` before the reducer: gradients are reduced to this rank's shard only.
-        builtins["zero_sharder"] = ZeroSharder(zero_stage, shard_scope, auto_wrap_policy, prefetch_units)
+        builtins["zero_sharder"] = ZeroSharder(zero_stage, shard_scope, auto_wrap_policy, prefetch_units,
+                                                cross_stage)
     wanted = candidate_names(compression, dict(compression_options or {}))
     for name in wanted:
         if name in BUILTIN_CODECS:

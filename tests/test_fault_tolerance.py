@@ -56,14 +56,16 @@ def wait(proc, out, timeout: float) -> int:
     return code
 
 
-@pytest.fixture(scope="module", params=[(3, 1, 1, "backward", None), (2, 2, 1, "backward", "int8"),
-                                        (3, 1, 1, "backward", "powersgd"), (3, 1, 5, "sync", "int8")],
-                ids=["3 groups of 1", "2 groups of 2, int8", "3 groups of 1, PowerSGD",
-                     "DiLoCo, 3 groups of 1, int8, killed in a sync"])
+@pytest.fixture(scope="module", params=[(3, 1, 1, "backward", None, 0), (2, 2, 1, "backward", "int8", 0),
+                                        (3, 1, 1, "backward", "powersgd", 1), (3, 1, 5, "sync", "int8", 0),
+                                        (2, 2, 1, "backward", "int8", 3), (2, 2, 5, "sync", None, 2)],
+                ids=["3 groups of 1", "2 groups of 2, int8", "3 groups of 1, ZeRO 1, PowerSGD",
+                     "DiLoCo, 3 groups of 1, int8, killed in a sync", "2 groups of 2, ZeRO 3, int8",
+                     "DiLoCo, 2 groups of 2, ZeRO 2, killed in a sync"])
 def run(request, tmp_path_factory):
     from torchft._torchft import LighthouseServer
 
-    groups, devices, sync_every, kill_in, codec = request.param
+    groups, devices, sync_every, kill_in, codec, zero = request.param
     out = tmp_path_factory.mktemp("ft")
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
     try:
@@ -73,7 +75,7 @@ def run(request, tmp_path_factory):
         back_ready = out / "back"
         # (PowerSGD of rank 1: the tiny model's first matrix is then compressed, at rank 4 it is not)
         coded = (["--compression", codec] if codec else []) + (
-            ["--compression-options", '{"rank": 1}'] if codec == "powersgd" else [])
+            ["--compression-options", '{"rank": 1}'] if codec == "powersgd" else []) + ["--zero-stage", str(zero)]
         procs = [launch(out, g, groups, address, devices, sync_every, "--gate", str(gate), *coded,
                         *(["--kill-at", str(KILL_AT), "--kill-in", kill_in] if g == last else
                           ["--hold", f"{HOLD_AT}:{back_ready}.0"]))
@@ -96,7 +98,8 @@ def run(request, tmp_path_factory):
         lighthouse.shutdown()
     found = {g: torch.load(out / f"{g}.pt") for g in range(last)}
     found["back"] = torch.load(out / f"{last}-back.pt")
-    return {"groups": groups, "sync_every": sync_every, "codec": codec, "killed_at": killed_at, **found}
+    return {"groups": groups, "devices": devices, "sync_every": sync_every, "codec": codec, "zero": zero,
+            "killed_at": killed_at, **found}
 
 
 def test_every_group_ends_at_the_same_step_with_the_same_parameters_bit_for_bit(run):
@@ -144,6 +147,13 @@ def test_the_returning_group_healed_from_a_live_peer_and_stepped_on_from_there(r
     assert len(steps) < STEPS - KILL_AT
     assert steps[-1]["ft/heals"] >= 1
     assert steps[-1]["ft/replicas"] == run["groups"]  # back in the quorum, counted as a participant
+    # What one healing moved to rank 0: the parameters and AdamW's two moments, whole, or under ZeRO this rank's
+    # shard of them (1/k on a group of k ranks: the same group rank of the peer holds the same shard); with DiLoCo
+    # also this rank's part of the global copy and of the outer Nesterov momentum (1/k each).
+    p = sum(p.numel() * p.element_size() for p in run[0]["params"].values())
+    expected = 3 * p / (run["devices"] if run["zero"] else 1) + (2 * p / run["devices"] if run["sync_every"] > 1 else 0)
+    healed = steps[-1]["ft/healed_MB"] * 2**20 / steps[-1]["ft/heals"]
+    assert expected <= healed <= 1.1 * expected + 256, (healed, expected)
 
 
 QUORUM_TIMEOUT = 60

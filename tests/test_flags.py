@@ -202,19 +202,24 @@ FT = {"replica_group": 1, "replica_groups": 3, "lighthouse": "http://lighthouse:
     ({"fault_tolerance": FT, "sync_every": 4, "sync_fragments": 2}, r"not yet with `sync_fragments=2`"),
     ({"fault_tolerance": FT, "sync_every": 4, "max_staleness": 1}, r"not yet with `max_staleness=1`"),
     ({"fault_tolerance": FT, "sync_every": 4, "sync_warmup_steps": 8}, r"not yet with `sync_warmup_steps=8`"),
-    ({"fault_tolerance": FT, "zero_stage": 1}, r"not yet with `zero_stage=1`"),
+    ({"fault_tolerance": FT, "zero_stage": 1}, r"`shard_scope='global'` cannot go with `fault_tolerance`: global"),
 ])
 def test_fault_tolerance_is_checked_at_construction_and_refuses_what_cannot_run_yet(kwargs, pattern):
     with pytest.raises((ValueError, NotImplementedError), match=pattern):
         HierarchicalZeroStrategy(**kwargs)
 
 
-def test_fault_tolerance_takes_local_sgd_and_diloco_and_every_builtin_codec():
+def test_fault_tolerance_takes_local_sgd_and_diloco_every_builtin_codec_and_zero_at_node_scope():
     for outer in ("average", "nesterov"):
         strategy = HierarchicalZeroStrategy(fault_tolerance=FT, sync_every=4, outer_optimizer=outer)
         assert strategy.config.fault_tolerance.replica_groups == 3
     for codec in ("fp16", "bf16", "int8", "topk", "powersgd"):
         assert HierarchicalZeroStrategy(fault_tolerance=FT, compression=codec).config.compression == codec
+    for stage in (1, 2, 3):
+        for every in (1, 4):
+            strategy = HierarchicalZeroStrategy(fault_tolerance=FT, zero_stage=stage, shard_scope="node",
+                                                sync_every=every)
+            assert strategy.config.zero_stage == stage
 
 
 def test_fault_tolerance_refuses_an_installed_codec_naming_the_builtin_ones(monkeypatch):

@@ -47,7 +47,8 @@ def start_replicas(config: StrategyConfig, module: pl.LightningModule, optimizer
             f" this launch spans {topology.num_nodes} nodes. Launch each node as its replica group"
             " (`num_nodes=1`, `fault_tolerance={'replica_group': i, ...}`)."
         )
-    return ReplicaGroups(config.fault_tolerance, topology.rank, topology.world_size, device,
-                         lambda: fit_state(module, optimizers()),
-                         lambda state: load_fit_state(module, optimizers(), state), config.timeout,
-                         per_step=config.sync_every == 1)
+    replicas = ReplicaGroups(config.fault_tolerance, topology.rank, topology.world_size, device,
+                             lambda: fit_state(module, optimizers(), replicas.healed_elsewhere()),
+                             lambda state: load_fit_state(module, optimizers(), state, replicas.healed_elsewhere()),
+                             config.timeout, per_step=config.sync_every == 1)
+    return replicas

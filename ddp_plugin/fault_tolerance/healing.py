@@ -2,12 +2,19 @@
 schedulers' state, the precision plugin's (a loss scaler's scale), and where the fit is (Lightning's step
 counters), so that its next optimizer step is its peers'. A sync mode adds its own (the global copy, the outer
 optimizer, the schedule's position: :class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`), a codec the state
-every rank shares (:func:`heal_codec`). (The sharders, whose state would also belong here, are refused with
-``fault_tolerance`` for now.)"""
+every rank shares (:func:`heal_codec`), the ZeRO sharder this rank's shards of the parameters
+(:func:`heal_sharder`: the same group rank of a peer holds the same shards, every group having the same layout),
+which the module's state then leaves out.
+
+The optimizers' state goes as it is held, parameter by parameter in their groups' order (under ZeRO this rank's
+pieces, whose layout is the peer's), with the groups' hyperparameters (the learning rate a scheduler set)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -15,16 +22,18 @@ if TYPE_CHECKING:
 
     from ddp_plugin.codecs.base import Codec
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
+    from ddp_plugin.zero import ZeroSharder
 
 
-def fit_state(module: pl.LightningModule, optimizers: list[Optimizer]) -> dict[str, Any]:
+def fit_state(module: pl.LightningModule, optimizers: list[Optimizer], skip: Collection[int] = ()) -> dict[str, Any]:
     """On a live peer, at the quorum of a step (before its optimizer step): references to the live tensors, which
-    torchft's transport serializes before the peer's optimizer steps."""
+    torchft's transport serializes before the peer's optimizer steps. The module's tensors whose ids are in
+    ``skip`` (another part sends them) are left out."""
     trainer = module.trainer
     loop = trainer.fit_loop.epoch_loop
     return {
-        "module": module.state_dict(),
-        "optimizers": [getattr(o, "_optimizer", o).state_dict() for o in optimizers],
+        "module": {k: v.detach() for k, v in module.state_dict(keep_vars=True).items() if id(v) not in skip},
+        "optimizers": [optimizer_state(getattr(o, "_optimizer", o)) for o in optimizers],
         "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "precision": trainer.precision_plugin.state_dict(),
         "optimizer_steps": loop.automatic_optimization.optim_progress.optimizer.step.total.completed,
@@ -32,11 +41,16 @@ def fit_state(module: pl.LightningModule, optimizers: list[Optimizer]) -> dict[s
     }
 
 
-def load_fit_state(module: pl.LightningModule, optimizers: list[Optimizer], state: dict[str, Any]) -> None:
+def load_fit_state(module: pl.LightningModule, optimizers: list[Optimizer], state: dict[str, Any],
+                   skip: Collection[int] = ()) -> None:
     """On the returning group's ranks, inside the optimizer step (Lightning counted it ready, not completed)."""
-    module.load_state_dict(state["module"])
-    for optimizer, saved in zip(optimizers, state["optimizers"]):
-        getattr(optimizer, "_optimizer", optimizer).load_state_dict(saved)
+    left_out = {k for k, v in module.state_dict(keep_vars=True).items() if id(v) in skip}
+    missing = module.load_state_dict(state["module"], strict=False)
+    if set(missing.missing_keys) != left_out or missing.unexpected_keys:
+        raise RuntimeError(f"replica groups: a live peer's module state does not match this group's ({missing});"
+                           " every group must build the same model")
+    for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
+        load_optimizer_state(getattr(optimizer, "_optimizer", optimizer), saved)
     trainer = module.trainer
     for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
         config.scheduler.load_state_dict(saved)
@@ -46,6 +60,45 @@ def load_fit_state(module: pl.LightningModule, optimizers: list[Optimizer], stat
     total = loop.automatic_optimization.optim_progress.optimizer.step.total
     total.completed, total.ready = state["optimizer_steps"], state["optimizer_steps"] + 1
     loop._batches_that_stepped = state["batches_that_stepped"]
+
+
+def optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
+    """The optimizer's state as it is held: per parameter of its groups, in order, and the groups'
+    hyperparameters (its own ``state_dict()`` is refused under ZeRO, whose pieces it holds)."""
+    return {"state": [optimizer.state.get(p, {}) for group in optimizer.param_groups for p in group["params"]],
+            "groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]}
+
+
+def load_optimizer_state(optimizer: Optimizer, saved: dict[str, Any]) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(params) != len(saved["state"]) or len(optimizer.param_groups) != len(saved["groups"]):
+        raise RuntimeError("replica groups: a live peer's optimizer holds other parameters than this group's; every"
+                           " group must build the same model and optimizer")
+    optimizer.state.clear()
+    for p, state in zip(params, saved["state"]):
+        if state:
+            optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v
+                                  for k, v in state.items()}
+    for group, hyper in zip(optimizer.param_groups, saved["groups"]):
+        group.update(hyper)
+
+
+def heal_sharder(replicas: ReplicaGroups, sharder: ZeroSharder) -> None:
+    """A returning group's ranks receive their shards of the parameters from the same group rank of a live peer
+    (1/k of the model each, on a group of k ranks), instead of the whole module: they are loaded before the
+    optimizer steps, whose all-gather then makes the module whole (stages 1-2), or the next forward gathers it
+    (stage 3). The optimizers' state is of the pieces already (:func:`optimizer_state`)."""
+
+    def state() -> list[Any]:
+        return [entry.shard.detach() for entry in sharder.shards.entries]
+
+    def load(saved: list[Any]) -> None:
+        with torch.no_grad():
+            for entry, value in zip(sharder.shards.entries, saved, strict=True):
+                entry.shard.copy_(value)
+
+    replicas.add_state("zero", state, load)
+    replicas.healed_elsewhere = lambda: {id(p) for bucket in sharder.shards.buckets for p in bucket.params}
 
 
 def heal_codec(replicas: ReplicaGroups, codec: Codec) -> None:

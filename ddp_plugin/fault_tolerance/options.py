@@ -87,7 +87,6 @@ def check_composition(c: Mapping[str, Any]) -> None:
         (c["max_staleness"] > 0, f"`max_staleness={c['max_staleness']}` (a sync in flight across a quorum)"),
         (c["sync_warmup_steps"] > 0 and c["sync_every"] > 1,
          f"`sync_warmup_steps={c['sync_warmup_steps']}` (a quorum per step, then per sync)"),
-        (c["zero_stage"] > 0, f"`zero_stage={c['zero_stage']}` (a sharder's reduce and its state to heal)"),
         (c["compression"] == "auto", "`compression='auto'` (the link probe's plan measures one group's links)"),
         (c["compression"] not in (None, "auto") and c["compression"] not in _builtin_codecs(),
          f"`compression={c['compression']!r}`, an installed codec (its state is not known to heal; built-in:"
@@ -96,11 +95,18 @@ def check_composition(c: Mapping[str, Any]) -> None:
         (c["tensor_parallel_size"] != 1, f"`tensor_parallel_size={c['tensor_parallel_size']!r}`"),
         (bool(c["plugins"]), "`plugins=` (a plugin's collectives would span one group only)"),
     ]
+    if c["zero_stage"] > 0 and c["shard_scope"] != "node":
+        raise ValueError(
+            f"`shard_scope={c['shard_scope']!r}` cannot go with `fault_tolerance`: global shards would spread one copy"
+            f" of the model over every replica group, and a lost group would take its shards with it. Use"
+            f" `shard_scope='node'` (shards inside a group, a whole replica in each), or drop `zero_stage`."
+        )
     names = [what for bad, what in refused if bad]
     if names:
         raise NotImplementedError(
             f"`fault_tolerance` runs the synchronous data-parallel route and the sync modes without fragments or"
-            f" staleness (local SGD, DiLoCo), at ZeRO stage 0, with or without a built-in codec, for now; not yet with"
+            f" staleness (local SGD, DiLoCo), at every ZeRO stage inside a group, with or without a built-in codec, for"
+            f" now; not yet with"
             f" {', '.join(names)}. Drop the flag, or those."
         )
 

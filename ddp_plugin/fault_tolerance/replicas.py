@@ -62,6 +62,8 @@ class ReplicaGroups:
         self.comm: ReplicaGroupCommunicator | None = None
         self.coded = False
         """Whether a codec codes what crosses groups (set with the fit's plugins)."""
+        self.healed_elsewhere: Callable[[], set[int]] = set
+        """The ids of the module's tensors that a part other than the fit's heals (the ZeRO sharder's shards)."""
         host = advertised_host(os.environ["MASTER_ADDR"])
         self.manager = Manager(
             pg=pg, load_state_dict=self._healed, state_dict=self._state, min_replica_size=options.min_replicas,

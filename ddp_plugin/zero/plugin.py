@@ -13,7 +13,7 @@ from ddp_plugin.hookspecs import ParameterShards, completed_future, hookimpl
 from ddp_plugin.zero import checkpoint, gradients
 from ddp_plugin.zero.layout import Scope, ShardLayout
 from ddp_plugin.zero.optimizer import ShardedOptimizers
-from ddp_plugin.zero.reduce import ShardReducer
+from ddp_plugin.zero.reduce import CrossStage, ShardReducer
 from ddp_plugin.zero.shards import Shards
 from ddp_plugin.zero.units import UnitPlan, Units, check_auto_wrap_policy, plan_units
 
@@ -46,7 +46,7 @@ class ZeroSharder:
     """
 
     def __init__(self, stage: int, shard_scope: str = "global", auto_wrap_policy: Any = None,
-                 prefetch_units: int = 2) -> None:
+                 prefetch_units: int = 2, cross_stage: CrossStage | None = None) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"`zero_stage={stage!r}`: the sharder handles stages 1, 2, 3.")
         if shard_scope not in ("global", "node"):
@@ -55,6 +55,8 @@ class ZeroSharder:
         self.shard_scope = shard_scope
         self.policy = check_auto_wrap_policy(auto_wrap_policy)
         self.prefetch_units = prefetch_units
+        self.cross_stage = cross_stage
+        """The cross-node stage of the gradients' node shards, if not the hook (replica groups: through torchft)."""
         self._plan: UnitPlan | None = None
         self.shards: Shards | None = None
         self.units: Units | None = None
@@ -90,7 +92,8 @@ class ZeroSharder:
         if self.stage == 1:
             self._register_stage_1_hooks()
         self.optimizers = ShardedOptimizers(self.shards, self.shards.make_pieces(), self.stage)
-        self._reduce = ShardReducer(layout, comm, hook, whole=self.stage == 1, plain=options.cross_node_codec is None)
+        self._reduce = ShardReducer(layout, comm, hook, whole=self.stage == 1, plain=options.cross_node_codec is None,
+                                    cross=self.cross_stage)
         self._lent = gradients.LentGradients(self.shards)
 
     @hookimpl

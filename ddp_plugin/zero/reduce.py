@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ddp_plugin.zero.layout import Scope
 
@@ -12,6 +13,9 @@ if TYPE_CHECKING:
 
     from ddp_plugin.hookspecs import Bucket, Communicator
     from ddp_plugin.zero.layout import ShardLayout
+
+CrossStage = Callable[[Any, list[tuple[Any, Any, int]]], None]
+"""``cross(hook, [(tensor, bucket, offset)])``: each tensor averaged across nodes in place."""
 
 
 class ShardReducer:
@@ -26,11 +30,16 @@ class ShardReducer:
     of the bucket more per node across nodes (with a codec, or node shards, nothing more across nodes).
 
     ``plain`` (no codec answers the cross-node stage): global shards reduce-scatter across nodes too, half the
-    bytes of an all-reduce of the node's share."""
+    bytes of an all-reduce of the node's share.
 
-    def __init__(self, layout: ShardLayout, comm: Communicator, hook: HookRelay, whole: bool, plain: bool) -> None:
+    ``cross`` (replica groups: ``ReplicaGroups.reduce``, each a node of its own) takes the cross-node stage of
+    node shards instead of the hook: ``cross(hook, [(block, bucket, offset)])`` averages the block in place."""
+
+    def __init__(self, layout: ShardLayout, comm: Communicator, hook: HookRelay, whole: bool, plain: bool,
+                 cross: CrossStage | None = None) -> None:
         self.layout, self.comm, self.hook = layout, comm, hook
         self.whole, self.plain = whole, plain
+        self.cross = cross
         self._block: Tensor | None = None
 
     def _block_buffer(self, numel: int, like: Tensor) -> Tensor:
@@ -53,8 +62,11 @@ class ShardReducer:
             block = comm.reduce_scatter(out, buf, group=t.intra_node_group)
             if layout.scope is Scope.TWO_LEVEL and not self.whole and self.plain:
                 return comm.reduce_scatter(block.new_empty(c // m), block, group=t.inter_node_group).div_(m)
-            self.hook.on_cross_node_reduce(tensor=block, group=t.inter_node_group, bucket=bucket,
-                                           offset=t.local_rank * c).wait()
+            if self.cross is not None:
+                self.cross(self.hook, [(block, bucket, t.local_rank * c)])
+            else:
+                self.hook.on_cross_node_reduce(tensor=block, group=t.inter_node_group, bucket=bucket,
+                                               offset=t.local_rank * c).wait()
             if self.whole:
                 if k > 1:
                     comm.all_gather(buf, block, group=t.intra_node_group)
@@ -64,6 +76,7 @@ class ShardReducer:
             if layout.scope is Scope.NODE:
                 return block
             return block[t.node_rank * (c // m) : (t.node_rank + 1) * (c // m)].clone()  # not a view of scratch
+        assert self.cross is None, "a cross stage of its own is for node shards"
         if layout.scope is Scope.WORLD and not self.whole and self.plain:
             n = t.world_size
             return comm.reduce_scatter(buf.new_empty(buf.numel() // n), buf, group=t.world_group).div_(n)

@@ -4,6 +4,7 @@ step, as a node lost mid-run.
 
     python tests/workers/ft_run.py --out DIR --group 0 --groups 3 --lighthouse http://HOST:PORT --devices 2 \\
         --steps 30 [--kill-at 10 --kill-in backward|end|sync|heal] [--sync-every 5] [--compression int8]
+        [--zero-stage 2]
         [--step-sleep 0.05]
         [--hold 40:FILE[,FILE]] [--tag TAG]
 
@@ -105,6 +106,7 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=1, help="DiLoCo's H (1: the synchronous route)")
     parser.add_argument("--compression", default=None, help="the codec of what crosses groups (`compression=`)")
     parser.add_argument("--compression-options", type=json.loads, default=None, help="`compression_options=`, JSON")
+    parser.add_argument("--zero-stage", type=int, default=0, help="ZeRO inside the group (`shard_scope='node'`)")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=120.0)
@@ -127,7 +129,8 @@ def main() -> None:
     strategy = HierarchicalZeroStrategy(fault_tolerance={
         "replica_group": args.group, "replica_groups": args.groups, "lighthouse": args.lighthouse,
         "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout}, timeout=args.timeout, sync_every=args.sync_every,
-        compression=args.compression, compression_options=args.compression_options)
+        compression=args.compression, compression_options=args.compression_options, zero_stage=args.zero_stage,
+        shard_scope="node")
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=1, strategy=strategy,
                         max_steps=args.steps, logger=False, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[record], use_distributed_sampler=True)
