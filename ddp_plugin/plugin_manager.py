@@ -47,7 +47,7 @@ def build_plugin_manager(
     ``planner`` (:class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner`) it is the reducer; ``outer_sync`` makes the
     sync mode's plugin from ``sync`` (replica groups:
     :class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`), and ``cross_stage`` the sharder's cross-node stage
-    (replica groups on the synchronous route: ``ReplicaGroups.reduce``); with
+    (replica groups on the synchronous route: ``ReplicaGroupReducer.across``); with
     ``compression="auto"`` every candidate codec is registered under its name (a built-in one constructed with
     ``compression_options[name]``), and :class:`~ddp_plugin.plugins.adaptive.AutoCodec` answers
     ``on_cross_node_reduce`` ahead of them with the one the plan names."""

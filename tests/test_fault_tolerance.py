@@ -58,14 +58,15 @@ def wait(proc, out, timeout: float) -> int:
 
 @pytest.fixture(scope="module", params=[(3, 1, 1, "backward", None, 0), (2, 2, 1, "backward", "int8", 0),
                                         (3, 1, 1, "backward", "powersgd", 1), (3, 1, 5, "sync", "int8", 0),
-                                        (2, 2, 1, "backward", "int8", 3), (2, 2, 5, "sync", None, 2)],
+                                        (2, 2, 1, "backward", "int8", 3), (2, 2, 5, "sync", None, 2),
+                                        (2, 2, 1, "backward", "int8", 2, 2)],
                 ids=["3 groups of 1", "2 groups of 2, int8", "3 groups of 1, ZeRO 1, PowerSGD",
                      "DiLoCo, 3 groups of 1, int8, killed in a sync", "2 groups of 2, ZeRO 3, int8",
-                     "DiLoCo, 2 groups of 2, ZeRO 2, killed in a sync"])
+                     "DiLoCo, 2 groups of 2, ZeRO 2, killed in a sync", "2 groups of 2 nodes x 1, ZeRO 2, int8"])
 def run(request, tmp_path_factory):
     from torchft._torchft import LighthouseServer
 
-    groups, devices, sync_every, kill_in, codec, zero = request.param
+    groups, devices, sync_every, kill_in, codec, zero, *nodes = request.param
     out = tmp_path_factory.mktemp("ft")
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
     try:
@@ -75,7 +76,8 @@ def run(request, tmp_path_factory):
         back_ready = out / "back"
         # (PowerSGD of rank 1: the tiny model's first matrix is then compressed, at rank 4 it is not)
         coded = (["--compression", codec] if codec else []) + (
-            ["--compression-options", '{"rank": 1}'] if codec == "powersgd" else []) + ["--zero-stage", str(zero)]
+            ["--compression-options", '{"rank": 1}'] if codec == "powersgd" else []) + ["--zero-stage", str(zero)] + (
+            ["--devices-per-node", str(devices // nodes[0])] if nodes else [])  # (a group of several nodes)
         procs = [launch(out, g, groups, address, devices, sync_every, "--gate", str(gate), *coded,
                         *(["--kill-at", str(KILL_AT), "--kill-in", kill_in] if g == last else
                           ["--hold", f"{HOLD_AT}:{back_ready}.0"]))
@@ -98,7 +100,10 @@ def run(request, tmp_path_factory):
         lighthouse.shutdown()
     found = {g: torch.load(out / f"{g}.pt") for g in range(last)}
     found["back"] = torch.load(out / f"{last}-back.pt")
-    return {"groups": groups, "devices": devices, "sync_every": sync_every, "codec": codec, "zero": zero,
+    found["ranks"] = {(g, r): torch.load(out / f"{g}.rank{r}.pt") for g in range(last) for r in range(devices)}
+    found["ranks"].update({("back", r): torch.load(out / f"{last}-back.rank{r}.pt") for r in range(devices)})
+    return {"groups": groups, "ranks_per_node": devices // (nodes[0] if nodes else 1), "sync_every": sync_every,
+            "codec": codec, "zero": zero,
             "killed_at": killed_at, **found}
 
 
@@ -108,6 +113,9 @@ def test_every_group_ends_at_the_same_step_with_the_same_parameters_bit_for_bit(
         assert run[name]["steps"][-1]["global_step"] == STEPS, name
         for key, value in first.items():
             assert torch.equal(run[name]["params"][key], value), (name, key)
+    for name, params in run["ranks"].items():  # every rank of every group: one replica
+        for key, value in first.items():
+            assert torch.equal(params[key], value), (name, key)
 
 
 def test_the_live_groups_went_on_without_the_lost_one_and_lost_at_most_the_step_it_died_in(run):
@@ -148,10 +156,10 @@ def test_the_returning_group_healed_from_a_live_peer_and_stepped_on_from_there(r
     assert steps[-1]["ft/heals"] >= 1
     assert steps[-1]["ft/replicas"] == run["groups"]  # back in the quorum, counted as a participant
     # What one healing moved to rank 0: the parameters and AdamW's two moments, whole, or under ZeRO this rank's
-    # shard of them (1/k on a group of k ranks: the same group rank of the peer holds the same shard); with DiLoCo
+    # shard of them (1/k with k ranks a node: the same group rank of the peer holds the same shard); with DiLoCo
     # also this rank's part of the global copy and of the outer Nesterov momentum (1/k each).
-    p = sum(p.numel() * p.element_size() for p in run[0]["params"].values())
-    expected = 3 * p / (run["devices"] if run["zero"] else 1) + (2 * p / run["devices"] if run["sync_every"] > 1 else 0)
+    p, k = sum(p.numel() * p.element_size() for p in run[0]["params"].values()), run["ranks_per_node"]
+    expected = 3 * p / (k if run["zero"] else 1) + (2 * p / k if run["sync_every"] > 1 else 0)
     healed = steps[-1]["ft/healed_MB"] * 2**20 / steps[-1]["ft/heals"]
     assert expected <= healed <= 1.1 * expected + 256, (healed, expected)
 
@@ -313,6 +321,26 @@ def test_the_other_codecs_across_groups_leave_every_group_with_the_same_paramete
         assert steps and all(s["ft/replicas"] == 2 and s["comm/compression_ratio"] > 1.5 for s in steps), steps
 
 
+@pytest.mark.parametrize("zero", [0, 2], ids=["ZeRO 0", "ZeRO 2"])
+def test_a_group_of_two_nodes_averages_as_a_group_of_one(zero, tmp_path):
+    """One replica group of 4 ranks, as 2 nodes x 2 ranks (its stage among its own nodes, then across groups) and
+    as 1 node x 4: the same parameters after 5 steps, to rounding."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000, heartbeat_timeout_ms=1000)
+    try:
+        for tag, extra in (("-nodes", ["--devices-per-node", "2"]), ("-node", [])):
+            proc = launch(tmp_path, 0, 1, lighthouse.address(), 4, 1, "--steps", "5", "--step-sleep", "0",
+                          "--zero-stage", str(zero), *extra, tag=tag)
+            assert wait(proc, tmp_path, 600) == 0
+    finally:
+        lighthouse.shutdown()
+    nodes, node = (torch.load(tmp_path / f"0{tag}.pt") for tag in ("-nodes", "-node"))
+    assert nodes["steps"][-1]["global_step"] == node["steps"][-1]["global_step"] == 5
+    # (the stage among the group's nodes counts as crossing nodes; one node crosses nothing, with no other group)
+    assert nodes["steps"][-1]["comm/cross_node_MB"] > 0 and node["steps"][-1]["comm/cross_node_MB"] == 0
+    for key, value in node["params"].items():
+        torch.testing.assert_close(nodes["params"][key], value, atol=1e-6, rtol=0)
 def test_the_example_runs_as_its_docstring_launches_it(tmp_path):
     """examples/fault_tolerance.py, 2 groups of 1 rank with DiLoCo, each with its own MASTER_PORT."""
     from torchft._torchft import LighthouseServer
@@ -339,13 +367,15 @@ def test_the_example_runs_as_its_docstring_launches_it(tmp_path):
 
 def test_other_nodes_reach_this_groups_manager_and_checkpoints_at_its_rendezvous_host():
     """torchft 0.2 advertises the machine's host name, which another node (a network namespace of the simulated
-    cluster) may not reach: the manager and the checkpoint transport are advertised at the rendezvous host."""
+    cluster) may not reach: the manager and the checkpoint transport are advertised at this node's address on its
+    route to the rendezvous host (the rendezvous host itself on its own node)."""
     import socket
     from datetime import timedelta
 
     from ddp_plugin.fault_tolerance.replicas import advertised_host, http_transport, state_bytes
 
-    assert advertised_host("10.77.0.2") == "10.77.0.2"
+    mine = advertised_host("10.77.0.2")  # (this machine's address towards it, or the host itself with no route)
+    assert advertised_host(mine) == mine and not mine.startswith("127.")
     for loopback in ("localhost", "127.0.0.1", "::1"):
         assert advertised_host(loopback) == socket.gethostname()
     transport = http_transport("10.77.0.2", timedelta(seconds=5))

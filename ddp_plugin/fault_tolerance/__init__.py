@@ -38,17 +38,19 @@ def start_replicas(config: StrategyConfig, module: pl.LightningModule, optimizer
     if importlib.util.find_spec("torchft") is None:
         raise ImportError("`fault_tolerance` runs on torchft: `pip install ddp_plugin[torchft]` (or `pip install"
                           " torchft`).")
-    from ddp_plugin.fault_tolerance.healing import fit_state, load_fit_state
+    from ddp_plugin.fault_tolerance.healing import fit_state, load_fit_state, unify_group
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
 
-    if topology.num_nodes != 1:
-        raise ValueError(
-            f"With `fault_tolerance`, a replica group is one node, launched on its own (its own rendezvous);"
-            f" this launch spans {topology.num_nodes} nodes. Launch each node as its replica group"
-            " (`num_nodes=1`, `fault_tolerance={'replica_group': i, ...}`)."
+    if topology.num_nodes != 1 and config.sync_every > 1:
+        raise NotImplementedError(
+            f"With `fault_tolerance` and a sync mode (`sync_every={config.sync_every}`), a replica group is one node"
+            f" for now (the sync's stage among a group's own nodes is not written yet); this launch spans"
+            f" {topology.num_nodes} nodes. Launch each node as its replica group (`num_nodes=1`), or use the"
+            " synchronous route (`sync_every=1`), whose groups may span several nodes."
         )
     replicas = ReplicaGroups(config.fault_tolerance, topology.rank, topology.world_size, device,
                              lambda: fit_state(module, optimizers(), replicas.healed_elsewhere()),
                              lambda state: load_fit_state(module, optimizers(), state, replicas.healed_elsewhere()),
                              config.timeout, per_step=config.sync_every == 1)
+    replicas.unify.append(lambda: unify_group(module, optimizers(), replicas.healed_elsewhere()))
     return replicas

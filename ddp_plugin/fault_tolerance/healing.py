@@ -18,6 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch import nn
     from torch.optim import Optimizer
 
     from ddp_plugin.codecs.base import Codec
@@ -32,7 +33,7 @@ def fit_state(module: pl.LightningModule, optimizers: list[Optimizer], skip: Col
     trainer = module.trainer
     loop = trainer.fit_loop.epoch_loop
     return {
-        "module": {k: v.detach() for k, v in module.state_dict(keep_vars=True).items() if id(v) not in skip},
+        "module": module_state(module, skip),
         "optimizers": [optimizer_state(getattr(o, "_optimizer", o)) for o in optimizers],
         "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "precision": trainer.precision_plugin.state_dict(),
@@ -44,11 +45,7 @@ def fit_state(module: pl.LightningModule, optimizers: list[Optimizer], skip: Col
 def load_fit_state(module: pl.LightningModule, optimizers: list[Optimizer], state: dict[str, Any],
                    skip: Collection[int] = ()) -> None:
     """On the returning group's ranks, inside the optimizer step (Lightning counted it ready, not completed)."""
-    left_out = {k for k, v in module.state_dict(keep_vars=True).items() if id(v) in skip}
-    missing = module.load_state_dict(state["module"], strict=False)
-    if set(missing.missing_keys) != left_out or missing.unexpected_keys:
-        raise RuntimeError(f"replica groups: a live peer's module state does not match this group's ({missing});"
-                           " every group must build the same model")
+    load_module_state(module, state["module"], skip)
     for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
         load_optimizer_state(getattr(optimizer, "_optimizer", optimizer), saved)
     trainer = module.trainer
@@ -60,6 +57,49 @@ def load_fit_state(module: pl.LightningModule, optimizers: list[Optimizer], stat
     total = loop.automatic_optimization.optim_progress.optimizer.step.total
     total.completed, total.ready = state["optimizer_steps"], state["optimizer_steps"] + 1
     loop._batches_that_stepped = state["batches_that_stepped"]
+
+
+def unify_group(module: pl.LightningModule, optimizers: list[Optimizer], skip: Collection[int] = ()) -> None:
+    """On every rank of a group, at its first committed quorum: what every rank of the group holds whole, taken
+    from the group's rank 0 (a broadcast over the group's world, once).
+
+    torchft heals each group rank from a live peer it picks for that rank, spreading the load over the groups:
+    at the first quorum of a run, where every group but one heals and the groups may have started from
+    different parameters, the ranks of one group may receive different groups' states (seen: rank 1 of group
+    0 healed from group 1, rank 0 of group 1 from group 0). What a rank holds of its own (ZeRO's shards and optimizer
+    pieces, a sync mode's part of the global copy, a codec's state) is then still the same on every group; what
+    every rank holds whole (the module, and at stage 0 the optimizers' state) differs inside a group, and is
+    made one here. (A group that returns later heals every rank from groups that hold one replica.)"""
+    import torch.distributed as dist
+
+    sharded = bool(skip)  # (under ZeRO the optimizers hold this rank's pieces)
+    payload = [None]
+    if dist.get_rank() == 0:
+        payload = [{"module": module_state(module, skip),
+                    "optimizers": None if sharded else [optimizer_state(getattr(o, "_optimizer", o))
+                                                        for o in optimizers]}]
+    dist.broadcast_object_list(payload, src=0)
+    if dist.get_rank() == 0:
+        return
+    state = payload[0]
+    load_module_state(module, state["module"], skip)
+    if state["optimizers"] is not None:
+        for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
+            load_optimizer_state(getattr(optimizer, "_optimizer", optimizer), saved)
+
+
+def module_state(module: nn.Module, skip: Collection[int]) -> dict[str, Any]:
+    """The module's state dict (references), less the tensors whose ids are in ``skip``."""
+    return {k: v.detach() for k, v in module.state_dict(keep_vars=True).items() if id(v) not in skip}
+
+
+def load_module_state(module: nn.Module, state: dict[str, Any], skip: Collection[int]) -> None:
+    """Load :func:`module_state`'s ``state``: exactly the tensors not in ``skip`` must be given."""
+    left_out = {k for k, v in module.state_dict(keep_vars=True).items() if id(v) in skip}
+    missing = module.load_state_dict(state, strict=False)
+    if set(missing.missing_keys) != left_out or missing.unexpected_keys:
+        raise RuntimeError(f"replica groups: a live peer's module state does not match this group's ({missing});"
+                           " every group must build the same model")
 
 
 def optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
@@ -97,8 +137,28 @@ def heal_sharder(replicas: ReplicaGroups, sharder: ZeroSharder) -> None:
             for entry, value in zip(sharder.shards.entries, saved, strict=True):
                 entry.shard.copy_(value)
 
+    def unify() -> None:
+        """On a group of several nodes, at its first committed quorum (:func:`unify_group`): the same local rank of
+        every node holds the same shard and optimizer pieces, which may have come from different groups; node
+        0's are taken."""
+        import torch.distributed as dist
+
+        t = sharder.shards.layout.topology
+        if t.num_nodes == 1:
+            return
+        src = t.global_rank(t.local_rank)  # (node 0's rank of this local rank)
+        for entry in sharder.shards.entries:
+            dist.broadcast(entry.shard, src=src, group=t.inter_node_group)
+        optimizers = sharder.optimizers
+        pieces = [[optimizer_state(o) for o in optimizers.sharded] if t.node_rank == 0 else None]
+        dist.broadcast_object_list(pieces, src=src, group=t.inter_node_group)
+        if t.node_rank:
+            for optimizer, saved in zip(optimizers.sharded, pieces[0], strict=True):
+                load_optimizer_state(optimizer, saved)
+
     replicas.add_state("zero", state, load)
     replicas.healed_elsewhere = lambda: {id(p) for bucket in sharder.shards.buckets for p in bucket.params}
+    replicas.unify.append(unify)
 
 
 def heal_codec(replicas: ReplicaGroups, codec: Codec) -> None:

@@ -64,6 +64,11 @@ class ReplicaGroups:
         """Whether a codec codes what crosses groups (set with the fit's plugins)."""
         self.healed_elsewhere: Callable[[], set[int]] = set
         """The ids of the module's tensors that a part other than the fit's heals (the ZeRO sharder's shards)."""
+        self.size = size
+        self.unify: list[Callable[[], None]] = []
+        """Called in order on every rank of this group at its first committed quorum (collectives over the group):
+        see :func:`~ddp_plugin.fault_tolerance.healing.unify_group`."""
+        self._first_commit = True
         host = advertised_host(os.environ["MASTER_ADDR"])
         self.manager = Manager(
             pg=pg, load_state_dict=self._healed, state_dict=self._state, min_replica_size=options.min_replicas,
@@ -157,6 +162,11 @@ class ReplicaGroups:
         self._started = False
         self.wait_quorum()
         committed = self.manager.should_commit()
+        if committed and self._first_commit:
+            self._first_commit = False
+            if self.size > 1:
+                for unify in self.unify:
+                    unify()
         if not committed:
             self.uncommitted += 1
             log.warning("ddp_plugin: replica group %d: %s not committed (a group was lost, or fewer than"
@@ -214,11 +224,19 @@ def unique_rendezvous(base: type) -> type:
 
 
 def advertised_host(rendezvous_host: str) -> str:
-    """Where the other replica groups reach this group's torchft manager: the group's rendezvous host (its own
-    node's address, as torchrun's ``--master_addr`` gives it), or this machine's host name for a loopback one."""
+    """Where the other replica groups reach this rank's torchft manager and checkpoint transport: this node's
+    address on its route to the group's rendezvous host (on a group of one node, or on the rendezvous node, that
+    host itself, as torchrun's ``--master_addr`` gives it; on the other nodes of a group, their own), or this
+    machine's host name for a loopback rendezvous. (A UDP socket's connect sends nothing: it picks the route.)"""
     if rendezvous_host in ("localhost", "127.0.0.1", "::1") or rendezvous_host.startswith("127."):
         return socket.gethostname()
-    return rendezvous_host
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(rendezvous_host, 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError:  # (no route from here: the rendezvous host, as given)
+        return rendezvous_host
 
 
 def http_transport(host: str, timeout: timedelta) -> Any:

@@ -78,6 +78,8 @@ class ShardedOptimizers:
         self.pieces_of = pieces_of
         self.stage = stage
         self.original_groups: dict[int, list[list[nn.Parameter]]] = {}
+        self.sharded: list[Optimizer] = []
+        """The optimizers re-pointed, in the order they were."""
 
     def __contains__(self, optimizer: Optimizer) -> bool:
         return id(optimizer) in self.original_groups
@@ -86,6 +88,7 @@ class ShardedOptimizers:
         """Point ``optimizer``'s parameter groups at this rank's pieces (state it already has is sliced)."""
         check_optimizer(optimizer)
         self.original_groups[id(optimizer)] = [list(group["params"]) for group in optimizer.param_groups]
+        self.sharded.append(optimizer)
         for group in optimizer.param_groups:
             params = []
             for p in group["params"]:

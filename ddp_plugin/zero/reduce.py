@@ -32,8 +32,8 @@ class ShardReducer:
     ``plain`` (no codec answers the cross-node stage): global shards reduce-scatter across nodes too, half the
     bytes of an all-reduce of the node's share.
 
-    ``cross`` (replica groups: ``ReplicaGroups.reduce``, each a node of its own) takes the cross-node stage of
-    node shards instead of the hook: ``cross(hook, [(block, bucket, offset)])`` averages the block in place."""
+    ``cross`` (replica groups: ``ReplicaGroupReducer.across``) takes the cross-node stage of node shards instead
+    of the hook: ``cross(hook, [(block, bucket, offset)])`` averages the node's block in place over every node."""
 
     def __init__(self, layout: ShardLayout, comm: Communicator, hook: HookRelay, whole: bool, plain: bool,
                  cross: CrossStage | None = None) -> None:
@@ -55,7 +55,8 @@ class ShardReducer:
         t = layout.topology
         k, m = t.ranks_per_node, t.num_nodes
         buf = bucket.buffer
-        if layout.scope is Scope.TWO_LEVEL or (layout.scope is Scope.NODE and (m == 1 or layout.hierarchical)):
+        if layout.scope is Scope.TWO_LEVEL or (layout.scope is Scope.NODE and (m == 1 or layout.hierarchical
+                                                                               or self.cross is not None)):
             buf.div_(k)
             c = buf.numel() // k
             out = self._block_buffer(c, buf) if layout.scope is Scope.TWO_LEVEL else buf.new_empty(c)

@@ -4,12 +4,13 @@ step, as a node lost mid-run.
 
     python tests/workers/ft_run.py --out DIR --group 0 --groups 3 --lighthouse http://HOST:PORT --devices 2 \\
         --steps 30 [--kill-at 10 --kill-in backward|end|sync|heal] [--sync-every 5] [--compression int8]
-        [--zero-stage 2]
+        [--zero-stage 2] [--devices-per-node 2]
         [--step-sleep 0.05]
         [--hold 40:FILE[,FILE]] [--tag TAG]
 
 Rank 0 of the group writes ``DIR/<group><tag>.pt``: the final parameters, and per optimizer step the time, the
-global step, the live replicas, the steps lost and the heals so far, and the traffic metrics (``comm/...``).
+global step, the live replicas, the steps lost and the heals so far, and the traffic metrics (``comm/...``); every
+rank ``r`` its final parameters to ``DIR/<group><tag>.rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ def main() -> None:
     parser.add_argument("--compression", default=None, help="the codec of what crosses groups (`compression=`)")
     parser.add_argument("--compression-options", type=json.loads, default=None, help="`compression_options=`, JSON")
     parser.add_argument("--zero-stage", type=int, default=0, help="ZeRO inside the group (`shard_scope='node'`)")
+    parser.add_argument("--devices-per-node", type=int, default=None, help="a group of devices / this many nodes"
+                        " (`devices_per_node`: the nodes simulated on loopback)")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=120.0)
@@ -130,11 +133,15 @@ def main() -> None:
         "replica_group": args.group, "replica_groups": args.groups, "lighthouse": args.lighthouse,
         "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout}, timeout=args.timeout, sync_every=args.sync_every,
         compression=args.compression, compression_options=args.compression_options, zero_stage=args.zero_stage,
-        shard_scope="node")
+        shard_scope="node", devices_per_node=args.devices_per_node)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=1, strategy=strategy,
                         max_steps=args.steps, logger=False, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[record], use_distributed_sampler=True)
     trainer.fit(model, data)
+    # Every rank's parameters: the ranks of a group must hold the same replica (stage 0), or the same whole model
+    # once gathered (ZeRO: gathered at the end of fit).
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
+               os.path.join(args.out, f"{args.group}{args.tag}.rank{trainer.global_rank}.pt"))
     if trainer.global_rank == 0:
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
         torch.save({"params": params, "steps": record.steps},
