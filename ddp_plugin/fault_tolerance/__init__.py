@@ -52,5 +52,6 @@ def start_replicas(config: StrategyConfig, module: pl.LightningModule, optimizer
                              lambda: fit_state(module, optimizers(), replicas.healed_elsewhere()),
                              lambda state: load_fit_state(module, optimizers(), state, replicas.healed_elsewhere()),
                              config.timeout, per_step=config.sync_every == 1)
-    replicas.unify.append(lambda: unify_group(module, optimizers(), replicas.healed_elsewhere()))
+    replicas.unify.append(lambda: unify_group(module, optimizers(), replicas.healed_elsewhere(),
+                                              topology.side_world_group))
     return replicas

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ddp_plugin.comm import broadcast_coalesced
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch import nn
@@ -59,33 +61,29 @@ def load_fit_state(module: pl.LightningModule, optimizers: list[Optimizer], stat
     loop._batches_that_stepped = state["batches_that_stepped"]
 
 
-def unify_group(module: pl.LightningModule, optimizers: list[Optimizer], skip: Collection[int] = ()) -> None:
-    """On every rank of a group, at its first committed quorum: what every rank of the group holds whole, taken
-    from the group's rank 0 (a broadcast over the group's world, once).
+def unify_group(module: pl.LightningModule, optimizers: list[Optimizer], skip: Collection[int],
+                group: Any) -> None:
+    """On every rank of a group, at its first committed quorum: what every rank of the group holds whole (the
+    module's tensors not in ``skip``, and the optimizers' state of those parameters), taken from the group's rank
+    0 (the strategy's start-of-fit broadcast, over ``group``: the group's world).
 
     torchft heals each group rank from a live peer it picks for that rank, spreading the load over the groups:
     at the first quorum of a run, where every group but one heals and the groups may have started from
     different parameters, the ranks of one group may receive different groups' states (seen: rank 1 of group
     0 healed from group 1, rank 0 of group 1 from group 0). What a rank holds of its own (ZeRO's shards and optimizer
     pieces, a sync mode's part of the global copy, a codec's state) is then still the same on every group; what
-    every rank holds whole (the module, and at stage 0 the optimizers' state) differs inside a group, and is
-    made one here. (A group that returns later heals every rank from groups that hold one replica.)"""
-    import torch.distributed as dist
+    every rank holds whole differs inside a group, and is made one here. (A group that returns later heals every
+    rank from groups that hold one replica.)"""
+    whole = [v for v in module.state_dict(keep_vars=True).values() if id(v) not in skip]
+    broadcast_coalesced(whole + state_tensors([getattr(o, "_optimizer", o) for o in optimizers],
+                                              {id(v) for v in whole}), group)
 
-    sharded = bool(skip)  # (under ZeRO the optimizers hold this rank's pieces)
-    payload = [None]
-    if dist.get_rank() == 0:
-        payload = [{"module": module_state(module, skip),
-                    "optimizers": None if sharded else [optimizer_state(getattr(o, "_optimizer", o))
-                                                        for o in optimizers]}]
-    dist.broadcast_object_list(payload, src=0)
-    if dist.get_rank() == 0:
-        return
-    state = payload[0]
-    load_module_state(module, state["module"], skip)
-    if state["optimizers"] is not None:
-        for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
-            load_optimizer_state(getattr(optimizer, "_optimizer", optimizer), saved)
+
+def state_tensors(optimizers: list[Optimizer], ids: Collection[int]) -> list[torch.Tensor]:
+    """The optimizers' state tensors of the parameters whose ids are in ``ids``, in the same order on every rank
+    that holds the same parameters."""
+    return [v for o in optimizers for group in o.param_groups for p in group["params"] if id(p) in ids
+            for v in o.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
 
 
 def module_state(module: nn.Module, skip: Collection[int]) -> dict[str, Any]:
@@ -141,20 +139,11 @@ def heal_sharder(replicas: ReplicaGroups, sharder: ZeroSharder) -> None:
         """On a group of several nodes, at its first committed quorum (:func:`unify_group`): the same local rank of
         every node holds the same shard and optimizer pieces, which may have come from different groups; node
         0's are taken."""
-        import torch.distributed as dist
-
         t = sharder.shards.layout.topology
-        if t.num_nodes == 1:
-            return
-        src = t.global_rank(t.local_rank)  # (node 0's rank of this local rank)
-        for entry in sharder.shards.entries:
-            dist.broadcast(entry.shard, src=src, group=t.inter_node_group)
-        optimizers = sharder.optimizers
-        pieces = [[optimizer_state(o) for o in optimizers.sharded] if t.node_rank == 0 else None]
-        dist.broadcast_object_list(pieces, src=src, group=t.inter_node_group)
-        if t.node_rank:
-            for optimizer, saved in zip(optimizers.sharded, pieces[0], strict=True):
-                load_optimizer_state(optimizer, saved)
+        if t.num_nodes > 1:
+            pieces = {id(piece) for pieces in sharder.optimizers.pieces_of.values() for piece in pieces}
+            broadcast_coalesced([entry.shard for entry in sharder.shards.entries]
+                                + state_tensors(sharder.optimizers.sharded, pieces), t.side_inter_node_group)
 
     replicas.add_state("zero", state, load)
     replicas.healed_elsewhere = lambda: {id(p) for bucket in sharder.shards.buckets for p in bucket.params}

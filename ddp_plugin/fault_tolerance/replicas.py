@@ -64,7 +64,6 @@ class ReplicaGroups:
         """Whether a codec codes what crosses groups (set with the fit's plugins)."""
         self.healed_elsewhere: Callable[[], set[int]] = set
         """The ids of the module's tensors that a part other than the fit's heals (the ZeRO sharder's shards)."""
-        self.size = size
         self.unify: list[Callable[[], None]] = []
         """Called in order on every rank of this group at its first committed quorum (collectives over the group):
         see :func:`~ddp_plugin.fault_tolerance.healing.unify_group`."""
@@ -164,9 +163,8 @@ class ReplicaGroups:
         committed = self.manager.should_commit()
         if committed and self._first_commit:
             self._first_commit = False
-            if self.size > 1:
-                for unify in self.unify:
-                    unify()
+            for unify in self.unify:
+                unify()
         if not committed:
             self.uncommitted += 1
             log.warning("ddp_plugin: replica group %d: %s not committed (a group was lost, or fewer than"
