@@ -59,14 +59,20 @@ def wait(proc, out, timeout: float) -> int:
 @pytest.fixture(scope="module", params=[(3, 1, 1, "backward", None, 0), (2, 2, 1, "backward", "int8", 0),
                                         (3, 1, 1, "backward", "powersgd", 1), (3, 1, 5, "sync", "int8", 0),
                                         (2, 2, 1, "backward", "int8", 3), (2, 2, 5, "sync", None, 2),
-                                        (2, 2, 1, "backward", "int8", 2, 2)],
+                                        (2, 2, 1, "backward", "int8", 2, {"nodes": 2}),
+                                        (2, 2, 6, "sync", "int8", 2, {"fragments": 3}),
+                                        (3, 1, 6, "sync", None, 0, {"fragments": 2, "staleness": 2})],
                 ids=["3 groups of 1", "2 groups of 2, int8", "3 groups of 1, ZeRO 1, PowerSGD",
                      "DiLoCo, 3 groups of 1, int8, killed in a sync", "2 groups of 2, ZeRO 3, int8",
-                     "DiLoCo, 2 groups of 2, ZeRO 2, killed in a sync", "2 groups of 2 nodes x 1, ZeRO 2, int8"])
+                     "DiLoCo, 2 groups of 2, ZeRO 2, killed in a sync", "2 groups of 2 nodes x 1, ZeRO 2, int8",
+                     "streaming DiLoCo, 2 groups of 2, ZeRO 2, int8, killed in a sync",
+                     "streaming DiLoCo with staleness 2, 3 groups of 1, killed in a sync"])
 def run(request, tmp_path_factory):
     from torchft._torchft import LighthouseServer
 
-    groups, devices, sync_every, kill_in, codec, zero, *nodes = request.param
+    groups, devices, sync_every, kill_in, codec, zero, *more = request.param
+    more = more[0] if more else {}
+    nodes, fragments, staleness = more.get("nodes", 1), more.get("fragments", 1), more.get("staleness", 0)
     out = tmp_path_factory.mktemp("ft")
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
     try:
@@ -77,7 +83,8 @@ def run(request, tmp_path_factory):
         # (PowerSGD of rank 1: the tiny model's first matrix is then compressed, at rank 4 it is not)
         coded = (["--compression", codec] if codec else []) + (
             ["--compression-options", '{"rank": 1}'] if codec == "powersgd" else []) + ["--zero-stage", str(zero)] + (
-            ["--devices-per-node", str(devices // nodes[0])] if nodes else [])  # (a group of several nodes)
+            ["--devices-per-node", str(devices // nodes)] if nodes > 1 else []) + (  # (a group of several nodes)
+            ["--sync-fragments", str(fragments), "--max-staleness", str(staleness)] if fragments > 1 else [])
         procs = [launch(out, g, groups, address, devices, sync_every, "--gate", str(gate), *coded,
                         *(["--kill-at", str(KILL_AT), "--kill-in", kill_in] if g == last else
                           ["--hold", f"{HOLD_AT}:{back_ready}.0"]))
@@ -102,8 +109,11 @@ def run(request, tmp_path_factory):
     found["back"] = torch.load(out / f"{last}-back.pt")
     found["ranks"] = {(g, r): torch.load(out / f"{g}.rank{r}.pt") for g in range(last) for r in range(devices)}
     found["ranks"].update({("back", r): torch.load(out / f"{last}-back.rank{r}.pt") for r in range(devices)})
-    return {"groups": groups, "ranks_per_node": devices // (nodes[0] if nodes else 1), "sync_every": sync_every,
-            "codec": codec, "zero": zero,
+    if sync_every > 1:
+        found["sync"] = {(g, r): torch.load(out / f"{g}.rank{r}.sync.pt") for g in range(last) for r in range(devices)}
+        found["sync"].update({("back", r): torch.load(out / f"{last}-back.rank{r}.sync.pt") for r in range(devices)})
+    return {"groups": groups, "ranks_per_node": devices // nodes, "sync_every": sync_every,
+            "fragments": fragments, "staleness": staleness, "codec": codec, "zero": zero,
             "killed_at": killed_at, **found}
 
 
@@ -111,11 +121,27 @@ def test_every_group_ends_at_the_same_step_with_the_same_parameters_bit_for_bit(
     first = run[0]["params"]
     for name in [g for g in range(run["groups"] - 1)] + ["back"]:
         assert run[name]["steps"][-1]["global_step"] == STEPS, name
-        for key, value in first.items():
-            assert torch.equal(run[name]["params"][key], value), (name, key)
-    for name, params in run["ranks"].items():  # every rank of every group: one replica
-        for key, value in first.items():
-            assert torch.equal(params[key], value), (name, key)
+        if run["fragments"] == 1:  # (streaming: the fragments not synced last hold each group's own inner steps)
+            for key, value in first.items():
+                assert torch.equal(run[name]["params"][key], value), (name, key)
+    for (name, rank), params in run["ranks"].items():  # every rank of a group: one replica
+        reference = run["ranks"][(0, 0) if run["fragments"] == 1 else (name, 0)]
+        for key, value in reference.items():
+            assert torch.equal(params[key], value), (name, rank, key)
+
+
+def test_with_a_sync_mode_every_group_holds_the_same_global_copy_and_the_fragment_synced_last(run):
+    if run["sync_every"] == 1:
+        pytest.skip("the synchronous route keeps no global copy")
+    for (name, rank), sync in run["sync"].items():
+        peer = run["sync"][(0, rank)]  # (each rank its part: the same group rank of another group)
+        assert len(sync["outer"]) == len(peer["outer"]) > 0
+        for mine, theirs in zip(sync["outer"], peer["outer"]):
+            assert torch.equal(mine, theirs), (name, rank)
+        assert sync["last"] == peer["last"] == (STEPS * run["fragments"] // run["sync_every"] - 1) % run["fragments"]
+        if not run["staleness"]:  # (the replica's part is then x itself; with staleness, x + inner progress)
+            for replica, synced in zip(sync["replica"], sync["synced"], strict=True):
+                assert torch.equal(replica, synced), (name, rank)
 
 
 def test_the_live_groups_went_on_without_the_lost_one_and_lost_at_most_the_step_it_died_in(run):
@@ -132,7 +158,8 @@ def test_the_live_groups_went_on_without_the_lost_one_and_lost_at_most_the_step_
             # The sync the group died in was redone over the live groups: every sync committed, no step lost.
             assert steps[-1]["ft/uncommitted"] >= 1
             assert lost == 0, lost
-            assert steps[-1]["ft/step"] == STEPS // every
+            syncs = STEPS * run["fragments"] // every  # (with staleness the last may still be in flight)
+            assert syncs - (1 if run["staleness"] else 0) <= steps[-1]["ft/step"] <= syncs
 
 
 def test_what_crosses_groups_is_counted_and_a_codec_compresses_it(run):

@@ -83,8 +83,6 @@ def check_composition(c: Mapping[str, Any]) -> None:
     if ft is None:
         return
     refused = [
-        (c["sync_fragments"] > 1, f"`sync_fragments={c['sync_fragments']}` (streaming fragments' quorums)"),
-        (c["max_staleness"] > 0, f"`max_staleness={c['max_staleness']}` (a sync in flight across a quorum)"),
         (c["sync_warmup_steps"] > 0 and c["sync_every"] > 1,
          f"`sync_warmup_steps={c['sync_warmup_steps']}` (a quorum per step, then per sync)"),
         (c["compression"] == "auto", "`compression='auto'` (the link probe's plan measures one group's links)"),
@@ -101,11 +99,18 @@ def check_composition(c: Mapping[str, Any]) -> None:
             f" of the model over every replica group, and a lost group would take its shards with it. Use"
             f" `shard_scope='node'` (shards inside a group, a whole replica in each), or drop `zero_stage`."
         )
+    gap = c["sync_every"] // c["sync_fragments"]
+    if c["max_staleness"] > 0 and c["max_staleness"] >= gap:
+        raise ValueError(
+            f"`max_staleness={c['max_staleness']}` must be less than `sync_every // sync_fragments` ({gap}) with"
+            f" `fault_tolerance`: each sync must be applied before the next one starts (torchft's Manager holds one"
+            f" quorum at a time; its own streaming DiLoCo has the same limit on `fragment_sync_delay`)."
+        )
     names = [what for bad, what in refused if bad]
     if names:
         raise NotImplementedError(
-            f"`fault_tolerance` runs the synchronous data-parallel route and the sync modes without fragments or"
-            f" staleness (local SGD, DiLoCo), at every ZeRO stage inside a group, with or without a built-in codec, for"
+            f"`fault_tolerance` runs the synchronous data-parallel route and the sync modes (local SGD, DiLoCo,"
+            f" streaming DiLoCo, with or without staleness), at every ZeRO stage inside a group, with or without a built-in codec, for"
             f" now; not yet with"
             f" {', '.join(names)}. Drop the flag, or those."
         )

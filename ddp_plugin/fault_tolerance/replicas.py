@@ -107,11 +107,12 @@ class ReplicaGroups:
         for name, (_, load) in self._parts.items():
             load(state[name])
 
-    def start_step(self) -> None:
+    def start_step(self, shrink_only: bool = False) -> None:
         """The quorum of the coming step, computed while the forward runs (once per optimizer step: the inner
-        steps of gradient accumulation find it started)."""
+        steps of gradient accumulation find it started). ``shrink_only``: of the last quorum's groups only (a
+        group that asks meanwhile joins the next one, and heals there)."""
         if not self._started:
-            self.manager.start_quorum()
+            self.manager.start_quorum(shrink_only=shrink_only)
             self._started = True
 
     def wait_quorum(self) -> None:
@@ -154,6 +155,11 @@ class ReplicaGroups:
         """Whether a group heals in this quorum, as every group of it sees it: one behind the others' step, or, at
         step 0, every group but the first (torchft makes them start from its state)."""
         return self.manager.current_step() == 0 or self.manager.num_participants() < self.pg.size()
+
+    @property
+    def unified(self) -> bool:
+        """Whether this group has committed a quorum (its ranks then hold one replica: see :attr:`unify`)."""
+        return not self._first_commit
 
     def commit(self, what: str = "step") -> bool:
         """Whether every live group applies this quorum's step or sync (torchft's ``should_commit``; a returning

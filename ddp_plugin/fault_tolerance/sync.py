@@ -1,6 +1,6 @@
-"""The sync modes across replica groups: a quorum per outer sync, the pseudo-gradients averaged over the live
-groups through torchft, the outer step only where the sync commits, and a sync that failed (a group lost inside
-it) redone at once over the groups still live."""
+"""The sync modes across replica groups: a quorum per outer sync (per fragment's, streaming), the pseudo-gradients
+averaged over the live groups through torchft, the outer step only where the sync commits, and a sync that failed
+(a group lost inside it) redone at once over the groups still live."""
 
 from __future__ import annotations
 
@@ -8,16 +8,17 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
 
 from ddp_plugin.hookspecs import hookimpl
 from ddp_plugin.sync import OuterSync
+from ddp_plugin.sync.parts import InFlight, Update
 
 if TYPE_CHECKING:
+    from torch import Tensor
     from torch.optim import Optimizer
 
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
-    from ddp_plugin.sync.parts import Piece, Update
+    from ddp_plugin.sync.parts import Piece
 
 log = logging.getLogger(__name__)
 
@@ -29,19 +30,28 @@ every group then takes the global copy back, as torchft's own DiLoCo does after 
 class ReplicaGroupSync(OuterSync):
     """:class:`~ddp_plugin.sync.OuterSync` whose nodes are replica groups: each group is one node of the sync mode
     (its ranks keep their parts of the global copy and of the outer optimizer's state, as on one node), and each
-    sync is a torchft step:
+    sync is a torchft step, on the outer thread:
 
-    1. its quorum (on the training thread, which waits for the sync anyway);
-    2. the pseudo-gradients ``x - s`` averaged over the live groups' ranks of this group rank (torchft's
-       all-reduce: a group still healing adds zeros and is not counted; with a codec, the codec on torchft's
-       process group, except in a sync a group heals in);
+    1. its quorum, waited for on the training thread when the sync is sent, which names the fragment it carries
+       (:meth:`quorum_fragment`: the quorum's count of committed syncs, the same on every group of it, a returning
+       group's included, whose own schedule is not yet its peers'), and whether a group heals in it;
+    2. the pseudo-gradients ``x - s`` of that fragment averaged over the live groups' ranks of this group rank
+       (torchft's all-reduce: a group still healing adds zeros and is not counted; with a codec, the codec on
+       torchft's process group, except in a sync a group heals in);
     3. the commit: a returning group loads a live peer's state here (its replica, inner and outer optimizer,
        global copy, the schedule's position and the fit's counters); the outer optimizer steps on every group
        only if the sync committed everywhere. One that did not (a group died inside it) is redone over a new
-       quorum from the same replicas (unchanged until a sync is applied), up to :data:`RETRIES` times.
+       quorum from the same replicas (unchanged until a sync is applied), up to :data:`RETRIES` times; a round
+       dropped after those leaves its fragment to be carried by the next sync.
+
+    With ``max_staleness=d`` a sync runs behind the next ``d`` inner steps and is applied as without replica
+    groups, except a sync a group heals in: the training thread waits for that one (the peers serve their state
+    and the returning group loads it while no inner step runs), and every group's replica takes the global copy
+    itself. A stale sync's retries are quorums of its own groups only. Each sync is applied before the next starts
+    (``d < sync_every // sync_fragments``, checked at construction): torchft's Manager holds one quorum at a time.
 
     Nothing crosses groups between syncs (the groups' gradients stay inside them, as the sync modes' do inside a
-    node). Without staleness or fragments for now: the sync is applied in the step that sent it."""
+    node)."""
 
     def __init__(self, replicas: ReplicaGroups, **sync: Any) -> None:
         super().__init__(**sync)
@@ -50,30 +60,79 @@ class ReplicaGroupSync(OuterSync):
         replicas.add_state("sync", self._state, self._load_state)
 
     def _send(self, fragment: int) -> None:
+        # (`fragment`, the schedule's, is this group's own view: the quorum's is the one sent)
         self._replicas.start_step()
-        super()._send(fragment)
+        flight = InFlight(self.quorum_fragment(), self.step, [], None)
+        if self.schedule.staleness and self._replicas.unified and not self._replicas.heals_in_quorum():
+            # Behind the next `max_staleness` inner steps, as without replica groups (applied as `now + x - s`).
+            pieces = self.pieces_of(flight.fragment)
+            flight.snapshots = [self.access.read(p.bucket, p.lo, p.hi) for p in pieces]
+            flight.apply_after += self.schedule.staleness
+            job = (self._sync_stale, flight, pieces)
+        else:
+            # A group heals in this sync (its peers serve their state, it loads theirs): the training thread waits
+            # for it, and every group's replica takes the global copy itself.
+            flight.written = True
+            job = (self._sync, flight)
+        flight.result = self._thread.submit(self._on_side, self._side.hand_over(), *job)
+        self.in_flight.append(flight)
 
-    def _outer_step(self, pieces: list[Piece], pseudo: list[Tensor], snapshots: list[Tensor] | None
-                    ) -> tuple[list[Update], float]:
+    def quorum_fragment(self) -> int:
+        """The fragment the quorum started syncs: torchft's committed syncs (the quorum's highest, which a returning
+        group takes at the quorum) modulo ``sync_fragments``. Without a failure that is the schedule's round-robin;
+        a dropped round's fragment is carried by the next sync."""
+        self._replicas.wait_quorum()
+        return self._replicas.manager.current_step() % self.schedule.fragments
+
+    def _sync(self, flight: InFlight) -> tuple[list[Update], float]:
+        for attempt in range(RETRIES + 1):
+            if attempt:  # over the groups still live, from the replicas as they were (a sync is applied only once done)
+                self._replicas.start_step()
+            flight.fragment = self.quorum_fragment()
+            pieces = self.pieces_of(flight.fragment)
+            with torch.no_grad():
+                pseudo = [torch.sub(p.outer.detach(), s, out=s)
+                          for p, s in ((p, self.access.read(p.bucket, p.lo, p.hi)) for p in pieces)]
+            committed, drift = self._attempt(pieces, pseudo)
+            if committed:
+                break
+        else:
+            self._dropped(flight)
+        return [Update(p.bucket, p.lo, p.hi, p.outer.detach()) for p in pieces], drift
+
+    def _sync_stale(self, flight: InFlight, pieces: list[Piece]) -> tuple[list[Update], float]:
+        """A sync behind the next inner steps: the pseudo-gradients of the snapshots taken when it was sent; its
+        retries are quorums of this sync's groups only (``shrink_only``): a group that asks meanwhile would heal
+        while the peers' inner steps run, and joins the next sync instead."""
+        for attempt in range(RETRIES + 1):
+            if attempt:
+                self._replicas.start_step(shrink_only=True)
+                self._replicas.wait_quorum()
+            pseudo = [torch.sub(p.outer.detach(), s) for p, s in zip(pieces, flight.snapshots)]
+            committed, drift = self._attempt(pieces, pseudo)
+            if committed:
+                break
+        else:
+            self._dropped(flight)
+        return self.updates(pieces, flight.snapshots, pseudo), drift
+
+    def _attempt(self, pieces: list[Piece], pseudo: list[Tensor]) -> tuple[bool, float]:
+        """One quorum's try at a sync: the pseudo-gradients averaged over the live groups, the outer step if the
+        sync committed everywhere; and the group's drift (the norm of its pseudo-gradient)."""
         local = self._squared_norm(pseudo)
         if self.topology.ranks_per_node > 1:
             self.comm.all_reduce(local, group=self.intra)
-        for attempt in range(RETRIES + 1):
-            if attempt:
-                # Over the groups still live, from the replicas as they were (a sync is applied only once done).
-                self._replicas.start_step()
-                with torch.no_grad():
-                    for piece, g in zip(pieces, pseudo):
-                        torch.sub(piece.outer.detach(), self.access.read(piece.bucket, piece.lo, piece.hi), out=g)
-            self._replicas.reduce(self.hook, [(g, piece.pseudo, piece.lo) for piece, g in zip(pieces, pseudo)])
-            if self._replicas.commit("outer sync"):
-                self._outer_optimizer_step(pieces, pseudo)
-                return self.updates(pieces, snapshots, pseudo), float(local.sqrt())
+        self._replicas.reduce(self.hook, [(g, piece.pseudo, piece.lo) for piece, g in zip(pieces, pseudo)])
+        committed = self._replicas.commit("outer sync")
+        if committed:
+            self._outer_optimizer_step(pieces, pseudo)
+        return committed, float(local.sqrt())
+
+    def _dropped(self, flight: InFlight) -> None:
         self._replicas.steps_lost += self.schedule.every
-        log.warning("ddp_plugin: replica group %d: the outer sync after step %d failed %d times; every group takes"
-                    " the global copy back (the %d inner steps since the last sync are lost)",
-                    self._replicas.options.replica_group, self.step, RETRIES + 1, self.schedule.every)
-        return self.updates(pieces, snapshots), float(local.sqrt())
+        log.warning("ddp_plugin: replica group %d: the outer sync of fragment %d after step %d failed %d times; every"
+                    " group takes its global copy back (the inner steps since its last sync are lost)",
+                    self._replicas.options.replica_group, flight.fragment, self.step, RETRIES + 1)
 
     @hookimpl(tryfirst=True)
     def on_after_optimizer_step(self, optimizer: Optimizer) -> None:

@@ -43,6 +43,9 @@ class InFlight:
     apply_after: int
     snapshots: list[Tensor]
     result: concurrent.futures.Future
+    written: bool = False
+    """Whether its updates are the global copy itself, written over the replica's part even with staleness (a sync
+    applied in the step that sent it: with replica groups, one a group heals in)."""
 
 
 @dataclasses.dataclass

@@ -486,7 +486,7 @@ class OuterSync:
         self._waits.add(started, self._clock.stamp())
         self.in_flight.remove(flight)
         for u in updates:
-            if self.schedule.staleness:
+            if self.schedule.staleness and not flight.written:
                 self.access.add(u.bucket, u.lo, u.hi, u.values)
             else:
                 self.access.write(u.bucket, u.lo, u.hi, u.values)

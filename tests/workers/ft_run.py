@@ -3,14 +3,17 @@ torchft, training a tiny MLP on the sine task (AdamW, the learning rate decayed 
 step, as a node lost mid-run.
 
     python tests/workers/ft_run.py --out DIR --group 0 --groups 3 --lighthouse http://HOST:PORT --devices 2 \\
-        --steps 30 [--kill-at 10 --kill-in backward|end|sync|heal] [--sync-every 5] [--compression int8]
+        --steps 30 [--kill-at 10 --kill-in backward|end|sync|heal] [--sync-every 6 [--sync-fragments 3 --max-staleness 1]]
+        [--compression int8]
         [--zero-stage 2] [--devices-per-node 2]
         [--step-sleep 0.05]
         [--hold 40:FILE[,FILE]] [--tag TAG]
 
 Rank 0 of the group writes ``DIR/<group><tag>.pt``: the final parameters, and per optimizer step the time, the
 global step, the live replicas, the steps lost and the heals so far, and the traffic metrics (``comm/...``); every
-rank ``r`` its final parameters to ``DIR/<group><tag>.rank<r>.pt``.
+rank ``r`` its final parameters to ``DIR/<group><tag>.rank<r>.pt``, and with a sync mode its part of the global
+copy and the replica's values of the fragment synced last, with that fragment's global copy, to
+``DIR/<group><tag>.rank<r>.sync.pt``.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class Record(L.Callback):
         self.holds = [(int(step), files.split(",")) for step, files in (h.split(":", 1) for h in args.hold)]
         self.announce = args.announce
         self.steps: list[dict] = []
+        self.sync: dict | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.announce is not None:
@@ -66,6 +70,16 @@ class Record(L.Callback):
         open(f"{self.gate}.{self.group}.{trainer.global_rank}", "w").close()
         while not os.path.exists(self.gate):
             time.sleep(0.05)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        sync = trainer.strategy._session.plugin_manager.get_plugin("outer_sync")
+        if sync is None:
+            return
+        sync.drain()  # (a sync in flight: committed, applied at teardown)
+        last = (sync._replicas.manager.current_step() - 1) % sync.schedule.fragments
+        self.sync = {"outer": [p.outer.detach().clone() for p in sync.pieces], "last": last,
+                     "replica": [sync.access.read(p.bucket, p.lo, p.hi) for p in sync.pieces_of(last)],
+                     "synced": [p.outer.detach().clone() for p in sync.pieces_of(last)]}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.kill_in == "sync" and self.kill_at is not None and trainer.global_step >= self.kill_at:
@@ -105,6 +119,8 @@ def main() -> None:
                         " from --kill-at on, before its all-reduce across groups; heal: once it has received a live peer's"
                         " state, before loading it)")
     parser.add_argument("--sync-every", type=int, default=1, help="DiLoCo's H (1: the synchronous route)")
+    parser.add_argument("--sync-fragments", type=int, default=1, help="streaming DiLoCo's fragments")
+    parser.add_argument("--max-staleness", type=int, default=0)
     parser.add_argument("--compression", default=None, help="the codec of what crosses groups (`compression=`)")
     parser.add_argument("--compression-options", type=json.loads, default=None, help="`compression_options=`, JSON")
     parser.add_argument("--zero-stage", type=int, default=0, help="ZeRO inside the group (`shard_scope='node'`)")
@@ -132,6 +148,7 @@ def main() -> None:
     strategy = HierarchicalZeroStrategy(fault_tolerance={
         "replica_group": args.group, "replica_groups": args.groups, "lighthouse": args.lighthouse,
         "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout}, timeout=args.timeout, sync_every=args.sync_every,
+        sync_fragments=args.sync_fragments, max_staleness=args.max_staleness,
         compression=args.compression, compression_options=args.compression_options, zero_stage=args.zero_stage,
         shard_scope="node", devices_per_node=args.devices_per_node)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=1, strategy=strategy,
@@ -142,6 +159,8 @@ def main() -> None:
     # once gathered (ZeRO: gathered at the end of fit).
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
                os.path.join(args.out, f"{args.group}{args.tag}.rank{trainer.global_rank}.pt"))
+    if record.sync is not None:
+        torch.save(record.sync, os.path.join(args.out, f"{args.group}{args.tag}.rank{trainer.global_rank}.sync.pt"))
     if trainer.global_rank == 0:
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
         torch.save({"params": params, "steps": record.steps},
