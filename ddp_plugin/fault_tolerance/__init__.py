@@ -48,10 +48,13 @@ def start_replicas(config: StrategyConfig, module: pl.LightningModule, optimizer
             f" {topology.num_nodes} nodes. Launch each node as its replica group (`num_nodes=1`), or use the"
             " synchronous route (`sync_every=1`), whose groups may span several nodes."
         )
-    replicas = ReplicaGroups(config.fault_tolerance, topology.rank, topology.world_size, device,
+    # (torchft's group rank: the rank in the group's world, every tensor-parallel position and stage its own)
+    rank = topology.global_rank(topology.rank)
+    size = topology.world_size * topology.tensor_parallel_size * topology.pipeline_parallel_size
+    replicas = ReplicaGroups(config.fault_tolerance, rank, size, device,
                              lambda: fit_state(module, optimizers(), replicas.healed_elsewhere()),
                              lambda state: load_fit_state(module, optimizers(), state, replicas.healed_elsewhere()),
                              config.timeout, per_step=config.sync_every == 1)
     replicas.unify.append(lambda: unify_group(module, optimizers(), replicas.healed_elsewhere(),
-                                              topology.side_world_group))
+                                              topology.side_world_group, topology.tensor_parallel_group))
     return replicas

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ddp_plugin.comm import broadcast_coalesced
+from ddp_plugin.hookspecs import is_tensor_parallel_shard, local_tensor
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -62,7 +63,7 @@ def load_fit_state(module: pl.LightningModule, optimizers: list[Optimizer], stat
 
 
 def unify_group(module: pl.LightningModule, optimizers: list[Optimizer], skip: Collection[int],
-                group: Any) -> None:
+                group: Any, tensor_parallel_group: Any = None) -> None:
     """On every rank of a group, at its first committed quorum: what every rank of the group holds whole (the
     module's tensors not in ``skip``, and the optimizers' state of those parameters), taken from the group's rank
     0 (the strategy's start-of-fit broadcast, over ``group``: the group's world).
@@ -73,10 +74,23 @@ def unify_group(module: pl.LightningModule, optimizers: list[Optimizer], skip: C
     0 healed from group 1, rank 0 of group 1 from group 0). What a rank holds of its own (ZeRO's shards and optimizer
     pieces, a sync mode's part of the global copy, a codec's state) is then still the same on every group; what
     every rank holds whole differs inside a group, and is made one here. (A group that returns later heals every
-    rank from groups that hold one replica.)"""
+    rank from groups that hold one replica.)
+
+    With tensor parallelism ``group`` joins the ranks of this rank's tensor-parallel position (which hold the same
+    shards), and the tensors every position holds whole (those ``parallelize_module`` left replicated) are then
+    taken from the group's tensor-parallel rank 0, over ``tensor_parallel_group``."""
+    optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
     whole = [v for v in module.state_dict(keep_vars=True).values() if id(v) not in skip]
-    broadcast_coalesced(whole + state_tensors([getattr(o, "_optimizer", o) for o in optimizers],
-                                              {id(v) for v in whole}), group)
+    broadcast_coalesced(_local(whole + state_tensors(optimizers, {id(v) for v in whole})), group)
+    if tensor_parallel_group is not None:
+        replicated = [v for v in whole if not is_tensor_parallel_shard(v)]
+        broadcast_coalesced(_local(replicated + state_tensors(optimizers, {id(v) for v in replicated})),
+                            tensor_parallel_group)
+
+
+def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's local part (a tensor-parallel shard's, a DTensor's), in place of it."""
+    return [local_tensor(t) for t in tensors]
 
 
 def state_tensors(optimizers: list[Optimizer], ids: Collection[int]) -> list[torch.Tensor]:
@@ -87,23 +101,29 @@ def state_tensors(optimizers: list[Optimizer], ids: Collection[int]) -> list[tor
 
 
 def module_state(module: nn.Module, skip: Collection[int]) -> dict[str, Any]:
-    """The module's state dict (references), less the tensors whose ids are in ``skip``."""
-    return {k: v.detach() for k, v in module.state_dict(keep_vars=True).items() if id(v) not in skip}
+    """The module's state dict (references), less the tensors whose ids are in ``skip``; a tensor-parallel shard as
+    its local part (the same group rank of every group holds the same shard)."""
+    return {k: local_tensor(v).detach() for k, v in module.state_dict(keep_vars=True).items() if id(v) not in skip}
 
 
 def load_module_state(module: nn.Module, state: dict[str, Any], skip: Collection[int]) -> None:
-    """Load :func:`module_state`'s ``state``: exactly the tensors not in ``skip`` must be given."""
-    left_out = {k for k, v in module.state_dict(keep_vars=True).items() if id(v) in skip}
-    missing = module.load_state_dict(state, strict=False)
-    if set(missing.missing_keys) != left_out or missing.unexpected_keys:
-        raise RuntimeError(f"replica groups: a live peer's module state does not match this group's ({missing});"
+    """Load :func:`module_state`'s ``state`` in place: exactly the tensors not in ``skip`` must be given."""
+    own = {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) not in skip}
+    if set(own) != set(state):
+        raise RuntimeError(f"replica groups: a live peer's module state does not match this group's (keys only"
+                           f" here: {sorted(set(own) - set(state))}, only there: {sorted(set(state) - set(own))});"
                            " every group must build the same model")
+    with torch.no_grad():
+        for key, value in own.items():
+            local_tensor(value).copy_(state[key])
 
 
 def optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
     """The optimizer's state as it is held: per parameter of its groups, in order, and the groups'
     hyperparameters (its own ``state_dict()`` is refused under ZeRO, whose pieces it holds)."""
-    return {"state": [optimizer.state.get(p, {}) for group in optimizer.param_groups for p in group["params"]],
+    return {"state": [{k: local_tensor(v) if isinstance(v, torch.Tensor) else v
+                       for k, v in optimizer.state.get(p, {}).items()}
+                      for group in optimizer.param_groups for p in group["params"]],
             "groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]}
 
 
@@ -115,10 +135,22 @@ def load_optimizer_state(optimizer: Optimizer, saved: dict[str, Any]) -> None:
     optimizer.state.clear()
     for p, state in zip(params, saved["state"]):
         if state:
-            optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v
+            optimizer.state[p] = {k: _like(p, v) if isinstance(v, torch.Tensor) and k != "step" else v
                                   for k, v in state.items()}
     for group, hyper in zip(optimizer.param_groups, saved["groups"]):
         group.update(hyper)
+
+
+def _like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """An optimizer's state tensor of ``p`` from its local part: on ``p``'s device, and where ``p`` is a DTensor
+    (a tensor-parallel shard, or a tensor ``parallelize_module`` replicated) and the value has its local shape
+    (its moments), a DTensor placed as ``p``."""
+    from torch.distributed.tensor import DTensor
+
+    value = value.to(p.device)
+    if isinstance(p, DTensor) and value.shape == local_tensor(p).shape:
+        return DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+    return value
 
 
 def heal_sharder(replicas: ReplicaGroups, sharder: ZeroSharder) -> None:

@@ -90,7 +90,6 @@ def check_composition(c: Mapping[str, Any]) -> None:
          f"`compression={c['compression']!r}`, an installed codec (its state is not known to heal; built-in:"
          f" {', '.join(map(repr, _builtin_codecs()))})"),
         (c["pipeline_parallel_size"] > 1, "`pipeline_parallel_size` > 1 (stages across groups)"),
-        (c["tensor_parallel_size"] != 1, f"`tensor_parallel_size={c['tensor_parallel_size']!r}`"),
         (bool(c["plugins"]), "`plugins=` (a plugin's collectives would span one group only)"),
     ]
     if c["zero_stage"] > 0 and c["shard_scope"] != "node":
@@ -110,9 +109,9 @@ def check_composition(c: Mapping[str, Any]) -> None:
     if names:
         raise NotImplementedError(
             f"`fault_tolerance` runs the synchronous data-parallel route and the sync modes (local SGD, DiLoCo,"
-            f" streaming DiLoCo, with or without staleness), at every ZeRO stage inside a group, with or without a built-in codec, for"
-            f" now; not yet with"
-            f" {', '.join(names)}. Drop the flag, or those."
+            f" streaming DiLoCo, with or without staleness), at every ZeRO stage and with tensor parallelism inside"
+            f" a group, with or without a built-in codec, for now; not yet with {', '.join(names)}. Drop the flag,"
+            f" or those."
         )
 
 

@@ -8,13 +8,14 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
-from ddp_plugin.hookspecs import hookimpl
+from ddp_plugin.comm import broadcast_coalesced
+from ddp_plugin.hookspecs import hookimpl, is_tensor_parallel_shard
 from ddp_plugin.sync import OuterSync
 from ddp_plugin.sync.parts import InFlight, Update
 
 if TYPE_CHECKING:
-    from torch import Tensor
     from torch.optim import Optimizer
 
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
@@ -123,10 +124,26 @@ class ReplicaGroupSync(OuterSync):
         if self.topology.ranks_per_node > 1:
             self.comm.all_reduce(local, group=self.intra)
         self._replicas.reduce(self.hook, [(g, piece.pseudo, piece.lo) for piece, g in zip(pieces, pseudo)])
+        first = not self._replicas.unified
         committed = self._replicas.commit("outer sync")
         if committed:
             self._outer_optimizer_step(pieces, pseudo)
+            if first:
+                self._unify_replicated()
         return committed, float(local.sqrt())
+
+    def _unify_replicated(self) -> None:
+        """With tensor parallelism, after this group's first committed sync: the global copy and outer state of the
+        parameters every tensor-parallel rank holds whole, taken from tensor-parallel rank 0. At that first quorum
+        torchft may heal each group rank from another group (see
+        :func:`~ddp_plugin.fault_tolerance.healing.unify_group`, which does the same for the module), and this
+        sync's step already ran from each rank's own."""
+        t = self.topology
+        if t.tensor_parallel_size == 1:
+            return
+        pieces = [p.outer for p in self.pieces if not is_tensor_parallel_shard(self.buckets[p.bucket].params[0])]
+        state = [v for p in pieces for v in self.outer.state.get(p, {}).values() if isinstance(v, Tensor)]
+        broadcast_coalesced([p.detach() for p in pieces] + state, t.tensor_parallel_group)
 
     def _dropped(self, flight: InFlight) -> None:
         self._replicas.steps_lost += self.schedule.every

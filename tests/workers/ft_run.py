@@ -31,7 +31,9 @@ from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
+from ddp_plugin.hookspecs import is_tensor_parallel_shard, local_tensor
 from ddp_plugin.testing.data import sine_dataset
+from ddp_plugin.testing.gpt import GPTModule, token_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
 
 FEATURES, HIDDEN, BATCH = 8, 16, 4
@@ -126,6 +128,7 @@ def main() -> None:
     parser.add_argument("--zero-stage", type=int, default=0, help="ZeRO inside the group (`shard_scope='node'`)")
     parser.add_argument("--devices-per-node", type=int, default=None, help="a group of devices / this many nodes"
                         " (`devices_per_node`: the nodes simulated on loopback)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallelism inside the group: the tiny GPT, split")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=120.0)
@@ -142,28 +145,32 @@ def main() -> None:
     if args.kill_in == "heal":
         ReplicaGroups._healed = kill_instead  # (the state received from a live peer, before it is loaded)
     torch.manual_seed(args.group)  # different initial parameters per group: the first quorum makes them equal
-    model = Model(mlp(FEATURES, HIDDEN, 1, layers=1, activation=nn.Tanh))
-    data = DataLoader(sine_dataset(4096, FEATURES, seed=3), batch_size=BATCH)
+    if args.tp > 1:
+        model, data = GPTModule(), DataLoader(token_dataset(4096), batch_size=BATCH)
+    else:
+        model = Model(mlp(FEATURES, HIDDEN, 1, layers=1, activation=nn.Tanh))
+        data = DataLoader(sine_dataset(4096, FEATURES, seed=3), batch_size=BATCH)
     record = Record(args)
     strategy = HierarchicalZeroStrategy(fault_tolerance={
         "replica_group": args.group, "replica_groups": args.groups, "lighthouse": args.lighthouse,
         "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout}, timeout=args.timeout, sync_every=args.sync_every,
         sync_fragments=args.sync_fragments, max_staleness=args.max_staleness,
         compression=args.compression, compression_options=args.compression_options, zero_stage=args.zero_stage,
-        shard_scope="node", devices_per_node=args.devices_per_node)
+        shard_scope="node", devices_per_node=args.devices_per_node, tensor_parallel_size=args.tp)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=1, strategy=strategy,
                         max_steps=args.steps, logger=False, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[record], use_distributed_sampler=True)
     trainer.fit(model, data)
     # Every rank's parameters: the ranks of a group must hold the same replica (stage 0), or the same whole model
     # once gathered (ZeRO: gathered at the end of fit).
-    torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
+    torch.save({n: local_tensor(p).detach().clone() for n, p in model.named_parameters()},
                os.path.join(args.out, f"{args.group}{args.tag}.rank{trainer.global_rank}.pt"))
     if record.sync is not None:
         torch.save(record.sync, os.path.join(args.out, f"{args.group}{args.tag}.rank{trainer.global_rank}.sync.pt"))
     if trainer.global_rank == 0:
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        torch.save({"params": params, "steps": record.steps},
+        params = {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()}
+        replicated = [n for n, p in model.named_parameters() if not is_tensor_parallel_shard(p)]
+        torch.save({"params": params, "steps": record.steps, "replicated": replicated},
                    os.path.join(args.out, f"{args.group}{args.tag}.pt"))
 
 
