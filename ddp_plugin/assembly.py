@@ -95,7 +95,7 @@ def start_session(config: StrategyConfig, model: Module, groups: ProcessGroups, 
                          tensor_parallel_peers=groups.tensor_parallel_peers,
                          solo=[t.param for t in ties if t.param is not None],
                          extra_plugins=[deferred] if deferred is not None else [],
-                         replicas=start_replicas(config, module, optimizers, groups.topology, device)
+                         replicas=start_replicas(config, module, optimizers, groups.topology, device, ties)
                          if config.fault_tolerance is not None else None)
     if deferred is not None:
         log.info("ddp_plugin: ZeRO stage 3 allocated and initialized the model unit by unit (%d units)",

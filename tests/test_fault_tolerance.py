@@ -63,20 +63,22 @@ def wait(proc, out, timeout: float) -> int:
                                         (2, 2, 6, "sync", "int8", 2, {"fragments": 3}),
                                         (3, 1, 6, "sync", None, 0, {"fragments": 2, "staleness": 2}),
                                         (2, 2, 1, "backward", "int8", 0, {"tp": 2}),
-                                        (2, 2, 5, "sync", None, 0, {"tp": 2})],
+                                        (2, 2, 5, "sync", None, 0, {"tp": 2}),
+                                        (2, 2, 1, "backward", None, 0, {"pp": 2})],
                 ids=["3 groups of 1", "2 groups of 2, int8", "3 groups of 1, ZeRO 1, PowerSGD",
                      "DiLoCo, 3 groups of 1, int8, killed in a sync", "2 groups of 2, ZeRO 3, int8",
                      "DiLoCo, 2 groups of 2, ZeRO 2, killed in a sync", "2 groups of 2 nodes x 1, ZeRO 2, int8",
                      "streaming DiLoCo, 2 groups of 2, ZeRO 2, int8, killed in a sync",
                      "streaming DiLoCo with staleness 2, 3 groups of 1, killed in a sync",
-                     "2 groups of 2, tensor parallel, int8", "DiLoCo, 2 groups of 2, tensor parallel, killed in a sync"])
+                     "2 groups of 2, tensor parallel, int8", "DiLoCo, 2 groups of 2, tensor parallel, killed in a sync",
+                     "2 groups of 2, pipeline stages"])
 def run(request, tmp_path_factory):
     from torchft._torchft import LighthouseServer
 
     groups, devices, sync_every, kill_in, codec, zero, *more = request.param
     more = more[0] if more else {}
     nodes, fragments, staleness = more.get("nodes", 1), more.get("fragments", 1), more.get("staleness", 0)
-    tp = more.get("tp", 1)
+    tp, pp = more.get("tp", 1), more.get("pp", 1)
     out = tmp_path_factory.mktemp("ft")
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
     try:
@@ -89,7 +91,7 @@ def run(request, tmp_path_factory):
             ["--compression-options", '{"rank": 1}'] if codec == "powersgd" else []) + ["--zero-stage", str(zero)] + (
             ["--devices-per-node", str(devices // nodes)] if nodes > 1 else []) + (  # (a group of several nodes)
             ["--sync-fragments", str(fragments), "--max-staleness", str(staleness)] if fragments > 1 else []) + (
-            ["--tp", str(tp)] if tp > 1 else [])
+            ["--tp", str(tp)] if tp > 1 else []) + (["--pp", str(pp)] if pp > 1 else [])
         procs = [launch(out, g, groups, address, devices, sync_every, "--gate", str(gate), *coded,
                         *(["--kill-at", str(KILL_AT), "--kill-in", kill_in] if g == last else
                           ["--hold", f"{HOLD_AT}:{back_ready}.0"]))
@@ -117,7 +119,8 @@ def run(request, tmp_path_factory):
     if sync_every > 1:
         found["sync"] = {(g, r): torch.load(out / f"{g}.rank{r}.sync.pt") for g in range(last) for r in range(devices)}
         found["sync"].update({("back", r): torch.load(out / f"{last}-back.rank{r}.sync.pt") for r in range(devices)})
-    return {"groups": groups, "ranks_per_node": devices // nodes // tp, "tp": tp, "sync_every": sync_every,
+    return {"groups": groups, "ranks_per_node": devices // nodes // tp // pp, "tp": tp, "pp": pp,
+            "sync_every": sync_every,
             "fragments": fragments, "staleness": staleness, "codec": codec, "zero": zero,
             "killed_at": killed_at, **found}
 
@@ -130,10 +133,12 @@ def test_every_group_ends_at_the_same_step_with_the_same_parameters_bit_for_bit(
             for key, value in first.items():
                 assert torch.equal(run[name]["params"][key], value), (name, key)
     for (name, rank), params in run["ranks"].items():  # every rank of a group: one replica
-        if run["tp"] > 1:  # (each rank its own shards: the same rank of another group holds the same)
+        if run["tp"] > 1 or run["pp"] > 1:  # (each rank its own shards or stage: the same rank of another group's)
             reference = run["ranks"][(0, rank)]
-            for key in run[0]["replicated"]:  # (what tensor parallelism leaves whole: every rank the same)
+            for key in run[0]["replicated"] if run["tp"] > 1 else []:  # (left whole: every rank the same)
                 assert torch.equal(params[key], run["ranks"][(0, 0)][key]), (name, rank, key)
+            if run["pp"] > 1 and rank == 0:  # the tied embedding and head: every stage's copy the same
+                assert torch.equal(params["model.tok.weight"], run["ranks"][(name, 1)]["model.head.weight"]), name
         else:
             reference = run["ranks"][(0, 0) if run["fragments"] == 1 else (name, 0)]
         for key, value in reference.items():

@@ -15,7 +15,7 @@ torchft is an extra (``pip install ddp_plugin[torchft]``), imported only when th
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from ddp_plugin.fault_tolerance.options import FaultTolerance
@@ -28,12 +28,13 @@ if TYPE_CHECKING:
     from ddp_plugin.config import StrategyConfig
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
     from ddp_plugin.hookspecs import Topology
+    from ddp_plugin.parallel.ties import Tie
 
 __all__ = ["FaultTolerance", "start_replicas"]
 
 
 def start_replicas(config: StrategyConfig, module: pl.LightningModule, optimizers: Callable[[], list[Optimizer]],
-                   topology: Topology, device: torch.device) -> ReplicaGroups:
+                   topology: Topology, device: torch.device, ties: Iterable[Tie] = ()) -> ReplicaGroups:
     """This rank's Manager, its healing state the module's, ``optimizers()``' and the fit loop's."""
     if importlib.util.find_spec("torchft") is None:
         raise ImportError("`fault_tolerance` runs on torchft: `pip install ddp_plugin[torchft]` (or `pip install"
@@ -55,6 +56,7 @@ def start_replicas(config: StrategyConfig, module: pl.LightningModule, optimizer
                              lambda: fit_state(module, optimizers(), replicas.healed_elsewhere()),
                              lambda state: load_fit_state(module, optimizers(), state, replicas.healed_elsewhere()),
                              config.timeout, per_step=config.sync_every == 1)
+    ties = list(ties)
     replicas.unify.append(lambda: unify_group(module, optimizers(), replicas.healed_elsewhere(),
-                                              topology.side_world_group, topology.tensor_parallel_group))
+                                              topology.side_world_group, topology.tensor_parallel_group, ties))
     return replicas

@@ -11,7 +11,7 @@ pieces, whose layout is the peer's), with the groups' hyperparameters (the learn
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from ddp_plugin.codecs.base import Codec
+    from ddp_plugin.parallel.ties import Tie
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
     from ddp_plugin.zero import ZeroSharder
 
@@ -63,7 +64,7 @@ def load_fit_state(module: pl.LightningModule, optimizers: list[Optimizer], stat
 
 
 def unify_group(module: pl.LightningModule, optimizers: list[Optimizer], skip: Collection[int],
-                group: Any, tensor_parallel_group: Any = None) -> None:
+                group: Any, tensor_parallel_group: Any = None, ties: Iterable[Tie] = ()) -> None:
     """On every rank of a group, at its first committed quorum: what every rank of the group holds whole (the
     module's tensors not in ``skip``, and the optimizers' state of those parameters), taken from the group's rank
     0 (the strategy's start-of-fit broadcast, over ``group``: the group's world).
@@ -78,7 +79,9 @@ def unify_group(module: pl.LightningModule, optimizers: list[Optimizer], skip: C
 
     With tensor parallelism ``group`` joins the ranks of this rank's tensor-parallel position (which hold the same
     shards), and the tensors every position holds whole (those ``parallelize_module`` left replicated) are then
-    taken from the group's tensor-parallel rank 0, over ``tensor_parallel_group``."""
+    taken from the group's tensor-parallel rank 0, over ``tensor_parallel_group``. With pipeline stages each
+    stage's ranks do the above, and the copies of a parameter several stages hold (``ties``: a tied embedding and
+    head) take the first stage's, with their optimizer state and the step's gradient."""
     optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
     whole = [v for v in module.state_dict(keep_vars=True).values() if id(v) not in skip]
     broadcast_coalesced(_local(whole + state_tensors(optimizers, {id(v) for v in whole})), group)
@@ -86,6 +89,12 @@ def unify_group(module: pl.LightningModule, optimizers: list[Optimizer], skip: C
         replicated = [v for v in whole if not is_tensor_parallel_shard(v)]
         broadcast_coalesced(_local(replicated + state_tensors(optimizers, {id(v) for v in replicated})),
                             tensor_parallel_group)
+    for tie in ties:
+        if tie.param is not None and id(tie.param) not in skip:
+            # (and the step's gradient: each copy's was averaged over the groups on its own rank's torchft group,
+            # from which torchft healed another group at this first quorum)
+            grad = [tie.param.grad] if tie.param.grad is not None else []
+            broadcast_coalesced(_local([tie.param] + state_tensors(optimizers, {id(tie.param)}) + grad), tie.group)
 
 
 def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

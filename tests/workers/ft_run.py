@@ -129,6 +129,7 @@ def main() -> None:
     parser.add_argument("--devices-per-node", type=int, default=None, help="a group of devices / this many nodes"
                         " (`devices_per_node`: the nodes simulated on loopback)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallelism inside the group: the tiny GPT, split")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages inside the group: the tiny GPT")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=120.0)
@@ -145,7 +146,7 @@ def main() -> None:
     if args.kill_in == "heal":
         ReplicaGroups._healed = kill_instead  # (the state received from a live peer, before it is loaded)
     torch.manual_seed(args.group)  # different initial parameters per group: the first quorum makes them equal
-    if args.tp > 1:
+    if args.tp > 1 or args.pp > 1:
         model, data = GPTModule(), DataLoader(token_dataset(4096), batch_size=BATCH)
     else:
         model = Model(mlp(FEATURES, HIDDEN, 1, layers=1, activation=nn.Tanh))
@@ -156,7 +157,8 @@ def main() -> None:
         "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout}, timeout=args.timeout, sync_every=args.sync_every,
         sync_fragments=args.sync_fragments, max_staleness=args.max_staleness,
         compression=args.compression, compression_options=args.compression_options, zero_stage=args.zero_stage,
-        shard_scope="node", devices_per_node=args.devices_per_node, tensor_parallel_size=args.tp)
+        shard_scope="node", devices_per_node=args.devices_per_node, tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=1, strategy=strategy,
                         max_steps=args.steps, logger=False, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[record], use_distributed_sampler=True)
