@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from ddp_plugin.codecs.base import Codec
-    from ddp_plugin.parallel.ties import Tie
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
+    from ddp_plugin.parallel.ties import Tie
     from ddp_plugin.zero import ZeroSharder
 
 

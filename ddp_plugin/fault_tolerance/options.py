@@ -110,9 +110,9 @@ def check_composition(c: Mapping[str, Any]) -> None:
     if names:
         raise NotImplementedError(
             f"`fault_tolerance` runs the synchronous data-parallel route and the sync modes (local SGD, DiLoCo,"
-            f" streaming DiLoCo, with or without staleness), at every ZeRO stage, with tensor parallelism and (synchronous)"
-            f" pipeline stages inside a group, with or without a built-in codec, for now; not yet with {', '.join(names)}. Drop the flag,"
-            f" or those."
+            f" streaming DiLoCo, with or without staleness), at every ZeRO stage, with tensor parallelism and"
+            f" (synchronous) pipeline stages inside a group, with or without a built-in codec, for now; not yet with"
+            f" {', '.join(names)}. Drop the flag, or those."
         )
 
 

@@ -1,16 +1,19 @@
 """Worker for the fault-tolerance tests: one replica group (one node's ranks, its own rendezvous) of a run on
-torchft, training a tiny MLP on the sine task (AdamW, the learning rate decayed every step); optionally every rank of the group kills itself (SIGKILL) at a
-step, as a node lost mid-run.
+torchft, training a tiny MLP on the sine task (AdamW, the learning rate decayed every step), or with tensor
+parallelism or pipeline stages the tiny GPT; optionally every rank of the group kills itself (SIGKILL) at a step,
+as a node lost mid-run.
 
     python tests/workers/ft_run.py --out DIR --group 0 --groups 3 --lighthouse http://HOST:PORT --devices 2 \\
-        --steps 30 [--kill-at 10 --kill-in backward|end|sync|heal] [--sync-every 6 [--sync-fragments 3 --max-staleness 1]]
+        --steps 30 [--kill-at 10 --kill-in backward|end|sync|heal]
+        [--sync-every 6 [--sync-fragments 3 --max-staleness 1]] [--tp 2 | --pp 2]
         [--compression int8]
         [--zero-stage 2] [--devices-per-node 2]
         [--step-sleep 0.05]
         [--hold 40:FILE[,FILE]] [--tag TAG]
 
-Rank 0 of the group writes ``DIR/<group><tag>.pt``: the final parameters, and per optimizer step the time, the
-global step, the live replicas, the steps lost and the heals so far, and the traffic metrics (``comm/...``); every
+Rank 0 of the group writes ``DIR/<group><tag>.pt``: the final parameters (a rank's local parts), the names of
+those tensor parallelism leaves whole, and per optimizer step the time, the global step, the live replicas, the
+steps lost and the heals so far, and the traffic metrics (``comm/...``); every
 rank ``r`` its final parameters to ``DIR/<group><tag>.rank<r>.pt``, and with a sync mode its part of the global
 copy and the replica's values of the fragment synced last, with that fragment's global copy, to
 ``DIR/<group><tag>.rank<r>.sync.pt``.
@@ -154,8 +157,8 @@ def main() -> None:
     record = Record(args)
     strategy = HierarchicalZeroStrategy(fault_tolerance={
         "replica_group": args.group, "replica_groups": args.groups, "lighthouse": args.lighthouse,
-        "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout}, timeout=args.timeout, sync_every=args.sync_every,
-        sync_fragments=args.sync_fragments, max_staleness=args.max_staleness,
+        "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout}, timeout=args.timeout,
+        sync_every=args.sync_every, sync_fragments=args.sync_fragments, max_staleness=args.max_staleness,
         compression=args.compression, compression_options=args.compression_options, zero_stage=args.zero_stage,
         shard_scope="node", devices_per_node=args.devices_per_node, tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp)
