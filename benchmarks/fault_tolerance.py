@@ -46,8 +46,11 @@ ROUTES = {
     "synchronous": {"sync_every": 1},
     "diloco": {"sync_every": 10},
     "hierarchical_int8": {"sync_every": 1, "devices": 2, "compression": "int8", "hierarchical": True},
+    "streaming_int8": {"sync_every": 10, "sync_fragments": 5, "max_staleness": 1, "compression": "int8"},
 }
-"""Per route, the worker's spec: ``sync_every``, ranks per node (``devices``), ``compression``, ``hierarchical``."""
+"""Per route, the worker's spec: ``sync_every``, ranks per node (``devices``), ``compression``, ``hierarchical``,
+``sync_fragments``, ``max_staleness``. (``streaming_int8`` is run on its own: ``--routes streaming_int8 --out
+benchmarks/results/fault_tolerance_streaming.md``.)"""
 
 
 def records(out: Path, node: int, tag: str = "") -> list[dict]:
@@ -218,7 +221,7 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=50)
     parser.add_argument("--down", type=float, default=5.0, help="seconds a killed node stays down (torchft)")
     parser.add_argument("--step-sleep", type=float, default=0.05, help="a step's simulated compute, seconds")
-    parser.add_argument("--routes", default=",".join(ROUTES))
+    parser.add_argument("--routes", default="synchronous,diloco,hierarchical_int8")
     parser.add_argument("--repeats", type=int, default=3, help="uninterrupted runs (seeds 0..), for the spread")
     parser.add_argument("--seed", type=int, default=0, help="draws the kill steps")
     parser.add_argument("--out", default=str(HERE / "results" / "fault_tolerance.md"))

@@ -6,7 +6,8 @@ With ``"lighthouse"`` in the spec it is replica group ``node`` of a run on torch
 node ``node`` of one torchrun job over every node (today's fail-fast run), which checkpoints every
 ``ckpt_every`` steps and, with ``"resume"``, resumes from the last one. Every optimizer step appends a JSON line to
 ``DIR/rec-<node><tag>.jsonl`` (the node's local rank 0): the time, the global step, the loss and the ``ft/``
-metrics. ``"devices"`` ranks per node, ``"compression"`` and ``"hierarchical"`` as the strategy's flags; with
+metrics. ``"devices"`` ranks per node, ``"compression"``, ``"hierarchical"``, ``"sync_fragments"`` and
+``"max_staleness"`` as the strategy's flags; with
 ``"gate"``, every rank writes ``GATE.<node>.<local rank>`` once set up and waits for ``GATE`` before its first step.
 """
 
@@ -65,7 +66,8 @@ def main() -> None:
                        lr=spec.get("lr", 3e-3))
     data = DataLoader(sine_dataset(1 << 16, 8, seed=3), batch_size=32)
     options = {"sync_every": spec["sync_every"], "timeout": 30.0, "compression": spec.get("compression"),
-               "hierarchical": spec.get("hierarchical")}
+               "hierarchical": spec.get("hierarchical"), "sync_fragments": spec.get("sync_fragments", 1),
+               "max_staleness": spec.get("max_staleness", 0)}
     callbacks = [Record(os.path.join(spec["out"], f"rec-{spec['node']}{spec.get('tag', '')}.jsonl"),
                         spec.get("sleep", 0.05), spec.get("gate"), spec["node"])]
     ckpt_dir = os.path.join(spec["out"], "ckpt")
