@@ -84,22 +84,23 @@ def unify_group(module: pl.LightningModule, optimizers: list[Optimizer], skip: C
     head) take the first stage's, with their optimizer state and the step's gradient."""
     optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
     whole = [v for v in module.state_dict(keep_vars=True).values() if id(v) not in skip]
-    broadcast_coalesced(_local(whole + state_tensors(optimizers, {id(v) for v in whole})), group)
+    take_from_first(whole, optimizers, group)
     if tensor_parallel_group is not None:
-        replicated = [v for v in whole if not is_tensor_parallel_shard(v)]
-        broadcast_coalesced(_local(replicated + state_tensors(optimizers, {id(v) for v in replicated})),
-                            tensor_parallel_group)
+        take_from_first([v for v in whole if not is_tensor_parallel_shard(v)], optimizers, tensor_parallel_group)
     for tie in ties:
         if tie.param is not None and id(tie.param) not in skip:
             # (and the step's gradient: each copy's was averaged over the groups on its own rank's torchft group,
             # from which torchft healed another group at this first quorum)
-            grad = [tie.param.grad] if tie.param.grad is not None else []
-            broadcast_coalesced(_local([tie.param] + state_tensors(optimizers, {id(tie.param)}) + grad), tie.group)
+            take_from_first([tie.param], optimizers, tie.group,
+                            [tie.param.grad] if tie.param.grad is not None else [])
 
 
-def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's local part (a tensor-parallel shard's, a DTensor's), in place of it."""
-    return [local_tensor(t) for t in tensors]
+def take_from_first(tensors: list[torch.Tensor], optimizers: list[Optimizer], group: Any,
+                    extra: list[torch.Tensor] = ()) -> None:
+    """``tensors``, the ``optimizers``' state of them and ``extra`` take their values on ``group``'s first rank (in
+    place; a DTensor's local part). Collective over ``group``, whose ranks pass tensors of the same shapes."""
+    every = list(tensors) + state_tensors(optimizers, {id(t) for t in tensors}) + list(extra)
+    broadcast_coalesced([local_tensor(t) for t in every], group)
 
 
 def state_tensors(optimizers: list[Optimizer], ids: Collection[int]) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ddp_plugin.comm import broadcast_coalesced
+from ddp_plugin.fault_tolerance.healing import take_from_first
 from ddp_plugin.hookspecs import hookimpl, is_tensor_parallel_shard
 from ddp_plugin.sync import OuterSync
 from ddp_plugin.sync.parts import InFlight, Update
@@ -141,9 +141,8 @@ class ReplicaGroupSync(OuterSync):
         t = self.topology
         if t.tensor_parallel_size == 1:
             return
-        pieces = [p.outer for p in self.pieces if not is_tensor_parallel_shard(self.buckets[p.bucket].params[0])]
-        state = [v for p in pieces for v in self.outer.state.get(p, {}).values() if isinstance(v, Tensor)]
-        broadcast_coalesced([p.detach() for p in pieces] + state, t.tensor_parallel_group)
+        whole = [p.outer for p in self.pieces if not is_tensor_parallel_shard(self.buckets[p.bucket].params[0])]
+        take_from_first(whole, [self.outer], t.tensor_parallel_group)
 
     def _dropped(self, flight: InFlight) -> None:
         self._replicas.steps_lost += self.schedule.every
