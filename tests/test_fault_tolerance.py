@@ -64,14 +64,15 @@ def wait(proc, out, timeout: float) -> int:
                                         (3, 1, 6, "sync", None, 0, {"fragments": 2, "staleness": 2}),
                                         (2, 2, 1, "backward", "int8", 0, {"tp": 2}),
                                         (2, 2, 5, "sync", None, 0, {"tp": 2}),
-                                        (2, 2, 1, "backward", None, 0, {"pp": 2})],
+                                        (2, 2, 1, "backward", None, 0, {"pp": 2}),
+                                        (2, 2, 5, "sync", "int8", 2, {"nodes": 2})],
                 ids=["3 groups of 1", "2 groups of 2, int8", "3 groups of 1, ZeRO 1, PowerSGD",
                      "DiLoCo, 3 groups of 1, int8, killed in a sync", "2 groups of 2, ZeRO 3, int8",
                      "DiLoCo, 2 groups of 2, ZeRO 2, killed in a sync", "2 groups of 2 nodes x 1, ZeRO 2, int8",
                      "streaming DiLoCo, 2 groups of 2, ZeRO 2, int8, killed in a sync",
                      "streaming DiLoCo with staleness 2, 3 groups of 1, killed in a sync",
                      "2 groups of 2, tensor parallel, int8", "DiLoCo, 2 groups of 2, tensor parallel, killed in a sync",
-                     "2 groups of 2, pipeline stages"])
+                     "2 groups of 2, pipeline stages", "DiLoCo, 2 groups of 2 nodes x 1, ZeRO 2, int8, killed in a sync"])
 def run(request, tmp_path_factory):
     from torchft._torchft import LighthouseServer
 
@@ -363,22 +364,27 @@ def test_the_other_codecs_across_groups_leave_every_group_with_the_same_paramete
         assert steps and all(s["ft/replicas"] == 2 and s["comm/compression_ratio"] > 1.5 for s in steps), steps
 
 
-@pytest.mark.parametrize("zero", [0, 2], ids=["ZeRO 0", "ZeRO 2"])
-def test_a_group_of_two_nodes_averages_as_a_group_of_one(zero, tmp_path):
+@pytest.mark.parametrize(("zero", "sync_every"), [(0, 1), (2, 1), (0, 4), (2, 4)],
+                         ids=["ZeRO 0", "ZeRO 2", "DiLoCo, ZeRO 0", "DiLoCo, ZeRO 2"])
+def test_a_group_of_two_nodes_averages_as_a_group_of_one(zero, sync_every, tmp_path):
     """One replica group of 4 ranks, as 2 nodes x 2 ranks (its stage among its own nodes, then across groups) and
-    as 1 node x 4: the same parameters after 5 steps, to rounding."""
+    as 1 node x 4: the same parameters after 8 steps, to rounding. With a sync mode too: a group of several nodes
+    is one replica (its gradients averaged over all its nodes every step, the outer syncs across groups)."""
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000, heartbeat_timeout_ms=1000)
     try:
         for tag, extra in (("-nodes", ["--devices-per-node", "2"]), ("-node", [])):
-            proc = launch(tmp_path, 0, 1, lighthouse.address(), 4, 1, "--steps", "5", "--step-sleep", "0",
+            proc = launch(tmp_path, 0, 1, lighthouse.address(), 4, sync_every, "--steps", "8", "--step-sleep", "0",
                           "--zero-stage", str(zero), *extra, tag=tag)
             assert wait(proc, tmp_path, 600) == 0
     finally:
         lighthouse.shutdown()
     nodes, node = (torch.load(tmp_path / f"0{tag}.pt") for tag in ("-nodes", "-node"))
-    assert nodes["steps"][-1]["global_step"] == node["steps"][-1]["global_step"] == 5
+    assert nodes["steps"][-1]["global_step"] == node["steps"][-1]["global_step"] == 8
+    if sync_every > 1:
+        assert sum(s["sync/outer_syncs"] for s in nodes["steps"]) == sum(s["sync/outer_syncs"] for s in node["steps"])
+        assert sum(s["sync/outer_syncs"] for s in node["steps"]) == 8 // sync_every
     # (the stage among the group's nodes counts as crossing nodes; one node crosses nothing, with no other group)
     assert nodes["steps"][-1]["comm/cross_node_MB"] > 0 and node["steps"][-1]["comm/cross_node_MB"] == 0
     for key, value in node["params"].items():

@@ -42,13 +42,6 @@ def start_replicas(config: StrategyConfig, module: pl.LightningModule, optimizer
     from ddp_plugin.fault_tolerance.healing import fit_state, load_fit_state, unify_group
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
 
-    if topology.num_nodes != 1 and config.sync_every > 1:
-        raise NotImplementedError(
-            f"With `fault_tolerance` and a sync mode (`sync_every={config.sync_every}`), a replica group is one node"
-            f" for now (the sync's stage among a group's own nodes is not written yet); this launch spans"
-            f" {topology.num_nodes} nodes. Launch each node as its replica group (`num_nodes=1`), or use the"
-            " synchronous route (`sync_every=1`), whose groups may span several nodes."
-        )
     # (torchft's group rank: the rank in the group's world, every tensor-parallel position and stage its own)
     rank = topology.global_rank(topology.rank)
     size = topology.world_size * topology.tensor_parallel_size * topology.pipeline_parallel_size

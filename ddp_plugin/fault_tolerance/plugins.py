@@ -19,11 +19,11 @@ if TYPE_CHECKING:
 
 
 def replica_group_plugins(replicas: ReplicaGroups) -> dict[str, Any]:
-    """``build_plugin_manager``'s ``reducer``, ``outer_sync`` and the ZeRO sharder's ``cross_stage`` (on the
-    synchronous route; a sync mode's gradients stay inside the group)."""
+    """``build_plugin_manager``'s ``reducer``, ``outer_sync`` and the ZeRO sharder's ``cross_stage`` (with a sync
+    mode, the gradients' stage among the group's own nodes only)."""
     reducer = ReplicaGroupReducer(replicas)
     return {"reducer": reducer, "outer_sync": functools.partial(ReplicaGroupSync, replicas),
-            "cross_stage": reducer.across if replicas.per_step else None}
+            "cross_stage": reducer.across}
 
 
 def bind_plugins(replicas: ReplicaGroups, pm: pluggy.PluginManager) -> None:

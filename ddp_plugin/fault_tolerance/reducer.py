@@ -49,10 +49,15 @@ class ReplicaGroupReducer(HierarchicalReducer):
         chunk is reduce-scattered over them (1/M of it a node, summed), that part averaged over the live groups'
         same ranks, and the parts all-gathered back over the group's nodes. What crosses groups is then the
         group's gradient once, as from a group of one node; a codec codes that, and the stages among the group's
-        own nodes stay plain (ZeRO's cross stage too: ``ShardReducer(cross=...)``)."""
+        own nodes stay plain (ZeRO's cross stage too: ``ShardReducer(cross=...)``).
+
+        With a sync mode (no quorum per step) the gradients stay inside the group: averaged over its nodes only
+        (a group of several nodes is one replica between the syncs), nothing crossing groups."""
         topo, m = self._topology, self._topology.num_nodes
+        between = self._replicas.per_step
         if m == 1:
-            self._replicas.reduce(hook, parts)
+            if between:
+                self._replicas.reduce(hook, parts)
             return
         subs = []
         for chunk, bucket, offset in parts:
@@ -62,7 +67,8 @@ class ReplicaGroupReducer(HierarchicalReducer):
             chunk.div_(m)
             self._comm.reduce_scatter(sub, chunk, group=topo.inter_node_group)
             subs.append((sub, bucket, offset + topo.node_rank * s))
-        self._replicas.reduce(hook, subs)
+        if between:
+            self._replicas.reduce(hook, subs)
         for (chunk, _, _), (sub, _, _) in zip(parts, subs):
             self._comm.all_gather(chunk, sub, group=topo.inter_node_group)
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
+    from ddp_plugin.hookspecs import Bucket
     from ddp_plugin.sync.parts import Piece
 
 log = logging.getLogger(__name__)
@@ -52,13 +53,23 @@ class ReplicaGroupSync(OuterSync):
     (``d < sync_every // sync_fragments``, checked at construction): torchft's Manager holds one quorum at a time.
 
     Nothing crosses groups between syncs (the groups' gradients stay inside them, as the sync modes' do inside a
-    node)."""
+    node). A group of several nodes is one replica: its gradients are averaged over all its nodes every step (the
+    hierarchical reducer's stages, the one among its nodes plain), its nodes hold the same replica and global
+    copy, and at a sync each node sends 1/M of its part across groups (:meth:`_across`)."""
+
+    shards_outer_over_nodes = False  # (a group's nodes hold one replica: a rank's whole part on each)
 
     def __init__(self, replicas: ReplicaGroups, **sync: Any) -> None:
         super().__init__(**sync)
         self._replicas = replicas
         self._healed_step: int | None = None
         replicas.add_state("sync", self._state, self._load_state)
+
+    @property
+    def synchronous(self) -> bool:
+        # A group of several nodes steps as one replica: its gradients cross its own nodes (not groups: the
+        # reducer's and the sharder's cross stage, ReplicaGroupReducer.across, stops at the group).
+        return self.topology.num_nodes > 1 or super().synchronous
 
     def _send(self, fragment: int) -> None:
         # (`fragment`, the schedule's, is this group's own view: the quorum's is the one sent)
@@ -123,7 +134,7 @@ class ReplicaGroupSync(OuterSync):
         local = self._squared_norm(pseudo)
         if self.topology.ranks_per_node > 1:
             self.comm.all_reduce(local, group=self.intra)
-        self._replicas.reduce(self.hook, [(g, piece.pseudo, piece.lo) for piece, g in zip(pieces, pseudo)])
+        self._across([(g, piece.pseudo, piece.lo) for piece, g in zip(pieces, pseudo)])
         first = not self._replicas.unified
         committed = self._replicas.commit("outer sync")
         if committed:
@@ -132,6 +143,28 @@ class ReplicaGroupSync(OuterSync):
                 self._unify_replicated()
         return committed, float(local.sqrt())
 
+    def _across(self, parts: list[tuple[Tensor, Bucket, int]]) -> None:
+        """The pseudo-gradients averaged over the live groups, in place. On a group of M nodes, which hold the same
+        ones (one replica), each node sends its 1/M slice of every part across groups, and the averaged slices
+        are all-gathered back over the group's nodes (the outer thread's group): what crosses groups is then the
+        group's part once, as from a group of one node."""
+        m = self.topology.num_nodes
+        if m == 1:
+            self._replicas.reduce(self.hook, parts)
+            return
+        node = self.topology.node_rank
+        padded, slices = [], []
+        for g, bucket, offset in parts:
+            width = -(-g.numel() // m)
+            full = g.new_zeros(width * m)
+            full[: g.numel()].copy_(g)
+            padded.append(full)
+            slices.append((full[node * width : (node + 1) * width], bucket, offset + node * width))
+        self._replicas.reduce(self.hook, slices)
+        for (g, _, _), full, (mine, _, _) in zip(parts, padded, slices):
+            self.comm.all_gather(full, mine, group=self.inter)
+            g.copy_(full[: g.numel()])
+
     def _unify_replicated(self) -> None:
         """With tensor parallelism, after this group's first committed sync: the global copy and outer state of the
         parameters every tensor-parallel rank holds whole, taken from tensor-parallel rank 0. At that first quorum
@@ -139,6 +172,8 @@ class ReplicaGroupSync(OuterSync):
         :func:`~ddp_plugin.fault_tolerance.healing.unify_group`, which does the same for the module), and this
         sync's step already ran from each rank's own."""
         t = self.topology
+        if t.num_nodes > 1:  # (the same on every node of the group, one replica: node 0's)
+            take_from_first([p.outer for p in self.pieces], [self.outer], self.inter)
         if t.tensor_parallel_size == 1:
             return
         whole = [p.outer for p in self.pieces if not is_tensor_parallel_shard(self.buckets[p.bucket].params[0])]

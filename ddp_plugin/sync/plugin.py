@@ -78,6 +78,10 @@ OUTER_SYNC = "the outer (cross-node) sync"
 class OuterSync:
     """Cross-node synchronization every ``every`` optimizer steps (see the module docstring)."""
 
+    shards_outer_over_nodes = True
+    """With the plain mean, shard the global copy and the outer state over the nodes (a subclass whose nodes hold
+    one replica keeps a rank's whole part on every node)."""
+
     def __init__(self, every: int, outer_optimizer: Any = "nesterov", fragments: int = 1, staleness: int = 0,
                  warmup: int = 0) -> None:
         self.schedule = SyncSchedule(every, fragments, staleness)
@@ -128,7 +132,7 @@ class OuterSync:
         self.access = ShardParts(shards) if shards is not None else ModuleChunks(self.buckets, t, comm)
         # With the plain mean across nodes (no codec answers for the pseudo-gradients) the global copy and the
         # outer optimizer's state are sharded over the nodes too: 1/N of them per rank instead of 1/k.
-        self.sharded_outer = m > 1 and options.cross_node_codec is None
+        self.sharded_outer = m > 1 and options.cross_node_codec is None and self.shards_outer_over_nodes
         sizes = [local_tensor(p).numel() for b in self.buckets for p in b.params]
         if self.schedule.fragments > len(sizes):
             raise ValueError(

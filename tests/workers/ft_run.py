@@ -98,7 +98,7 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         session = trainer.strategy._session
         replicas = session.replicas.metrics() if session is not None and session.replicas is not None else {}
-        comm = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")}
+        comm = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("comm/", "sync/"))}
         self.steps.append({"time": time.time(), "global_step": trainer.global_step, **replicas, **comm})
         if self.kill_in == "end" and self.kill_at is not None and trainer.global_step >= self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # every rank of the group: the node is gone
