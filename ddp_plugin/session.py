@@ -233,11 +233,14 @@ class FitSession:
             return result
 
         # (The strategy's clipping runs after the closure, in after_closure: after a loss scaler's unscale_.)
-        replicas = self.replicas if self.replicas is not None and self.replicas.per_step else None
-        if replicas is not None or self.config.skip_nonfinite:
+        per_step = self.replicas is not None and self.replicas.per_step
+        if per_step or self.config.skip_nonfinite:
             # Run forward and backward first: whether to step is known only after the gradients are synchronized
             # (whether any rank saw NaN/Inf; with replica groups, whether every live group applies the step).
             result = closure_then_hook()
+            # (asked again: a sync mode's warm-up step may find at its quorum that the peers are past the warm-up,
+            # and commit in the sync after it instead: ReplicaGroups.on_first_quorum)
+            replicas = self.replicas if per_step and self.replicas.per_step else None
             # (With a loss scaler, the scaler skips a non-finite step, told so in after_closure, and backs off.)
             nonfinite = self.config.skip_nonfinite and self.engine.nonfinite and scaler is None
             committed = replicas.commit() if replicas is not None else True

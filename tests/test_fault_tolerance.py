@@ -65,21 +65,23 @@ def wait(proc, out, timeout: float) -> int:
                                         (2, 2, 1, "backward", "int8", 0, {"tp": 2}),
                                         (2, 2, 5, "sync", None, 0, {"tp": 2}),
                                         (2, 2, 1, "backward", None, 0, {"pp": 2}),
-                                        (2, 2, 5, "sync", "int8", 2, {"nodes": 2})],
+                                        (2, 2, 5, "sync", "int8", 2, {"nodes": 2}),
+                                        (2, 1, 5, "sync", "int8", 0, {"warmup": 5})],
                 ids=["3 groups of 1", "2 groups of 2, int8", "3 groups of 1, ZeRO 1, PowerSGD",
                      "DiLoCo, 3 groups of 1, int8, killed in a sync", "2 groups of 2, ZeRO 3, int8",
                      "DiLoCo, 2 groups of 2, ZeRO 2, killed in a sync", "2 groups of 2 nodes x 1, ZeRO 2, int8",
                      "streaming DiLoCo, 2 groups of 2, ZeRO 2, int8, killed in a sync",
                      "streaming DiLoCo with staleness 2, 3 groups of 1, killed in a sync",
                      "2 groups of 2, tensor parallel, int8", "DiLoCo, 2 groups of 2, tensor parallel, killed in a sync",
-                     "2 groups of 2, pipeline stages", "DiLoCo, 2 groups of 2 nodes x 1, ZeRO 2, int8, killed in a sync"])
+                     "2 groups of 2, pipeline stages", "DiLoCo, 2 groups of 2 nodes x 1, ZeRO 2, int8, killed in a sync",
+                     "DiLoCo after 5 warm-up steps, 2 groups of 1, int8, killed in a sync"])
 def run(request, tmp_path_factory):
     from torchft._torchft import LighthouseServer
 
     groups, devices, sync_every, kill_in, codec, zero, *more = request.param
     more = more[0] if more else {}
     nodes, fragments, staleness = more.get("nodes", 1), more.get("fragments", 1), more.get("staleness", 0)
-    tp, pp = more.get("tp", 1), more.get("pp", 1)
+    tp, pp, warmup = more.get("tp", 1), more.get("pp", 1), more.get("warmup", 0)
     out = tmp_path_factory.mktemp("ft")
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
     try:
@@ -92,7 +94,8 @@ def run(request, tmp_path_factory):
             ["--compression-options", '{"rank": 1}'] if codec == "powersgd" else []) + ["--zero-stage", str(zero)] + (
             ["--devices-per-node", str(devices // nodes)] if nodes > 1 else []) + (  # (a group of several nodes)
             ["--sync-fragments", str(fragments), "--max-staleness", str(staleness)] if fragments > 1 else []) + (
-            ["--tp", str(tp)] if tp > 1 else []) + (["--pp", str(pp)] if pp > 1 else [])
+            ["--tp", str(tp)] if tp > 1 else []) + (["--pp", str(pp)] if pp > 1 else []) + (
+            ["--sync-warmup-steps", str(warmup)] if warmup else [])
         procs = [launch(out, g, groups, address, devices, sync_every, "--gate", str(gate), *coded,
                         *(["--kill-at", str(KILL_AT), "--kill-in", kill_in] if g == last else
                           ["--hold", f"{HOLD_AT}:{back_ready}.0"]))
@@ -122,7 +125,7 @@ def run(request, tmp_path_factory):
         found["sync"].update({("back", r): torch.load(out / f"{last}-back.rank{r}.sync.pt") for r in range(devices)})
     return {"groups": groups, "ranks_per_node": devices // nodes // tp // pp, "tp": tp, "pp": pp,
             "sync_every": sync_every,
-            "fragments": fragments, "staleness": staleness, "codec": codec, "zero": zero,
+            "fragments": fragments, "staleness": staleness, "warmup": warmup, "codec": codec, "zero": zero,
             "killed_at": killed_at, **found}
 
 
@@ -154,7 +157,8 @@ def test_with_a_sync_mode_every_group_holds_the_same_global_copy_and_the_fragmen
         assert len(sync["outer"]) == len(peer["outer"]) > 0
         for mine, theirs in zip(sync["outer"], peer["outer"]):
             assert torch.equal(mine, theirs), (name, rank)
-        assert sync["last"] == peer["last"] == (STEPS * run["fragments"] // run["sync_every"] - 1) % run["fragments"]
+        syncs = (STEPS - run["warmup"]) * run["fragments"] // run["sync_every"]
+        assert sync["last"] == peer["last"] == (syncs - 1) % run["fragments"]
         if not run["staleness"]:  # (the replica's part is then x itself; with staleness, x + inner progress)
             for replica, synced in zip(sync["replica"], sync["synced"], strict=True):
                 assert torch.equal(replica, synced), (name, rank)
@@ -174,7 +178,8 @@ def test_the_live_groups_went_on_without_the_lost_one_and_lost_at_most_the_step_
             # The sync the group died in was redone over the live groups: every sync committed, no step lost.
             assert steps[-1]["ft/uncommitted"] >= 1
             assert lost == 0, lost
-            syncs = STEPS * run["fragments"] // every  # (with staleness the last may still be in flight)
+            # (torchft counts the warm-up steps too; with staleness the last sync may still be in flight)
+            syncs = run["warmup"] + (STEPS - run["warmup"]) * run["fragments"] // every
             assert syncs - (1 if run["staleness"] else 0) <= steps[-1]["ft/step"] <= syncs
 
 
@@ -184,6 +189,9 @@ def test_what_crosses_groups_is_counted_and_a_codec_compresses_it(run):
         assert with_peers and sum(s["comm/cross_node_MB"] for s in with_peers) > 0, name
         if run["sync_every"] == 1:  # (a sync's bytes are counted in the step after it)
             assert all(s["comm/cross_node_MB"] > 0 for s in with_peers), name
+        if name != "back":  # the warm-up steps: a quorum each, their gradients averaged across groups
+            warm = run[name]["steps"][: run["warmup"]]
+            assert all(s["ft/step"] == s["global_step"] and s["comm/cross_node_MB"] > 0 for s in warm), warm
         ratios = [s["comm/compression_ratio"] for s in with_peers]
         if run["codec"] is None:
             assert set(ratios) == {1.0}, name

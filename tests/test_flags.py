@@ -201,7 +201,6 @@ FT = {"replica_group": 1, "replica_groups": 3, "lighthouse": "http://lighthouse:
     ({"fault_tolerance": FT, "compression": "auto"}, r"not yet with `compression='auto'` \(the link probe"),
     ({"fault_tolerance": FT, "sync_every": 8, "sync_fragments": 4, "max_staleness": 2},
      r"`max_staleness=2` must be less than `sync_every // sync_fragments` \(2\) with `fault_tolerance`"),
-    ({"fault_tolerance": FT, "sync_every": 4, "sync_warmup_steps": 8}, r"not yet with `sync_warmup_steps=8`"),
     ({"fault_tolerance": FT, "zero_stage": 1}, r"`shard_scope='global'` cannot go with `fault_tolerance`: global"),
     ({"fault_tolerance": FT, "pipeline_parallel_size": 2, "sync_every": 4},
      r"not yet with `pipeline_parallel_size` > 1 with a sync mode"),
@@ -211,7 +210,7 @@ def test_fault_tolerance_is_checked_at_construction_and_refuses_what_cannot_run_
         HierarchicalZeroStrategy(**kwargs)
 
 
-def test_fault_tolerance_takes_local_sgd_diloco_streaming_every_builtin_codec_and_zero_at_node_scope():
+def test_fault_tolerance_takes_local_sgd_diloco_streaming_warmup_every_builtin_codec_and_zero_at_node_scope():
     for outer in ("average", "nesterov"):
         strategy = HierarchicalZeroStrategy(fault_tolerance=FT, sync_every=4, outer_optimizer=outer)
         assert strategy.config.fault_tolerance.replica_groups == 3
@@ -220,6 +219,7 @@ def test_fault_tolerance_takes_local_sgd_diloco_streaming_every_builtin_codec_an
                                     max_staleness=1).config.max_staleness == 1
     assert HierarchicalZeroStrategy(fault_tolerance=FT, tensor_parallel_size=2, sync_every=4).config.fault_tolerance
     assert HierarchicalZeroStrategy(fault_tolerance=FT, pipeline_parallel_size=2).config.fault_tolerance
+    assert HierarchicalZeroStrategy(fault_tolerance=FT, sync_every=4, sync_warmup_steps=8).config.sync_warmup_steps == 8
     for codec in ("fp16", "bf16", "int8", "topk", "powersgd"):
         assert HierarchicalZeroStrategy(fault_tolerance=FT, compression=codec).config.compression == codec
     for stage in (1, 2, 3):

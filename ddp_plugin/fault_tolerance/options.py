@@ -83,8 +83,6 @@ def check_composition(c: Mapping[str, Any]) -> None:
     if ft is None:
         return
     refused = [
-        (c["sync_warmup_steps"] > 0 and c["sync_every"] > 1,
-         f"`sync_warmup_steps={c['sync_warmup_steps']}` (a quorum per step, then per sync)"),
         (c["compression"] == "auto", "`compression='auto'` (the link probe's plan measures one group's links)"),
         (c["compression"] not in (None, "auto") and c["compression"] not in _builtin_codecs(),
          f"`compression={c['compression']!r}`, an installed codec (its state is not known to heal; built-in:"
@@ -110,7 +108,7 @@ def check_composition(c: Mapping[str, Any]) -> None:
     if names:
         raise NotImplementedError(
             f"`fault_tolerance` runs the synchronous data-parallel route and the sync modes (local SGD, DiLoCo,"
-            f" streaming DiLoCo, with or without staleness), at every ZeRO stage, with tensor parallelism and"
+            f" streaming DiLoCo, with or without staleness or warm-up steps), at every ZeRO stage, with tensor parallelism and"
             f" (synchronous) pipeline stages inside a group, with or without a built-in codec, for now; not yet with"
             f" {', '.join(names)}. Drop the flag, or those."
         )

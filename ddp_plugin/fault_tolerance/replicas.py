@@ -36,8 +36,9 @@ class ReplicaGroups:
     on a live peer's quorum thread while it runs its forward, ``load_state`` on the returning group's ranks inside
     :meth:`commit`, before the optimizer steps); a plugin adds its own with :meth:`add_state`.
 
-    ``per_step``: a quorum and a commit per optimizer step (the synchronous route); without, a sync mode's plugin
-    asks for them once per outer sync (:class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`)."""
+    ``per_step``: a quorum and a commit per optimizer step (the synchronous route, and a sync mode's warm-up steps,
+    whose plugin turns it off once they are over); without, a sync mode's plugin asks for them once per outer sync
+    (:class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`)."""
 
     def __init__(self, options: FaultTolerance, rank: int, size: int, device: torch.device,
                  state: Callable[[], dict[str, Any]], load_state: Callable[[dict[str, Any]], None],
@@ -68,6 +69,10 @@ class ReplicaGroups:
         """Called in order on every rank of this group at its first committed quorum (collectives over the group):
         see :func:`~ddp_plugin.fault_tolerance.healing.unify_group`."""
         self._first_commit = True
+        self.on_first_quorum: Callable[[int], None] | None = None
+        """Called with the quorum's count of committed steps once a per-step quorum this group started before its
+        first commit is in, before the step's first collective: a sync mode with warm-up steps learns there
+        whether its peers are past them (the quorum is then a sync's)."""
         host = advertised_host(os.environ["MASTER_ADDR"])
         self.manager = Manager(
             pg=pg, load_state_dict=self._healed, state_dict=self._state, min_replica_size=options.min_replicas,
@@ -114,6 +119,9 @@ class ReplicaGroups:
         if not self._started:
             self.manager.start_quorum(shrink_only=shrink_only)
             self._started = True
+            if self.per_step and self._first_commit and self.on_first_quorum is not None:
+                self.wait_quorum()
+                self.on_first_quorum(self.manager.current_step())
 
     def wait_quorum(self) -> None:
         """Wait for the quorum started. One that failed (the lighthouse asked again for ``quorum_timeout``, in

@@ -63,7 +63,12 @@ class ReplicaGroupSync(OuterSync):
         super().__init__(**sync)
         self._replicas = replicas
         self._healed_step: int | None = None
+        self._join = False
+        """Whether this step's optimizer step is followed by a sync out of schedule: a returning group's first quorum
+        was its peers' next sync (they are past the warm-up steps it thought it was in)."""
         replicas.add_state("sync", self._state, self._load_state)
+        if self.warmup:
+            replicas.on_first_quorum = self._first_quorum
 
     @property
     def synchronous(self) -> bool:
@@ -89,12 +94,22 @@ class ReplicaGroupSync(OuterSync):
         flight.result = self._thread.submit(self._on_side, self._side.hand_over(), *job)
         self.in_flight.append(flight)
 
+    def _first_quorum(self, committed: int) -> None:
+        """With warm-up steps (a quorum per step, then per sync), at this group's first quorum, before its first
+        collective: the quorum's count of committed steps (a warm-up step or a sync each) says whether its peers
+        are past the warm-up. If so, this quorum is their next sync's: the step's gradients stay inside the group,
+        and a sync follows its optimizer step, in which the group heals (its first steps' own work is thrown away,
+        as a returning group's first ``H`` steps are without warm-up)."""
+        if self.step < self.warmup <= committed:
+            self._join = True
+            self._replicas.per_step = False
+
     def quorum_fragment(self) -> int:
         """The fragment the quorum started syncs: torchft's committed syncs (the quorum's highest, which a returning
-        group takes at the quorum) modulo ``sync_fragments``. Without a failure that is the schedule's round-robin;
+        group takes at the quorum; less the warm-up steps, each committed too) modulo ``sync_fragments``. Without a failure that is the schedule's round-robin;
         a dropped round's fragment is carried by the next sync."""
         self._replicas.wait_quorum()
-        return self._replicas.manager.current_step() % self.schedule.fragments
+        return (self._replicas.manager.current_step() - self.warmup) % self.schedule.fragments
 
     def _sync(self, flight: InFlight) -> tuple[list[Update], float]:
         for attempt in range(RETRIES + 1):
@@ -187,10 +202,19 @@ class ReplicaGroupSync(OuterSync):
 
     @hookimpl(tryfirst=True)
     def on_after_optimizer_step(self, optimizer: Optimizer) -> None:
+        self._take_healed_step()  # (healed in a warm-up step's commit: the peer's position before that step)
         super().on_after_optimizer_step(optimizer)
+        if self._join:
+            self._join = False
+            self._send(0)
+            self._apply_due()
+        # (healed in a sync's commit: taken once the sync is applied, the training thread having read the old
+        # position to place it)
+        self._take_healed_step()
+        self._replicas.per_step = self.step < self.warmup
+
+    def _take_healed_step(self) -> None:
         if self._healed_step is not None:
-            # (taken here, once the sync that healed this group is applied: the training thread read the old
-            # position to place it)
             self.step, self._healed_step = self._healed_step, None
 
     def _state(self) -> dict[str, Any]:

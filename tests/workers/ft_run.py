@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=1, help="DiLoCo's H (1: the synchronous route)")
     parser.add_argument("--sync-fragments", type=int, default=1, help="streaming DiLoCo's fragments")
     parser.add_argument("--max-staleness", type=int, default=0)
+    parser.add_argument("--sync-warmup-steps", type=int, default=0)
     parser.add_argument("--compression", default=None, help="the codec of what crosses groups (`compression=`)")
     parser.add_argument("--compression-options", type=json.loads, default=None, help="`compression_options=`, JSON")
     parser.add_argument("--zero-stage", type=int, default=0, help="ZeRO inside the group (`shard_scope='node'`)")
@@ -159,7 +160,7 @@ def main() -> None:
         "replica_group": args.group, "replica_groups": args.groups, "lighthouse": args.lighthouse,
         "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout}, timeout=args.timeout,
         sync_every=args.sync_every, sync_fragments=args.sync_fragments, max_staleness=args.max_staleness,
-        compression=args.compression, compression_options=args.compression_options, zero_stage=args.zero_stage,
+        sync_warmup_steps=args.sync_warmup_steps, compression=args.compression, compression_options=args.compression_options, zero_stage=args.zero_stage,
         shard_scope="node", devices_per_node=args.devices_per_node, tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=1, strategy=strategy,
