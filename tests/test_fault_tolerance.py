@@ -66,7 +66,8 @@ def wait(proc, out, timeout: float) -> int:
                                         (2, 2, 5, "sync", None, 0, {"tp": 2}),
                                         (2, 2, 1, "backward", None, 0, {"pp": 2}),
                                         (2, 2, 5, "sync", "int8", 2, {"nodes": 2}),
-                                        (2, 1, 5, "sync", "int8", 0, {"warmup": 5})],
+                                        (2, 1, 5, "sync", "int8", 0, {"warmup": 5}),
+                                        (2, 2, 5, "sync", None, 0, {"pp": 2})],
                 ids=["3 groups of 1", "2 groups of 2, int8", "3 groups of 1, ZeRO 1, PowerSGD",
                      "DiLoCo, 3 groups of 1, int8, killed in a sync", "2 groups of 2, ZeRO 3, int8",
                      "DiLoCo, 2 groups of 2, ZeRO 2, killed in a sync", "2 groups of 2 nodes x 1, ZeRO 2, int8",
@@ -74,7 +75,8 @@ def wait(proc, out, timeout: float) -> int:
                      "streaming DiLoCo with staleness 2, 3 groups of 1, killed in a sync",
                      "2 groups of 2, tensor parallel, int8", "DiLoCo, 2 groups of 2, tensor parallel, killed in a sync",
                      "2 groups of 2, pipeline stages", "DiLoCo, 2 groups of 2 nodes x 1, ZeRO 2, int8, killed in a sync",
-                     "DiLoCo after 5 warm-up steps, 2 groups of 1, int8, killed in a sync"])
+                     "DiLoCo after 5 warm-up steps, 2 groups of 1, int8, killed in a sync",
+                     "DiLoCo, 2 groups of 2 pipeline stages, killed in a sync"])
 def run(request, tmp_path_factory):
     from torchft._torchft import LighthouseServer
 
@@ -141,8 +143,10 @@ def test_every_group_ends_at_the_same_step_with_the_same_parameters_bit_for_bit(
             reference = run["ranks"][(0, rank)]
             for key in run[0]["replicated"] if run["tp"] > 1 else []:  # (left whole: every rank the same)
                 assert torch.equal(params[key], run["ranks"][(0, 0)][key]), (name, rank, key)
-            if run["pp"] > 1 and rank == 0:  # the tied embedding and head: every stage's copy the same
-                assert torch.equal(params["model.tok.weight"], run["ranks"][(name, 1)]["model.head.weight"]), name
+            if run["pp"] > 1:  # the tied embedding and head: every stage's copy the same, on every rank
+                copies = [held[key] for (group, _), held in run["ranks"].items() if group == name
+                          for key in ("model.tok.weight", "model.head.weight") if key in held]
+                assert len(copies) >= 2 and all(torch.equal(c, copies[0]) for c in copies), (name, rank)
         else:
             reference = run["ranks"][(0, 0) if run["fragments"] == 1 else (name, 0)]
         for key, value in reference.items():

@@ -202,8 +202,8 @@ FT = {"replica_group": 1, "replica_groups": 3, "lighthouse": "http://lighthouse:
     ({"fault_tolerance": FT, "sync_every": 8, "sync_fragments": 4, "max_staleness": 2},
      r"`max_staleness=2` must be less than `sync_every // sync_fragments` \(2\) with `fault_tolerance`"),
     ({"fault_tolerance": FT, "zero_stage": 1}, r"`shard_scope='global'` cannot go with `fault_tolerance`: global"),
-    ({"fault_tolerance": FT, "pipeline_parallel_size": 2, "sync_every": 4},
-     r"not yet with `pipeline_parallel_size` > 1 with a sync mode"),
+    ({"fault_tolerance": FT, "pipeline_parallel_size": 2, "sync_every": 4, "sync_fragments": 2},
+     r"not yet with `pipeline_parallel_size` > 1 with `sync_fragments` > 1 \(a tied parameter's copies"),
 ])
 def test_fault_tolerance_is_checked_at_construction_and_refuses_what_cannot_run_yet(kwargs, pattern):
     with pytest.raises((ValueError, NotImplementedError), match=pattern):
@@ -219,6 +219,7 @@ def test_fault_tolerance_takes_local_sgd_diloco_streaming_warmup_every_builtin_c
                                     max_staleness=1).config.max_staleness == 1
     assert HierarchicalZeroStrategy(fault_tolerance=FT, tensor_parallel_size=2, sync_every=4).config.fault_tolerance
     assert HierarchicalZeroStrategy(fault_tolerance=FT, pipeline_parallel_size=2).config.fault_tolerance
+    assert HierarchicalZeroStrategy(fault_tolerance=FT, pipeline_parallel_size=2, sync_every=4).config.fault_tolerance
     assert HierarchicalZeroStrategy(fault_tolerance=FT, sync_every=4, sync_warmup_steps=8).config.sync_warmup_steps == 8
     for codec in ("fp16", "bf16", "int8", "topk", "powersgd"):
         assert HierarchicalZeroStrategy(fault_tolerance=FT, compression=codec).config.compression == codec

@@ -87,8 +87,9 @@ def check_composition(c: Mapping[str, Any]) -> None:
         (c["compression"] not in (None, "auto") and c["compression"] not in _builtin_codecs(),
          f"`compression={c['compression']!r}`, an installed codec (its state is not known to heal; built-in:"
          f" {', '.join(map(repr, _builtin_codecs()))})"),
-        (c["pipeline_parallel_size"] > 1 and c["sync_every"] > 1,
-         "`pipeline_parallel_size` > 1 with a sync mode (the tied copies' global copies across stages)"),
+        (c["pipeline_parallel_size"] > 1 and c["sync_fragments"] > 1,
+         "`pipeline_parallel_size` > 1 with `sync_fragments` > 1 (a tied parameter's copies fall in other fragments"
+         " on each stage)"),
         (bool(c["plugins"]), "`plugins=` (a plugin's collectives would span one group only)"),
     ]
     if c["zero_stage"] > 0 and c["shard_scope"] != "node":
@@ -109,7 +110,7 @@ def check_composition(c: Mapping[str, Any]) -> None:
         raise NotImplementedError(
             f"`fault_tolerance` runs the synchronous data-parallel route and the sync modes (local SGD, DiLoCo,"
             f" streaming DiLoCo, with or without staleness or warm-up steps), at every ZeRO stage, with tensor parallelism and"
-            f" (synchronous) pipeline stages inside a group, with or without a built-in codec, for now; not yet with"
+            f" pipeline stages inside a group, with or without a built-in codec, for now; not yet with"
             f" {', '.join(names)}. Drop the flag, or those."
         )
 

@@ -69,6 +69,8 @@ class ReplicaGroups:
         """Called in order on every rank of this group at its first committed quorum (collectives over the group):
         see :func:`~ddp_plugin.fault_tolerance.healing.unify_group`."""
         self._first_commit = True
+        self.ties: list[Any] = []
+        """The parameters several pipeline stages of this group hold (:class:`~ddp_plugin.parallel.ties.Tie`)."""
         self.on_first_quorum: Callable[[int], None] | None = None
         """Called with the quorum's count of committed steps once a per-step quorum this group started before its
         first commit is in, before the step's first collective: a sync mode with warm-up steps learns there
