@@ -109,9 +109,9 @@ def check_composition(c: Mapping[str, Any]) -> None:
     if names:
         raise NotImplementedError(
             f"`fault_tolerance` runs the synchronous data-parallel route and the sync modes (local SGD, DiLoCo,"
-            f" streaming DiLoCo, with or without staleness or warm-up steps), at every ZeRO stage, with tensor parallelism and"
-            f" pipeline stages inside a group, with or without a built-in codec, for now; not yet with"
-            f" {', '.join(names)}. Drop the flag, or those."
+            f" streaming DiLoCo, with or without staleness or warm-up steps), at every ZeRO stage, with tensor"
+            f" parallelism and pipeline stages inside a group, on groups of one node or several, with or without a"
+            f" built-in codec, for now; not yet with {', '.join(names)}. Drop the flag, or those."
         )
 
 

@@ -108,8 +108,8 @@ class ReplicaGroupSync(OuterSync):
 
     def quorum_fragment(self) -> int:
         """The fragment the quorum started syncs: torchft's committed syncs (the quorum's highest, which a returning
-        group takes at the quorum; less the warm-up steps, each committed too) modulo ``sync_fragments``. Without a failure that is the schedule's round-robin;
-        a dropped round's fragment is carried by the next sync."""
+        group takes at the quorum; less the warm-up steps, each committed too) modulo ``sync_fragments``. Without a
+        failure that is the schedule's round-robin; a dropped round's fragment is carried by the next sync."""
         self._replicas.wait_quorum()
         return (self._replicas.manager.current_step() - self.warmup) % self.schedule.fragments
 
@@ -183,11 +183,12 @@ class ReplicaGroupSync(OuterSync):
             g.copy_(full[: g.numel()])
 
     def _unify_replicated(self) -> None:
-        """With tensor parallelism, after this group's first committed sync: the global copy and outer state of the
-        parameters every tensor-parallel rank holds whole, taken from tensor-parallel rank 0. At that first quorum
-        torchft may heal each group rank from another group (see
-        :func:`~ddp_plugin.fault_tolerance.healing.unify_group`, which does the same for the module), and this
-        sync's step already ran from each rank's own."""
+        """After this group's first committed sync, what several of its ranks hold the same of the global copy and
+        outer state, taken from one of them: on a group of several nodes every rank's part, from node 0; with
+        tensor parallelism the parameters every tensor-parallel rank holds whole, from tensor-parallel rank 0; with
+        pipeline stages a tied parameter's copies, from the first stage. At that first quorum torchft may heal
+        each group rank from another group (see :func:`~ddp_plugin.fault_tolerance.healing.unify_group`, which
+        does the same for the module), and this sync's step already ran from each rank's own."""
         t = self.topology
         if t.num_nodes > 1:  # (the same on every node of the group, one replica: node 0's)
             take_from_first([p.outer for p in self.pieces], [self.outer], self.inter)
