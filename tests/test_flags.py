@@ -203,7 +203,7 @@ FT = {"replica_group": 1, "replica_groups": 3, "lighthouse": "http://lighthouse:
      r"`max_staleness=2` must be less than `sync_every // sync_fragments` \(2\) with `fault_tolerance`"),
     ({"fault_tolerance": FT, "zero_stage": 1}, r"`shard_scope='global'` cannot go with `fault_tolerance`: global"),
     ({"fault_tolerance": FT, "pipeline_parallel_size": 2, "sync_every": 4, "sync_fragments": 2},
-     r"not yet with `pipeline_parallel_size` > 1 with `sync_fragments` > 1 \(a tied parameter's copies"),
+     r"not yet with `pipeline_parallel_size` > 1 with `sync_fragments` > 1 \(each stage cuts its own"),
 ])
 def test_fault_tolerance_is_checked_at_construction_and_refuses_what_cannot_run_yet(kwargs, pattern):
     with pytest.raises((ValueError, NotImplementedError), match=pattern):

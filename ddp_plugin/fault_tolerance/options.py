@@ -88,8 +88,8 @@ def check_composition(c: Mapping[str, Any]) -> None:
          f"`compression={c['compression']!r}`, an installed codec (its state is not known to heal; built-in:"
          f" {', '.join(map(repr, _builtin_codecs()))})"),
         (c["pipeline_parallel_size"] > 1 and c["sync_fragments"] > 1,
-         "`pipeline_parallel_size` > 1 with `sync_fragments` > 1 (a tied parameter's copies fall in other fragments"
-         " on each stage)"),
+         "`pipeline_parallel_size` > 1 with `sync_fragments` > 1 (each stage cuts its own fragments: the first"
+         " sync's unify of a tied parameter's copies needs all of them stepped)"),
         (bool(c["plugins"]), "`plugins=` (a plugin's collectives would span one group only)"),
     ]
     if c["zero_stage"] > 0 and c["shard_scope"] != "node":
