@@ -49,7 +49,8 @@ def start_replicas(config: StrategyConfig, module: pl.LightningModule, optimizer
                              lambda: fit_state(module, optimizers(), replicas.healed_elsewhere()),
                              lambda state: load_fit_state(module, optimizers(), state, replicas.healed_elsewhere()),
                              config.timeout, per_step=config.sync_every == 1 or config.sync_warmup_steps > 0)
-    ties = replicas.ties = list(ties)
+    replicas.ties = list(ties)
     replicas.unify.append(lambda: unify_group(module, optimizers(), replicas.healed_elsewhere(),
-                                              topology.side_world_group, topology.tensor_parallel_group, ties))
+                                              topology.side_world_group, topology.tensor_parallel_group,
+                                              replicas.ties))
     return replicas

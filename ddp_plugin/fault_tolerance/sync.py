@@ -248,7 +248,8 @@ class ReplicaGroupSync(OuterSync):
         # (healed in a sync's commit: taken once the sync is applied, the training thread having read the old
         # position to place it)
         self._take_healed_step()
-        self._replicas.per_step = self.step < self.warmup
+        if self.warmup:  # (a quorum per step until the warm-up is over, the healed position included)
+            self._replicas.per_step = self.step < self.warmup
 
     def _take_healed_step(self) -> None:
         if self._healed_step is not None:
