@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import random
 import socket
 import traceback
 from collections.abc import Callable, Iterable
@@ -47,11 +48,34 @@ __all__ = [
 ]
 
 
+_PICK = random.Random()  # (seeded from the OS: every process its own sequence)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (the operating system's pick)."""
-    with socket.socket() as s:
+    """A TCP port that was free on ``host`` a moment ago, picked at random below the ephemeral range: the operating
+    system's own pick (``bind(..., 0)``) lies inside it, where any process's next outgoing connection (a gloo pair,
+    torchft's clients) may take it before the rendezvous store listens on it (seen in CI: ``EADDRINUSE``)."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = _PICK.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (nothing free down there: the operating system's pick)
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 # ---------------------------------------------------------------------------------------------- C1
