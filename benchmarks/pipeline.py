@@ -233,9 +233,6 @@ def worker(args: argparse.Namespace) -> None:
                                             pipeline_schedule=schedule, devices_per_node=per_node, **flags)
     replicas = per_node if name in SCHEDULES else world
     model = GPTModule(lr=3e-4, **size)
-    # a microbatch, for `pipeline_split="time"` to time the blocks on
-    model.example_input_array = torch.zeros(args.global_batch // (per_node * args.microbatches), args.seq,
-                                            dtype=torch.long)
     window = Window()
     trainer = L.Trainer(accelerator="cpu", devices=per_node, num_nodes=world // per_node, strategy=strategy,
                         max_steps=args.warmup + args.steps, callbacks=[window], logger=False,

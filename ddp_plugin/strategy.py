@@ -119,8 +119,8 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, Di
         pipeline_schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"interleaved_1f1b"``.
         pipeline_virtual_stages: stages per rank with ``"interleaved_1f1b"`` (default 2).
         pipeline_split: how the blocks split into stages: ``"parameters"`` (balanced by parameter count, the
-            default), ``"time"`` (by compute, each block timed at setup on ``example_input_array``), ``"uniform"``
-            (by block count), ``"type:<regex>"`` (by the count of blocks whose class name matches), or the module
+            default), ``"time"`` (by compute, each block timed at setup on the data's first microbatch),
+            ``"uniform"`` (by block count), ``"type:<regex>"`` (by the count of blocks whose class name matches), or the module
             names of each stage (``[["tok", "blocks.0"], ["blocks.1", "head"]]``).
         pipeline_activations: the dtype of the activations and their gradients sent between stages on
             different nodes: ``"fp32"`` (as computed, default), ``"bf16"`` or ``"fp16"`` (half the bytes),
@@ -312,6 +312,8 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, Di
         failing = sys.exc_info()[1]
         ProcessGroups.failed = failing is not None
         self._tensor_parallel.forget()
+        if self._pipeline is not None:
+            self._pipeline.release()
         if self._running():
             assembly.after(failing, lambda: self._session.close(failed=failing is not None))
         module = self.lightning_module

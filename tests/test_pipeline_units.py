@@ -140,7 +140,7 @@ def test_the_split_by_time_gives_a_heavy_block_a_stage_of_its_own():
 
     model = Stack([1, 1, 1, 64])  # equal parameters: by count two blocks per stage
     assert plan_stages(model, 2).stage_blocks == ((0, 1), (2, 3))
-    example = torch.randn(256, 128)
+    example = ((torch.randn(256, 128),), {})
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     rng = torch.get_rng_state()
     measured = []
@@ -162,17 +162,93 @@ def test_the_split_by_time_gives_a_heavy_block_a_stage_of_its_own():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-def test_the_split_by_time_needs_an_example_and_real_weights():
-    from ddp_plugin.parallel.balance import check_example, time_blocks
+def test_the_split_by_time_needs_real_weights():
+    from ddp_plugin.parallel.balance import time_blocks
 
-    with pytest.raises(TypeError, match=r"pipeline_split='time'.*example_input_array.*GPTModule"):
-        check_example(gpt(4))
     with torch.device("meta"):
         model = Stack([1, 1])
     with pytest.raises(ValueError, match=r"meta device.*pipeline_split=\[\[\.\.\.\], \[\.\.\.\]\]"):
-        time_blocks(model, list(model.blocks), torch.randn(2, 128), torch.device("cpu"))
+        time_blocks(model, list(model.blocks), ((torch.randn(2, 128),), {}), torch.device("cpu"))
     with pytest.raises(ValueError, match="when a fit sets the stages up"):
         plan_stages(gpt(4), 2, "time")
+
+
+class DictBatches(L.LightningModule):
+    """A module whose steps take batch dicts and call ``self.net`` with a keyword; ``before`` runs first."""
+
+    def __init__(self, before=None) -> None:
+        super().__init__()
+        self.net = Stack([1, 1])
+        self.before = before
+
+    def training_step(self, batch, batch_idx):
+        if self.before is not None:
+            self.before(self)
+        return self.net(x=batch["x"] * 2).sum()
+
+
+def fitting(module: L.LightningModule, data) -> L.Trainer:
+    """A Trainer as a fit's setup sees it: fitting, the data attached, the module's trainer set."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    trainer.state.fn = TrainerFn.FITTING
+    trainer.strategy.connect(module)
+    trainer._data_connector.attach_data(module, train_dataloaders=data)
+    module.trainer = trainer
+    return trainer
+
+
+def test_the_split_by_time_finds_the_first_microbatch_by_running_the_step_up_to_the_models_call():
+    from torch.utils.data import DataLoader
+
+    from ddp_plugin.parallel.balance import first_microbatch
+
+    rows = [{"x": torch.full((128,), float(i))} for i in range(40)]
+    module = DictBatches()
+    fitting(module, DataLoader(rows, batch_size=8, shuffle=True))
+    rng = torch.get_rng_state()
+    args, kwargs = first_microbatch(module, module.net, 4, torch.device("cpu"))
+    # the step's own transformation, the first 8 / 4 samples of a shuffled batch, the model's keyword
+    assert args == () and list(kwargs) == ["x"] and kwargs["x"].shape == (2, 128)
+    assert all(float(v) % 2 == 0 for v in kwargs["x"][:, 0]), kwargs  # (doubled by the step)
+    assert torch.equal(torch.get_rng_state(), rng)  # the shuffle's draw undone: training reads the same order
+    assert "forward" not in module.net.__dict__  # the model's own call back
+
+
+@pytest.mark.parametrize("before, error, words", [
+    (lambda m: 1 / 0, RuntimeError, ["`training_step` on the first batch", "failed before that call",
+                                     "ZeroDivisionError"]),
+    # (logging before the model's call: Lightning has no loop to log to at setup)
+    (lambda m: m.log("seen", 1.0), RuntimeError, ["failed before that call", "self.log"]),
+])
+def test_the_split_by_time_says_why_a_step_gave_no_microbatch(before, error, words):
+    from torch.utils.data import DataLoader
+
+    from ddp_plugin.parallel.balance import first_microbatch
+
+    module = DictBatches(before)
+    fitting(module, DataLoader([{"x": torch.zeros(128)}] * 4, batch_size=4))
+    with pytest.raises(error) as info:
+        first_microbatch(module, module.net, 2, torch.device("cpu"))
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    assert "forward" not in module.net.__dict__
+
+
+def test_the_split_by_time_says_so_where_the_step_never_calls_the_pipelined_model():
+    from torch.utils.data import DataLoader
+
+    from ddp_plugin.parallel.balance import first_microbatch
+
+    class Elsewhere(DictBatches):
+        def training_step(self, batch, batch_idx):
+            return batch["x"].sum()
+
+    module = Elsewhere()
+    fitting(module, DataLoader([{"x": torch.zeros(128)}] * 4, batch_size=4))
+    with pytest.raises(TypeError, match=r"returned without calling it \(`self\.net\(\.\.\.\)`\)"):
+        first_microbatch(module, module.net, 2, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("split, words", [

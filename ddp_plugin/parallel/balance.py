@@ -1,12 +1,16 @@
 """``pipeline_split="time"``: each block's forward and backward timed once at setup, on this machine's device, so
 the stages can be cut where their compute is equal instead of their parameter counts.
 
-The model's own ``forward`` runs on ``example_input_array`` (a microbatch as the pipelined model takes it) with
-hooks on every block stamping when its forward and its backward start and end; what runs before the first block
-(embeddings) and after the last (final norm, head, and a stand-in loss: the mean of the output's squares, the model
-having no target here) is timed with the first and the last stage. Each rank times the same model; the times are
-averaged over every rank, so each rank cuts the same stages. The module's buffers and the random generators are
-left as they were, and no gradient stays behind.
+The blocks are timed on a real microbatch, found without asking the user for one (:func:`first_microbatch`): the
+first batch of the data the fit (or validation, test, prediction) runs on, moved to the device as Lightning moves
+it, is handed to the step (``training_step``, ...) with the pipelined model's call replaced by one that records
+its arguments and stops the step there; the first microbatch of those arguments is the example. Then the model's
+own ``forward`` runs on it with hooks on every block stamping when its forward and its backward start and end;
+what runs before the first block (embeddings) and after the last (final norm, head, and a stand-in loss: the mean
+of the output's squares, the model having no target here) is timed with the first and the last stage. Each rank
+times the same model; the times are averaged over every rank, so each rank cuts the same stages. The module's
+buffers and the random generators (torch's, Python's, NumPy's) are left as they were, and no gradient stays
+behind.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ddp_plugin.parallel.block_cut import Cut
 
@@ -28,33 +33,125 @@ REPEATS = 3
 """Timed passes (after one untimed): each part's median counts."""
 
 
-def check_example(module: Any) -> Any:
-    """The ``example_input_array`` of the LightningModule ``module``; a clear error where it has none."""
-    example = getattr(module, "example_input_array", None)
-    if example is None:
-        raise TypeError(
-            f"`pipeline_split='time'` times every block on an example microbatch: set `self.example_input_array` in"
-            f" {type(module).__name__}.__init__ to what the pipelined model takes (`self.model(x)`'s `x`, a tuple of"
-            " arguments or a dict of keyword arguments), with the microbatch size you train with. Or balance by"
-            " `pipeline_split='parameters'` (the default)."
-        )
-    return example
+Example = tuple[tuple[Any, ...], dict[str, Any]]
+"""What the pipelined model is called with: its positional and keyword arguments."""
+
+STEPS = {"fit": ("fit_loop", "training_step"), "validate": ("validate_loop", "validation_step"),
+         "test": ("test_loop", "test_step"), "predict": ("predict_loop", "predict_step")}
+"""The Trainer's entry point -> its loop (whose data source gives the batches) and the step it runs."""
 
 
-def time_blocks(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, device: torch.device,
+class _Reached(Exception):
+    """Raised by the pipelined model's call while the step runs to find its input: the call's arguments."""
+
+
+def first_microbatch(module: Any, owner: nn.Module, microbatches: int, device: torch.device) -> Example:
+    """The first microbatch the pipelined model ``owner`` (a module of the LightningModule ``module``) is called
+    with: the first batch of the running entry point's data (``trainer.fit``: the training data), moved to
+    ``device`` through the module's batch hooks, handed to the step (``training_step``, ...) with ``owner``'s call
+    replaced by one that records its arguments and ends the step; of those, each tensor's first ``1 /
+    microbatches`` of the samples (along dim 0). The random generators are left as they were (a shuffled loader
+    draws from them). A clear error where there is no data or the step does not call ``owner``."""
+    trainer = module.trainer
+    fn = trainer.state.fn.value if trainer.state.fn is not None else "fit"
+    loop_name, step_name = STEPS[fn]
+    what = (f"`pipeline_split='time'` times the blocks on the first microbatch of the data `trainer.{fn}` runs on:"
+            f" it runs `{step_name}` on the first batch, up to its call of the pipelined model")
+    states = _collect_rng_states(include_cuda=device.type == "cuda")
+    try:
+        batch, batch_idx, dataloader_idx, several = _first_batch(trainer, getattr(trainer, loop_name), fn, what)
+        batch = module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
+        batch = module._apply_batch_transfer_handler(batch, device=device, dataloader_idx=dataloader_idx)
+        args, kwargs = _model_input(module, owner, step_name, batch, batch_idx, dataloader_idx if several else None,
+                                    what)
+    finally:
+        _set_rng_states(states)
+    rows = next((v.shape[0] for v in tree_leaves((args, kwargs)) if isinstance(v, Tensor) and v.dim()), None)
+    if rows is None:
+        raise TypeError(f"{what}, and that call got no batched tensor (samples along dim 0) to time the blocks on.")
+    size = max(1, -(-rows // microbatches))
+    return tree_map(lambda v: v[:size] if isinstance(v, Tensor) and v.dim() and v.shape[0] == rows else v,
+                    (tuple(args), dict(kwargs)))
+
+
+def _first_batch(trainer: Any, loop: Any, fn: str, what: str) -> tuple[Any, int, int, bool]:
+    """The first batch of ``loop``'s data (as the loop combines several loaders), its index, its loader's index, and
+    whether there are several loaders."""
+    from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    source = loop._data_source
+    if not source.is_defined():
+        raise TypeError(f"{what}; this `trainer.{fn}` was given no data. Pass the data, or balance by"
+                        " `pipeline_split='parameters'` (the default).")
+    loaders = _request_dataloader(source)
+    combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(
+        loaders, "max_size_cycle" if fn == "fit" else "sequential")
+    try:
+        batch, batch_idx, dataloader_idx = next(iter(combined))
+    except StopIteration:
+        raise TypeError(f"{what}; its data is empty.") from None
+    finally:
+        combined.reset()  # (a loader's workers shut down)
+    return batch, batch_idx, dataloader_idx, len(combined.flattened) > 1
+
+
+def _model_input(module: Any, owner: nn.Module, step_name: str, batch: Any, batch_idx: int,
+                 dataloader_idx: int | None, what: str) -> Example:
+    """Run ``module``'s step ``step_name`` on ``batch`` until it calls ``owner``; that call's arguments."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    step = getattr(module, step_name)
+    args: list[Any] = [batch]
+    if is_param_in_hook_signature(step, "batch_idx", min_args=2):
+        args.append(batch_idx)
+    if dataloader_idx is not None:
+        args.append(dataloader_idx)
+
+    def reached(*model_args: Any, **model_kwargs: Any) -> Any:
+        raise _Reached(model_args, model_kwargs)
+
+    previous = owner.__dict__.get("forward")
+    owner.forward = reached
+    try:
+        with torch.no_grad():
+            step(*args)
+    except _Reached as call:
+        return call.args[0], call.args[1]
+    except Exception as err:
+        raise RuntimeError(f"{what}, and `{step_name}` failed before that call: {type(err).__name__}: {err}."
+                           " Or balance by `pipeline_split='parameters'` (the default).") from err
+    finally:
+        if previous is None:
+            del owner.__dict__["forward"]
+        else:
+            owner.forward = previous
+    raise TypeError(f"{what}, and `{step_name}` returned without calling it (`self.{_name(module, owner)}(...)`).")
+
+
+def _name(module: nn.Module, owner: nn.Module) -> str:
+    """``owner``'s attribute path in ``module`` (``model``), or ``forward`` for the module itself."""
+    return next((name for name, m in module.named_modules() if m is owner and name), "forward")
+
+
+def refuse_meta() -> None:
+    raise ValueError(
+        "`pipeline_split='time'` runs the model to time its blocks, and this model was built on the meta device"
+        " (`trainer.init_module(empty_init=True)`): it has no weights to run yet. Name the stages' modules"
+        " (`pipeline_split=[[...], [...]]`) or balance by `'parameters'`."
+    )
+
+
+def time_blocks(owner: nn.Module, blocks: Sequence[nn.Module], example: Example, device: torch.device,
                 group: dist.ProcessGroup | None = None, cuts: Mapping[int, Cut] | None = None) -> list[float]:
     """Seconds of forward plus backward of what runs before the first block, of each block, and of what runs after
-    the last (``len(blocks) + 2`` numbers), on ``device`` (``owner`` moved there for the timing and back),
+    the last (``len(blocks) + 2`` numbers), ``owner`` called with ``example`` (its arguments), on ``device`` (``owner`` moved there for the timing and back),
     averaged over the ranks of ``group`` (collective). With ``cuts`` (a cut per block position), then for each
     cut, in the order of the positions, the share of its block's time that its first part takes: the forward
     time of the modules the first part calls over that of all the modules either part calls (the backward taken
     to follow the forward's proportions)."""
     if any(p.is_meta for p in owner.parameters()):
-        raise ValueError(
-            "`pipeline_split='time'` runs the model to time its blocks, and this model was built on the meta device"
-            " (`trainer.init_module(empty_init=True)`): it has no weights to run yet. Name the stages' modules"
-            " (`pipeline_split=[[...], [...]]`) or balance by `'parameters'`."
-        )
+        refuse_meta()
     home = next((p.device for p in owner.parameters()), device)
     buffers = {name: b.detach().clone() for name, b in owner.named_buffers()}
     owner.to(device)
@@ -75,7 +172,7 @@ def time_blocks(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, dev
     return seconds.tolist()
 
 
-def _timed(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, sync: Callable[[], None],
+def _timed(owner: nn.Module, blocks: Sequence[nn.Module], example: Example, sync: Callable[[], None],
            cuts: Mapping[int, Cut]) -> list[float]:
     stamps: dict[tuple[str, int], float] = {}
     spent: dict[tuple[int, str], float] = {}  # (block, attribute): forward seconds of the cut blocks' modules
@@ -103,7 +200,7 @@ def _timed(owner: nn.Module, blocks: Sequence[nn.Module], example: Any, sync: Ca
             spent.clear()
             sync()
             start = time.perf_counter()
-            output = _call(owner, example)
+            output = owner(*example[0], **example[1])
             loss = sum(t.float().square().mean() for t in tree_leaves(output)
                        if isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad)
             sync()
@@ -138,14 +235,6 @@ def _share(spent: Mapping[tuple[int, str], float], block: int, cut: Cut) -> floa
     first = sum(spent.get((block, name), 0.0) for name in cut.first)
     total = first + sum(spent.get((block, name), 0.0) for name in cut.second)
     return first / total if total > 0 else 0.5
-
-
-def _call(owner: nn.Module, example: Any) -> Any:
-    if isinstance(example, Mapping):
-        return owner(**example)
-    if isinstance(example, (tuple, list)):
-        return owner(*example)
-    return owner(example)
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:

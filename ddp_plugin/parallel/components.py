@@ -158,12 +158,16 @@ class PipelineParallel:
         return ties
 
     def _timer(self, module: pl.LightningModule, device: torch.device) -> stage_plan.Timer | None:
-        """``pipeline_split="time"``: the blocks timed on the strategy's device, averaged over every rank."""
+        """``pipeline_split="time"``: the blocks timed on the strategy's device on the first microbatch of the data
+        (:func:`balance.first_microbatch`), averaged over every rank."""
         if self.config.pipeline_split != "time":
             return None
-        example = balance.check_example(module)
+        microbatches = self.config.pipeline_microbatches or self.groups.layout.pipeline_parallel_size
 
         def timer(owner: Module, blocks: Sequence[Module], cuts: Mapping[int, Cut]) -> list[float]:
+            if any(p.is_meta for p in owner.parameters()):  # (refused before the step is run for its input)
+                balance.refuse_meta()
+            example = balance.first_microbatch(module, owner, microbatches, device)
             seconds = balance.time_blocks(owner, blocks, example, device, cuts=cuts)
             n = len(blocks)
             log.info("ddp_plugin: pipeline_split='time': %s ms before the blocks, %s per block, %s after them%s",
@@ -181,12 +185,14 @@ class PipelineParallel:
         topology = self.groups.topology
         plan, _, order = module._ddp_plugin_stages
         p = self.groups.layout.pipeline_parallel_size
-        return pipeline.PipelineRunner(
+        runner = pipeline.PipelineRunner(
             module, plan, self.config.pipeline_schedule, self.config.pipeline_microbatches or p, p,
             topology.pipeline_parallel_rank, topology.pipeline_parallel_group, device, ties, order,
             # the mean loss travels on a group of its own, beside the schedule's last sends
             loss_group=self.groups.stage_peers(tuple(range(p))), timeout=self.config.timeout,
             activations=self.config.pipeline_activations, nodes=stage_nodes(self.groups.layout))
+        runner.call_outside_steps()  # (Lightning's model summary runs `example_input_array` through the module)
+        return runner
 
     def step(self, runner: pipeline.PipelineRunner, call: Callable[[], Any], step: str, batch_idx: int,
              train: bool, session: FitSession | None, module: pl.LightningModule, optimizers: Sequence[Optimizer],

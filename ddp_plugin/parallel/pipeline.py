@@ -154,12 +154,33 @@ class PipelineRunner:
 
     @contextmanager
     def model_call(self, forward: Callable[..., Any]) -> Generator[None, None, None]:
-        """While the user's step runs, the model's call is ``forward``."""
+        """While the user's step runs, the model's call is ``forward`` (then the call outside steps again)."""
+        previous = self.owner.__dict__.get("forward")
         self.owner.forward = forward
         try:
             yield
         finally:
-            del self.owner.__dict__["forward"]
+            if previous is None:
+                del self.owner.__dict__["forward"]
+            else:
+                self.owner.forward = previous
+
+    def call_outside_steps(self) -> None:
+        """From now until :meth:`release`, the model called outside a step runs the whole pipeline, forward only
+        (:meth:`predict`, without gradients): collective, every stage returns the last stage's output, as a
+        tensor-parallel model's call is collective. Lightning's model summary calls the module with
+        ``example_input_array`` at the fit's start on every rank; the stage's own ``forward`` would run its blocks
+        on the model's input."""
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.no_grad():
+                return self.predict(args, kwargs)
+
+        self.owner.forward = forward
+
+    def release(self) -> None:
+        """The model's own ``forward`` back (at the strategy's teardown)."""
+        self.owner.__dict__.pop("forward", None)
 
     @contextmanager
     def placeholders(self, run: Callable[[PipelineOutput, Any], Tensor]) -> Generator[list[bool], None, None]:

@@ -109,7 +109,7 @@ def check_split(value: Any) -> str | tuple[tuple[str, ...], ...]:
     raise ValueError(
         f"`pipeline_split={value!r}` is not a way to split the blocks into stages. Allowed values: 'parameters'"
         " (balanced by parameter count, the default), 'time' (by each block's compute, timed at setup on"
-        " `example_input_array`), 'uniform' (by block count), 'type:<regex>' (by the count of"
+        " the data's first microbatch), 'uniform' (by block count), 'type:<regex>' (by the count of"
         " blocks whose class name matches), or the module names of each stage, one non-empty list per stage (for"
         " example [['tok', 'blocks.0', 'blocks.1'], ['blocks.2', 'blocks.3', 'head']])."
     )

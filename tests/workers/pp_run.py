@@ -127,8 +127,6 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
         nan_at: int = -1, scheduler: bool = False, blocks: str = "list") -> None:
     L.seed_everything(1234, verbose=False)
     model = GPTWithValidation(layers=layers, scheduler=scheduler, blocks=blocks)
-    if (flags or {}).get("pipeline_split") == "time":  # a microbatch of one window, to time the blocks on
-        model.example_input_array = torch.zeros(1, model.model.pos.num_embeddings, dtype=torch.long)
     initial = {n: p.detach().clone() for n, p in model.state_dict().items()}
     tied_sums = TiedSums()
     strategy: object = "ddp" if reference else HierarchicalZeroStrategy(
