@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,8 +30,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ddp_plugin.parallel.block_cut import Cut
 
-REPEATS = 3
-"""Timed passes (after one untimed): each part's median counts."""
+REPEATS = 5
+"""Timed passes (after one untimed): each part's fastest counts (what else runs on the machine only adds to a
+pass, as for ``timeit``)."""
 
 
 Example = tuple[tuple[Any, ...], dict[str, Any]]
@@ -142,14 +144,32 @@ def refuse_meta() -> None:
     )
 
 
+@dataclass(frozen=True)
+class BlockTimes:
+    """What :func:`time_blocks` measured, in seconds of forward plus backward, averaged over the ranks."""
+
+    before: float
+    """What runs before the first block (embeddings)."""
+    blocks: tuple[float, ...]
+    """Each block."""
+    after: float
+    """What runs after the last block (final norm, head, the stand-in loss)."""
+    shares: dict[int, float]
+    """For each block that may be cut (by position), the share of its time its first part takes."""
+    noise: float
+    """How far apart the timed passes were: each part's second fastest pass less its fastest, summed over the
+    parts, over the sum of their fastest. Splits whose slowest stages differ by less than this share are not told
+    apart."""
+
+
 def time_blocks(owner: nn.Module, blocks: Sequence[nn.Module], example: Example, device: torch.device,
-                group: dist.ProcessGroup | None = None, cuts: Mapping[int, Cut] | None = None) -> list[float]:
+                group: dist.ProcessGroup | None = None, cuts: Mapping[int, Cut] | None = None) -> BlockTimes:
     """Seconds of forward plus backward of what runs before the first block, of each block, and of what runs after
-    the last (``len(blocks) + 2`` numbers), ``owner`` called with ``example`` (its arguments), on ``device`` (``owner`` moved there for the timing and back),
-    averaged over the ranks of ``group`` (collective). With ``cuts`` (a cut per block position), then for each
-    cut, in the order of the positions, the share of its block's time that its first part takes: the forward
-    time of the modules the first part calls over that of all the modules either part calls (the backward taken
-    to follow the forward's proportions)."""
+    the last, ``owner`` called with ``example`` (its arguments) on ``device`` (``owner`` moved there for the
+    timing and back), averaged over the ranks of ``group`` (collective). With ``cuts`` (a cut per block
+    position), for each cut the share of its block's time that its first part takes: the forward time of the
+    modules the first part calls over that of all the modules either part calls (the backward taken to follow the
+    forward's proportions)."""
     if any(p.is_meta for p in owner.parameters()):
         refuse_meta()
     home = next((p.device for p in owner.parameters()), device)
@@ -169,7 +189,10 @@ def time_blocks(owner: nn.Module, blocks: Sequence[nn.Module], example: Example,
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(seconds, group=group)
         seconds /= dist.get_world_size(group)
-    return seconds.tolist()
+    n = len(blocks)
+    values = seconds.tolist()
+    return BlockTimes(values[0], tuple(values[1:n + 1]), values[n + 1],
+                      dict(zip(sorted(cuts or {}), values[n + 2:-1])), values[-1])
 
 
 def _timed(owner: nn.Module, blocks: Sequence[nn.Module], example: Example, sync: Callable[[], None],
@@ -218,8 +241,12 @@ def _timed(owner: nn.Module, blocks: Sequence[nn.Module], example: Example, sync
     finally:
         for handle in handles:
             handle.remove()
-    return ([max(0.0, statistics.median(column)) for column in zip(*runs[1:])]
-            + [statistics.median(column) for column in zip(*shares[1:])])
+    timed = list(zip(*runs[1:]))
+    fastest = [sorted(c) for c in timed]
+    total = sum(c[0] for c in fastest)
+    spread = sum(c[1] - c[0] for c in fastest) / total if total > 0 else 0.0
+    return ([max(0.0, c[0]) for c in fastest]
+            + [statistics.median(column) for column in zip(*shares[1:])] + [spread])
 
 
 def _clock(spent: dict[Any, float], key: Any, sync: Callable[[], None], sign: float) -> Callable[..., None]:

@@ -164,18 +164,17 @@ class PipelineParallel:
             return None
         microbatches = self.config.pipeline_microbatches or self.groups.layout.pipeline_parallel_size
 
-        def timer(owner: Module, blocks: Sequence[Module], cuts: Mapping[int, Cut]) -> list[float]:
+        def timer(owner: Module, blocks: Sequence[Module], cuts: Mapping[int, Cut]) -> balance.BlockTimes:
             if any(p.is_meta for p in owner.parameters()):  # (refused before the step is run for its input)
                 balance.refuse_meta()
             example = balance.first_microbatch(module, owner, microbatches, device)
-            seconds = balance.time_blocks(owner, blocks, example, device, cuts=cuts)
-            n = len(blocks)
-            log.info("ddp_plugin: pipeline_split='time': %s ms before the blocks, %s per block, %s after them%s",
-                     f"{seconds[0] * 1e3:.2f}", ", ".join(f"{t * 1e3:.2f}" for t in seconds[1:n + 1]),
-                     f"{seconds[n + 1] * 1e3:.2f}", "".join(
-                         f"; block {i} before `{cut.at}`: {share:.2f} of it" for (i, cut), share
-                         in zip(sorted(cuts.items()), seconds[n + 2:])))
-            return seconds
+            times = balance.time_blocks(owner, blocks, example, device, cuts=cuts)
+            log.info("ddp_plugin: pipeline_split='time': %s ms before the blocks, %s per block, %s after them%s;"
+                     " the passes %.0f %% apart", f"{times.before * 1e3:.2f}",
+                     ", ".join(f"{t * 1e3:.2f}" for t in times.blocks), f"{times.after * 1e3:.2f}",
+                     "".join(f"; block {i} before `{cuts[i].at}`: {share:.2f} of it"
+                             for i, share in sorted(times.shares.items())), 100 * times.noise)
+            return times
 
         return timer
 
@@ -230,8 +229,8 @@ class PipelineParallel:
                 with diagnosed("the pipeline stage's gradient sync"):
                     # (summed during the sync, 1/D per data-parallel rank; not in a sync mode,
                     # whose nodes hold different replicas between syncs)
-                    stage_ties.synchronize(engine, runner, None if self.config.sync_every > 1
-                                         else (topology.side_world_group, topology.world_size, topology.rank))
+                    runner.synchronize(engine, None if self.config.sync_every > 1
+                                       else (topology.side_world_group, topology.world_size, topology.rank))
             # Lightning's backward of the returned loss reaches no parameter: the schedule ran every microbatch's.
             return loss.requires_grad_()
 

@@ -9,15 +9,21 @@ runs) and modules after it (the last stage); a Hugging Face model is split by it
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from ddp_plugin.parallel import block_cut, stage_names, transformers_stages
 from ddp_plugin.parallel.block_cut import Cut
+
+if TYPE_CHECKING:
+    from ddp_plugin.parallel.balance import BlockTimes
+
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -115,10 +121,17 @@ def check_split(value: Any) -> str | tuple[tuple[str, ...], ...]:
     )
 
 
-Timer = Callable[[nn.Module, Sequence[nn.Module], Mapping[int, Cut]], Sequence[float]]
-"""``pipeline_split="time"``'s measure: (the model, its blocks, a cut per block that may be cut) -> seconds before
-the blocks, per block, after them, then per cut (in the order of its block) the share of the block's seconds its
-first part takes (:func:`ddp_plugin.parallel.balance.time_blocks`)."""
+Timer = Callable[[nn.Module, Sequence[nn.Module], Mapping[int, Cut]], "BlockTimes"]
+"""``pipeline_split="time"``'s measure: (the model, its blocks, a cut per block that may be cut) -> the seconds
+before the blocks, per block, after them, the share of a block's seconds its cut's first part takes, and how far
+apart the timed passes were (:func:`ddp_plugin.parallel.balance.time_blocks`)."""
+
+NOISE_BAND = (0.1, 0.3)
+"""``pipeline_split="time"`` keeps a simpler split (by parameters, then whole blocks) whose slowest stage is within
+the timing's own measured noise of the best split's, taken at least 10 % (a split that differs by less than the
+timing can tell would flip between two runs of the same job) and at most 30 % (a difference beyond that is acted
+on even on a machine too busy to time well: the timing takes each part's fastest pass, which what else runs only
+slows)."""
 
 
 def plan_stages(module: nn.Module, num_stages: int, split: str | Sequence[Sequence[str]] = "parameters",
@@ -206,28 +219,61 @@ def _cut(module: nn.Module, owner_path: str, blocks_path: str, before: tuple[str
         if timer is None:
             raise ValueError("`pipeline_split='time'` times the blocks when a fit sets the stages up.")
         options = {i: _middle(b, found) for i, b in enumerate(listed) if (found := block_cut.candidates(b))}
-        seconds = timer(owner, listed, options)
-        first, *sizes, last = seconds[:len(listed) + 2]
-        shares = dict(zip(sorted(options), seconds[len(listed) + 2:]))
-        pieces = []  # (block, seconds): a block that may be cut is two pieces, its parts
-        for i, t in enumerate(sizes):
-            pieces += [(i, t * shares[i]), (i, t * (1 - shares[i]))] if i in shares else [(i, t)]
-        weights = [t for _, t in pieces]
-        weights[0] += first
-        weights[-1] += last
-        runs = tuple(tuple(dict.fromkeys(pieces[j][0] for j in run)) for run in _balanced_runs(weights, num_stages))
-        cuts = {run[-1]: options[run[-1]] for run, later in zip(runs, runs[1:]) if run[-1] == later[0]}
+        runs, cuts = _by_time(timer(owner, listed, options), options,
+                              _parameter_runs(owner, listed, before, after, num_stages), num_stages)
+    elif split == "parameters":
+        runs = _parameter_runs(owner, listed, before, after, num_stages)
     else:
-        sizes = _split_sizes(split, listed, path)
-        if split == "parameters":  # (the modules before and after the blocks weigh on the first and last stage)
-            def count(names: tuple[str, ...]) -> int:
-                return sum(p.numel() for n in names if (m := _get(owner, n)) is not None for p in m.parameters())
-
-            sizes[0] += count(before)
-            sizes[-1] += count(after)
-        runs = tuple(tuple(r) for r in _balanced_runs(sizes, num_stages))
+        runs = tuple(tuple(r) for r in _balanced_runs(_split_sizes(split, listed, path), num_stages))
     return StagePlan(owner_path, blocks_path, before, after, runs, keys, is_dict, cuts=tuple(sorted(cuts.items())),
                      **kind)
+
+
+def _parameter_runs(owner: nn.Module, blocks: Sequence[nn.Module], before: tuple[str, ...], after: tuple[str, ...],
+                    num_stages: int) -> tuple[tuple[int, ...], ...]:
+    """The blocks' runs balanced by parameter count, the modules before and after the blocks weighing on the first
+    and the last stage."""
+    def count(names: tuple[str, ...]) -> int:
+        return sum(p.numel() for n in names if (m := _get(owner, n)) is not None for p in m.parameters())
+
+    sizes = _split_sizes("parameters", blocks, "")
+    sizes[0] += count(before)
+    sizes[-1] += count(after)
+    return tuple(tuple(r) for r in _balanced_runs(sizes, num_stages))
+
+
+def _by_time(times: BlockTimes, options: Mapping[int, Cut], by_parameters: tuple[tuple[int, ...], ...],
+             num_stages: int) -> tuple[tuple[tuple[int, ...], ...], dict[int, Cut]]:
+    """The runs (and cut blocks) of ``pipeline_split="time"``: the best balance of the timed compute, a block that
+    may be cut counted as its two parts; but the split by parameters where its slowest stage is within the noise
+    (the timing's own, within :data:`NOISE_BAND`) of the best one's, else the best split into whole blocks where that
+    is, so that a balance the timing cannot tell apart does not flip between runs."""
+    whole = list(times.blocks)
+    whole[0] += times.before
+    whole[-1] += times.after
+    pieces = []  # (block, seconds): a block that may be cut is two pieces, its parts
+    for i, t in enumerate(times.blocks):
+        share = times.shares.get(i)
+        pieces += [(i, t * share), (i, t * (1 - share))] if share is not None else [(i, t)]
+    weights = [t for _, t in pieces]
+    weights[0] += times.before
+    weights[-1] += times.after
+    piece_runs = _balanced_runs(weights, num_stages)
+    best = max(sum(weights[j] for j in run) for run in piece_runs)
+    noise = min(max(NOISE_BAND[0], times.noise), NOISE_BAND[1])
+    tolerance = best * (1 + noise)
+
+    def slowest(runs: Sequence[Sequence[int]]) -> float:
+        return max(sum(whole[i] for i in run) for run in runs)
+
+    by_blocks = tuple(tuple(r) for r in _balanced_runs(whole, num_stages))
+    for runs, why in ((by_parameters, "the split by parameters"), (by_blocks, "whole blocks")):
+        if slowest(runs) <= tolerance:
+            log.info("ddp_plugin: pipeline_split='time': %s, its slowest stage %.2f ms against %.2f ms for the best"
+                     " split, within the timing's noise (%.0f %%)", why, slowest(runs) * 1e3, best * 1e3, 100 * noise)
+            return runs, {}
+    runs = tuple(tuple(dict.fromkeys(pieces[j][0] for j in run)) for run in piece_runs)
+    return runs, {run[-1]: options[run[-1]] for run, later in zip(runs, runs[1:]) if run[-1] == later[0]}
 
 
 def _middle(block: nn.Module, cuts: Sequence[Cut]) -> Cut:

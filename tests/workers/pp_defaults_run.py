@@ -6,15 +6,17 @@ at setup, one fit after the other in the same 4 processes (2 simulated nodes x 2
 
 The model is written as a user writes one: its ``forward`` takes a batch dict (``self.model(batch["x"])`` inside),
 so ``example_input_array``, where a case sets one, is Lightning's input to ``forward`` and not the pipelined
-model's. Its last block computes 32 times what each of the three before it does, with the same parameters: split
-by parameters the stages hold two blocks each, split by time the heavy block is alone. Rank 0 appends a JSON line
-per case: the stages' blocks, the losses, and whether every data-parallel replica ended equal.
+model's. Its last two blocks compute 64 times what each of the two before it does, with the same parameters:
+split by parameters the stages hold two blocks each (the heavy ones together), split by time the last is alone.
+Rank 0 appends a JSON line per case: the stages' blocks, the losses, the step reached and the checkpoints written
+(or, for ``trainer.predict``, the predictions' shapes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 
 import lightning as L
@@ -26,7 +28,7 @@ from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.processes import run_cases
 
 WIDTH = 32
-HEAVY = 32  # the last block's passes through its layer (the others make one)
+HEAVY = 64  # the last two blocks' passes through their layer (the others make one)
 ROWS = 8  # samples per rank and step
 CASES = {
     # flags, and whether the module sets `example_input_array` (the summary then runs it through the pipeline)
@@ -55,7 +57,7 @@ class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(8, WIDTH)
-        self.blocks = nn.ModuleList([Block(1), Block(1), Block(1), Block(HEAVY)])
+        self.blocks = nn.ModuleList([Block(1), Block(1), Block(HEAVY), Block(HEAVY)])
         self.out = nn.Linear(WIDTH, 1)
 
     def forward(self, x: Tensor) -> Tensor:  # (a child another stage holds is None)
@@ -157,6 +159,8 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("ddp_plugin.parallel").setLevel(logging.INFO)  # (the timing and the split chosen)
     run_cases(args.cases.split(","), lambda case: run(case, args.root), args.out)
 
 
