@@ -36,6 +36,8 @@ from ddp_plugin.parallel.ties import Tie, TiedGradients
 if TYPE_CHECKING:
     from torch.amp import GradScaler
 
+    from ddp_plugin.engine import GradientEngine
+
     from ddp_plugin.parallel.stage_plan import StagePlan
 
 
@@ -282,6 +284,38 @@ class PipelineRunner:
             if isinstance(leaf, Tensor):
                 dist.broadcast(leaf, src=src, group=self.group)
         return output
+
+    def synchronize(self, engine: GradientEngine,
+                    data_parallel: tuple[dist.ProcessGroup, int, int] | None = None) -> None:
+        """The data-parallel sync of a stage after its last microbatch, and the tied gradients summed over their
+        stages. With ``data_parallel`` (this stage's data-parallel group for the training thread, its size D and this
+        rank's place in it) the sum comes after the tied gradients' buckets are reduced, while the stage's other
+        buckets are: each data-parallel rank sums 1/D of the mean with its peers of the other stages, so the tied
+        gradient crosses between the stages once per step instead of once per data-parallel rank. That 1/D is the
+        ZeRO sharder's shard at stages 2-3 (``on_gradient_shard``); without one (stages 0-1, the bucket holds the
+        whole mean) each rank cuts its 1/D and the stage all-gathers the sums. Otherwise (one data-parallel rank, a
+        sync mode, a tied parameter sharing a stage 3 unit's bucket with others) the whole gradients are summed
+        before the sync."""
+        ties = [t for t in self.ties if t.param is not None]
+        alone = {id(b.params[0]): b for b in engine.buckets if len(b.params) == 1}
+        if data_parallel is None or data_parallel[1] == 1 or any(id(t.param) not in alone for t in ties):
+            self.tied.sum()
+            engine.synchronize()
+        else:
+            def between() -> None:  # the tied gradients' buckets are reduced; their sum crosses the link now
+                held = {}
+                for number, tie in enumerate(self.ties):
+                    if tie.param is not None:
+                        bucket = alone[id(tie.param)]
+                        if (part := engine.gradient_shard(bucket)) is not None:
+                            held[number] = (*part, bucket.numel)
+                self.tied.sum(data_parallel, held)
+
+            engine.synchronize(first=[t.param for t in ties], between=between)
+        if engine.check_finite:  # every stage skips the step when any stage saw a NaN/Inf gradient
+            flag = torch.tensor([int(engine.nonfinite)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.loss_group)
+            engine.nonfinite = bool(flag.item())
 
     def _count_sends(self) -> None:
         """The step's activations sent to the next stage and gradients sent to the previous one, counted as the

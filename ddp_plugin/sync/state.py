@@ -8,7 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -28,8 +28,9 @@ from ddp_plugin.sync.outer_optimizer import load_optimizer_state, optimizer_stat
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
-    from ddp_plugin.sync.parts import Piece
-    from ddp_plugin.sync.plugin import OuterSync
+    from ddp_plugin.hookspecs import Bucket, Communicator, Topology
+    from ddp_plugin.sync.parts import ModuleChunks, Piece, ShardParts, Update
+    from ddp_plugin.sync.schedule import SyncSchedule
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,40 @@ STATE_KEY = "sync/outer"
 """The key of the sync mode's state in the checkpoint's plugin state and in each rank's own state."""
 
 
-class SyncCheckpoint:
-    """The checkpoint state of ``sync``, an :class:`~ddp_plugin.sync.plugin.OuterSync` that is set up."""
+class CheckpointedSync(Protocol):
+    """What the checkpoint reads and writes of a sync mode (:class:`~ddp_plugin.sync.plugin.OuterSync`, set up):
+    where its pieces are, their global copy and outer state, the syncs in flight, the step counts."""
 
-    def __init__(self, sync: OuterSync) -> None:
+    topology: Topology
+    comm: Communicator
+    schedule: SyncSchedule
+    buckets: list[Bucket]
+    pieces: list[Piece]
+    access: ShardParts | ModuleChunks | None
+    in_flight: list[InFlight]
+    outer: torch.optim.Optimizer | None
+    outer_spec: Any
+    optimizers: list[Optimizer]
+    sharded_outer: bool
+    step: int
+    warmup: int
+    syncs: int
+    syncs_logged: int
+
+    def gathered_outer(self, piece: Piece, values: Tensor | None = None, out: Tensor | None = None) -> Tensor: ...
+
+    def drain(self) -> None: ...
+
+    def pieces_of(self, fragment: int) -> list[Piece]: ...
+
+    def updates(self, pieces: list[Piece], snapshots: list[Tensor] | None, out: list[Tensor] | None = None
+                ) -> list[Update]: ...
+
+
+class SyncCheckpoint:
+    """The checkpoint state of ``sync``, a sync mode that is set up (:class:`CheckpointedSync`)."""
+
+    def __init__(self, sync: CheckpointedSync) -> None:
         self.sync = sync
         self.state_kinds, self.state_kinds_example = state_kinds(sync.outer_spec)
         """The outer optimizer's state keys, each with whether it is a tensor of the parameter's shape."""
