@@ -432,7 +432,8 @@ def test_other_nodes_reach_this_groups_manager_and_checkpoints_at_its_rendezvous
     import socket
     from datetime import timedelta
 
-    from ddp_plugin.fault_tolerance.replicas import advertised_host, http_transport, state_bytes
+    from ddp_plugin.fault_tolerance.replicas import advertised_host, state_bytes
+    from ddp_plugin.fault_tolerance.torchft_adapter import http_transport
 
     mine = advertised_host("10.77.0.2")  # (this machine's address towards it, or the host itself with no route)
     assert advertised_host(mine) == mine and not mine.startswith("127.")
@@ -451,7 +452,7 @@ def test_a_restarted_lighthouses_quorum_ids_neither_reuse_rendezvous_keys_nor_ke
     id with other groups makes the Manager reconfigure (torchft's client and Manager stand-ins record the calls)."""
     from types import SimpleNamespace
 
-    from ddp_plugin.fault_tolerance.replicas import QuorumRecorder, unique_rendezvous
+    from ddp_plugin.fault_tolerance.torchft_adapter import QuorumRecorder, unique_rendezvous
 
     answers = iter([SimpleNamespace(quorum_id=1, max_step=0, replica_ids=["g0:a", "g1:b"]),
                     SimpleNamespace(quorum_id=1, max_step=0, replica_ids=["g0:a", "g1:b"]),

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ddp_plugin.fault_tolerance import torchft_adapter
+
 if TYPE_CHECKING:
     from pluggy import HookRelay
     from torch import Tensor
@@ -43,8 +45,6 @@ class ReplicaGroups:
     def __init__(self, options: FaultTolerance, rank: int, size: int, device: torch.device,
                  state: Callable[[], dict[str, Any]], load_state: Callable[[dict[str, Any]], None],
                  timeout: timedelta | None, per_step: bool = True) -> None:
-        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-
         timeout = timeout or timedelta(seconds=60)
         self.options = options
         self.per_step = per_step
@@ -57,7 +57,20 @@ class ReplicaGroups:
         """What the healings received, in bytes of tensors."""
         self._started = False
         self._parts: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {"fit": (state, load_state)}
-        pg = unique_rendezvous(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
+        host = advertised_host(os.environ["MASTER_ADDR"])
+        self.manager, pg = torchft_adapter.manager(
+            device, load_state_dict=self._healed, state_dict=self._state, min_replica_size=options.min_replicas,
+            rank=rank, world_size=size, replica_id=f"replica_group_{options.replica_group}",
+            lighthouse_addr=options.lighthouse, timeout=timeout,
+            quorum_timeout=timedelta(seconds=options.quorum_timeout), connect_timeout=timeout,
+            # The group's own store (Lightning's and torchrun's rendezvous both serve one there), and the address
+            # the other groups reach this group's manager at (to heal from it): the rendezvous host, unless that
+            # is a loopback name.
+            store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]), hostname=host,
+            # A lighthouse that does not answer (restarted, say) is asked again about once a second, up to
+            # quorum_timeout (torchft's manager server retries; without, the first refusal fails the quorum).
+            quorum_retries=max(1, int(options.quorum_timeout)),
+        )
         self.pg = pg
         """torchft's process group of this group rank over the live groups (what a codec's collectives run on)."""
         self.comm: ReplicaGroupCommunicator | None = None
@@ -75,22 +88,6 @@ class ReplicaGroups:
         """Called with the quorum's count of committed steps once a per-step quorum this group started before its
         first commit is in, before the step's first collective: a sync mode with warm-up steps learns there
         whether its peers are past them (the quorum is then a sync's)."""
-        host = advertised_host(os.environ["MASTER_ADDR"])
-        self.manager = Manager(
-            pg=pg, load_state_dict=self._healed, state_dict=self._state, min_replica_size=options.min_replicas,
-            rank=rank, world_size=size, replica_id=f"replica_group_{options.replica_group}",
-            lighthouse_addr=options.lighthouse, timeout=timeout,
-            quorum_timeout=timedelta(seconds=options.quorum_timeout), connect_timeout=timeout,
-            # The group's own store (Lightning's and torchrun's rendezvous both serve one there), and the address
-            # the other groups reach this group's manager at (to heal from it): the rendezvous host, unless that
-            # is a loopback name.
-            store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
-            hostname=host, checkpoint_transport=http_transport(host, timeout),
-            # A lighthouse that does not answer (restarted, say) is asked again about once a second, up to
-            # quorum_timeout (torchft's manager server retries; without, the first refusal fails the quorum).
-            quorum_retries=max(1, int(options.quorum_timeout)),
-        )
-        pg.quorums = self.manager._client = QuorumRecorder(self.manager._client, self.manager)
 
     def communicator(self, ranks_per_node: int, timeout: timedelta | None) -> ReplicaGroupCommunicator:
         """The fit's communicator: the strategy's collectives, and a codec's on :attr:`pg`."""
@@ -198,45 +195,6 @@ class ReplicaGroups:
         self.manager.shutdown(wait=False)
 
 
-class QuorumRecorder:
-    """torchft's client of its manager server, keeping the step of the last quorum it returned (the highest step
-    of its groups: every group of the quorum gets the same), and making the Manager reconfigure its process group
-    for a quorum whose id it already has but whose groups differ: a lighthouse started again hands out ids from 1
-    again, and torchft 0.2 reconfigures only on a new id."""
-
-    def __init__(self, client: Any, manager: Any) -> None:
-        self._client, self._manager = client, manager
-        self.max_step = 0
-        self._members: tuple[int, list[str]] | None = None
-
-    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        quorum = self._client._quorum(*args, **kwargs)
-        self.max_step = quorum.max_step
-        members = (quorum.quorum_id, list(quorum.replica_ids))
-        if self._members is not None and members[0] == self._members[0] and members[1] != self._members[1]:
-            self._manager._quorum_id = None  # (read next by the Manager: a new id for it, so it reconfigures)
-        self._members = members
-        return quorum
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-
-def unique_rendezvous(base: type) -> type:
-    """torchft's process group whose rendezvous keys, at each reconfiguration, are under the quorum's step as well
-    as its id: torchft 0.2 keys them by quorum id only, which a lighthouse started again hands out from 1 again,
-    and the stores still hold the keys of the first quorums under those (a reconfiguration then hangs on them)."""
-
-    class UniqueRendezvous(base):
-        quorums: QuorumRecorder | None = None
-
-        def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
-            step = self.quorums.max_step if self.quorums is not None else 0
-            super().configure(f"{store_addr}/step{step}", *args, **kwargs)
-
-    return UniqueRendezvous
-
-
 def advertised_host(rendezvous_host: str) -> str:
     """Where the other replica groups reach this rank's torchft manager and checkpoint transport: this node's
     address on its route to the group's rendezvous host (on a group of one node, or on the rendezvous node, that
@@ -251,18 +209,6 @@ def advertised_host(rendezvous_host: str) -> str:
             return probe.getsockname()[0]
     except OSError:  # (no route from here: the rendezvous host, as given)
         return rendezvous_host
-
-
-def http_transport(host: str, timeout: timedelta) -> Any:
-    """torchft's HTTP checkpoint transport (what its Manager makes by default), advertised at ``host``: torchft 0.2
-    advertises the machine's host name, which another node may not reach (a network namespace's, say)."""
-    from torchft.checkpointing import HTTPTransport
-
-    class Transport(HTTPTransport):
-        def address(self) -> str:
-            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
-
-    return Transport(timeout=timeout, num_chunks=0)
 
 
 def state_bytes(state: Any) -> int:
