@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGINS_DOC = ROOT / "docs" / "plugins.md"
 SPEC_FILE = ROOT / "hookspecs" / "hooks.py"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-README_LIMIT = 16 * 1024
+README_LIMIT = 16_000
+CHANGELOG_LIMIT = 30_000
 SPEC_ATTR = f"{PROJECT_NAME}_spec"  # what pluggy's HookspecMarker("ddp_plugin") sets on a hook specification
 
 
@@ -189,3 +190,13 @@ def test_docs_link_to_nothing_outside_the_repository_by_path():
 def test_readme_stays_short():
     size = (ROOT / "README.md").stat().st_size
     assert size < README_LIMIT, f"README.md is {size} bytes; keep it under {README_LIMIT} (move details to docs/)"
+
+
+def test_changelog_stays_a_changelog():
+    """Under 30 KB, and no fix of a feature that no release had (such a fix belongs to its feature's entry)."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    assert len(text.encode()) < CHANGELOG_LIMIT, f"CHANGELOG.md is {len(text.encode())} bytes"
+    releases = [part for part in text.split("\n## ")[1:]]
+    assert releases[0].startswith("[Unreleased]") and all(r.startswith("[") for r in releases)
+    first = releases[-1]
+    assert "### Fixed" not in first and "### Changed" not in first, "the first release only adds"

@@ -1,0 +1,110 @@
+"""The house's shape, read from the source as a newcomer reads it (no processes, no torch): no module imports
+another that imports it back (type-checking imports included: a circle there is a circle for the reader), and
+torchft's private attributes are touched in one module only."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.support import ROOT
+
+PACKAGE = ROOT / "ddp_plugin"
+TORCHFT_PRIVATE = {"_client", "_quorum", "_quorum_id", "_server"}
+"""The private attributes of torchft's Manager, its client and its checkpoint transport that ddp_plugin uses."""
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name (the hook contract as ``ddp_plugin.hookspecs``)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in (ROOT / "hookspecs").glob("*.py"):
+        found["ddp_plugin.hookspecs" + ("" if path.stem == "__init__" else f".{path.stem}")] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package's modules that module ``name`` imports at its top level (under ``if TYPE_CHECKING:`` too; not
+    inside functions)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name in known)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in known:
+                        found.add(f"{base}.{alias.name}")
+                    elif base in known:
+                        found.add(base)
+
+    visit(ast.parse(path.read_text()).body)
+    found.discard(name)
+    return found
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return found
+
+
+def test_nothing_imports_in_a_circle():
+    known = modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    assert graph["ddp_plugin.parallel.pipeline"] >= {"ddp_plugin.parallel.ties"}  # (the reading sees imports)
+    assert circles(graph) == []
+
+
+def test_the_check_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+
+
+def test_torchfts_private_attributes_are_used_in_its_adapter_only():
+    adapter = PACKAGE / "fault_tolerance" / "torchft_adapter.py"
+    users = {path.relative_to(ROOT).as_posix() for path in PACKAGE.rglob("*.py")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr in TORCHFT_PRIVATE}
+    assert users == {adapter.relative_to(ROOT).as_posix()}
