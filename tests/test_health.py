@@ -41,7 +41,7 @@ def _forget(rank: int, world_size: int) -> None:
         for key in ["gone", "news", *(f"{kind}/{r}" for kind in ("beat", "step", "failed", "victim", "process", "read")
                                       for r in range(world_size))]:
             store.delete_key(f"ddp_plugin/health/{key}")
-    health._diagnosed = health._store_unreachable = False
+    health.DIAGNOSIS.reset()
     dist.barrier()
 
 
@@ -351,17 +351,17 @@ def _rank_2_reports_then_the_store_is_gone(rank, world_size):
         deadline = time.monotonic() + 30
         while watch.fired is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        real = health._store
+        real = health.store.connect
 
         def gone(probe: bool = False):
             raise ConnectionError("Connection refused")  # (the store's host, rank 0 under Lightning, has exited)
 
-        health._store = gone
+        health.store.connect = gone
         try:
             return health.diagnose(ERROR)
         finally:
-            health._store = real
-            health._store_unreachable = False
+            health.store.connect = real
+            health.DIAGNOSIS.store_unreachable = False
     finally:
         dist.barrier()
         heartbeat.stop()
@@ -389,7 +389,7 @@ def _rank_2_reports_and_rank_1_diagnoses_late(rank, world_size, late_s: float = 
         health.linger_as_store_host(timeout_s=30)  # (as at exit after a failed fit)
         result = time.monotonic() - start
     dist.barrier()
-    health._diagnosed = False
+    health.DIAGNOSIS.diagnosed = False
     return result
 
 

@@ -15,7 +15,6 @@ Rank 0 appends a JSON line per case: the stages' blocks, the losses, the step re
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 
