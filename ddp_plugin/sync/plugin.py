@@ -30,10 +30,10 @@ a fragment of the parameters is synchronized:
 Each rank sends 2(M-1)/M of its part of a fragment per sync: per node, S/F every H/F steps, S/H per step.
 
 Beside it: :mod:`~ddp_plugin.sync.schedule` (when), :mod:`~ddp_plugin.sync.parts` (where a rank reads and writes
-its part), :mod:`~ddp_plugin.sync.outer_optimizer` and :mod:`~ddp_plugin.sync.state` (the checkpoint state). This
-module stays over 400 lines for a reason: the send, the outer step (on the outer thread, or windowed on the
-training thread with the state sharded over the nodes) and the apply share one plugin's pieces, syncs in flight
-and streams, and read as one algorithm.
+its part), :mod:`~ddp_plugin.sync.node_shards` (the global copy and outer state sharded over the nodes),
+:mod:`~ddp_plugin.sync.outer_optimizer` and :mod:`~ddp_plugin.sync.state` (the checkpoint state). (Over 400 lines:
+the gradients kept inside the node, the send, the outer step and the apply are one plugin's hooks over its pieces,
+syncs in flight and streams, and read as one algorithm.)
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from ddp_plugin.clock import Clock, Intervals
 from ddp_plugin.comm import RS_PIECE_BYTES
 from ddp_plugin.hookspecs import completed_future, hookimpl, local_tensor
 from ddp_plugin.streams import SideStream, SideThread
+from ddp_plugin.sync.node_shards import NodeShards
 from ddp_plugin.sync.outer_optimizer import NESTEROV, NesterovSGD, build_outer_optimizer
 from ddp_plugin.sync.parts import InFlight, ModuleChunks, Piece, ShardParts, Update
 from ddp_plugin.sync.schedule import SyncSchedule, fragment_bounds
@@ -130,6 +131,7 @@ class OuterSync:
                     self.intra = g
         shards = hook.on_parameter_shards()
         self.access = ShardParts(shards) if shards is not None else ModuleChunks(self.buckets, t, comm)
+        self.node_shards = NodeShards(t, comm, self.access, self.inter, self.intra)
         # With the plain mean across nodes (no codec answers for the pseudo-gradients) the global copy and the
         # outer optimizer's state are sharded over the nodes too: 1/N of them per rank instead of 1/k.
         self.sharded_outer = m > 1 and options.cross_node_codec is None and self.shards_outer_over_nodes
@@ -283,12 +285,12 @@ class OuterSync:
             # Every buffer the outer step works in is allocated here, on the training thread, which frees them
             # once the sync is applied (the outer thread's own heap stays small); the snapshots are what is
             # reduced, each padded to n equal shares.
-            padded = [self._read_padded(p) for p in pieces]
+            padded = [self.node_shards.read_padded(p) for p in pieces]
             snapshots = [x[: p.hi - p.lo] for p, x in zip(pieces, padded)]
             shares = [torch.empty(p.width, dtype=x.dtype, device=x.device) for p, x in zip(pieces, padded)]
             gathered = [torch.empty_like(x) for x in padded]
-            result = self._thread.submit(self._on_side, self._side.hand_over(), self._outer_step_sharded, pieces,
-                                         padded, shares, gathered)
+            result = self._thread.submit(self._on_side, self._side.hand_over(), self.node_shards.outer_step, pieces,
+                                         padded, shares, gathered, self._outer_optimizer_step)
         else:
             snapshots = [self.access.read(p.bucket, p.lo, p.hi) for p in pieces]
             if self.schedule.staleness:
@@ -310,34 +312,6 @@ class OuterSync:
         self._side.receive(ready)
         return step(*args)
 
-    def _read_padded(self, piece: Piece) -> Tensor:
-        """The replica's values of the piece, padded to n shares of ``width`` (zeros past its end)."""
-        buf = torch.empty(piece.width * self.topology.num_nodes, dtype=piece.outer.dtype, device=self.topology.device)
-        self._read_into(piece.bucket, piece.lo, piece.hi, buf)
-        return buf
-
-    def _outer_gradient(self, piece: Piece, share: Tensor) -> Tensor:
-        """This rank's share of the replicas' sum over the nodes (``share``, reduce-scattered over them) turned, in
-        its own memory, into the outer gradient of the share: ``x - mean(s)``."""
-        g = share[: piece.own_hi - piece.own_lo].div_(self.topology.num_nodes)
-        return torch.sub(piece.outer.detach(), g, out=g)
-
-    def _windows(self, piece: Piece, window: int):
-        """The piece's part in windows: for each offset ``q`` into the n shares, ``(q, size, spans)`` with
-        ``spans[j] = (a, z)``, the replica's elements ``[a, z)`` of share j's window (empty past the part's end)."""
-        n, w = self.topology.num_nodes, piece.width
-        for q in range(0, w, window):
-            size = min(window, w - q)
-            spans = [(min(piece.lo + j * w + q, piece.hi), min(piece.lo + j * w + q + size, piece.hi))
-                     for j in range(n)]
-            yield q, size, spans
-
-    def _read_into(self, b: int, a: int, z: int, out: Tensor) -> None:
-        """The replica's elements ``[a, z)`` of bucket ``b`` into ``out``, zeros past them."""
-        if z > a:
-            self.access.read(b, a, z, out=out[: z - a])
-        out[max(z - a, 0) :].zero_()
-
     def _sync_now(self, fragment: int, pieces: list[Piece]) -> None:
         """A sync without staleness, with the outer state sharded over the nodes, on the training thread (which
         would wait for it anyway), in windows of at most ``WINDOW_BYTES`` of each piece's part: each window's
@@ -347,28 +321,15 @@ class OuterSync:
         peak: this rank's shares of the mean (S/N) and a window, instead of a bucket's part."""
         started = self._clock.stamp()
         t = self.topology
-        n = t.num_nodes
-        window = max(1, WINDOW_BYTES // (n * 4))  # elements of a share per window (fp32: a buffer of 4 MiB)
+        window = max(1, WINDOW_BYTES // (t.num_nodes * 4))  # elements of a share per window (fp32: 4 MiB buffers)
         mine = {p.bucket: p for p in pieces}
         with health.diagnosed(OUTER_SYNC):
-            grads = []
-            for piece in pieces:
-                share = torch.empty(piece.width, dtype=piece.outer.dtype, device=t.device)
-                buf = torch.empty(n * min(window, piece.width), dtype=share.dtype, device=t.device)
-                for q, size, spans in self._windows(piece, window):
-                    win = buf[: n * size]
-                    for j, (a, z) in enumerate(spans):
-                        self._read_into(piece.bucket, a, z, win[j * size : (j + 1) * size])
-                    self.comm.reduce_scatter(share[q : q + size], win, group=self.inter)
-                grads.append(self._outer_gradient(piece, share))
-                del share, buf
-            self._outer_optimizer_step(pieces, grads)
-            del grads  # (their memory is free again)
+            self._outer_optimizer_step(pieces, [self.node_shards.outer_gradient(p, window) for p in pieces])
             drift = torch.zeros((), dtype=torch.float64, device=t.device)
             for b, lo, hi in self.fragment_ranges[fragment]:
                 piece = mine.get(b)
                 if piece is not None:
-                    drift += self._take_global_copy(piece, window)
+                    drift += self.node_shards.take_global_copy(piece, window)
                 if self.spreads:
                     self.access.publish([(b, lo, hi)])
             if t.ranks_per_node > 1:
@@ -377,28 +338,6 @@ class OuterSync:
         self._waits.add(started, self._clock.stamp())
         self.syncs += 1
         self._drift.append(float(drift.sqrt()))
-
-    def _take_global_copy(self, piece: Piece, window: int) -> Tensor:
-        """The stepped global copy of the piece into this rank's replica, window by window from the nodes that keep
-        its shares (broadcasts: the bytes of an all-gather); the squared norm of the replica's distance to it."""
-        t = self.topology
-        own = piece.own_hi - piece.own_lo
-        drift = torch.zeros((), dtype=torch.float64, device=t.device)
-        recv = torch.empty(min(window, piece.width), dtype=piece.outer.dtype, device=t.device)
-        now = torch.empty_like(recv)
-        for q, size, spans in self._windows(piece, window):
-            for j, (a, z) in enumerate(spans):
-                if j == t.node_rank:
-                    mine = max(0, min(size, own - q))
-                    recv[:mine].copy_(piece.outer.detach()[q : q + mine])
-                    recv[mine:size].zero_()
-                self.comm.broadcast(recv[:size], src=j, group=self.inter)
-                if z > a:
-                    self.access.read(piece.bucket, a, z, out=now[: z - a])
-                    drift += torch.linalg.vector_norm(now[: z - a].sub_(recv[: z - a]),
-                                                      dtype=torch.float32).double().square()
-                    self.access.write(piece.bucket, a, z, recv[: z - a])
-        return drift
 
     def _outer_step(self, pieces: list[Piece], pseudo: list[Tensor], snapshots: list[Tensor] | None
                     ) -> tuple[list[Update], float]:
@@ -435,39 +374,10 @@ class OuterSync:
         for piece in pieces:
             piece.outer.grad = None
 
-    def _outer_step_sharded(self, pieces: list[Piece], padded: list[Tensor], shares: list[Tensor],
-                            gathered: list[Tensor]) -> tuple[list[Update], float]:
-        """:meth:`_outer_step` with the outer state sharded over the nodes and staleness (without it,
-        :meth:`_sync_now`): each piece's snapshot reduce-scattered over the nodes, the outer step on this rank's
-        share (``x - mean(s)`` as its gradient), and the stepped global copy's shares all-gathered back (as many
-        bytes again: those of the all-reduce it replaces, with 1/n of the state), less the snapshot. The drift is
-        the norm of that update: the node's distance to the new global copy (its pseudo-gradient would need the
-        old copy of the whole piece, which no rank keeps)."""
-        t = self.topology
-        for s, share in zip(padded, shares):
-            self.comm.reduce_scatter(share, s, group=self.inter)
-        self._outer_optimizer_step(pieces, [self._outer_gradient(p, share) for p, share in zip(pieces, shares)])
-        drift = torch.zeros((), dtype=torch.float64, device=t.device)
-        updates = []
-        for piece, s, full in zip(pieces, padded, gathered):
-            values = self.gathered_outer(piece, out=full).sub_(s)[: piece.hi - piece.lo]
-            drift += torch.linalg.vector_norm(values, dtype=torch.float32).double().square()
-            updates.append(Update(piece.bucket, piece.lo, piece.hi, values))
-        if t.ranks_per_node > 1:
-            self.comm.all_reduce(drift, group=self.intra)
-        return updates, float(drift.sqrt())
-
     def gathered_outer(self, piece: Piece, values: Tensor | None = None, out: Tensor | None = None) -> Tensor:
-        """``values`` (default: the piece's global copy) of this rank's share of the piece, all-gathered over the
-        nodes into a buffer of the piece's padded size (``out``, or a new one): the whole piece's values."""
-        values = piece.outer.detach() if values is None else values
-        n, me = self.topology.num_nodes, self.topology.node_rank
-        full = torch.empty(piece.width * n, dtype=values.dtype, device=self.topology.device) if out is None else out
-        share = full[me * piece.width : (me + 1) * piece.width]
-        share[: values.numel()].copy_(values)
-        share[values.numel() :].zero_()
-        self.comm.all_gather(full, share, group=self.inter)
-        return full
+        """The whole piece's global copy (or ``values`` of this rank's share), from the nodes that keep its shares
+        (:meth:`NodeShards.gathered <ddp_plugin.sync.node_shards.NodeShards.gathered>`)."""
+        return self.node_shards.gathered(piece, values, out)
 
     def updates(self, pieces: list[Piece], snapshots: list[Tensor] | None, out: list[Tensor] | None = None
                  ) -> list[Update]:
