@@ -153,7 +153,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
     from ddp_plugin.activation_checkpointing import check_policy as check_activation_checkpointing_policy
     from ddp_plugin.zero.units import check_auto_wrap_policy
     from ddp_plugin.parallel.stage_module import ACTIVATION_DTYPES
-    from ddp_plugin.parallel.stage_plan import check_split as check_pipeline_split
+    from ddp_plugin.parallel.stages import check_split as check_pipeline_split
     from ddp_plugin.pretrained import check_pretrained
     from ddp_plugin.fault_tolerance.options import check_fault_tolerance
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddp_plugin.parallel import block_cut
-from ddp_plugin.parallel.stage_plan import plan_stages, split_module
+from ddp_plugin.parallel.stages import cut as block_cut
+from ddp_plugin.parallel.stages import BlockTimes, plan_stages, split_module
 from ddp_plugin.testing.gpt import Block, GPTModule
 
 
@@ -140,7 +140,7 @@ def fake_timer(before, blocks, after, share):
     """A timer that reports the given seconds (and the first part's ``share`` of each cut block)."""
     def timer(owner, listed, cuts):
         assert len(listed) == len(blocks)
-        return [before, *blocks, after, *(share for _ in cuts)]
+        return BlockTimes(before, tuple(blocks), after, dict.fromkeys(cuts, share), 0.0)
     return timer
 
 
@@ -159,13 +159,15 @@ def test_the_split_by_time_cuts_inside_a_block_only_where_that_balances_better()
 
 
 def test_the_split_by_time_measures_each_cut_blocks_parts():
-    from ddp_plugin.parallel.balance import time_blocks
+    from ddp_plugin.parallel.stages.timing import time_blocks
 
     torch.manual_seed(0)
     model = GPTModule(vocab=64, d_model=64, heads=2, layers=2, seq=32).model
     cuts = {i: block_cut.candidates(b)[0] for i, b in enumerate(model.blocks)}
-    seconds = time_blocks(model, list(model.blocks), torch.randint(0, 64, (2, 32)), torch.device("cpu"), cuts=cuts)
-    assert len(seconds) == 2 + 2 + 2 and all(0 < s < 1 for s in seconds[4:]), seconds
+    times = time_blocks(model, list(model.blocks), ((torch.randint(0, 64, (2, 32)),), {}), torch.device("cpu"),
+                        cuts=cuts)
+    assert len(times.blocks) == 2 and sorted(times.shares) == [0, 1], times
+    assert all(0 < s < 1 for s in times.shares.values()), times
     assert all(p.grad is None for p in model.parameters())
 
 

@@ -108,3 +108,29 @@ def test_torchfts_private_attributes_are_used_in_its_adapter_only():
              for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.Attribute) and node.attr in TORCHFT_PRIVATE}
     assert users == {adapter.relative_to(ROOT).as_posix()}
+
+
+MODULE_LINES = 400
+
+
+def test_a_module_over_400_lines_says_why_at_its_top():
+    """Over :data:`MODULE_LINES` lines, a module's docstring says why it stays one module ("(Over 400 lines: ...)",
+    "(About 450 lines: ...)")."""
+    import re
+
+    def says_why(docstring: str) -> bool:
+        return bool(re.search(r"\((?:[A-Za-z ]*)\d{3} lines\b[^)]*[:;]", docstring))
+
+    assert says_why("Text.\n\n(Over 400 lines: the send and the apply read as one.)")
+    assert not says_why("Text about 400 lines of code.")
+    long = {name: says_why(ast.get_docstring(ast.parse(path.read_text())) or "")
+            for name, path in modules().items() if path.read_text().count("\n") > MODULE_LINES}
+    assert all(long.values()), [name for name, why in long.items() if not why]
+
+
+def test_cutting_a_model_into_stages_is_entered_through_its_package_only():
+    known = modules()
+    inside = "ddp_plugin.parallel.stages."
+    outside = {name: sorted(m for m in imports(name, path, known) if m.startswith(inside))
+               for name, path in known.items() if not name.startswith(inside) and name != inside[:-1]}
+    assert {name: found for name, found in outside.items() if found} == {}

@@ -12,7 +12,7 @@ from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.parallel.pipeline import PipelineOutput
 from ddp_plugin.parallel.ties import find_ties
 from ddp_plugin.parallel.stage_module import CARRIER, Int8Rows, _packed, pack_rows, unpack_rows
-from ddp_plugin.parallel.stage_plan import StageBlocks, check_module, plan_stages, split_module
+from ddp_plugin.parallel.stages import StageBlocks, check_module, plan_stages, split_module
 from ddp_plugin.testing.gpt import GPTModule
 from ddp_plugin.topology import Layout
 
@@ -136,7 +136,7 @@ class Stack(nn.Module):
 
 
 def test_the_split_by_time_gives_a_heavy_block_a_stage_of_its_own():
-    from ddp_plugin.parallel.balance import time_blocks
+    from ddp_plugin.parallel.stages.timing import time_blocks
 
     model = Stack([1, 1, 32, 32])  # equal parameters: by count two blocks per stage, the heavy two together
     assert plan_stages(model, 2).stage_blocks == ((0, 1), (2, 3))
@@ -176,7 +176,7 @@ def test_the_split_by_time_gives_a_heavy_block_a_stage_of_its_own():
     ((1.0, 1.0, 10.0, 10.0), 0.0, ((0, 1, 2), (3,))),
 ])
 def test_the_split_by_time_keeps_the_simpler_split_within_the_timings_noise(blocks, noise, expected):
-    from ddp_plugin.parallel.balance import BlockTimes
+    from ddp_plugin.parallel.stages.timing import BlockTimes
 
     model = Stack([1, 1, 1, 1])
     plan = plan_stages(model, 2, "time",
@@ -185,7 +185,7 @@ def test_the_split_by_time_keeps_the_simpler_split_within_the_timings_noise(bloc
 
 
 def test_the_split_by_time_cuts_a_block_where_that_balances_beyond_the_noise():
-    from ddp_plugin.parallel.balance import BlockTimes
+    from ddp_plugin.parallel.stages.timing import BlockTimes
 
     model = Stack([1, 1, 1])  # two stages of three equal blocks: whole blocks give one stage 2/3 of the time
     plan = plan_stages(model, 2, "time",
@@ -194,7 +194,7 @@ def test_the_split_by_time_cuts_a_block_where_that_balances_beyond_the_noise():
 
 
 def test_the_split_by_time_needs_real_weights():
-    from ddp_plugin.parallel.balance import time_blocks
+    from ddp_plugin.parallel.stages.timing import time_blocks
 
     with torch.device("meta"):
         model = Stack([1, 1])
@@ -233,7 +233,7 @@ def fitting(module: L.LightningModule, data) -> L.Trainer:
 def test_the_split_by_time_finds_the_first_microbatch_by_running_the_step_up_to_the_models_call():
     from torch.utils.data import DataLoader
 
-    from ddp_plugin.parallel.balance import first_microbatch
+    from ddp_plugin.parallel.stages.timing import first_microbatch
 
     rows = [{"x": torch.full((128,), float(i))} for i in range(40)]
     module = DictBatches()
@@ -256,7 +256,7 @@ def test_the_split_by_time_finds_the_first_microbatch_by_running_the_step_up_to_
 def test_the_split_by_time_says_why_a_step_gave_no_microbatch(before, error, words):
     from torch.utils.data import DataLoader
 
-    from ddp_plugin.parallel.balance import first_microbatch
+    from ddp_plugin.parallel.stages.timing import first_microbatch
 
     module = DictBatches(before)
     fitting(module, DataLoader([{"x": torch.zeros(128)}] * 4, batch_size=4))
@@ -270,7 +270,7 @@ def test_the_split_by_time_says_why_a_step_gave_no_microbatch(before, error, wor
 def test_the_split_by_time_says_so_where_the_step_never_calls_the_pipelined_model():
     from torch.utils.data import DataLoader
 
-    from ddp_plugin.parallel.balance import first_microbatch
+    from ddp_plugin.parallel.stages.timing import first_microbatch
 
     class Elsewhere(DictBatches):
         def training_step(self, batch, batch_idx):

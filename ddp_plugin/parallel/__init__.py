@@ -5,14 +5,14 @@ What is here:
 
 - :mod:`~ddp_plugin.parallel.tensor_parallel`: tensor parallelism's mechanics (checks, ties that
   ``parallelize_module`` broke, norms over split parameters, state dicts of DTensors, module-state sync);
-- :mod:`~ddp_plugin.parallel.stage_plan`: where the model splits into pipeline stages (``pipeline_split``), and a
-  module cut down to its stages; :mod:`~ddp_plugin.parallel.balance`: the blocks timed for ``"time"``;
+- :mod:`~ddp_plugin.parallel.stages`: cutting a model into pipeline stages, one entry: where it splits
+  (``pipeline_split``: by parameters, timed compute, count, type or names, a block cut between two stages, a
+  Hugging Face model by its ``base_model_pp_plan``) and the module cut down to a rank's stages;
 - :mod:`~ddp_plugin.parallel.pipeline`: the schedule's runner (a step's microbatches, the model's call as a
   placeholder, predict); :mod:`~ddp_plugin.parallel.stage_module`: one stage's module (its forward, the
   activations' dtype across nodes); :mod:`~ddp_plugin.parallel.ties`: parameters several stages hold and their
   gradients' sum; :mod:`~ddp_plugin.parallel.stage_checkpoint`: the stages' state against the unsplit model's;
   :mod:`~ddp_plugin.parallel.state_parts`: each parallelism's part in a checkpoint (the contract the routing asks);
-- :mod:`~ddp_plugin.parallel.transformers_stages`: a Hugging Face model's stages from its ``base_model_pp_plan``;
 - :mod:`~ddp_plugin.parallel.components`: each parallelism as the strategy sees it.
 
 The contract between a parallelism and the strategy (:class:`~ddp_plugin.parallel.components.TensorParallel`,

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from ddp_plugin.health import diagnosed
 from ddp_plugin.hookspecs import is_tensor_parallel_shard
 from ddp_plugin.hookspecs.tensors import PIPELINE_COPIES_ATTRIBUTE
-from ddp_plugin.parallel import balance, pipeline, stage_plan, tensor_parallel
+from ddp_plugin.parallel import pipeline, stages, tensor_parallel
 from ddp_plugin.parallel import ties as stage_ties
 
 if TYPE_CHECKING:
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from ddp_plugin.config import StrategyConfig
-    from ddp_plugin.parallel.block_cut import Cut
     from ddp_plugin.process_groups import ProcessGroups
     from ddp_plugin.topology import Layout
     from ddp_plugin.session import FitSession
@@ -126,11 +125,14 @@ class PipelineParallel:
         """Keep this rank's stages of the module (split once per module: a second ``fit`` finds it split) and find
         the parameters several stages hold. Collective (the ties' groups)."""
         layout, topology = self.groups.layout, self.groups.topology
-        stage_plan.check_module(module, layout.pipeline_parallel_size)
+        stages.check_module(module, layout.pipeline_parallel_size)
         split = getattr(module, "_ddp_plugin_stages", None)
         if split is None:
-            plan = stage_plan.plan_stages(module, self.config.pipeline_stages, self.config.pipeline_split,
-                                        self._timer(module, device))
+            timer = None
+            if self.config.pipeline_split == "time":  # the blocks timed on the data's first microbatch
+                timer = stages.fit_timer(module, device, self.config.pipeline_microbatches
+                                         or self.groups.layout.pipeline_parallel_size)
+            plan = stages.plan_stages(module, self.config.pipeline_stages, self.config.pipeline_split, timer)
             shared = tensor_parallel.shared_parameters(module)
             split_ties = [t.names for t in stage_ties.find_ties(shared, plan, layout.pipeline_parallel_size)
                           if is_tensor_parallel_shard(module.get_parameter(t.names[0]))]
@@ -143,7 +145,7 @@ class PipelineParallel:
                 )
             order = [name for name, _ in module.named_parameters()]
             mine = range(topology.pipeline_parallel_rank, plan.num_stages, layout.pipeline_parallel_size)
-            stage_plan.split_module(module, plan, mine)
+            stages.split_module(module, plan, mine)
             split = module._ddp_plugin_stages = (plan, shared, order)
         plan, shared, _ = split
         ties = stage_ties.find_ties(shared, plan, layout.pipeline_parallel_size)
@@ -156,27 +158,6 @@ class PipelineParallel:
         if ties:
             log.info("ddp_plugin: shared across pipeline stages: %s", "; ".join(" = ".join(t.names) for t in ties))
         return ties
-
-    def _timer(self, module: pl.LightningModule, device: torch.device) -> stage_plan.Timer | None:
-        """``pipeline_split="time"``: the blocks timed on the strategy's device on the first microbatch of the data
-        (:func:`balance.first_microbatch`), averaged over every rank."""
-        if self.config.pipeline_split != "time":
-            return None
-        microbatches = self.config.pipeline_microbatches or self.groups.layout.pipeline_parallel_size
-
-        def timer(owner: Module, blocks: Sequence[Module], cuts: Mapping[int, Cut]) -> balance.BlockTimes:
-            if any(p.is_meta for p in owner.parameters()):  # (refused before the step is run for its input)
-                balance.refuse_meta()
-            example = balance.first_microbatch(module, owner, microbatches, device)
-            times = balance.time_blocks(owner, blocks, example, device, cuts=cuts)
-            log.info("ddp_plugin: pipeline_split='time': %s ms before the blocks, %s per block, %s after them%s;"
-                     " the passes %.0f %% apart", f"{times.before * 1e3:.2f}",
-                     ", ".join(f"{t * 1e3:.2f}" for t in times.blocks), f"{times.after * 1e3:.2f}",
-                     "".join(f"; block {i} before `{cuts[i].at}`: {share:.2f} of it"
-                             for i, share in sorted(times.shares.items())), 100 * times.noise)
-            return times
-
-        return timer
 
     def start(self, module: pl.LightningModule, ties: list[stage_ties.Tie], device: torch.device
               ) -> pipeline.PipelineRunner:

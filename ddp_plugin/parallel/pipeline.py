@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ddp_plugin.parallel import transformers_stages
+from ddp_plugin.parallel.stages import wrap_output
 from ddp_plugin.parallel.stage_checkpoint import StageCheckpoint
 from ddp_plugin.parallel.stage_module import ACTIVATION_DTYPES, StageModule
 from ddp_plugin.parallel.ties import Tie, TiedGradients
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from ddp_plugin.engine import GradientEngine
 
-    from ddp_plugin.parallel.stage_plan import StagePlan
+    from ddp_plugin.parallel.stages import StagePlan
 
 
 class PipelineOutput:
@@ -263,7 +263,7 @@ class PipelineRunner:
         output = self._broadcast_from_last(output)
         output = _slice_rows(output, padded, rows) if padded != rows else output
         if self.plan.kind == "transformers":
-            return transformers_stages.wrap_output(self.plan.output, output)
+            return wrap_output(self.plan.output, output)
         return output
 
     def _broadcast_from_last(self, output: Any) -> Any:

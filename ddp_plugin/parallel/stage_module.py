@@ -10,8 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ddp_plugin.codecs.int8 import dequantize_int8, quantize_int8
-from ddp_plugin.parallel import transformers_stages
-from ddp_plugin.parallel.stage_plan import StagePlan, _get, _left_out, _set, stage_blocks
+from ddp_plugin.parallel.stages import StagePlan, get_path, left_out, set_path, stage_blocks, stage_forward
 
 
 class StageModule(nn.Module):
@@ -22,12 +21,12 @@ class StageModule(nn.Module):
     def __init__(self, owner: nn.Module, plan: StagePlan, stage: int) -> None:
         super().__init__()
         self.__dict__["_owner"] = owner  # not a child: its parameters are the LightningModule's
-        blocks = _get(owner, plan.blocks)
+        blocks = get_path(owner, plan.blocks)
         self._blocks = {i: blocks._modules[plan.key(i)] for i in plan.stage_blocks[stage]}
-        held = {name: _get(owner, name) for name in plan.before + plan.after}
+        held = {name: get_path(owner, name) for name in plan.before + plan.after}
         mine = {name for name in held if (name in plan.before and stage == 0)
                 or (name in plan.after and stage == plan.num_stages - 1)}
-        self._keep = {name: held[name] if name in mine else _left_out(plan) for name in held}
+        self._keep = {name: held[name] if name in mine else left_out(plan) for name in held}
         self._blocks_name = plan.blocks
         self._kind, self._output = plan.kind, plan.output
         self.__dict__["_stage_blocks"] = stage_blocks(plan, self._blocks)  # (made once; blocks registered in parts)
@@ -70,17 +69,17 @@ class StageModule(nn.Module):
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         owner = self._owner
-        saved = {name: _get(owner, name) for name in (*self._keep, self._blocks_name)}
+        saved = {name: get_path(owner, name) for name in (*self._keep, self._blocks_name)}
         try:
             for name, m in self._keep.items():
-                _set(owner, name, m)
-            _set(owner, self._blocks_name, self._stage_blocks)
+                set_path(owner, name, m)
+            set_path(owner, self._blocks_name, self._stage_blocks)
             if self._kind == "transformers":
-                return transformers_stages.stage_forward(owner, self.first, self._output, *args, **kwargs)
+                return stage_forward(owner, self.first, self._output, *args, **kwargs)
             return _call_forward(owner, *args, **kwargs)
         finally:
             for name, m in saved.items():
-                _set(owner, name, m)
+                set_path(owner, name, m)
 
 
 ACTIVATION_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from ddp_plugin.hookspecs import Bucket, local_tensor
 
 if TYPE_CHECKING:
-    from ddp_plugin.parallel.stage_plan import StagePlan
+    from ddp_plugin.parallel.stages import StagePlan
 
 
 @dataclass

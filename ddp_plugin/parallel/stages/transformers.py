@@ -7,7 +7,7 @@ model's modules a pipeline runs: the embedding (``input_ids`` -> ``inputs_embeds
 
 A stage runs the model's own ``forward``, unchanged: the first stage from ``input_ids`` (or whatever the user's
 call passed), a later one from the activations as ``inputs_embeds``; the decoder layers are this stage's only
-(the model slices ``self.layers[: num_hidden_layers]``, which a :class:`~ddp_plugin.parallel.stage_plan.StageBlocks` allows),
+(the model slices ``self.layers[: num_hidden_layers]``, which a :class:`~ddp_plugin.parallel.stages.plan.StageBlocks` allows),
 and the norm and the head of an earlier stage are ``nn.Identity``, so its "logits" are the hidden states it sends
 on. The key-value cache is off (``use_cache=False``).
 """

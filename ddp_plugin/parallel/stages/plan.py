@@ -4,7 +4,7 @@ compute, uniform, by block type, or named), and a module cut down to its stages'
 The contract: the model is a module whose children, in registration order, are modules before a ``ModuleList``
 (or a ``ModuleDict`` keyed by layer id) of blocks (they go to the first stage), the blocks (split into contiguous
 runs) and modules after it (the last stage); a Hugging Face model is split by its config's ``base_model_pp_plan``
-(:mod:`ddp_plugin.parallel.transformers_stages`). See :mod:`ddp_plugin.parallel.pipeline` for the rest.
+(:mod:`ddp_plugin.parallel.stages.transformers`). See :mod:`ddp_plugin.parallel.pipeline` for the rest.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ddp_plugin.parallel import block_cut, stage_names, transformers_stages
-from ddp_plugin.parallel.block_cut import Cut
+from ddp_plugin.parallel.stages import cut as block_cut
+from ddp_plugin.parallel.stages import names as stage_names
+from ddp_plugin.parallel.stages import transformers as transformers_stages
+from ddp_plugin.parallel.stages.cut import Cut
 
 if TYPE_CHECKING:
-    from ddp_plugin.parallel.balance import BlockTimes
+    from ddp_plugin.parallel.stages.timing import BlockTimes
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +44,12 @@ class StagePlan:
     is_dict: bool = False
     kind: str = "contract"
     """``"contract"`` (the model's ``forward`` skips ``None`` children) or ``"transformers"`` (a Hugging Face model
-    split by its config's ``base_model_pp_plan``: :mod:`ddp_plugin.parallel.transformers_stages`); ``blocks``, ``before``
+    split by its config's ``base_model_pp_plan``: :mod:`ddp_plugin.parallel.stages.transformers`); ``blocks``, ``before``
     and ``after`` may then be dotted paths below ``owner``."""
     output: str = ""
     """``"transformers"``: the attribute of the model's output a stage returns (``"logits"``)."""
     cuts: tuple[tuple[int, Cut], ...] = ()
-    """The blocks cut between two stages (:mod:`ddp_plugin.parallel.block_cut`): (position, cut). Such a block is
+    """The blocks cut between two stages (:mod:`ddp_plugin.parallel.stages.cut`): (position, cut). Such a block is
     in the ``stage_blocks`` of both; the earlier runs its first part, the later its second."""
 
     def key(self, position: int) -> str:
@@ -124,11 +126,11 @@ def check_split(value: Any) -> str | tuple[tuple[str, ...], ...]:
 Timer = Callable[[nn.Module, Sequence[nn.Module], Mapping[int, Cut]], "BlockTimes"]
 """``pipeline_split="time"``'s measure: (the model, its blocks, a cut per block that may be cut) -> the seconds
 before the blocks, per block, after them, the share of a block's seconds its cut's first part takes, and how far
-apart the timed passes were (:func:`ddp_plugin.parallel.balance.time_blocks`)."""
+apart the timed passes were (:func:`ddp_plugin.parallel.stages.timing.time_blocks`)."""
 
-NOISE_BAND = (0.1, 0.3)
+NOISE_BAND = (0.05, 0.3)
 """``pipeline_split="time"`` keeps a simpler split (by parameters, then whole blocks) whose slowest stage is within
-the timing's own measured noise of the best split's, taken at least 10 % (a split that differs by less than the
+the timing's own measured noise of the best split's, taken at least 5 % (a split that differs by less than the
 timing can tell would flip between two runs of the same job) and at most 30 % (a difference beyond that is acted
 on even on a machine too busy to time well: the timing takes each part's fastest pass, which what else runs only
 slows)."""
@@ -200,7 +202,7 @@ def _cut(module: nn.Module, owner_path: str, blocks_path: str, before: tuple[str
     """The blocks at ``blocks_path`` below the model at ``owner_path`` cut into ``num_stages`` runs as ``split``
     says; ``before`` and ``after`` (paths below the model) go with the first and the last stage."""
     owner = module.get_submodule(owner_path)
-    blocks = _get(owner, blocks_path)
+    blocks = get_path(owner, blocks_path)
     path = f"{owner_path}.{blocks_path}" if owner_path else blocks_path
     if len(blocks) < num_stages:
         raise ValueError(
@@ -234,7 +236,7 @@ def _parameter_runs(owner: nn.Module, blocks: Sequence[nn.Module], before: tuple
     """The blocks' runs balanced by parameter count, the modules before and after the blocks weighing on the first
     and the last stage."""
     def count(names: tuple[str, ...]) -> int:
-        return sum(p.numel() for n in names if (m := _get(owner, n)) is not None for p in m.parameters())
+        return sum(p.numel() for n in names if (m := get_path(owner, n)) is not None for p in m.parameters())
 
     sizes = _split_sizes("parameters", blocks, "")
     sizes[0] += count(before)
@@ -301,19 +303,19 @@ def _split_sizes(split: str, blocks: Sequence[nn.Module], path: str) -> list[int
     return [sum(p.numel() for p in b.parameters()) for b in blocks]
 
 
-def _get(owner: nn.Module, path: str) -> Any:
+def get_path(owner: nn.Module, path: str) -> Any:
     """The child at a dotted ``path`` below ``owner`` (``None`` where a stage left it out)."""
     for part in path.split("."):
         owner = getattr(owner, part)
     return owner
 
 
-def _set(owner: nn.Module, path: str, value: Any) -> None:
+def set_path(owner: nn.Module, path: str, value: Any) -> None:
     parent, _, name = path.rpartition(".")
-    setattr(_get(owner, parent) if parent else owner, name, value)
+    setattr(get_path(owner, parent) if parent else owner, name, value)
 
 
-def _left_out(plan: StagePlan) -> nn.Module | None:
+def left_out(plan: StagePlan) -> nn.Module | None:
     """What stands for a module another stage holds: ``None`` (the contract's ``forward`` skips it), or for a
     Hugging Face model (whose ``forward`` calls its norm and head unconditionally) an ``nn.Identity``."""
     return nn.Identity() if plan.kind == "transformers" else None
@@ -374,7 +376,7 @@ def split_module(module: nn.Module, plan: StagePlan, stages: Iterable[int]) -> N
     stages = set(stages)
     owner = module.get_submodule(plan.owner)
     keep = {i for s in stages for i in plan.stage_blocks[s]}
-    blocks = _get(owner, plan.blocks)
+    blocks = get_path(owner, plan.blocks)
     for i, cut in plan.cuts:  # a cut block: this rank's part of it
         held = [s for s in stages if i in plan.stage_blocks[s]]
         if len(held) == 2:
@@ -382,8 +384,8 @@ def split_module(module: nn.Module, plan: StagePlan, stages: Iterable[int]) -> N
         if held:
             second = held[0] == max(s for s, run in enumerate(plan.stage_blocks) if i in run)
             block_cut.keep_part(blocks._modules[plan.key(i)], cut, second)
-    _set(owner, plan.blocks, stage_blocks(plan, {i: blocks._modules[plan.key(i)] for i in keep}))
+    set_path(owner, plan.blocks, stage_blocks(plan, {i: blocks._modules[plan.key(i)] for i in keep}))
     for name in plan.before if 0 not in stages else ():
-        _set(owner, name, _left_out(plan))
+        set_path(owner, name, left_out(plan))
     for name in plan.after if plan.num_stages - 1 not in stages else ():
-        _set(owner, name, _left_out(plan))
+        set_path(owner, name, left_out(plan))

@@ -15,6 +15,7 @@ behind.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +29,9 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ddp_plugin.parallel.block_cut import Cut
+from ddp_plugin.parallel.stages.cut import Cut
+
+log = logging.getLogger(__name__)
 
 REPEATS = 5
 """Timed passes (after one untimed): each part's fastest counts (what else runs on the machine only adds to a
@@ -134,6 +137,24 @@ def _model_input(module: Any, owner: nn.Module, step_name: str, batch: Any, batc
 def _name(module: nn.Module, owner: nn.Module) -> str:
     """``owner``'s attribute path in ``module`` (``model``), or ``forward`` for the module itself."""
     return next((name for name, m in module.named_modules() if m is owner and name), "forward")
+
+
+def fit_timer(module: Any, device: torch.device, microbatches: int) -> Callable[..., BlockTimes]:
+    """``pipeline_split="time"``'s measure for a fit's setup (:data:`~ddp_plugin.parallel.stages.plan.Timer`): the
+    blocks of the LightningModule ``module``'s pipelined model timed on ``device`` on the first microbatch of the
+    data (:func:`first_microbatch`), averaged over every rank, and logged."""
+
+    def timer(owner: nn.Module, blocks: Sequence[nn.Module], cuts: Mapping[int, Cut]) -> BlockTimes:
+        if any(p.is_meta for p in owner.parameters()):  # (refused before the step is run for its input)
+            refuse_meta()
+        times = time_blocks(owner, blocks, first_microbatch(module, owner, microbatches, device), device, cuts=cuts)
+        log.info("ddp_plugin: pipeline_split='time': %s ms before the blocks, %s per block, %s after them%s; the"
+                 " passes %.0f %% apart", f"{times.before * 1e3:.2f}", ", ".join(f"{t * 1e3:.2f}" for t in times.blocks),
+                 f"{times.after * 1e3:.2f}", "".join(f"; block {i} before `{cuts[i].at}`: {share:.2f} of it"
+                                                     for i, share in sorted(times.shares.items())), 100 * times.noise)
+        return times
+
+    return timer
 
 
 def refuse_meta() -> None:

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ddp_plugin.parallel import block_cut
-from ddp_plugin.parallel.block_cut import Cut
+from ddp_plugin.parallel.stages import cut as block_cut
+from ddp_plugin.parallel.stages.cut import Cut
 
 
 def named_runs(split: Sequence[Sequence[str]], num_stages: int, owner: str, blocks: str, keys: Sequence[str],
