@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ddp_plugin.parallel.stages import wrap_output
+from ddp_plugin.parallel.stages import forward_replaced, wrap_output
 from ddp_plugin.parallel.stage_checkpoint import StageCheckpoint
 from ddp_plugin.parallel.stage_module import ACTIVATION_DTYPES, StageModule
 from ddp_plugin.parallel.ties import Tie, TiedGradients
@@ -157,15 +157,8 @@ class PipelineRunner:
     @contextmanager
     def model_call(self, forward: Callable[..., Any]) -> Generator[None, None, None]:
         """While the user's step runs, the model's call is ``forward`` (then the call outside steps again)."""
-        previous = self.owner.__dict__.get("forward")
-        self.owner.forward = forward
-        try:
+        with forward_replaced(self.owner, forward):
             yield
-        finally:
-            if previous is None:
-                del self.owner.__dict__["forward"]
-            else:
-                self.owner.forward = previous
 
     def call_outside_steps(self) -> None:
         """From now until :meth:`release`, the model called outside a step runs the whole pipeline, forward only

@@ -10,6 +10,7 @@ stages. This package's names are its one entry: the rest of the library imports 
 """
 
 from ddp_plugin.parallel.stages.cut import Cut
+from ddp_plugin.parallel.stages.forward import forward_replaced
 from ddp_plugin.parallel.stages.plan import (
     SPLIT_METHODS,
     StageBlocks,
@@ -37,6 +38,7 @@ __all__ = [
     "check_module",
     "check_split",
     "fit_timer",
+    "forward_replaced",
     "get_path",
     "left_out",
     "plan_stages",

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ddp_plugin.parallel.stages.cut import Cut
+from ddp_plugin.parallel.stages.forward import forward_replaced
 
 log = logging.getLogger(__name__)
 
@@ -116,21 +117,14 @@ def _model_input(module: Any, owner: nn.Module, step_name: str, batch: Any, batc
     def reached(*model_args: Any, **model_kwargs: Any) -> Any:
         raise _Reached(model_args, model_kwargs)
 
-    previous = owner.__dict__.get("forward")
-    owner.forward = reached
     try:
-        with torch.no_grad():
+        with forward_replaced(owner, reached), torch.no_grad():
             step(*args)
     except _Reached as call:
         return call.args[0], call.args[1]
     except Exception as err:
         raise RuntimeError(f"{what}, and `{step_name}` failed before that call: {type(err).__name__}: {err}."
                            " Or balance by `pipeline_split='parameters'` (the default).") from err
-    finally:
-        if previous is None:
-            del owner.__dict__["forward"]
-        else:
-            owner.forward = previous
     raise TypeError(f"{what}, and `{step_name}` returned without calling it (`self.{_name(module, owner)}(...)`).")
 
 
