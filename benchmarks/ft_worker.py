@@ -48,7 +48,8 @@ class Record(L.Callback):
             time.sleep(self.sleep)
             return
         session = trainer.strategy._session
-        ft = session.replicas.metrics() if session is not None and session.replicas is not None else {}
+        members = session.plugin_manager.get_plugin("replica_groups") if session is not None else None
+        ft = members.replicas.metrics() if members is not None else {}
         loss = float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs)
         self.file.write(json.dumps({"time": time.time(), "global_step": trainer.global_step, "loss": loss, **ft})
                         + "\n")

@@ -14,12 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ddp_plugin import activation_checkpointing, cpu_memory, pretrained
+from ddp_plugin import activation_checkpointing, cpu_memory, fault_tolerance, pretrained
 from ddp_plugin.materialize import Deferred, has_meta_tensors
 from ddp_plugin.materialize import materialize as allocate
 from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.parallel.ties import Tie, sync_ties
-from ddp_plugin.fault_tolerance import start_replicas
 from ddp_plugin.session import FitSession
 
 if TYPE_CHECKING:
@@ -90,13 +89,18 @@ def start_session(config: StrategyConfig, model: Module, groups: ProcessGroups, 
     wanted = config.zero_stage >= 2 if release is None else release
     if wanted and device.type == "cpu" and cpu_memory.release_freed_buffers():
         log.info("ddp_plugin: glibc's mmap threshold fixed at 1 MiB (release_cpu_memory)")
+    ties = list(ties)
+    plugins, builtins = [deferred] if deferred is not None else [], {}
+    if config.fault_tolerance is not None:
+        members, builtins = fault_tolerance.fit_plugins(
+            config.fault_tolerance, module, optimizers, groups.topology, device, groups.layout.ranks_per_node,
+            config.timeout, per_step=config.sync_every == 1 or config.sync_warmup_steps > 0, ties=ties)
+        plugins += members
     session = FitSession(config, model, groups.topology, groups.bookkeeping, device, hierarchical, measure_memory,
                          node_flags_group=groups.node_bookkeeping, layout=groups.layout,
                          tensor_parallel_peers=groups.tensor_parallel_peers,
-                         solo=[t.param for t in ties if t.param is not None],
-                         extra_plugins=[deferred] if deferred is not None else [],
-                         replicas=start_replicas(config, module, optimizers, groups.topology, device, ties)
-                         if config.fault_tolerance is not None else None)
+                         solo=[t.param for t in ties if t.param is not None], extra_plugins=plugins,
+                         builtins=builtins)
     if deferred is not None:
         log.info("ddp_plugin: ZeRO stage 3 allocated and initialized the model unit by unit (%d units)",
                  deferred.groups)

@@ -11,7 +11,8 @@ from ddp_plugin.codecs import BUILTIN_CODECS, available_codecs, implements, inst
 from ddp_plugin.hookspecs import PROJECT_NAME, hooks
 from ddp_plugin.plugins import FlatReducer, HierarchicalReducer, MeanAllReduce, TrafficAccounting
 
-__all__ = ["available_codecs", "build_plugin_manager", "check_plugins", "cross_node_codec", "installed_codecs"]
+__all__ = ["available_codecs", "build_plugin_manager", "check_plugins", "cross_node_codec", "installed_codecs",
+           "transport"]
 
 
 def new_plugin_manager() -> pluggy.PluginManager:
@@ -43,11 +44,10 @@ def build_plugin_manager(
     ``check_pending()`` makes a misspelled hook fail here. Installed codecs receive ``compression_options``
     through ``on_setup(options=...)``.
 
-    With a ``reducer`` (replica groups: :class:`~ddp_plugin.fault_tolerance.reducer.ReplicaGroupReducer`) or a
-    ``planner`` (:class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner`) it is the reducer; ``outer_sync`` makes the
-    sync mode's plugin from ``sync`` (replica groups:
-    :class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`), and ``cross_stage`` the sharder's cross-node stage
-    (replica groups on the synchronous route: ``ReplicaGroupReducer.across``); with
+    With a ``reducer`` or a ``planner`` (:class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner`) it is the reducer;
+    ``outer_sync`` makes the sync mode's plugin from ``sync``, and ``cross_stage`` is the sharder's cross-node stage
+    (the stand-ins a set of plugins gives for the built-ins: fault tolerance's, whose steps between members
+    go through its own transport); with
     ``compression="auto"`` every candidate codec is registered under its name (a built-in one constructed with
     ``compression_options[name]``), and :class:`~ddp_plugin.plugins.adaptive.AutoCodec` answers
     ``on_cross_node_reduce`` ahead of them with the one the plan names."""
@@ -90,6 +90,16 @@ def build_plugin_manager(
         pm.register(plugin)
     pm.check_pending()
     return pm
+
+
+def transport(comm: Any, plugins: Iterable[object]) -> Any:
+    """The fit's communicator: ``comm``, or what one of ``plugins`` answers in its place (``on_transport``). Asked
+    before the fit's plugin manager exists (the link probe that shapes it runs on the transport)."""
+    pm = new_plugin_manager()
+    for plugin in plugins:
+        pm.register(plugin)
+    answer = pm.hook.on_transport(comm=comm)
+    return comm if answer is None else answer
 
 
 def _load_installed(pm: pluggy.PluginManager, codecs: set[str], keep: set[str]) -> None:

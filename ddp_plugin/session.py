@@ -20,9 +20,8 @@ from ddp_plugin import health
 from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.comm import TracedCommunicator, broadcast_coalesced
 from ddp_plugin.engine import GradientEngine
-from ddp_plugin.fault_tolerance.plugins import bind_plugins, replica_group_plugins
 from ddp_plugin.hookspecs import local_tensor
-from ddp_plugin.plugin_manager import build_plugin_manager, cross_node_codec
+from ddp_plugin.plugin_manager import build_plugin_manager, cross_node_codec, transport
 from ddp_plugin.topology import Layout
 from ddp_plugin.link_choices import LinkChoices, options_for, plan_routes
 from ddp_plugin.planning import CommPlan
@@ -36,7 +35,6 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from ddp_plugin.config import StrategyConfig
-    from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
     from ddp_plugin.hookspecs import Topology
 
 log = logging.getLogger(__name__)
@@ -52,7 +50,7 @@ class FitSession:
                  layout: Layout | None = None,
                  tensor_parallel_peers: Callable[[], dist.ProcessGroup | None] | None = None,
                  solo: Iterable[torch.nn.Parameter] = (), extra_plugins: Iterable[object] = (),
-                 replicas: ReplicaGroups | None = None) -> None:
+                 builtins: Mapping[str, Any] | None = None) -> None:
         if config.hpz_partition_size is not None and config.hpz_partition_size != topology.ranks_per_node:
             raise ValueError(
                 f"The DeepSpeed config's `zero_optimization.zero_hpz_partition_size={config.hpz_partition_size}`"
@@ -65,8 +63,10 @@ class FitSession:
         # bookkeeping groups join them all, and a node's traffic stays inside it by physical ranks.
         self.layout = layout if layout is not None else Layout(topology.world_size, topology.ranks_per_node)
         self.device = device
-        self.comm = (TracedCommunicator(self.layout.ranks_per_node, config.timeout) if replicas is None
-                     else replicas.communicator(self.layout.ranks_per_node, config.timeout))
+        extra_plugins = list(extra_plugins)
+        # (a plugin of the fit's own or the user's may run the collectives on groups of its own too: on_transport)
+        self.comm = transport(TracedCommunicator(self.layout.ranks_per_node, config.timeout),
+                              [*extra_plugins, *config.plugins])
         self.module = module
         self.choices = LinkChoices(config, topology, module, self.comm, device)
         """``compression="auto"``, ``hierarchical=None`` and ``bucket_size_mb="auto"``: the link probe and the plan."""
@@ -80,10 +80,9 @@ class FitSession:
         self.planner: AdaptivePlanner | None = self.choices.planner
         self.hierarchical = self.choices.hierarchical = hierarchical
         """Whether gradients take the hierarchical route (with a plan that chooses per bucket: whether any may)."""
-        self.replicas = replicas
-        """With ``fault_tolerance``: this rank's torchft Manager among the replica groups (docs/fault_tolerance.md)."""
-        self.plugin_manager: pluggy.PluginManager = _build_plugin_manager(config, hierarchical, self.planner, replicas)
-        for plugin in extra_plugins:  # (the strategy's own: the initializer of a model built on meta)
+        self.plugin_manager: pluggy.PluginManager = _build_plugin_manager(config, hierarchical, self.planner, builtins)
+        # (the fit's own: the initializer of a model built on meta, fault tolerance's member plugin)
+        for plugin in extra_plugins:
             self.plugin_manager.register(plugin)
         self.options = options_for(config, hierarchical, bucket_size_mb, cross_node_codec(self.plugin_manager))
         hook = self.plugin_manager.hook
@@ -145,8 +144,6 @@ class FitSession:
         self.active = False
         try:
             self.plugin_manager.hook.on_teardown(failed=failed)
-            if self.replicas is not None:
-                self.replicas.close()
         finally:
             self.engine.remove(failed=failed)
             self.heartbeat.stop()
@@ -158,8 +155,7 @@ class FitSession:
         """Buffers from rank 0 (as DDP), and with ``weighting="sample"`` the all-reduce of the batch sizes,
         overlapping the forward pass."""
         health.shield_sigterm_handler()  # (the Trainer installs its handlers after the strategy's setup)
-        if self.replicas is not None and self.replicas.per_step:
-            self.replicas.start_step()  # (the quorum is computed while the forward runs)
+        self.plugin_manager.hook.on_step_start()
         self._choose_step_group()
         group, size = self._step_group, self._step_size
         if self.config.broadcast_buffers and size > 1:
@@ -233,21 +229,16 @@ class FitSession:
             return result
 
         # (The strategy's clipping runs after the closure, in after_closure: after a loss scaler's unscale_.)
-        per_step = self.replicas is not None and self.replicas.per_step
-        if per_step or self.config.skip_nonfinite:
+        gated = bool(hook.on_step_gated())
+        if gated or self.config.skip_nonfinite:
             # Run forward and backward first: whether to step is known only after the gradients are synchronized
-            # (whether any rank saw NaN/Inf; with replica groups, whether every live group applies the step).
+            # (whether any rank saw NaN/Inf; whether every member applies the step: on_commit_step).
             result = closure_then_hook()
-            # (asked again: a sync mode's warm-up step may find at its quorum that the peers are past the warm-up,
-            # and commit in the sync after it instead: ReplicaGroups.on_first_quorum)
-            replicas = self.replicas if per_step and self.replicas.per_step else None
             # (With a loss scaler, the scaler skips a non-finite step, told so in after_closure, and backs off.)
             nonfinite = self.config.skip_nonfinite and self.engine.nonfinite and scaler is None
-            committed = replicas.commit() if replicas is not None else True
+            committed = hook.on_commit_step() is not False if gated else True
             if nonfinite or not committed:
                 self.skipped_steps += nonfinite
-                if not committed:
-                    replicas.steps_lost += 1
                 optimizer.zero_grad(set_to_none=True)
                 self._log_metrics()
                 return result
@@ -375,18 +366,15 @@ def _logs_this_step(module: pl.LightningModule) -> bool:
 
 
 def _build_plugin_manager(config: StrategyConfig, hierarchical: bool, planner: object | None = None,
-                          replicas: ReplicaGroups | None = None) -> pluggy.PluginManager:
-    """The plugin manager of one ``fit`` with ``config``'s flags (with ``replicas``, the reducer's and the sync
-    mode's steps between groups go through torchft, and a returning group heals the codec's state too)."""
+                          builtins: Mapping[str, Any] | None = None) -> pluggy.PluginManager:
+    """The plugin manager of one ``fit`` with ``config``'s flags; ``builtins``: plugins standing in for built-in
+    ones, by ``build_plugin_manager``'s names (``reducer``, ``outer_sync``, ``cross_stage``)."""
     pm = build_plugin_manager(
-        config.compression, config.plugins, hierarchical=hierarchical, planner=planner,
-        **(replica_group_plugins(replicas) if replicas is not None else {}),
+        config.compression, config.plugins, hierarchical=hierarchical, planner=planner, **(builtins or {}),
         compression_options=config.compression_options,
         zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
         prefetch_units=config.prefetch_units, sync={"every": config.sync_every, "outer_optimizer": config.outer_optimizer,
               "fragments": config.sync_fragments, "staleness": config.max_staleness,
               "warmup": config.sync_warmup_steps},
     )
-    if replicas is not None:
-        bind_plugins(replicas, pm)
     return pm

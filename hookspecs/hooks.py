@@ -1,6 +1,6 @@
 """Hook specifications: the whole protocol between the strategy and its plugins.
 
-(One file of about 500 lines on purpose: a plugin author learns the whole protocol from it, as from pytest's
+(One file of about 640 lines on purpose: a plugin author learns the whole protocol from it, as from pytest's
 ``hookspec.py``; it is almost all documentation.)
 
 The strategy calls every hook with keyword arguments; an implementation may accept any subset of a hook's
@@ -372,6 +372,111 @@ def on_after_optimizer_step(optimizer: Optimizer) -> None:
     units (stage 3).
 
     :param optimizer: the user's optimizer.
+    :returns: nothing.
+    """
+
+
+# -------------------------------------------------------------------------
+# Members that come and go (fault tolerance)
+# -------------------------------------------------------------------------
+#
+# A *member* is one replica of the model among several trained together whose set may change during a fit (with
+# ``fault_tolerance``, a replica group: a lost one leaves, a returning one joins and receives the live ones' state).
+# These hooks are the whole of what the strategy asks about it: the plugins that run a set of members (the built-in
+# ones in ``ddp_plugin.fault_tolerance``) implement them, and every other plugin hands over and loads its own state.
+
+
+@hookspec(firstresult=True)
+def on_transport(comm: Communicator) -> Communicator | None:
+    """The communicator of the fit, in place of ``comm``: a wrapper that also runs collectives on groups the
+    strategy did not make (the members' own), counting their bytes. Called once per ``fit``, before the link
+    probe and ``on_setup``, on the plugins the strategy was given (``plugins=``) and the fit's own. Local.
+    Implemented by fault tolerance's plugin (collectives on torchft's process group across replica groups).
+
+    :param comm: the strategy's communicator (:class:`~ddp_plugin.hookspecs.Communicator`).
+    :returns: the communicator every plugin then receives in ``on_setup``; or ``None`` to keep ``comm``.
+
+    Example::
+
+        @hookimpl
+        def on_transport(self, comm):
+            return CountingWrapper(comm, self.members_group)
+    """
+
+
+@hookspec
+def on_step_start() -> None:
+    """A training step begins, before its forward: a plugin that decides whether the step commits
+    (``on_commit_step``) starts asking the other members here (torchft's quorum runs while the forward does).
+    Called on the training thread once per optimizer step's first micro-batch and again on later ones (start at
+    most once per optimizer step). Local.
+    """
+
+
+@hookspec(firstresult=True)
+def on_step_gated() -> bool | None:
+    """Whether the coming optimizer step is applied only if ``on_commit_step`` says so. The strategy then runs
+    the closure (forward, backward, gradient synchronization) first, asks ``on_commit_step``, and skips the
+    optimizer's step on this rank when it answers ``False``. Called on the training thread before each optimizer
+    step. Local.
+
+    :returns: ``True`` to gate the step; ``None`` (or ``False``) to step as usual.
+    """
+
+
+@hookspec(firstresult=True)
+def on_commit_step() -> bool | None:
+    """Whether every member applies this optimizer step (its gradients are synchronized: one that failed to
+    reach a member, or a member lost inside the step, makes every member skip it). Called on the training thread
+    after the closure of a step ``on_step_gated`` gated, on every rank. Collective over the members (torchft's
+    ``should_commit``); a joining member loads the live ones' state inside it (``on_load_member_state``).
+
+    :returns: ``True`` (apply) or ``False`` (every rank of every member skips the step and zeroes its
+        gradients); ``None``: not gated after all (the step is applied).
+    """
+
+
+@hookspec
+def on_member_state(covers: set[int]) -> dict[str, Any] | None:
+    """What a member that joins (a returning replica group) must receive of this plugin's state from a live one,
+    so that its next step is theirs: the sharder's shards, a codec's shared state, a sync mode's global copy and
+    outer optimizer. Called on a live member's rank when a member joins (with torchft on its quorum thread, while
+    the training thread runs the step's forward). Local; return references (the transport serializes them before
+    the step changes them).
+
+    :param covers: the ids of the module's tensors whose values some plugin's state carries; add yours (a sharder
+        its parameters' ids): the module's own state, handed over last, then leaves them out.
+    :returns: ``{key: state}`` under keys of your own (every plugin's are merged); or ``None``.
+
+    Example::
+
+        @hookimpl
+        def on_member_state(self, covers):
+            covers.update(id(p) for p in self.params)
+            return {"my_plugin": {"shards": [s.detach() for s in self.shards]}}
+    """
+
+
+@hookspec
+def on_load_member_state(state: Mapping[str, Any], covers: set[int]) -> None:
+    """On a joining member's ranks: load your part of what a live one's ``on_member_state`` returned (the same
+    rank of the member: every member has the same layout). Called inside ``on_commit_step`` (or a sync mode's
+    commit), before the optimizer steps. Local.
+
+    :param state: the merged dict of every plugin's ``on_member_state`` on the live member; take your key.
+    :param covers: as in ``on_member_state``: add the ids of the module's tensors your state carries.
+    :returns: nothing.
+    """
+
+
+@hookspec
+def on_member_unify(covers: set[int]) -> None:
+    """On every rank of a member, at its first committed step or sync: make what several of its ranks hold the
+    same (a node's shards on every node of a member, the module's replicated tensors) one value, taken from the
+    member's first such rank. (A member's ranks may each have been healed from a different live member.)
+    Collective over the member's ranks, on the thread that commits.
+
+    :param covers: as in ``on_member_state``: add the ids of the module's tensors you make one.
     :returns: nothing.
     """
 

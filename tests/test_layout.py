@@ -134,3 +134,22 @@ def test_cutting_a_model_into_stages_is_entered_through_its_package_only():
     outside = {name: sorted(m for m in imports(name, path, known) if m.startswith(inside))
                for name, path in known.items() if not name.startswith(inside) and name != inside[:-1]}
     assert {name: found for name, found in outside.items() if found} == {}
+
+
+def test_fault_tolerance_is_known_outside_its_package_by_its_plugins_only():
+    """The fit's session, the plugin manager, the engine and the built-in plugins never name replica groups or
+    torchft: fault tolerance is a set of plugins on the hook contract (its flag is read by the config, and the
+    assembly hands its plugins to the session)."""
+    import re
+
+    known = modules()
+    allowed = {"ddp_plugin.config", "ddp_plugin.assembly", "ddp_plugin.environment", "ddp_plugin.strategy"}
+    pattern = re.compile(r"replica group|ReplicaGroup|torchft|fault_tolerance\.", re.IGNORECASE)
+    naming = sorted(name for name, path in known.items()
+                    if not name.startswith(("ddp_plugin.fault_tolerance", "ddp_plugin.testing", "ddp_plugin.hookspecs"))
+                    and name not in allowed and pattern.search(path.read_text()))
+    assert naming == []
+    importing = sorted(name for name, path in known.items() if not name.startswith("ddp_plugin.fault_tolerance")
+                       and name not in allowed
+                       and any(m.startswith("ddp_plugin.fault_tolerance") for m in imports(name, path, known)))
+    assert importing == []

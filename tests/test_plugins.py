@@ -125,3 +125,16 @@ def test_plugin_state_survives_a_checkpoint(tmp_path):
     assert result["saved"] == {"step_counter": {"steps": 5}}
     assert result["loaded"] == {"steps": 5}
     assert result["steps_after_resume"] == 8
+
+
+def test_a_plugin_gates_each_step_and_wraps_the_transport(tmp_path):
+    """The hooks of members that come and go, implemented by a user's plugin without torchft: a gated step whose
+    ``on_commit_step`` says no leaves the parameters as they were on every rank; the transport it answers carries
+    the fit's collectives."""
+    out = tmp_path / "result.json"
+    run_python(WORKERS / "plugins_run.py", "--mode", "members", "--out", out)
+    result = json.loads(out.read_text())
+    assert result["changed"] == [False, True] * 3
+    assert result["started"] == 6 and result["asked"] == 6
+    assert result["wrapped_calls"] >= 6  # (at least the buckets' reductions, every step)
+    assert result["identical"]

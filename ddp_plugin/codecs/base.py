@@ -155,6 +155,27 @@ class Codec:
         if residual is not None and residual.numel() == tensor.numel():
             tensor.add_(residual.to(tensor.dtype).view_as(tensor))
 
+    # -------------------------------------------------------------- members that come and go
+
+    @hookimpl
+    def on_member_state(self) -> dict[str, Any]:
+        # A returning member receives the state every rank shares (PowerSGD's Q and its count of steps, which
+        # decides when compression starts), so that its collectives are its peers' from its first step on; its
+        # per-rank state (error-feedback residuals) starts from zero, as on a resume with another world size.
+        # (Fault tolerance reads it on a live member at the quorum of a step whose codec does not run: a member
+        # heals in it, the cross stage is then the plain all-reduce, so the states are the last commit's.)
+        return {self._key: {key: state.state_dict() for key, state in self.states.items()}}
+
+    @hookimpl
+    def on_load_member_state(self, state: Mapping[str, Any]) -> None:
+        saved = state.get(self._key)
+        if saved is None:
+            return
+        self.states = {}
+        for key, shared in saved.items():
+            restored = self.states[key] = self.State(shared["numel"])
+            restored.load_state_dict(shared)
+
     # -------------------------------------------------------------- checkpoints
 
     @property

@@ -7,7 +7,8 @@ from a live peer (docs/fault_tolerance.md).
 - :mod:`~ddp_plugin.fault_tolerance.sync`: the sync modes' outer syncs through it;
 - :mod:`~ddp_plugin.fault_tolerance.healing`: what a returning group receives;
 - :mod:`~ddp_plugin.fault_tolerance.communicator`: the collectives of a codec across groups;
-- :mod:`~ddp_plugin.fault_tolerance.plugins`: the plugins of a fit with replica groups.
+- :mod:`~ddp_plugin.fault_tolerance.plugins`: the plugins of a fit with replica groups, on the hook contract
+  (members that come and go).
 
 torchft is an extra (``pip install ddp_plugin[torchft]``), imported only when the flag is on.
 """
@@ -16,41 +17,40 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ddp_plugin.fault_tolerance.options import FaultTolerance
 
 if TYPE_CHECKING:
+    from datetime import timedelta
+
     import lightning.pytorch as pl
     import torch
     from torch.optim import Optimizer
 
-    from ddp_plugin.config import StrategyConfig
-    from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
     from ddp_plugin.hookspecs import Topology
     from ddp_plugin.parallel.ties import Tie
 
-__all__ = ["FaultTolerance", "start_replicas"]
+__all__ = ["FaultTolerance", "fit_plugins"]
 
 
-def start_replicas(config: StrategyConfig, module: pl.LightningModule, optimizers: Callable[[], list[Optimizer]],
-                   topology: Topology, device: torch.device, ties: Iterable[Tie] = ()) -> ReplicaGroups:
-    """This rank's Manager, its healing state the module's, ``optimizers()``' and the fit loop's."""
+def fit_plugins(options: FaultTolerance, module: pl.LightningModule, optimizers: Callable[[], list[Optimizer]],
+                topology: Topology, device: torch.device, ranks_per_node: int, timeout: timedelta | None,
+                per_step: bool, ties: Iterable[Tie] = ()) -> tuple[list[object], dict[str, Any]]:
+    """This rank's torchft Manager, as the fit's plugins: the member plugin (healing ``module``, ``optimizers()``
+    and the fit loop), and the stand-ins for the built-in reducer, sync mode and ZeRO cross stage
+    (``build_plugin_manager``'s names). ``per_step``: a quorum per optimizer step (the synchronous route, or a
+    sync mode's warm-up steps)."""
     if importlib.util.find_spec("torchft") is None:
         raise ImportError("`fault_tolerance` runs on torchft: `pip install ddp_plugin[torchft]` (or `pip install"
                           " torchft`).")
-    from ddp_plugin.fault_tolerance.healing import fit_state, load_fit_state, unify_group
+    from ddp_plugin.fault_tolerance.plugins import ReplicaGroupMember, replica_group_plugins
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
 
     # (torchft's group rank: the rank in the group's world, every tensor-parallel position and stage its own)
     rank = topology.global_rank(topology.rank)
     size = topology.world_size * topology.tensor_parallel_size * topology.pipeline_parallel_size
-    replicas = ReplicaGroups(config.fault_tolerance, rank, size, device,
-                             lambda: fit_state(module, optimizers(), replicas.healed_elsewhere()),
-                             lambda state: load_fit_state(module, optimizers(), state, replicas.healed_elsewhere()),
-                             config.timeout, per_step=config.sync_every == 1 or config.sync_warmup_steps > 0)
+    replicas = ReplicaGroups(options, rank, size, device, timeout, per_step=per_step)
     replicas.ties = list(ties)
-    replicas.unify.append(lambda: unify_group(module, optimizers(), replicas.healed_elsewhere(),
-                                              topology.side_world_group, topology.tensor_parallel_group,
-                                              replicas.ties))
-    return replicas
+    return replica_group_plugins(replicas, ReplicaGroupMember(replicas, module, optimizers, topology,
+                                                              ranks_per_node, timeout))

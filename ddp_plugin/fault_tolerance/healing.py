@@ -1,10 +1,10 @@
 """What a returning replica group receives from a live peer: the module's, the optimizers' and the learning-rate
 schedulers' state, the precision plugin's (a loss scaler's scale), and where the fit is (Lightning's step
-counters), so that its next optimizer step is its peers'. A sync mode adds its own (the global copy, the outer
-optimizer, the schedule's position: :class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`), a codec the state
-every rank shares (:func:`heal_codec`), the ZeRO sharder this rank's shards of the parameters
-(:func:`heal_sharder`: the same group rank of a peer holds the same shards, every group having the same layout),
-which the module's state then leaves out.
+counters), so that its next optimizer step is its peers'. Every other plugin hands over its own through the hooks
+``on_member_state``/``on_load_member_state``: a sync mode the global copy, the outer optimizer and the schedule's
+position (:class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`), a codec the state every rank shares, the
+ZeRO sharder this rank's shards of the parameters (the same group rank of a peer holds the same shards, every group
+having the same layout), which the module's state then leaves out (``covers``).
 
 The optimizers' state goes as it is held, parameter by parameter in their groups' order (under ZeRO this rank's
 pieces, whose layout is the peer's), with the groups' hyperparameters (the learning rate a scheduler set)."""
@@ -24,10 +24,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.optim import Optimizer
 
-    from ddp_plugin.codecs.base import Codec
-    from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
     from ddp_plugin.parallel.ties import Tie
-    from ddp_plugin.zero import ZeroSharder
 
 
 def fit_state(module: pl.LightningModule, optimizers: list[Optimizer], skip: Collection[int] = ()) -> dict[str, Any]:
@@ -161,52 +158,3 @@ def _like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if isinstance(p, DTensor) and value.shape == local_tensor(p).shape:
         return DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
     return value
-
-
-def heal_sharder(replicas: ReplicaGroups, sharder: ZeroSharder) -> None:
-    """A returning group's ranks receive their shards of the parameters from the same group rank of a live peer
-    (1/k of the model each, on a group of k ranks), instead of the whole module: they are loaded before the
-    optimizer steps, whose all-gather then makes the module whole (stages 1-2), or the next forward gathers it
-    (stage 3). The optimizers' state is of the pieces already (:func:`optimizer_state`)."""
-
-    def state() -> list[Any]:
-        return [entry.shard.detach() for entry in sharder.shards.entries]
-
-    def load(saved: list[Any]) -> None:
-        with torch.no_grad():
-            for entry, value in zip(sharder.shards.entries, saved, strict=True):
-                entry.shard.copy_(value)
-
-    def unify() -> None:
-        """On a group of several nodes, at its first committed quorum (:func:`unify_group`): the same local rank of
-        every node holds the same shard and optimizer pieces, which may have come from different groups; node
-        0's are taken."""
-        t = sharder.shards.layout.topology
-        if t.num_nodes > 1:
-            pieces = {id(piece) for pieces in sharder.optimizers.pieces_of.values() for piece in pieces}
-            broadcast_coalesced([entry.shard for entry in sharder.shards.entries]
-                                + state_tensors(sharder.optimizers.sharded, pieces), t.side_inter_node_group)
-
-    replicas.add_state("zero", state, load)
-    replicas.healed_elsewhere = lambda: {id(p) for bucket in sharder.shards.buckets for p in bucket.params}
-    replicas.unify.append(unify)
-
-
-def heal_codec(replicas: ReplicaGroups, codec: Codec) -> None:
-    """A returning group also receives the codec's state that every rank shares (PowerSGD's Q and its count of
-    steps, which decides when compression starts), so that its collectives are its peers' from its first step on.
-    Its per-rank state (error-feedback residuals) starts from zero, as on a resume with another world size.
-
-    Read on a live peer at the quorum of a step whose codec does not run (a group heals in it: the cross stage is
-    then torchft's plain all-reduce), so the states are as the last committed step left them."""
-
-    def state() -> dict[Any, Any]:
-        return {key: s.state_dict() for key, s in codec.states.items()}
-
-    def load(saved: dict[Any, Any]) -> None:
-        codec.states = {}
-        for key, shared in saved.items():
-            restored = codec.states[key] = codec.State(shared["numel"])
-            restored.load_state_dict(shared)
-
-    replicas.add_state("codec", state, load)

@@ -1,38 +1,114 @@
-"""The plugins of a ``fit`` with replica groups: the reducer and the sync mode whose steps between groups go
-through torchft, and the codec that codes what crosses groups, its state added to what a returning group
-receives, and the ZeRO sharder's shards heal in place of the module's parameters."""
+"""The plugins of a ``fit`` with replica groups, on the hook contract: :class:`ReplicaGroupMember` answers the hooks
+of members that come and go (the transport, each step's quorum and commit, the fit's own state a returning group
+receives, its replicas made one), and :func:`replica_group_plugins` gives it with the plugins that stand in for
+the built-in reducer, sync mode and ZeRO cross stage (their steps between groups go through torchft). Every other
+plugin hands over and loads its own state (``on_member_state``): the ZeRO sharder its shards, the codec its shared
+state, the sync mode its global copy."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ddp_plugin.fault_tolerance.healing import heal_codec, heal_sharder
+from ddp_plugin.fault_tolerance.healing import fit_state, load_fit_state, unify_group
 from ddp_plugin.fault_tolerance.reducer import ReplicaGroupReducer
 from ddp_plugin.fault_tolerance.sync import ReplicaGroupSync
-from ddp_plugin.plugin_manager import cross_node_codec
+from ddp_plugin.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    import pluggy
+    from datetime import timedelta
 
+    import lightning.pytorch as pl
+    from pluggy import HookRelay
+    from torch.optim import Optimizer
+
+    from ddp_plugin.fault_tolerance.communicator import ReplicaGroupCommunicator
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
+    from ddp_plugin.hookspecs import Communicator, Options, Topology
+
+NAME = "replica_groups"
+"""The name :class:`ReplicaGroupMember` is registered under (``plugin_manager.get_plugin(NAME)``)."""
 
 
-def replica_group_plugins(replicas: ReplicaGroups) -> dict[str, Any]:
-    """``build_plugin_manager``'s ``reducer``, ``outer_sync`` and the ZeRO sharder's ``cross_stage`` (with a sync
-    mode, the gradients' stage among the group's own nodes only)."""
+class ReplicaGroupMember:
+    """This rank's replica group among the live ones (``replicas``, its torchft Manager) on the hook contract.
+
+    ``module`` and ``optimizers()``: what the fit itself hands a returning group (the module less what other
+    plugins' state covers, the optimizers, the schedulers, the loss scaler and the loop's counters), handed over
+    and loaded after every other plugin's part (``trylast``); ``ranks_per_node`` and ``timeout``: the transport's."""
+
+    def __init__(self, replicas: ReplicaGroups, module: pl.LightningModule, optimizers: Callable[[], list[Optimizer]],
+                 topology: Topology, ranks_per_node: int, timeout: timedelta | None) -> None:
+        self.__name__ = NAME  # (the name pluggy registers it under)
+        self.replicas = replicas
+        self.module = module
+        self.optimizers = optimizers
+        self.topology = topology
+        self.ranks_per_node = ranks_per_node
+        self.timeout = timeout
+
+    @hookimpl
+    def on_transport(self, comm: Communicator) -> ReplicaGroupCommunicator:
+        # The strategy's collectives as `comm`'s, and a codec's across groups on torchft's process group.
+        return self.replicas.communicator(self.ranks_per_node, self.timeout)
+
+    @hookimpl
+    def on_setup(self, hook: HookRelay, options: Options) -> None:
+        self.replicas.hook = hook
+        self.replicas.coded = options.cross_node_codec is not None
+
+    # ------------------------------------------------------------------ a step's quorum and commit
+
+    @hookimpl
+    def on_step_start(self) -> None:
+        if self.replicas.per_step:
+            self.replicas.start_step()  # (the quorum is computed while the forward runs)
+
+    @hookimpl
+    def on_step_gated(self) -> bool | None:
+        return self.replicas.per_step or None
+
+    @hookimpl
+    def on_commit_step(self) -> bool | None:
+        # (asked again after the closure: a sync mode's warm-up step may find at its quorum that the peers are past
+        # the warm-up, and commit in the sync after it instead: ReplicaGroups.on_first_quorum)
+        if not self.replicas.per_step:
+            return None
+        committed = self.replicas.commit()
+        if not committed:
+            self.replicas.steps_lost += 1
+        return committed
+
+    # ------------------------------------------------------------------ the fit's own state
+
+    @hookimpl(trylast=True)
+    def on_member_state(self, covers: set[int]) -> dict[str, Any]:
+        return {"fit": fit_state(self.module, self.optimizers(), covers)}
+
+    @hookimpl(trylast=True)
+    def on_load_member_state(self, state: Mapping[str, Any], covers: set[int]) -> None:
+        load_fit_state(self.module, self.optimizers(), state["fit"], covers)
+
+    @hookimpl(trylast=True)
+    def on_member_unify(self, covers: set[int]) -> None:
+        t = self.topology
+        unify_group(self.module, self.optimizers(), covers, t.side_world_group, t.tensor_parallel_group,
+                    self.replicas.ties)
+
+    @hookimpl
+    def on_collect_metrics(self) -> dict[str, float]:
+        return self.replicas.metrics()
+
+    @hookimpl(trylast=True)
+    def on_teardown(self, failed: bool) -> None:
+        self.replicas.close()  # (last: a sync mode applies its syncs in flight first)
+
+
+def replica_group_plugins(replicas: ReplicaGroups, member: ReplicaGroupMember) -> tuple[list[object], dict[str, Any]]:
+    """The fit's plugins with replica groups: ``member``, and the stand-ins for ``build_plugin_manager``'s
+    ``reducer``, ``outer_sync`` and the ZeRO sharder's ``cross_stage`` (with a sync mode, the gradients' stage
+    among the group's own nodes only)."""
     reducer = ReplicaGroupReducer(replicas)
-    return {"reducer": reducer, "outer_sync": functools.partial(ReplicaGroupSync, replicas),
-            "cross_stage": reducer.across}
-
-
-def bind_plugins(replicas: ReplicaGroups, pm: pluggy.PluginManager) -> None:
-    """Once ``pm`` is built: what crosses groups goes through its codec, whose shared state heals with the rest
-    (the sync mode adds its own)."""
-    sharder = pm.get_plugin("zero_sharder")
-    if sharder is not None:
-        heal_sharder(replicas, sharder)
-    name = cross_node_codec(pm)
-    if name is not None:
-        replicas.coded = True
-        heal_codec(replicas, pm.get_plugin(name))
+    return [member], {"reducer": reducer, "outer_sync": functools.partial(ReplicaGroupSync, replicas),
+                      "cross_stage": reducer.across}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ddp_plugin.hookspecs import hookimpl
 from ddp_plugin.plugins.hierarchical_reducer import HierarchicalReducer
 
 if TYPE_CHECKING:
@@ -71,7 +70,3 @@ class ReplicaGroupReducer(HierarchicalReducer):
             self._replicas.reduce(hook, subs)
         for (chunk, _, _), (sub, _, _) in zip(parts, subs):
             self._comm.all_gather(chunk, sub, group=topo.inter_node_group)
-
-    @hookimpl
-    def on_collect_metrics(self) -> dict[str, float]:
-        return self._replicas.metrics()

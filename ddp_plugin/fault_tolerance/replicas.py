@@ -34,16 +34,16 @@ log = logging.getLogger(__name__)
 class ReplicaGroups:
     """The torchft Manager of this rank (group rank ``rank`` of ``size``), created when the fit starts.
 
-    ``state`` and ``load_state``: what a returning group receives from a live peer (called by torchft: ``state``
-    on a live peer's quorum thread while it runs its forward, ``load_state`` on the returning group's ranks inside
-    :meth:`commit`, before the optimizer steps); a plugin adds its own with :meth:`add_state`.
+    What a returning group receives from a live peer is what the fit's plugins hand over (``on_member_state``,
+    called by torchft on a live peer's quorum thread while it runs its forward; ``on_load_member_state`` on the
+    returning group's ranks inside :meth:`commit`, before the optimizer steps), through :attr:`hook`, the fit's
+    plugin hooks (set at ``on_setup``).
 
     ``per_step``: a quorum and a commit per optimizer step (the synchronous route, and a sync mode's warm-up steps,
     whose plugin turns it off once they are over); without, a sync mode's plugin asks for them once per outer sync
     (:class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`)."""
 
     def __init__(self, options: FaultTolerance, rank: int, size: int, device: torch.device,
-                 state: Callable[[], dict[str, Any]], load_state: Callable[[dict[str, Any]], None],
                  timeout: timedelta | None, per_step: bool = True) -> None:
         timeout = timeout or timedelta(seconds=60)
         self.options = options
@@ -56,7 +56,8 @@ class ReplicaGroups:
         self.healed_bytes = 0
         """What the healings received, in bytes of tensors."""
         self._started = False
-        self._parts: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {"fit": (state, load_state)}
+        self.hook: HookRelay | None = None
+        """The fit's plugin hooks (``on_member_state`` and the others of members that come and go)."""
         host = advertised_host(os.environ["MASTER_ADDR"])
         self.manager, pg = torchft_adapter.manager(
             device, load_state_dict=self._healed, state_dict=self._state, min_replica_size=options.min_replicas,
@@ -76,11 +77,6 @@ class ReplicaGroups:
         self.comm: ReplicaGroupCommunicator | None = None
         self.coded = False
         """Whether a codec codes what crosses groups (set with the fit's plugins)."""
-        self.healed_elsewhere: Callable[[], set[int]] = set
-        """The ids of the module's tensors that a part other than the fit's heals (the ZeRO sharder's shards)."""
-        self.unify: list[Callable[[], None]] = []
-        """Called in order on every rank of this group at its first committed quorum (collectives over the group):
-        see :func:`~ddp_plugin.fault_tolerance.healing.unify_group`."""
         self._first_commit = True
         self.ties: list[Any] = []
         """The parameters several pipeline stages of this group hold (:class:`~ddp_plugin.parallel.ties.Tie`)."""
@@ -96,20 +92,22 @@ class ReplicaGroups:
         self.comm = ReplicaGroupCommunicator(ranks_per_node, timeout, self.pg, self.manager)
         return self.comm
 
-    def add_state(self, name: str, state: Callable[[], Any], load_state: Callable[[Any], None]) -> None:
-        """A part of what a returning group receives (a plugin's state), loaded after the fit's."""
-        self._parts[name] = (state, load_state)
-
     def _state(self) -> dict[str, Any]:
-        return {name: state() for name, (state, _) in self._parts.items()}
+        """Every plugin's ``on_member_state``, merged (a key handed over twice is refused)."""
+        merged: dict[str, Any] = {}
+        for part in self.hook.on_member_state(covers=set()):
+            twice = set(merged) & set(part)
+            if twice:
+                raise RuntimeError(f"replica groups: two plugins hand over the state key(s) {sorted(twice)}")
+            merged.update(part)
+        return merged
 
     def _healed(self, state: dict[str, Any]) -> None:
         self.heals += 1
         self.healed_bytes += state_bytes(state)
         log.warning("ddp_plugin: replica group %d healed from a live peer at step %d",
                     self.options.replica_group, self.manager.current_step())
-        for name, (_, load) in self._parts.items():
-            load(state[name])
+        self.hook.on_load_member_state(state=state, covers=set())
 
     def start_step(self, shrink_only: bool = False) -> None:
         """The quorum of the coming step, computed while the forward runs (once per optimizer step: the inner
@@ -165,7 +163,7 @@ class ReplicaGroups:
 
     @property
     def unified(self) -> bool:
-        """Whether this group has committed a quorum (its ranks then hold one replica: see :attr:`unify`)."""
+        """Whether this group has committed a quorum (its ranks then hold one replica: see ``on_member_unify``)."""
         return not self._first_commit
 
     def commit(self, what: str = "step") -> bool:
@@ -176,8 +174,7 @@ class ReplicaGroups:
         committed = self.manager.should_commit()
         if committed and self._first_commit:
             self._first_commit = False
-            for unify in self.unify:
-                unify()
+            self.hook.on_member_unify(covers=set())
         if not committed:
             self.uncommitted += 1
             log.warning("ddp_plugin: replica group %d: %s not committed (a group was lost, or fewer than"

@@ -5,6 +5,7 @@ averaged over the live groups through torchft, the outer step only where the syn
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,7 +69,6 @@ class ReplicaGroupSync(OuterSync):
         self._join = False
         """Whether this step's optimizer step is followed by a sync out of schedule: a returning group's first quorum
         was its peers' next sync (they are past the warm-up steps it thought it was in)."""
-        replicas.add_state("sync", self._state, self._load_state)
         if self.warmup:
             replicas.on_first_quorum = self._first_quorum
 
@@ -78,7 +78,7 @@ class ReplicaGroupSync(OuterSync):
         # reducer's and the sharder's cross stage, ReplicaGroupReducer.across, stops at the group).
         return self.topology.num_nodes > 1 or super().synchronous
 
-    def _send(self, fragment: int) -> None:
+    def send(self, fragment: int) -> None:
         # (`fragment`, the schedule's, is this group's own view: the quorum's is the one sent)
         self._replicas.start_step()
         flight = InFlight(self.quorum_fragment(), self.step, [], None)
@@ -93,7 +93,7 @@ class ReplicaGroupSync(OuterSync):
             # for it, and every group's replica takes the global copy itself.
             flight.written = True
             job = (self._sync, flight)
-        flight.result = self._thread.submit(self._on_side, self._side.hand_over(), *job)
+        flight.result = self.run_outer(*job)
         self.in_flight.append(flight)
 
     def _first_quorum(self, committed: int) -> None:
@@ -148,14 +148,14 @@ class ReplicaGroupSync(OuterSync):
     def _attempt(self, pieces: list[Piece], pseudo: list[Tensor]) -> tuple[bool, float]:
         """One quorum's try at a sync: the pseudo-gradients averaged over the live groups, the outer step if the
         sync committed everywhere; and the group's drift (the norm of its pseudo-gradient)."""
-        local = self._squared_norm(pseudo)
+        local = self.squared_norm(pseudo)
         if self.topology.ranks_per_node > 1:
             self.comm.all_reduce(local, group=self.intra)
         self._across([(g, piece.pseudo, piece.lo) for piece, g in zip(pieces, pseudo)])
         first = not self._replicas.unified
         committed = self._replicas.commit("outer sync")
         if committed:
-            self._outer_optimizer_step(pieces, pseudo)
+            self.outer_optimizer_step(pieces, pseudo)
             if first:
                 self._unify_replicated()
         return committed, float(local.sqrt())
@@ -243,8 +243,8 @@ class ReplicaGroupSync(OuterSync):
         super().on_after_optimizer_step(optimizer)
         if self._join:
             self._join = False
-            self._send(0)
-            self._apply_due()
+            self.send(0)
+            self.apply_due()
         # (healed in a sync's commit: taken once the sync is applied, the training thread having read the old
         # position to place it)
         self._take_healed_step()
@@ -255,16 +255,19 @@ class ReplicaGroupSync(OuterSync):
         if self._healed_step is not None:
             self.step, self._healed_step = self._healed_step, None
 
-    def _state(self) -> dict[str, Any]:
+    @hookimpl
+    def on_member_state(self) -> dict[str, Any]:
         """On a live peer, at the quorum of a sync: references to the global copy and the outer optimizer's state
         (the training thread waits for the sync; the outer thread steps them only after the commit, once the
         transfer is done)."""
-        return {"step": self.step, "syncs": self.syncs, "outer": [p.outer.detach() for p in self.pieces],
-                "optimizer": self.outer.state_dict()}
+        return {"sync": {"step": self.step, "syncs": self.syncs, "outer": [p.outer.detach() for p in self.pieces],
+                         "optimizer": self.outer.state_dict()}}
 
-    def _load_state(self, state: dict[str, Any]) -> None:
+    @hookimpl
+    def on_load_member_state(self, state: Mapping[str, Any]) -> None:
         """On the returning group's ranks, inside the sync's commit (on the outer thread, the training thread
         waiting for it): the same group rank's pieces as the peer's (every group has the same layout)."""
+        state = state["sync"]
         with torch.no_grad():
             for piece, value in zip(self.pieces, state["outer"], strict=True):
                 piece.outer.copy_(value)

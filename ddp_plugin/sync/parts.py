@@ -45,7 +45,7 @@ class InFlight:
     result: concurrent.futures.Future
     written: bool = False
     """Whether its updates are the global copy itself, written over the replica's part even with staleness (a sync
-    applied in the step that sent it: with replica groups, one a group heals in)."""
+    applied in the step that sent it: with fault tolerance, one a member heals in)."""
 
 
 @dataclasses.dataclass

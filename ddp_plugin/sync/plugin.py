@@ -59,6 +59,8 @@ from ddp_plugin.sync.schedule import SyncSchedule, fragment_bounds
 from ddp_plugin.sync.state import STATE_KEY, SyncCheckpoint
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from pluggy import HookRelay
     from torch.optim import Optimizer
 
@@ -267,16 +269,22 @@ class OuterSync:
         # The syncs sent earlier are applied first, then this step's sent (and applied now without staleness):
         # fragments are disjoint, so the order changes no value, and the buffers of the syncs applied are free
         # before the next one's are allocated.
-        self._apply_due()
+        self.apply_due()
         for f in self.schedule.sent_after(self.step - self.warmup):
-            self._send(f)
-        self._apply_due()  # (without staleness: the syncs just sent)
+            self.send(f)
+        self.apply_due()  # (without staleness: the syncs just sent)
 
-    def _apply_due(self) -> None:
+    def apply_due(self) -> None:
+        """Apply the syncs in flight whose step has come (on the training thread)."""
         for flight in [x for x in self.in_flight if x.apply_after == self.step]:
             self._apply(flight)
 
-    def _send(self, fragment: int) -> None:
+    def send(self, fragment: int) -> None:
+        """Send the sync of ``fragment`` (the schedule's, after this step): its pseudo-gradients averaged across
+        nodes and the outer step, on the outer thread (:meth:`run_outer`) or here, recorded in :attr:`in_flight`
+        to be applied (:meth:`apply_due`). A subclass whose nodes are other members (fault tolerance's replica
+        groups) sends its own way through the same parts: :meth:`run_outer`, :meth:`squared_norm`,
+        :meth:`outer_optimizer_step`, :meth:`updates`."""
         pieces = self.pieces_of(fragment)
         if self.sharded_outer and not self.schedule.staleness:
             self._sync_now(fragment, pieces)
@@ -289,8 +297,8 @@ class OuterSync:
             snapshots = [x[: p.hi - p.lo] for p, x in zip(pieces, padded)]
             shares = [torch.empty(p.width, dtype=x.dtype, device=x.device) for p, x in zip(pieces, padded)]
             gathered = [torch.empty_like(x) for x in padded]
-            result = self._thread.submit(self._on_side, self._side.hand_over(), self.node_shards.outer_step, pieces,
-                                         padded, shares, gathered, self._outer_optimizer_step)
+            result = self.run_outer(self.node_shards.outer_step, pieces,
+                                         padded, shares, gathered, self.outer_optimizer_step)
         else:
             snapshots = [self.access.read(p.bucket, p.lo, p.hi) for p in pieces]
             if self.schedule.staleness:
@@ -300,15 +308,18 @@ class OuterSync:
                 # none is in flight when a checkpoint saves them): the pseudo-gradients take their memory.
                 pseudo = [torch.sub(p.outer.detach(), s, out=s) for p, s in zip(pieces, snapshots)]
                 snapshots = None
-            result = self._thread.submit(self._on_side, self._side.hand_over(), self._outer_step, pieces, pseudo,
+            result = self.run_outer(self._outer_step, pieces, pseudo,
                                          snapshots)
         self.in_flight.append(InFlight(fragment, self.step + self.schedule.staleness,
                                        snapshots or [None] * len(pieces), result))
 
+    def run_outer(self, step: Callable[..., Any], *args: Any) -> Future:
+        """``step(*args)`` on the outer thread, its stream past what the training thread queued until now; the
+        future of its result. (The tensors it uses stay referenced by the sync in flight until the training stream
+        has waited for the outer one, in _apply: their memory is not reused meanwhile.)"""
+        return self._thread.submit(self._on_side, self._side.hand_over(), step, *args)
+
     def _on_side(self, ready: torch.cuda.Event | None, step: Callable[..., Any], *args: Any) -> Any:
-        """``step(*args)`` on the outer thread, its stream past what the training thread queued before the send.
-        (The tensors it uses stay referenced by the sync in flight until the training stream has waited for the
-        outer one, in _apply: their memory is not reused meanwhile.)"""
         self._side.receive(ready)
         return step(*args)
 
@@ -324,7 +335,7 @@ class OuterSync:
         window = max(1, WINDOW_BYTES // (t.num_nodes * 4))  # elements of a share per window (fp32: 4 MiB buffers)
         mine = {p.bucket: p for p in pieces}
         with health.diagnosed(OUTER_SYNC):
-            self._outer_optimizer_step(pieces, [self.node_shards.outer_gradient(p, window) for p in pieces])
+            self.outer_optimizer_step(pieces, [self.node_shards.outer_gradient(p, window) for p in pieces])
             drift = torch.zeros((), dtype=torch.float64, device=t.device)
             for b, lo, hi in self.fragment_ranges[fragment]:
                 piece = mine.get(b)
@@ -344,7 +355,7 @@ class OuterSync:
         """On the outer thread, behind the next inner steps: the pseudo-gradients averaged over the nodes, the
         outer optimizer's step, and what this rank's part of the replica takes from it; plus the node's drift
         (the norm of its pseudo-gradient of this fragment)."""
-        local = self._squared_norm(pseudo)
+        local = self.squared_norm(pseudo)
         # The node's sum runs beside the cross-node average (a local rank that starts late does not hold up the
         # others' sends); it is waited for once the average is in.
         node_sum = (self.comm.all_reduce(local, group=self.intra, async_op=True)
@@ -353,11 +364,11 @@ class OuterSync:
             self.hook.on_cross_node_reduce(tensor=g, group=self.inter, bucket=piece.pseudo, offset=piece.lo).wait()
         if node_sum is not None:
             node_sum.wait()
-        self._outer_optimizer_step(pieces, pseudo)
+        self.outer_optimizer_step(pieces, pseudo)
         # (the pseudo-gradients' memory takes the updates)
         return self.updates(pieces, snapshots, pseudo), float(local.sqrt())
 
-    def _squared_norm(self, tensors: list[Tensor]) -> Tensor:
+    def squared_norm(self, tensors: list[Tensor]) -> Tensor:
         """The squared norm of ``tensors`` together, in float64 (the drift metric)."""
         total = torch.zeros((), dtype=torch.float64, device=self.topology.device)
         for g in tensors:
@@ -365,7 +376,8 @@ class OuterSync:
             total += torch.linalg.vector_norm(g, dtype=torch.float32).double().square()
         return total
 
-    def _outer_optimizer_step(self, pieces: list[Piece], grads: list[Tensor]) -> None:
+    def outer_optimizer_step(self, pieces: list[Piece], grads: list[Tensor]) -> None:
+        """The outer optimizer's step of ``pieces``' global copies, ``grads`` their averaged pseudo-gradients."""
         # Only this fragment's pieces have a gradient, so the step moves only them (the training thread reads
         # other fragments' global copies meanwhile, never these: a fragment is sent again only once applied).
         for piece, g in zip(pieces, grads):

@@ -7,7 +7,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
+
+from ddp_plugin.comm import broadcast_coalesced
 
 from ddp_plugin.hookspecs import ParameterShards, completed_future, hookimpl
 from ddp_plugin.zero import checkpoint, gradients
@@ -18,7 +21,6 @@ from ddp_plugin.zero.shards import Shards
 from ddp_plugin.zero.units import UnitPlan, Units, check_auto_wrap_policy, plan_units
 
 if TYPE_CHECKING:
-    import torch
     from pluggy import HookRelay
     from torch.optim import Optimizer
 
@@ -56,7 +58,7 @@ class ZeroSharder:
         self.policy = check_auto_wrap_policy(auto_wrap_policy)
         self.prefetch_units = prefetch_units
         self.cross_stage = cross_stage
-        """The cross-node stage of the gradients' node shards, if not the hook (replica groups: through torchft)."""
+        """The cross-node stage of the gradients' node shards, if not the hook (a stand-in's: fault tolerance's)."""
         self._plan: UnitPlan | None = None
         self.shards: Shards | None = None
         self.units: Units | None = None
@@ -266,6 +268,39 @@ class ZeroSharder:
         if self.optimizers is None or optimizer not in self.optimizers:
             return None
         return checkpoint.local_optimizer_state(self.shards, self.optimizers, optimizer)
+
+    # ------------------------------------------------------------------ members that come and go
+
+    def _sharded_ids(self) -> set[int]:
+        return {id(p) for bucket in self.shards.buckets for p in bucket.params}
+
+    @hookimpl
+    def on_member_state(self, covers: set[int]) -> dict[str, Any]:
+        # A returning member receives this rank's shards of the parameters from the same rank of a live one (1/k
+        # of the model each on k ranks) instead of the module's: loaded before the optimizer steps, whose
+        # all-gather then makes the module whole (stages 1-2), or the next forward gathers it (stage 3). The
+        # optimizers' state is of the pieces already.
+        covers.update(self._sharded_ids())
+        return {"zero": [entry.shard.detach() for entry in self.shards.entries]}
+
+    @hookimpl
+    def on_load_member_state(self, state: Mapping[str, Any], covers: set[int]) -> None:
+        covers.update(self._sharded_ids())
+        with torch.no_grad():
+            for entry, value in zip(self.shards.entries, state["zero"], strict=True):
+                entry.shard.copy_(value)
+
+    @hookimpl
+    def on_member_unify(self, covers: set[int]) -> None:
+        # On a member of several nodes the same local rank of every node holds the same shard and optimizer
+        # pieces, which may have come from different live members: node 0's are taken.
+        covers.update(self._sharded_ids())
+        t = self.shards.layout.topology
+        if t.num_nodes > 1:
+            pieces = {id(piece) for pieces in self.optimizers.pieces_of.values() for piece in pieces}
+            state = [v for o in self.optimizers.sharded for group in o.param_groups for p in group["params"]
+                     if id(p) in pieces for v in o.state.get(p, {}).values() if isinstance(v, Tensor)]
+            broadcast_coalesced([entry.shard for entry in self.shards.entries] + state, t.side_inter_node_group)
 
     # ------------------------------------------------------------------ metrics
 

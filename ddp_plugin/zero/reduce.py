@@ -32,7 +32,7 @@ class ShardReducer:
     ``plain`` (no codec answers the cross-node stage): global shards reduce-scatter across nodes too, half the
     bytes of an all-reduce of the node's share.
 
-    ``cross`` (replica groups: ``ReplicaGroupReducer.across``) takes the cross-node stage of node shards instead
+    ``cross`` (a stand-in's, fault tolerance's) takes the cross-node stage of node shards instead
     of the hook: ``cross(hook, [(block, bucket, offset)])`` averages the node's block in place over every node."""
 
     def __init__(self, layout: ShardLayout, comm: Communicator, hook: HookRelay, whole: bool, plain: bool,

@@ -97,7 +97,8 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         session = trainer.strategy._session
-        replicas = session.replicas.metrics() if session is not None and session.replicas is not None else {}
+        members = session.plugin_manager.get_plugin("replica_groups") if session is not None else None
+        replicas = members.replicas.metrics() if members is not None else {}
         comm = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("comm/", "sync/"))}
         self.steps.append({"time": time.time(), "global_step": trainer.global_step, **replicas, **comm})
         if self.kill_in == "end" and self.kill_at is not None and trainer.global_step >= self.kill_at:

@@ -3,6 +3,7 @@
     python tests/workers/plugins_run.py --mode entrypoint --out result.json   # installed codec + observer
     python tests/workers/plugins_run.py --mode two_stage --out result.json    # a codec that waits between collectives
     python tests/workers/plugins_run.py --mode state --out result.json        # plugin state through a checkpoint
+    python tests/workers/plugins_run.py --mode members --out result.json      # steps gated by a plugin, its transport
 """
 
 from __future__ import annotations
@@ -77,6 +78,58 @@ class StepCounter:
         self.steps = self.loaded["steps"]
 
 
+class EveryOtherStep:
+    """The hooks of members that come and go, without torchft: every optimizer step is gated and commits on every
+    other ask (the same on every rank), and the fit's collectives go through a wrapper that counts them."""
+
+    def __init__(self) -> None:
+        self.started = self.asked = self.wrapped_calls = 0
+
+    @hookimpl
+    def on_transport(self, comm):
+        plugin = self
+
+        class Counting:
+            def __getattr__(self, name):
+                attr = getattr(comm, name)
+                if name not in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
+                    return attr
+
+                def counted(*args, **kwargs):
+                    plugin.wrapped_calls += 1
+                    return attr(*args, **kwargs)
+
+                return counted
+
+        return Counting()
+
+    @hookimpl
+    def on_step_start(self):
+        self.started += 1
+
+    @hookimpl
+    def on_step_gated(self):
+        return True
+
+    @hookimpl
+    def on_commit_step(self):
+        self.asked += 1
+        return self.asked % 2 == 0
+
+
+class ParameterChanges(L.Callback):
+    """Whether each training batch changed the parameters."""
+
+    def __init__(self) -> None:
+        self.changed: list[bool] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.before = [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.changed.append(any(not torch.equal(a, p) for a, p in zip(self.before, pl_module.parameters())))
+
+
 def trainer_for(strategy, steps: int, **kw) -> L.Trainer:
     return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                      enable_progress_bar=False, enable_model_summary=False, **kw)
@@ -122,6 +175,14 @@ def main() -> None:
         trainer.fit(tiny_model(), loader(), ckpt_path=path)
         saved = torch.load(path, weights_only=False)["ddp_plugin"]
         result = {"saved": saved, "loaded": second.loaded, "steps_after_resume": second.steps}
+    elif args.mode == "members":
+        members, changes = EveryOtherStep(), ParameterChanges()
+        trainer = trainer_for(HierarchicalZeroStrategy(plugins=[members], hierarchical=True), -1, max_epochs=1,
+                              limit_train_batches=6, enable_checkpointing=False, callbacks=[changes])
+        model = tiny_model()
+        trainer.fit(model, loader())
+        result = {"changed": changes.changed, "started": members.started, "asked": members.asked,
+                  "wrapped_calls": members.wrapped_calls, "identical": identical_on_all_ranks(trainer.strategy, model)}
 
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and dist.get_rank() == 0:
         with open(args.out, "w") as f:
