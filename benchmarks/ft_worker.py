@@ -47,7 +47,7 @@ class Record(L.Callback):
         if self.file is None:  # (the node's other ranks)
             time.sleep(self.sleep)
             return
-        session = trainer.strategy._session
+        session = trainer.strategy.fit.session
         members = session.plugin_manager.get_plugin("replica_groups") if session is not None else None
         ft = members.replicas.metrics() if members is not None else {}
         loss = float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs)

@@ -14,8 +14,8 @@ The plugins of the last ``fit`` answer the state hooks during it and after it, u
 sharder's layout and the sharded optimizer outlive ``teardown``, so ``trainer.save_checkpoint`` after ``fit``
 (or after ``validate``/``test``) writes what a save during ``fit`` writes.
 
-(Just over 400 lines: the save and the load of each part (model, optimizer, plugin state) sit side by side, so
-that a change to one is seen beside the other.)
+(About 400 lines: the save and the load of each part (model, optimizer, plugin state) sit side by side, so that
+a change to one is seen beside the other.)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,11 +33,10 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
-from typing_extensions import override
 
 from ddp_plugin import cpu_memory, sharded_checkpoint
 from ddp_plugin.parallel import tensor_parallel
-from ddp_plugin.parallel.state_parts import StatePart, TensorParallelState
+from ddp_plugin.parallel.state_parts import StatePart
 from ddp_plugin.hookspecs import local_tensor, pipeline_copies
 from ddp_plugin.checkpoint_io import (
     AtomicCheckpointIO,
@@ -52,56 +51,53 @@ from ddp_plugin.checkpoint_io import (
 )
 
 if TYPE_CHECKING:
-    import pluggy
+    from lightning.pytorch.strategies import Strategy
     from torch.optim import Optimizer
 
-    from ddp_plugin.parallel.pipeline import PipelineRunner
-    from ddp_plugin.session import FitSession
+    from ddp_plugin.config import StrategyConfig
+    from ddp_plugin.fit_state import FitState
 
 CHECKPOINT_KEY = "ddp_plugin"
 RANK_STATE_KEY = "ddp_plugin_ranks"
 
 
-class CheckpointRouting:
-    """The checkpoint methods of ``HierarchicalZeroStrategy`` (a mixin ahead of Lightning's ``ParallelStrategy``,
-    whose methods are the fallbacks)."""
+class Checkpoints:
+    """The checkpoint methods of ``strategy`` (its LightningModule, optimizers, ranks and checkpoint IO), with
+    ``config``'s flags, over ``fit``. Where a method returns ``None`` (or ``False``), or is handed Lightning's own,
+    Lightning's ``ParallelStrategy`` does the work."""
 
-    _session: FitSession | None
-    _pipeline: PipelineRunner | None
-    _groups: Any  # (ProcessGroups)
-    _pending_plugin_state: tuple[Mapping[str, Any], Mapping[str, Any] | None] | None
+    def __init__(self, strategy: Strategy, config: StrategyConfig, fit: FitState) -> None:
+        self.strategy = strategy
+        self.config = config
+        self.fit = fit
 
-    def _state_plugins(self) -> pluggy.PluginManager | None:
-        return self._session.plugin_manager if self._session is not None else None
+    def _parts(self) -> list[StatePart]:
+        return self.fit.state_parts(self.strategy.lightning_module, sharder=bool(self.config.zero_stage))
 
     # ------------------------------------------------------------------ what goes in
-
-    def _has_tensor_parallel_model(self) -> bool:
-        module = self.lightning_module
-        return module is not None and tensor_parallel.has_tensor_parallel_parameters(module)
 
     def _refuse_master_beyond_memory(self) -> None:
         """``checkpoint="master"`` of a model no rank holds whole gathers its whole state on global rank 0: refused
         on every rank, before anything is gathered or written, when the parameters and the optimizer state alone
         exceed the memory rank 0 has available (the machine's, or what its memory cgroup's limit leaves).
         Collective (one all-reduce of two scalars over the world)."""
-        if self._groups is None or not dist.is_initialized():
+        if self.fit.groups is None or not dist.is_initialized():
             return
         total = 0.0
-        for p in self.lightning_module.parameters():  # (a DTensor's numel is the whole tensor's)
+        for p in self.strategy.lightning_module.parameters():  # (a DTensor's numel is the whole tensor's)
             total += p.numel() * p.element_size() / pipeline_copies(p)
-        for optimizer in self.optimizers:
+        for optimizer in self.strategy.optimizers:
             for p, entries in getattr(optimizer, "_optimizer", optimizer).state.items():
                 for v in entries.values():
                     if isinstance(v, Tensor) and v.dim():
                         same = tuple(local_tensor(v).shape) == tuple(local_tensor(p).shape)
                         total += (p.numel() if same else local_tensor(v).numel()) * v.element_size() / pipeline_copies(p)
         # One sum over the world: every stage's state (once per data and tensor position) and rank 0's headroom.
-        available = cpu_memory.available_bytes() if self.is_global_zero else None
-        mine = [total, (-1.0 if available is None else float(available)) if self.is_global_zero else 0.0]
-        summed = torch.tensor(mine, dtype=torch.float64, device=self.root_device)
+        available = cpu_memory.available_bytes() if self.strategy.is_global_zero else None
+        mine = [total, (-1.0 if available is None else float(available)) if self.strategy.is_global_zero else 0.0]
+        summed = torch.tensor(mine, dtype=torch.float64, device=self.strategy.root_device)
         dist.all_reduce(summed)
-        needed = float(summed[0]) * self._groups.layout.pipeline_parallel_size / dist.get_world_size()
+        needed = float(summed[0]) * self.fit.groups.layout.pipeline_parallel_size / dist.get_world_size()
         available = float(summed[1])
         if 0 <= available < needed:
             raise MemoryError(
@@ -112,29 +108,18 @@ class CheckpointRouting:
                 " (`ddp_plugin.sharded_checkpoint.consolidate` makes one file of it where memory allows)."
             )
 
-    def _state_parts(self) -> list[StatePart]:
-        """Every parallelism's part in this fit's checkpoints (:mod:`ddp_plugin.parallel.state_parts`), in the
-        order a save applies them; a load applies them in reverse. None: every rank holds the whole model."""
-        parts: list[StatePart] = []
-        if self._has_tensor_parallel_model():
-            parts.append(TensorParallelState(self.lightning_module, sharder=bool(self.config.zero_stage)))
-        if self._pipeline is not None:
-            parts.append(self._pipeline.checkpoint)
-        return parts
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        pm = self._state_plugins()
-        parts = self._state_parts()
+    def module_state(self) -> dict[str, Any] | None:
+        pm = self.fit.plugin_manager
+        parts = self._parts()
         if self.config.checkpoint == "sharded":
             # Each rank its pieces (ZeRO's, of a split tensor's local shard if split) or its own tensors; DTensors
             # stay DTensors, which DCP stores as each rank's shard of the whole tensor.
-            state = pm.hook.on_local_module_state_dict(module=self.lightning_module) if pm is not None else None
-            return state if state is not None else self.lightning_module.state_dict()
+            state = pm.hook.on_local_module_state_dict(module=self.strategy.lightning_module) if pm is not None else None
+            return state if state is not None else self.strategy.lightning_module.state_dict()
         if parts:  # a model no rank holds whole: made whole by its parts, rank 0 writes it
             self._refuse_master_beyond_memory()
-            with diagnosed(f"the checkpoint's gather of {_what(parts)}"), self.full_parameters():
-                state = self.lightning_module.state_dict()
+            with diagnosed(f"the checkpoint's gather of {_what(parts)}"), self.fit.lent("on_gather_full_parameters"):
+                state = self.strategy.lightning_module.state_dict()
                 if self.config.zero_stage == 3:  # copied before the units are freed again on leaving
                     state = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in state.items()}
                 for part in parts:
@@ -142,16 +127,15 @@ class CheckpointRouting:
             return state
         if pm is not None:
             with diagnosed("the checkpoint's gather of the model to rank 0"):
-                state = pm.hook.on_module_state_dict(module=self.lightning_module)
+                state = pm.hook.on_module_state_dict(module=self.strategy.lightning_module)
             if state is not None:
                 return state
-        return super().lightning_module_state_dict()
+        return None
 
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        pm = self._state_plugins()
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any] | None:
+        pm = self.fit.plugin_manager
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
-        parts = self._state_parts()
+        parts = self._parts()
         if self.config.checkpoint == "sharded":
             local = pm.hook.on_local_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
             if local is None:
@@ -174,14 +158,14 @@ class CheckpointRouting:
                 state = pm.hook.on_optimizer_state_dict(optimizer=optimizer)
             if state is not None:
                 return state
-        return super().optimizer_state(optimizer)
+        return None
 
     def _plugin_state(self, checkpoint: dict[str, Any]) -> None:
-        pm = self._state_plugins()
+        pm = self.fit.plugin_manager
         if pm is None:
             return
         checkpoint[CHECKPOINT_KEY] = _merged(pm.hook.on_save_state_dict())
-        parts = self._state_parts()
+        parts = self._parts()
         with diagnosed(f"the checkpoint's gather of the plugin state of {_what(parts)} to rank 0"):
             for part in parts:
                 checkpoint[CHECKPOINT_KEY] = part.plugin_state(checkpoint[CHECKPOINT_KEY])
@@ -199,8 +183,8 @@ class CheckpointRouting:
 
     # ------------------------------------------------------------------ saving
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+    def save(self, checkpoint: dict[str, Any], filepath: Any, write: Callable[[dict[str, Any]], None]) -> None:
+        """Save ``checkpoint`` to ``filepath``; ``write``: Lightning's write of a checkpoint there."""
         self._plugin_state(checkpoint)
         if self.config.checkpoint == "sharded":
             self._save_sharded(checkpoint, filepath)
@@ -210,18 +194,18 @@ class CheckpointRouting:
         # depend on what one rank holds, or the ranks would disagree on the collectives that follow.
         deferred = deferred_storages(checkpoint)
         if not self.config.zero_stage and self.config.sync_every == 1:
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            write(checkpoint)
             return
         what = f"write the checkpoint `{filepath}`"
-        if not self.is_global_zero:
+        if not self.strategy.is_global_zero:
             produce_all(deferred)
             agree_with_rank_0(None, what)
             return
         error: Exception | None = None
         try:
-            if deferred and not isinstance(self.checkpoint_io, AtomicCheckpointIO):
+            if deferred and not isinstance(self.strategy.checkpoint_io, AtomicCheckpointIO):
                 checkpoint = materialize(checkpoint)  # another CheckpointIO gets ordinary tensors
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            write(checkpoint)
         except Exception as err:  # noqa: BLE001 - raised below, after the other ranks are told
             error = err
         agree_with_rank_0(error, what)
@@ -229,7 +213,7 @@ class CheckpointRouting:
     def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         if not is_local_path(filepath):
             raise ValueError(f'`checkpoint="sharded"` writes to a local (or shared) filesystem; got `{filepath}`.')
-        live = self.lightning_module.state_dict(keep_vars=True)
+        live = self.strategy.lightning_module.state_dict(keep_vars=True)
         shapes: dict[str, tuple[int, ...]] = {
             f"model/{name}": tuple(value.shape) for name, value in live.items() if isinstance(value, Tensor)
         }
@@ -240,23 +224,24 @@ class CheckpointRouting:
         optimizers = checkpoint.get("optimizer_states", [])
         for j, opt in enumerate(optimizers):
             shapes.update({f"optim/{j}/{k}": v for k, v in opt.get("shapes", {}).items()})
-        parts = self._state_parts()
+        parts = self._parts()
         with diagnosed(f"the checkpoint's gather of the shapes of {_what(parts)} to rank 0"):
             for part in parts:
                 shapes = part.shapes(shapes)
         sharded_checkpoint.save(checkpoint, checkpoint["state_dict"], optimizers, shapes, local_path(filepath))
 
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero and sharded_checkpoint.is_sharded_checkpoint(filepath):
+    def remove(self, filepath: Any) -> bool:
+        """Remove a sharded checkpoint (its folder, by global rank 0); ``False`` for a file."""
+        if not sharded_checkpoint.is_sharded_checkpoint(filepath):
+            return False
+        if self.strategy.is_global_zero:
             shutil.rmtree(str(filepath))
-            return
-        super().remove_checkpoint(filepath)
+        return True
 
     # ------------------------------------------------------------------ loading
 
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    def load(self, checkpoint_path: Any, weights_only: bool | None, read: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+        """Read the checkpoint at ``checkpoint_path``; ``read``: Lightning's read of a file."""
         if is_local_path(checkpoint_path) and not os.path.exists(local_path(checkpoint_path)):
             raise FileNotFoundError(
                 f"Checkpoint not found: `{checkpoint_path}` does not exist (resolved from the current directory"
@@ -266,7 +251,7 @@ class CheckpointRouting:
         if is_local_path(checkpoint_path) and sharded_checkpoint.is_sharded_checkpoint(local_path(checkpoint_path)):
             # A model no rank holds whole (pipeline stages, tensor parallelism) reads its own part only: the
             # tensors are read as `load_model_state_dict` and `load_optimizer_state_dict` take them.
-            lazy = bool(self._state_parts())
+            lazy = bool(self._parts())
             checkpoint = sharded_checkpoint.load(local_path(checkpoint_path), lazy=lazy)
         else:
             try:
@@ -276,7 +261,7 @@ class CheckpointRouting:
                     checkpoint = torch.load(local_path(checkpoint_path), map_location="cpu", mmap=True,
                                             weights_only=False if weights_only is None else weights_only)
                 else:
-                    checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+                    checkpoint = read(checkpoint_path, weights_only=weights_only)
             except Exception as err:
                 # Empty, random or cut-short files make torch.load say "Ran out of input" or suggest
                 # `weights_only=False`: say what it is instead.
@@ -290,28 +275,24 @@ class CheckpointRouting:
             mine = None
             if ranks is not None and ranks["world_size"] == world:
                 mine = ranks["ranks"][dist.get_rank() if world > 1 else 0]
-            if self._session is not None and self._session.active:
-                self._session.load_plugin_state(state or {}, mine)
-            else:
-                # Lightning restores before `setup`; hand the state to this fit's plugins once they exist.
-                self._pending_plugin_state = (state or {}, mine)
+            # (Lightning restores before `setup`: then the state waits for this fit's plugins)
+            self.fit.hand_plugin_state(state or {}, mine)
         return checkpoint
 
     def _mapped_load(self, checkpoint_path: Any) -> bool:
         """Whether a consolidated checkpoint is read by memory mapping: a local file in ``torch.save``'s zip format,
         read through this library's or Lightning's own checkpoint IO, into a model no rank holds whole."""
-        if not self._state_parts():
+        if not self._parts():
             return False
-        if type(self.checkpoint_io) not in (AtomicCheckpointIO, TorchCheckpointIO) or not is_local_path(checkpoint_path):
+        if type(self.strategy.checkpoint_io) not in (AtomicCheckpointIO, TorchCheckpointIO) or not is_local_path(checkpoint_path):
             return False
         return zipfile.is_zipfile(local_path(checkpoint_path))
 
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    def load_model_state(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state = checkpoint["state_dict"]
-        for part in reversed(self._state_parts()):  # this rank's part of the unsplit model's state, split as here
-            state = part.module_to_load(state, self.lightning_module)
-        missing, unexpected, mismatched = _compare_state_dicts(self.lightning_module.state_dict(), state)
+        for part in reversed(self._parts()):  # this rank's part of the unsplit model's state, split as here
+            state = part.module_to_load(state, self.strategy.lightning_module)
+        missing, unexpected, mismatched = _compare_state_dicts(self.strategy.lightning_module.state_dict(), state)
         if strict and (missing or unexpected or mismatched):
             details = []
             if missing:
@@ -321,22 +302,23 @@ class CheckpointRouting:
             if mismatched:
                 details.append(f"different shapes: {_some(mismatched)}")
             raise ValueError(
-                f"The checkpoint does not fit {type(self.lightning_module).__name__}: {'; '.join(details)}. Was it"
+                f"The checkpoint does not fit {type(self.strategy.lightning_module).__name__}: {'; '.join(details)}. Was it"
                 " saved from another model (or other hyperparameters)?"
             )
         if any(isinstance(v, sharded_checkpoint.StoredTensor) for v in state.values()):
-            _load_stored(self.lightning_module, state, strict)
+            _load_stored(self.strategy.lightning_module, state, strict)
             return
-        self.lightning_module.load_state_dict(state, strict=strict)
+        self.strategy.lightning_module.load_state_dict(state, strict=strict)
 
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._session is None or not self._session.active:
-            return super().load_optimizer_state_dict(
-                {**checkpoint, "optimizer_states": sharded_checkpoint.materialized(checkpoint["optimizer_states"])})
-        pm = self._session.plugin_manager
-        parts = list(reversed(self._state_parts()))
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+    def load_optimizer_state(self, checkpoint: Mapping[str, Any], read: Callable[[Mapping[str, Any]], None]) -> None:
+        """Restore the optimizers' state; ``read``: Lightning's restore (outside a ``fit``)."""
+        session = self.fit.running()
+        if session is None:
+            read({**checkpoint, "optimizer_states": sharded_checkpoint.materialized(checkpoint["optimizer_states"])})
+            return
+        pm = session.plugin_manager
+        parts = list(reversed(self._parts()))
+        for optimizer, state in zip(self.strategy.optimizers, checkpoint["optimizer_states"]):
             for part in parts:  # the unsplit model's optimizer state: this rank's part, numbered and split as here
                 state = part.optimizer_to_load(state, optimizer)
             state = sharded_checkpoint.materialized(state)  # (what is left, whole: the hooks take tensors)
@@ -344,8 +326,7 @@ class CheckpointRouting:
                 for part in parts:
                     state = part.optimizer_fallback(state, optimizer)
                 optimizer.load_state_dict(state)
-            _optimizers_to_device([optimizer], self.root_device)
-        return None
+            _optimizers_to_device([optimizer], self.strategy.root_device)
 
 
 def _load_stored(module: Module, state: Mapping[str, Any], strict: bool) -> None:

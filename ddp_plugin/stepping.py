@@ -1,7 +1,7 @@
 """How Lightning's calls during an epoch reach the fit's session and the parallelisms' components: each
 ``*_step`` (through the pipeline's schedule where there are stages, with a failed tensor-parallel collective
-named by the split module it was in), the backward's hooks, gradient accumulation and the optimizer step. A mixin
-of ``HierarchicalZeroStrategy``; outside a ``fit`` each does what Lightning's ``ParallelStrategy`` does."""
+named by the split module it was in), the backward's hooks, gradient accumulation and the optimizer step. The
+strategy's methods hand each call here with Lightning's own as ``call``; outside a ``fit`` that is what runs."""
 
 from __future__ import annotations
 
@@ -9,93 +9,67 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from torch import Tensor
-from torch.optim import Optimizer
-from typing_extensions import override
-
-from ddp_plugin.parallel.components import PipelineParallel, TensorParallel, restore_zero_grad
+from ddp_plugin.parallel.components import PipelineParallel, restore_zero_grad
 from ddp_plugin.precision import loss_scaler
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
-    from torch.nn import Module
+    from lightning.pytorch.strategies import Strategy
+    from torch import Tensor
+    from torch.optim import Optimizer
 
-    from ddp_plugin.parallel.pipeline import PipelineRunner
-    from ddp_plugin.session import FitSession
+    from ddp_plugin.fit_state import FitState
 
 
-class StepRouting(ParallelStrategy):
-    """The step methods of ``HierarchicalZeroStrategy``."""
+class Steps:
+    """The steps of ``strategy`` (its model, LightningModule, optimizers and precision plugin), over ``fit``."""
 
-    _tensor_parallel: TensorParallel
-    _stages: PipelineParallel | None
-    _pipeline: PipelineRunner | None
-    _running: Callable[[], FitSession | None]  # (FitInspection's)
+    def __init__(self, strategy: Strategy, fit: FitState) -> None:
+        self.strategy = strategy
+        self.fit = fit
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if session := self._running():
-            session.before_training_step(self.model, args[0] if args else None)
-        if self._pipeline is not None:
-            return self._pipelined("training_step", args, kwargs, train=True)
-        with self._tensor_parallel.diagnosed("the forward"):  # (the tensor-parallel collectives inside)
-            return super().training_step(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._pipelined("validation_step", args, kwargs, train=False)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._pipelined("test_step", args, kwargs, train=False)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._pipelined("predict_step", args, kwargs, train=False)
-
-    def _pipelined(self, step: str, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> Any:
-        """Lightning's ``step``, through the pipeline's schedule where there are stages."""
-        def call() -> Any:
-            return getattr(super(StepRouting, self), step)(*args, **kwargs)
-
-        if self._pipeline is None:
+    def training_step(self, call: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if session := self.fit.running():
+            session.before_training_step(self.strategy.model, args[0] if args else None)
+        if self.fit.pipeline is not None:
+            return self.step("training_step", call, args, kwargs, train=True)
+        with self.fit.tensor_parallel.diagnosed("the forward"):  # (the tensor-parallel collectives inside)
             return call()
-        if step == "predict_step":
-            return PipelineParallel.predict(self._pipeline, call, self._tensor_parallel)
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        return self._stages.step(
-            self._pipeline, call, step, batch_idx, train, self._running() if train else None, self.lightning_module,
-            self.optimizers, self._tensor_parallel, loss_scaler(self.precision_plugin))
 
-    @override
+    def step(self, name: str, call: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+             train: bool) -> Any:
+        """Lightning's step ``name`` (``call``), through the pipeline's schedule where there are stages."""
+        fit, strategy = self.fit, self.strategy
+        if fit.pipeline is None:
+            return call()
+        if name == "predict_step":
+            return PipelineParallel.predict(fit.pipeline, call, fit.tensor_parallel)
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        return fit.stages.step(fit.pipeline, call, name, batch_idx, train, fit.running() if train else None,
+                               strategy.lightning_module, strategy.optimizers, fit.tensor_parallel,
+                               loss_scaler(strategy.precision_plugin))
+
     def pre_backward(self, closure_loss: Tensor) -> None:
-        if self._pipeline is not None:
-            restore_zero_grad(self.lightning_module)
-        if session := self._running():
+        if self.fit.pipeline is not None:
+            restore_zero_grad(self.strategy.lightning_module)
+        if session := self.fit.running():
             session.pre_backward(closure_loss)
 
     @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
+    def no_sync(self) -> Generator[None, None, None]:
         """Inner steps of gradient accumulation: gradients accumulate in the buckets, nothing is sent."""
-        with session.no_sync() if (session := self._running()) else nullcontext():
+        with session.no_sync() if (session := self.fit.running()) else nullcontext():
             yield
 
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
+    def post_backward(self) -> None:
         # The engine's autograd callback has normally synchronized already; this catches a backward that ended
         # without reaching it.
-        if session := self._running():
+        if session := self.fit.running():
             session.engine.finish()
 
-    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
-                       model: pl.LightningModule | Module | None = None, **kwargs: Any) -> Any:
-        def step(closure: Callable[[], Any]) -> Any:
-            return super(StepRouting, self).optimizer_step(optimizer, closure, model, **kwargs)
-
-        closure = self._tensor_parallel.named_backward(closure)
-        session = self._running()
-        return (session.optimizer_step(optimizer, closure, step, loss_scaler(self.precision_plugin)) if session
-                else step(closure))
+                       step: Callable[[Callable[[], Any]], Any]) -> Any:
+        """``step(closure)`` (Lightning's optimizer step), through the fit's session."""
+        closure = self.fit.tensor_parallel.named_backward(closure)
+        session = self.fit.running()
+        return (session.optimizer_step(optimizer, closure, step, loss_scaler(self.strategy.precision_plugin))
+                if session else step(closure))

@@ -1,21 +1,23 @@
 """``HierarchicalZeroStrategy``: the Lightning side. It follows the Trainer's lifecycle and orchestrates: its
-settings are one validated :class:`~ddp_plugin.config.StrategyConfig`, its process groups a
-:class:`~ddp_plugin.process_groups.ProcessGroups`, each parallelism a component of
-:mod:`ddp_plugin.parallel.components`, the setup's steps :mod:`ddp_plugin.assembly`, and what exists during a
-``fit`` a :class:`~ddp_plugin.session.FitSession`, whose plugins do the tensors and collectives. Its methods
-come from four mixins: :class:`~ddp_plugin.checkpointing.CheckpointRouting` (saving and loading),
-:class:`~ddp_plugin.inspection.FitInspection` (what a user asks about the fit),
-:class:`~ddp_plugin.stepping.StepRouting` (the steps, backward and optimizer step) and
-:class:`~ddp_plugin.environment.DistributedEnvironment` (ranks, launcher, rendezvous, mesh); the class itself
-holds the flags (about 90 lines of its docstring, which LightningCLI and jsonargparse read for ``--help``), the
-setup and the teardown."""
+settings are one validated :class:`~ddp_plugin.config.StrategyConfig`, what it holds between Lightning's calls one
+:class:`~ddp_plugin.fit_state.FitState` (process groups, the parallelisms' components, the pipeline's runner, the
+fit's :class:`~ddp_plugin.session.FitSession`, whose plugins do the tensors and collectives), the setup's steps
+:mod:`ddp_plugin.assembly`. Its Lightning methods hand each call to a collaborator it builds:
+:class:`~ddp_plugin.checkpointing.Checkpoints` (saving and loading), :class:`~ddp_plugin.stepping.Steps` (the steps,
+backward and optimizer step), :mod:`ddp_plugin.inspection` (what a user asks about the fit) and
+:mod:`ddp_plugin.environment` (ranks, launcher, rendezvous, mesh).
+
+(About 620 lines: the flags' documentation (about 90 lines of the class docstring, which LightningCLI and
+jsonargparse read for ``--help``) and one method per Lightning hook the strategy answers, most of them a
+delegation of two lines, so that the class reads as Lightning's own strategies do: one class in one file.)"""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -25,35 +27,46 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ddp_plugin import activation_checkpointing, assembly, pretrained
+from ddp_plugin import activation_checkpointing, assembly, environment, health, inspection, pretrained
 from ddp_plugin.checkpoint_io import AtomicCheckpointIO
-from ddp_plugin.checkpointing import CheckpointRouting
+from ddp_plugin.checkpointing import Checkpoints
 from ddp_plugin.config import CONFIG_FLAGS, UNSET, StrategyConfig, flag_names
-from ddp_plugin.environment import DistributedEnvironment
-from ddp_plugin.inspection import FitInspection
+from ddp_plugin.fit_state import FitState
 from ddp_plugin.materialize import has_meta_tensors
 from ddp_plugin.parallel import tensor_parallel
-from ddp_plugin.parallel.components import PipelineParallel, TensorParallel
+from ddp_plugin.parallel.components import PipelineParallel
 from ddp_plugin.precision import ShardedGradientClipping, with_sharded_clipping
 from ddp_plugin.process_groups import ProcessGroups
-from ddp_plugin.session import FitSession
-from ddp_plugin.stepping import StepRouting
+from ddp_plugin.stepping import Steps
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    import pluggy
+    from torch.amp import GradScaler
+    from torch.distributed.device_mesh import DeviceMesh
 
-    from ddp_plugin.parallel.pipeline import PipelineRunner
+    from ddp_plugin.engine import GradientEngine
+    from ddp_plugin.hookspecs import Topology
+    from ddp_plugin.planning import CommPlan
+    from ddp_plugin.topology import Layout
 
 log = logging.getLogger(__name__)
 _FLAGS = frozenset(flag_names())
 
 
-class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, DistributedEnvironment):
+class HierarchicalZeroStrategy(ParallelStrategy):
     """Data-parallel training for clusters whose inter-node links are the bottleneck: gradients are reduced
     inside each node, across nodes with 1/k of the data (optionally compressed), and optimizer state, gradients
     and parameters can be sharded (ZeRO), all by plugins behind a pluggy hook contract.
@@ -184,16 +197,12 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, Di
         flags = {k: v for k, v in locals().items() if k in _FLAGS}
         flags.update({k: UNSET for k in CONFIG_FLAGS if flags[k] is None})  # None: "not set" (see the docstring)
         self.config = StrategyConfig.from_flags(config, **flags)
-        self._session: FitSession | None = None
-        self._groups: ProcessGroups | None = None
-        self._pending_plugin_state = None
-        self._tensor_parallel = TensorParallel()
-        self._stages: PipelineParallel | None = None
-        self._pipeline: PipelineRunner | None = None
-        """The schedule's runner over this rank's stages (``_stages``), once they are materialized."""
-        self._materialized = False  # this fit's setup materialized a model built on the meta device
-        self.units_initialized = 0
-        """ZeRO stage 3 units this fit's setup allocated and initialized one by one (a model built on meta)."""
+        self.fit = FitState()
+        """What the strategy holds between Lightning's calls: groups, components, the fit's session."""
+        self._checkpoints = Checkpoints(self, self.config, self.fit)
+        self._steps = Steps(self, self.fit)
+        self._backend: str | None = None
+        self._num_nodes = 1
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -230,16 +239,110 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, Di
     def precision_plugin(self, plugin: Precision | None) -> None:
         self._precision_plugin = None if plugin is None else with_sharded_clipping(plugin, self)
 
-    # ------------------------------------------------------------------ setup / teardown
+    # ------------------------------------------------------------------ processes (ddp_plugin.environment)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return environment.root_device(self.parallel_devices, self.local_rank)
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning's Trainer to shard dataloaders with a DistributedSampler, as for its own DDP."""
+        return True
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return environment.sampler_kwargs(self.config, self._layout(), self.global_rank)
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._backend or self.config.process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        # Lightning calls this in the Trainer's constructor, when devices and num_nodes are known: a layout that
+        # cannot work fails there, before any process starts.
+        if self.num_processes:
+            self._layout()
+        self._launcher = environment.launcher(self, self.config, self.cluster_environment, self.num_processes,
+                                              self.num_nodes)
+
+    def _layout(self) -> Layout:
+        return environment.layout(self.config, self.num_nodes, self.num_processes)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._groups, self._materialized = None, False
+        self.setup_distributed()
+        self.fit.new_setup()
         module = self.lightning_module
-        if self._tensor_parallel.before_configure_model(module, self._layout().tensor_parallel_size):
+        if self.fit.tensor_parallel.before_configure_model(module, self._layout().tensor_parallel_size):
             self._connect()  # (`configure_model` runs between this and `setup`, and reads the mesh)
-            module._device_mesh = self._groups.device_mesh()
+            module._device_mesh = self.fit.groups.device_mesh()
+
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._backend = environment.backend(self.config, self.cluster_environment, self.root_device)
+        environment.connect(self.cluster_environment, self._backend, self.root_device, self.config)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _connect(self) -> None:
+        self.fit.groups = environment.process_groups(self.config, self.cluster_environment, self.num_processes,
+                                                     self.world_size, self._layout(), self.root_device,
+                                                     self._backend)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """Lightning's ``("data_parallel", "tensor_parallel")`` mesh, as ``ModelParallelStrategy`` has it; the
+        LightningModule reads it as ``self.device_mesh`` in ``configure_model``. Made when the processes connect,
+        for a module that overrides ``configure_model`` or a ``tensor_parallel_size`` above 1."""
+        return environment.device_mesh(self.fit.groups)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        health.report_exception(exception)  # the other ranks' failing collectives will name this rank and error
+
+    @override
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        environment.barrier(self.root_device, name)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return environment.broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        return environment.reduce(tensor, group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        # Between a sync mode's syncs no collective of ours crosses nodes, so a dead rank on another node is often
+        # first met here (a callback's all_gather): name it, as the gradient synchronization does.
+        with health.diagnosed("an all_gather"):
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    # ------------------------------------------------------------------ setup / teardown
 
     @override
     @contextmanager
@@ -261,46 +364,42 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, Di
         # (as under ModelParallelStrategy): loaded before, its values would land in no memory and training would
         # start from the initialization instead.
         module = self.lightning_module
-        return self._materialized or (module is not None and has_meta_tensors(module))
+        return self.fit.materialized or (module is not None and has_meta_tensors(module))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         # torchtitan's order (ddp_plugin.assembly): parallelized by `configure_model`, split into stages, wrapped,
         # materialized and made equal on the replicas, then sharded by the fit's session.
         assert self.accelerator is not None and self.model is not None
-        if self._groups is None:
+        fit = self.fit
+        if fit.groups is None:
             self._connect()
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        groups, config, module, device = self._groups, self.config, self.lightning_module, self.root_device
-        self._tensor_parallel.prepare(self.model, groups, config)
+        groups, config, module, device = fit.groups, self.config, self.lightning_module, self.root_device
+        fit.tensor_parallel.prepare(self.model, groups, config)
         weights = pretrained.first_plan(module, config.pretrained, trainer.ckpt_path)
         pipelined = groups.topology.pipeline_parallel_size > 1
-        stages = self._stages = PipelineParallel(config, groups) if pipelined else None
+        stages = fit.stages = PipelineParallel(config, groups) if pipelined else None
         if config.activation_checkpointing_policy is not None and not hasattr(self.model, "_ddp_plugin_stages"):
             activation_checkpointing.check_present(self.model, config.activation_checkpointing_policy)  # (unsplit)
         ties = stages.split(module, device) if stages is not None else []
         self.model = assembly.wrap(self.model, config, self._layer_sync, self.precision_plugin, fitting)
         materialized, deferred = assembly.materialize(self.model, module, groups, config, device, fitting, weights,
                                                       ties, seed_offset=self.global_rank)
-        self._materialized = self._materialized or materialized
-        self._pipeline = stages.start(module, ties, device) if stages is not None else None
-        self._tensor_parallel.watch(self.model)
+        fit.materialized = fit.materialized or materialized
+        fit.pipeline = stages.start(module, ties, device) if stages is not None else None
+        fit.tensor_parallel.watch(self.model)
         if fitting:
-            if self._running():
-                self._session.close()  # a setup without teardown (as some of Lightning's tests do)
-            self._session = assembly.start_session(config, self.model, groups, device, self._hierarchical_by_flags(),
-                                                   self.memory_bytes, self._pipeline, ties, deferred, module,
-                                                   lambda: self.optimizers)
-            if self._pending_plugin_state is not None:
-                self._session.load_plugin_state(*self._pending_plugin_state)
-                self._pending_plugin_state = None
-            self.units_initialized = deferred.groups if deferred is not None else 0
+            fit.start(assembly.start_session(config, self.model, groups, device, self._hierarchical_by_flags(),
+                                             self.memory_bytes, fit.pipeline, ties, deferred, module,
+                                             lambda: self.optimizers))
+            fit.units_initialized = deferred.groups if deferred is not None else 0
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
-                if self._pipeline is not None:  # (before a sharder replaces them with its pieces)
-                    self._pipeline.checkpoint.note_optimizer(optimizer)
-                self._session.plugin_manager.hook.on_setup_optimizer(optimizer=optimizer)
+                if fit.pipeline is not None:  # (before a sharder replaces them with its pieces)
+                    fit.pipeline.checkpoint.note_optimizer(optimizer)
+                fit.session.plugin_manager.hook.on_setup_optimizer(optimizer=optimizer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -311,11 +410,12 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, Di
         # first one (ddp_plugin.assembly.after).
         failing = sys.exc_info()[1]
         ProcessGroups.failed = failing is not None
-        self._tensor_parallel.forget()
-        if self._pipeline is not None:
-            self._pipeline.release()
-        if self._running():
-            assembly.after(failing, lambda: self._session.close(failed=failing is not None))
+        fit = self.fit
+        fit.tensor_parallel.forget()
+        if fit.pipeline is not None:
+            fit.pipeline.release()
+        if session := fit.running():
+            assembly.after(failing, lambda: session.close(failed=failing is not None))
         module = self.lightning_module
         if module is not None and module._trainer is not None:
             if module.trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
@@ -334,14 +434,181 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, Di
 
     def release_process_groups(self) -> None:
         """At interpreter exit: drop the fit's plugins and engine and the groups (see ddp_plugin.process_groups)."""
-        if self._session is not None:
-            self._session.heartbeat.stop()
-        self._session = self._pipeline = self._groups = None
+        self.fit.forget()
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ steps (ddp_plugin.stepping)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.training_step(functools.partial(super().training_step, *args, **kwargs), args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.step("validation_step", functools.partial(super().validation_step, *args, **kwargs),
+                                args, kwargs, train=False)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.step("test_step", functools.partial(super().test_step, *args, **kwargs), args, kwargs,
+                                train=False)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.step("predict_step", functools.partial(super().predict_step, *args, **kwargs), args,
+                                kwargs, train=False)
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        self._steps.pre_backward(closure_loss)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Inner steps of gradient accumulation: gradients accumulate in the buckets, nothing is sent."""
+        with self._steps.no_sync():
+            yield
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        self._steps.post_backward()
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
+        step = functools.partial(super().optimizer_step, optimizer, model=model, **kwargs)
+        return self._steps.optimizer_step(optimizer, closure, step)
+
+    # ------------------------------------------------------------------ checkpoints (ddp_plugin.checkpointing)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = self._checkpoints.module_state()
+        return state if state is not None else super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        state = self._checkpoints.optimizer_state(optimizer)
+        return state if state is not None else super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        write = functools.partial(super().save_checkpoint, filepath=filepath, storage_options=storage_options)
+        self._checkpoints.save(checkpoint, filepath, write)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if not self._checkpoints.remove(filepath):
+            super().remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return self._checkpoints.load(checkpoint_path, weights_only, super().load_checkpoint)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self._checkpoints.load_model_state(checkpoint, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self._checkpoints.load_optimizer_state(checkpoint, super().load_optimizer_state_dict)
+
+    # ------------------------------------------------------------------ what a user asks (ddp_plugin.inspection)
+
+    @property
+    def topology(self) -> Topology | None:
+        return self.fit.topology
+
+    @property
+    def plugin_manager(self) -> pluggy.PluginManager | None:
+        """The pluggy plugin manager of the current or last ``fit`` (``None`` before the first)."""
+        return self.fit.plugin_manager
+
+    @property
+    def engine(self) -> GradientEngine | None:
+        """The gradient engine of the current ``fit`` (``None`` outside of it)."""
+        return self.fit.engine
+
+    @property
+    def comm_plan(self) -> CommPlan | None:
+        """What the link probe measured and decided, per bucket (docs/adaptive.md); ``None`` when nothing was left
+        to decide (one rank, or every choice set by a flag) or before the first ``fit``."""
+        return self.fit.comm_plan
+
+    @property
+    def uses_hierarchical_reducer(self) -> bool:
+        """Whether gradients are reduced in node, cross-node and gather stages (decided once the layout is known;
+        during a ``fit`` whose plan chooses per bucket: whether any bucket may be)."""
+        return self.fit.hierarchical(self._hierarchical_by_flags())
+
+    def _hierarchical_by_flags(self) -> bool:
+        if self.config.hierarchical is not None:
+            return self.config.hierarchical
+        layout = self._layout().data_parallel_layout
+        return layout.num_nodes > 1 and layout.ranks_per_node > 1
+
+    @property
+    def units_initialized(self) -> int:
+        """ZeRO stage 3 units this fit's setup allocated and initialized one by one (a model built on meta)."""
+        return self.fit.units_initialized
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps ``skip_nonfinite`` skipped in the current or last ``fit``."""
+        return self.fit.skipped_steps
+
+    @property
+    def metric_totals(self) -> dict[str, float]:
+        """Sums of the plugins' per-step metrics over the current or last ``fit`` (this rank's values)."""
+        return self.fit.metric_totals
+
+    @property
+    def metric_means(self) -> dict[str, float]:
+        """Per-step means of the plugins' metrics over the current or last ``fit`` (this rank's values)."""
+        return self.fit.metric_means
+
+    def clip_grad_norm_sharded(self, optimizer: Optimizer, max_norm: float) -> Tensor | None:
+        session = self.fit.running()
+        return session.clip_grad_norm(optimizer, max_norm) if session else None
+
+    def after_closure(self, optimizer: Optimizer, scaler: GradScaler | None) -> None:
+        if session := self.fit.running():
+            session.after_closure(optimizer, scaler)
+
+    def clip_module_grads_by_value(self, clip_val: float) -> None:
+        inspection.clip_grads_by_value(self.model, self.fit, bool(self.config.zero_stage), clip_val)
+
+    @contextmanager
+    def full_parameters(self) -> Generator[None, None, None]:
+        """Inside, every module parameter holds its full value on every rank (at ZeRO stage 3 they are
+        all-gathered, and freed again on exit; call it on every rank). Read-only: changes are not kept."""
+        with self.fit.lent("on_gather_full_parameters"):
+            yield
+
+    @contextmanager
+    def full_gradients(self) -> Generator[None, None, None]:
+        """Inside, every module parameter's ``.grad`` holds its whole gradient on every rank, as under DDP (the
+        global mean after a synchronizing backward, clipped once clipping ran; ``None`` where the optimizer has
+        none). At stages 2-3 the shards are all-gathered into a buffer freed on exit; at stages 0-1 nothing
+        happens. Call it on every rank. Read-only: changes are not applied. For norms, :meth:`grad_norm`."""
+        with self.fit.lent("on_gather_full_gradients"):
+            yield
+
+    def grad_norm(self, norm_type: float | int | str = 2, group_separator: str = "/") -> dict[str, Tensor]:
+        """``lightning.pytorch.utilities.grad_norm(module, norm_type)`` of the LightningModule at every ZeRO
+        stage, ready for ``self.log_dict``; at stages 2-3 from the shards with one small all-reduce (call it on
+        every rank)."""
+        return inspection.grad_norm(self.lightning_module, self.fit, norm_type, group_separator)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """This rank's bytes of parameters, gradients and optimizer state, measured on the live tensors (each
+        storage counted once): module and optimizer parameters, gradient buckets and ``.grad``, optimizer state;
+        and what plugins report keeping besides (``on_collect_memory``, e.g. a sync mode's ``outer_state``)."""
+        return inspection.measured_memory(self.model, self.optimizers, self.fit)
 
     @classmethod
     @override
@@ -353,4 +620,3 @@ class HierarchicalZeroStrategy(CheckpointRouting, FitInspection, StepRouting, Di
              for s in (1, 2, 3)]
         for name, init_params, description in entries:
             strategy_registry.register(name, cls, description=description, **init_params)
-

@@ -18,7 +18,7 @@ nothing to do for a step inherits :class:`StatePart`'s method, which returns wha
   plugins' ``on_load_optimizer_state_dict``) and :meth:`~StatePart.optimizer_fallback` (when no plugin took it).
 
 A new parallelism adds a part here (or in its own package) and lists it in
-:meth:`~ddp_plugin.checkpointing.CheckpointRouting._state_parts`'s components; the routing does not change.
+:meth:`~ddp_plugin.fit_state.FitState.state_parts`'s components; the routing does not change.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(model, DataLoader(sine_dataset(16 * args.steps * args.devices * args.num_nodes, args.width, seed=3),
                                   batch_size=16))
     plan = strategy.comm_plan
-    engine_buckets = [str(i) for i in range(len(strategy._session.engine.buckets))]
+    engine_buckets = [str(i) for i in range(len(strategy.fit.session.engine.buckets))]
     result = {
         "rank": trainer.global_rank,
         "plan": None if plan is None else {

@@ -77,7 +77,7 @@ class Record(L.Callback):
             time.sleep(0.05)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        sync = trainer.strategy._session.plugin_manager.get_plugin("outer_sync")
+        sync = trainer.strategy.fit.session.plugin_manager.get_plugin("outer_sync")
         if sync is None:
             return
         sync.drain()  # (a sync in flight: committed, applied at teardown)
@@ -96,7 +96,7 @@ class Record(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)  # inside the step: the live groups are about to reduce with it
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        session = trainer.strategy._session
+        session = trainer.strategy.fit.session
         members = session.plugin_manager.get_plugin("replica_groups") if session is not None else None
         replicas = members.replicas.metrics() if members is not None else {}
         comm = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("comm/", "sync/"))}

@@ -102,7 +102,7 @@ def streams_and_timings(device: str) -> dict:
         torch.cuda.synchronize()
     backward_ms = [a.elapsed_time(b) for a, b in model.marks[1:]]  # (the first step warms up)
     return {"backend": dist.get_backend() if dist.is_initialized() else None,
-            "buckets": len(strategy._session.engine.buckets),
+            "buckets": len(strategy.fit.session.engine.buckets),
             "link_streams": sorted(link.streams), "default_stream": link.default_stream,
             "backward_ms": backward_ms, "metric_means": strategy.metric_means}
 

@@ -58,7 +58,7 @@ class Checks(L.Callback):
         strategy = trainer.strategy
         if not isinstance(strategy, HierarchicalZeroStrategy):
             return
-        groups = strategy._groups
+        groups = strategy.fit.groups
         dp_group = groups.topology.world_group
         def spread(tensors: list[torch.Tensor], group) -> float:
             # the largest difference of this group's ranks' copies from its first rank's (one all-gather)
@@ -72,7 +72,7 @@ class Checks(L.Callback):
             split = [local_tensor(p) for p in params if local_tensor(p) is not p]
             plain = [p for p in params if local_tensor(p) is p]
             self.max_replica_diff = max(self.max_replica_diff, spread(split, dp_group), spread(plain, groups.bookkeeping))
-            for tie in strategy._pipeline.ties if strategy._pipeline is not None else ():
+            for tie in strategy.fit.pipeline.ties if strategy.fit.pipeline is not None else ():
                 if tie.param is not None:
                     self.max_tie_diff = max(self.max_tie_diff, spread([local_tensor(tie.param)], tie.group))
 
@@ -168,7 +168,7 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
         # (a sharded run's state dict is each rank's own: every stage's, as the master checkpoint gathers them)
         with strategy.full_parameters():
             state = {k: v.detach().clone() for k, v in full_state_dict(model.state_dict()).items()}
-        state = strategy._pipeline.checkpoint.gather_module_state(state)
+        state = strategy.fit.pipeline.checkpoint.gather_module_state(state)
     else:
         state = strategy.lightning_module_state_dict()
     # every rank's cross-node bytes by our accounting (a stage's sends, the tied sum), over the whole fit
