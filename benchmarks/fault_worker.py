@@ -197,7 +197,7 @@ def _stall_writes(out: str) -> None:
     """Make rank 0's next checkpoint write stop after 4 kB, mark the fault, and wait to be killed."""
     import lightning.fabric.plugins.io.torch_io as torch_io
 
-    import ddp_plugin.checkpoint_io
+    import ddp_plugin.checkpoints.checkpoint_io
 
     class Stalling:
         def __init__(self, f) -> None:
@@ -215,8 +215,8 @@ def _stall_writes(out: str) -> None:
         def __getattr__(self, name):
             return getattr(self.f, name)
 
-    real_stream_save = ddp_plugin.checkpoint_io.stream_save
-    ddp_plugin.checkpoint_io.stream_save = lambda obj, f: real_stream_save(obj, Stalling(f))  # ours
+    real_stream_save = ddp_plugin.checkpoints.checkpoint_io.stream_save
+    ddp_plugin.checkpoints.checkpoint_io.stream_save = lambda obj, f: real_stream_save(obj, Stalling(f))  # ours
 
     def stalling_atomic_save(checkpoint, filepath) -> None:  # Lightning's TorchCheckpointIO (ddp)
         import io

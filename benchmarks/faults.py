@@ -295,7 +295,7 @@ def _with_checkpoint(outcome: Callable[[Run, str], str]) -> Callable[[Run, str],
             return f"{text}; no checkpoint file"
         try:
             if ckpt.is_dir():  # (a sharded checkpoint: a directory of DCP files)
-                from ddp_plugin.sharded_checkpoint import load
+                from ddp_plugin.checkpoints.sharded_checkpoint import load
 
                 loaded = load(ckpt)
                 step = f"{loaded['global_step']}, {len(loaded['state_dict'])} tensors"

@@ -498,7 +498,7 @@ def reading(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"Setup peaks in units of the weights held: {span(ours_x)} for our pipeline and tensor-parallel"
                    f" layouts, {span(mps_x)} for `ModelParallelStrategy`: our"
                    " gradient engine allocates its gradient buckets (1x the weights held) in setup"
-                   " (`ddp_plugin/engine.py`), FSDP2 allocates gradients in the first backward.")
+                   " (`ddp_plugin/gradients/engine.py`), FSDP2 allocates gradients in the first backward.")
     whole = sorted(((r["setup"] / r["model_bytes"], layout, size) for (layout, size), r in by.items()
                     if layout != "lightning_ddp"), reverse=True)
     if whole:

@@ -14,7 +14,7 @@ from lightning.fabric.plugins.environments import MPIEnvironment
 from lightning.pytorch.strategies import StrategyRegistry
 
 from ddp_plugin.hookspecs import Bucket, Topology, hookimpl, hookspec
-from ddp_plugin.strategy import HierarchicalZeroStrategy
+from ddp_plugin.strategy.hierarchical_zero import HierarchicalZeroStrategy
 
 __version__ = "0.2.0.dev0"
 

@@ -1,6 +1,6 @@
 """Hook specifications: the whole protocol between the strategy and its plugins.
 
-(One file of about 640 lines on purpose: a plugin author learns the whole protocol from it, as from pytest's
+(One file of about 660 lines on purpose: a plugin author learns the whole protocol from it, as from pytest's
 ``hookspec.py``; it is almost all documentation.)
 
 The strategy calls every hook with keyword arguments; an implementation may accept any subset of a hook's
@@ -33,11 +33,10 @@ a link plan ``AdaptivePlanner``, the hierarchical reducer that follows the plan,
 ``ReplicaGroupReducer``, whose cross stage runs over the live replica groups through torchft: its all-reduce,
 or with a built-in codec ``on_cross_node_reduce`` on torchft's process group), the default cross-node mean
 (``MeanAllReduce``), the codecs (``ddp_plugin.codecs``) and, with ``compression="auto"``, ``AutoCodec`` (it answers
-``on_cross_node_reduce`` first and calls the codec the plan names, alone, through pluggy's
-``subset_hook_caller``), the ZeRO sharder (``ddp_plugin.zero.ZeroSharder``), the sync modes
+``on_cross_node_reduce`` first and calls the codec the plan names, alone, through hooks of its own), the ZeRO sharder (``ddp_plugin.zero.ZeroSharder``), the sync modes
 (``ddp_plugin.sync.OuterSync``; with ``fault_tolerance`` ``ReplicaGroupSync``, whose pseudo-gradients cross
 replica groups the same way), the traffic accounting (``TrafficAccounting``) and the initializer of a model built
-on the meta device (``ddp_plugin.materialize.Deferred``).
+on the meta device (``ddp_plugin.parallel.materialize.Deferred``).
 
 Ranks: the bucket hooks' collectives (``on_bucket_ready``, ``on_cross_node_reduce``) span data-parallel ranks
 only. With tensor parallelism the topology's groups are those of this rank's tensor-parallel position (the ranks
@@ -127,7 +126,7 @@ def on_initialize_parameters(params: Sequence[Parameter]) -> bool | None:
     Called by the ZeRO sharder at stage 3, once per bucket (a unit's parameters) while it lays the buckets out in
     ``on_setup``, in bucket order, so that no rank holds more than one unit of whole parameters at a time.
     Collective (the replicas are made equal). Stops at first non-None result. Implemented by the strategy's
-    initializer (:class:`ddp_plugin.materialize.Deferred`) in a ``fit`` whose model was built on the meta
+    initializer (:class:`ddp_plugin.parallel.materialize.Deferred`) in a ``fit`` whose model was built on the meta
     device at stage 3; without it no parameter reaches a plugin on the meta device.
 
     :param params: the parameters, now holding memory.
@@ -243,6 +242,20 @@ def on_cross_node_reduce(
         parameters the tensor holds (``bucket.offsets``); elements past the end of the buffer are padding
         (zeros).
     :returns: a future that completes when ``tensor`` holds the mean.
+    """
+
+
+@hookspec(firstresult=True)
+def on_fold_residual(key: int | str, tensor: Tensor, rank: int, size: int) -> bool | None:
+    """Hand the error-feedback residual this codec keeps for bucket ``key`` to the route the bucket takes now
+    (``compression="auto"`` switched the bucket's codec or route): add it to ``tensor``, this rank's values about to
+    be averaged over the ``size`` ranks of a group (this one ``rank``), and forget the bucket's state, so that what
+    the residual held back reaches the mean on this step. Called by ``AutoCodec`` and the link plan's reducer on the
+    codec the bucket leaves alone (through hooks of its own, none of the other plugins'), on the communication
+    thread. Local. Implemented by the built-in codecs.
+
+    :returns: ``True`` once handed over; ``None`` when the codec keeps it (applied when the bucket takes the codec
+        again).
     """
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ddp_plugin import HierarchicalZeroStrategy
-from ddp_plugin.activation_checkpointing import apply, check_present, is_checkpointed
+from ddp_plugin.parallel.activation_checkpointing import apply, check_present, is_checkpointed
 from ddp_plugin.testing.gpt import GPT, Block
 from tests.support import WORKERS, run_python
 

@@ -14,9 +14,9 @@ from torch import nn
 
 from ddp_plugin import Bucket, HierarchicalZeroStrategy
 from ddp_plugin.codecs import BUILTIN_CODECS
-from ddp_plugin.comm import TracedCommunicator
-from ddp_plugin.planning import FLAT, HIERARCHICAL, BucketPlan, CommPlan, CostModel, Fit
-from ddp_plugin.plugin_manager import build_plugin_manager
+from ddp_plugin.gradients.comm import TracedCommunicator
+from ddp_plugin.gradients.planning import FLAT, HIERARCHICAL, BucketPlan, CommPlan, CostModel, Fit
+from ddp_plugin.gradients.plugin_manager import build_plugin_manager
 from ddp_plugin.plugins.adaptive import AdaptivePlanner
 from ddp_plugin.testing.ranks import RankPool
 from tests.support import WORKERS, needs_cluster, run_python
@@ -210,7 +210,7 @@ def auto_codec_switch(rank, world, data):
 def route_switch(rank, world, first, second, data):
     """2 nodes x 2: bucket 0 takes ``first`` = (route, codec) on step 1 and ``second`` on step 2, through the plugins
     a plan sets up (reducer, auto codec, int8)."""
-    from ddp_plugin.topology import Layout, build_topology
+    from ddp_plugin.gradients.topology import Layout, build_topology
 
     topology = build_topology(Layout(world, 2), torch.device("cpu"))
     model = CostModel(2, 2, {(s, c): Fit(0, 1e-9) for s in ("world", "inter") for c in ("none", "int8")},
@@ -260,7 +260,7 @@ def settle_trials_per_position(rank, world, dimension, seconds):
     it settled."""
     import time
 
-    from ddp_plugin.topology import Layout, build_topology
+    from ddp_plugin.gradients.topology import Layout, build_topology
 
     layout = Layout(world, 2, **{f"{dimension}_parallel_size": 2})
     topology = build_topology(layout, torch.device("cpu"))
@@ -300,8 +300,8 @@ def probe_with(rank, world, names):
     """The link probe of 2 nodes x 2 over both routes, timing the codecs ``names`` alone (as ``compression=``
     one of them sets it up: no plain mean among the candidates), each a fresh instance; returns every call each
     codec got, as (bucket kind, key, values), and whether the probe fitted a model."""
-    from ddp_plugin.link_probe import probe, probe_codecs
-    from ddp_plugin.topology import Layout, build_topology
+    from ddp_plugin.gradients.link_probe import probe, probe_codecs
+    from ddp_plugin.gradients.topology import Layout, build_topology
 
     topology = build_topology(Layout(world, 2), torch.device("cpu"))
     comm = TracedCommunicator(2)

@@ -172,7 +172,7 @@ def test_the_split_by_time_measures_each_cut_blocks_parts():
 
 
 def test_a_cut_block_trains_under_activation_checkpointing():
-    from ddp_plugin import activation_checkpointing
+    from ddp_plugin.parallel import activation_checkpointing
 
     module = gpt(2)
     plan = plan_stages(module, 2, [["blocks.0.attn"], ["blocks.0.mlp", "blocks.1"]])

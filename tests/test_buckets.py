@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddp_plugin.engine import build_buckets
+from ddp_plugin.gradients.engine import build_buckets
 
 
 def named(module: nn.Module):

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from ddp_plugin.checkpoint_io import _umask
+from ddp_plugin.checkpoints.checkpoint_io import _umask
 from ddp_plugin.testing.processes import clean_env, end_run, runs_argument
 from ddp_plugin.testing.trees import leaves
 from tests.filesystems import in_tmpfs, tmpfs_unavailable
@@ -413,7 +413,7 @@ def test_consolidated_checkpoint_resumes_in_sharded_mode(runs):
 
 
 def test_sharded_checkpoint_consolidates_into_one_plain_lightning_file(runs, tmp_path):
-    from ddp_plugin.sharded_checkpoint import consolidate
+    from ddp_plugin.checkpoints.sharded_checkpoint import consolidate
 
     consolidate(runs["dir"] / "z3s-step=12.ckpt", tmp_path / "one.ckpt")
     model = Net.load_from_checkpoint(tmp_path / "one.ckpt")
@@ -481,7 +481,7 @@ def test_sharded_checkpoint_with_uneven_pieces_resumes_on_two_ranks(sharded_runs
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_sharded_save_after_fit_equals_the_save_at_the_last_step_of_fit(sharded_runs, stage):
-    from ddp_plugin.sharded_checkpoint import load
+    from ddp_plugin.checkpoints.sharded_checkpoint import load
 
     during = load(sharded_runs["dir"] / f"s{stage}-step=12.ckpt")
     after = load(sharded_runs["dir"] / f"s{stage}-after-fit.ckpt")

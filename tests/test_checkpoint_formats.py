@@ -53,7 +53,7 @@ def test_a_sharded_tensor_parallel_checkpoint_of_the_first_layout_resumes(resume
 
 @pytest.mark.parametrize("variant", ["0-vocab", "3-vocab"])
 def test_a_sharded_checkpoint_of_the_first_layout_consolidates_into_the_unsplit_model(variant, tmp_path):
-    from ddp_plugin.sharded_checkpoint import consolidate
+    from ddp_plugin.checkpoints.sharded_checkpoint import consolidate
     from ddp_plugin.testing.gpt import GPTModule
 
     consolidate(V1 / f"{variant}-sharded-step10.ckpt", tmp_path / "whole.ckpt")
@@ -72,7 +72,7 @@ def test_todays_layout_stores_tensor_parallel_shards_as_dcp_stores_dtensors(resu
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ddp_plugin.sharded_checkpoint import FORMAT, FORMAT_KEY, consolidate
+    from ddp_plugin.checkpoints.sharded_checkpoint import FORMAT, FORMAT_KEY, consolidate
     from ddp_plugin.testing.gpt import GPTModule, tensor_parallel_plan
     from torch.distributed.tensor.parallel import ColwiseParallel
 
@@ -98,7 +98,7 @@ def test_todays_layout_stores_tensor_parallel_shards_as_dcp_stores_dtensors(resu
 
 
 def test_a_layout_newer_than_this_version_reads_is_refused_naming_both(tmp_path):
-    from ddp_plugin.sharded_checkpoint import FORMAT, FORMAT_KEY, load
+    from ddp_plugin.checkpoints.sharded_checkpoint import FORMAT, FORMAT_KEY, load
 
     newer = tmp_path / "newer.ckpt"
     shutil.copytree(V1 / "0-vocab-sharded-step10.ckpt", newer)

@@ -20,7 +20,7 @@ from torch import nn
 
 from tests.support import ROOT
 from tests.filesystems import in_tmpfs, tmpfs_unavailable
-from ddp_plugin.checkpoint_io import atomic_torch_save, deferred_storages, materialize, stream_save
+from ddp_plugin.checkpoints.checkpoint_io import atomic_torch_save, deferred_storages, materialize, stream_save
 from ddp_plugin.hookspecs import DeferredStorage, DeferredTensor
 
 
@@ -169,7 +169,7 @@ def test_atomic_save_of_deferred_checkpoint_loads_with_torch_load(tmp_path):
 # the directory's files and what the target holds afterwards.
 _SAVE_TOO_MUCH = """
 import errno, os, resource, signal, sys, torch
-from ddp_plugin.checkpoint_io import atomic_torch_save
+from ddp_plugin.checkpoints.checkpoint_io import atomic_torch_save
 target, limit = sys.argv[1], sys.argv[2]
 if limit != "none":  # the process's file size limit (ulimit -f): writes beyond it fail with EFBIG
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -12,8 +12,8 @@ from torch import nn
 from ddp_plugin import Bucket, HierarchicalZeroStrategy
 from ddp_plugin.codecs import BUILTIN_CODECS, dequantize_int8, matrix_segments, quantize_int8
 from ddp_plugin.codecs.int8 import ROW_BLOCK_VALUES
-from ddp_plugin.comm import TracedCommunicator
-from ddp_plugin.plugin_manager import available_codecs, build_plugin_manager
+from ddp_plugin.gradients.comm import TracedCommunicator
+from ddp_plugin.gradients.plugin_manager import available_codecs, build_plugin_manager
 from ddp_plugin.testing.ranks import RankPool
 
 WORLD = 4

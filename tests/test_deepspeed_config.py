@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_plugin.deepspeed_config import DeepSpeedMapping, describe_ignored, from_deepspeed_config
+from ddp_plugin.strategy.deepspeed_config import DeepSpeedMapping, describe_ignored, from_deepspeed_config
 
 ZERO2 = {
     "train_micro_batch_size_per_gpu": 8,

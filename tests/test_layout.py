@@ -143,7 +143,7 @@ def test_fault_tolerance_is_known_outside_its_package_by_its_plugins_only():
     import re
 
     known = modules()
-    allowed = {"ddp_plugin.config", "ddp_plugin.assembly", "ddp_plugin.environment", "ddp_plugin.strategy"}
+    allowed = {"ddp_plugin.strategy.config", "ddp_plugin.strategy.assembly", "ddp_plugin.strategy.environment", "ddp_plugin.strategy.hierarchical_zero"}
     pattern = re.compile(r"replica group|ReplicaGroup|torchft|fault_tolerance\.", re.IGNORECASE)
     naming = sorted(name for name, path in known.items()
                     if not name.startswith(("ddp_plugin.fault_tolerance", "ddp_plugin.testing", "ddp_plugin.hookspecs"))
@@ -153,3 +153,18 @@ def test_fault_tolerance_is_known_outside_its_package_by_its_plugins_only():
                        and name not in allowed
                        and any(m.startswith("ddp_plugin.fault_tolerance") for m in imports(name, path, known)))
     assert importing == []
+
+
+RELEASED_PATHS = {"sharded_checkpoint", "plugin_manager"}
+"""Modules 0.1.0 documented at the package's top, kept there as re-exports of their new place."""
+
+
+def test_the_package_top_holds_the_layers_folders():
+    """The folders show the layers (docs/design.md): the Lightning side (``strategy``), the gradient path
+    (``gradients`` and the plugin packages), ``checkpoints``, ``parallel``, ``fault_tolerance``, ``health``; at the
+    top only the package's ``__init__`` and the re-exports of paths 0.1.0 documented, each a few lines."""
+    modules_at_top = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__"}
+    assert modules_at_top == RELEASED_PATHS
+    for name in RELEASED_PATHS:
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        assert all(isinstance(node, (ast.Expr, ast.ImportFrom, ast.Assign)) for node in tree.body), name

@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.device_mesh import init_device_mesh
 
-from ddp_plugin import sharded_checkpoint
-from ddp_plugin.sharded_checkpoint import META_FILE, OPTIM_KEY, SHAPES_KEY, StoredTensor
+from ddp_plugin.checkpoints import sharded_checkpoint
+from ddp_plugin.checkpoints.sharded_checkpoint import META_FILE, OPTIM_KEY, SHAPES_KEY, StoredTensor
 
 W = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)  # written as 2 blocks of rows (the second in pieces)
 V = -torch.arange(4 * 10, dtype=torch.float32).reshape(4, 10)  # written as 2 blocks of columns

@@ -126,7 +126,7 @@ def test_a_kill_in_the_tensor_parallel_mesh_ends_every_survivor_long_before_the_
 
 @pytest.mark.parametrize(("layout", "rank"), [("tp2_dp2", 1), ("pp2_dp2", 3)])
 def test_a_kill_during_a_sharded_save_in_the_mesh_is_named_and_the_previous_checkpoint_loads(tmp_path, layout, rank):
-    from ddp_plugin.sharded_checkpoint import load
+    from ddp_plugin.checkpoints.sharded_checkpoint import load
 
     lines, gone_after, out = run_fault(tmp_path, "save", rank, {**LAYOUTS[layout], "checkpoint": "sharded"})
     survivors = {0, 1, 2, 3} - {rank}

@@ -1,5 +1,5 @@
 """Lightning's big-model recipe, ``trainer.init_module(empty_init=True)``: the model is built on the meta device
-and each rank materializes and initializes what it holds in ``setup`` (ddp_plugin.materialize), on every layout.
+and each rank materializes and initializes what it holds in ``setup`` (ddp_plugin.parallel.materialize), on every layout.
 Before, the recipe trained from uninitialized memory (the Lightning default of plain ``torch.empty``), on every
 rank alike and without a word.
 
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ddp_plugin import HierarchicalZeroStrategy
-from ddp_plugin.materialize import has_meta_tensors, materialize, unallocated
+from ddp_plugin.parallel.materialize import has_meta_tensors, materialize, unallocated
 from ddp_plugin.testing import heap
 from tests.support import WORKERS, run_python
 from tests.workers.meta_init_run import CONVERGED, DEVICES, LAYOUTS, ONE_DEVICE, RESUMED

@@ -212,7 +212,7 @@ def test_lr_scheduler_and_checkpoint_callback(runs, tmp_path):
 
 
 def test_sharded_checkpoint_consolidates_to_the_unsplit_models(runs, tmp_path):
-    from ddp_plugin.sharded_checkpoint import consolidate
+    from ddp_plugin.checkpoints.sharded_checkpoint import consolidate
     from ddp_plugin.testing.gpt import GPTModule
 
     out = tmp_path / "whole.ckpt"

@@ -14,7 +14,7 @@ from ddp_plugin.parallel.ties import find_ties
 from ddp_plugin.parallel.stage_module import CARRIER, Int8Rows, _packed, pack_rows, unpack_rows
 from ddp_plugin.parallel.stages import StageBlocks, check_module, plan_stages, split_module
 from ddp_plugin.testing.gpt import GPTModule
-from ddp_plugin.topology import Layout
+from ddp_plugin.gradients.topology import Layout
 
 
 @pytest.mark.parametrize("flags, words", [

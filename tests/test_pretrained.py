@@ -15,7 +15,9 @@ import os
 import pytest
 import torch
 
-from ddp_plugin import HierarchicalZeroStrategy, pretrained
+from ddp_plugin import HierarchicalZeroStrategy
+
+from ddp_plugin.checkpoints import pretrained
 from ddp_plugin.testing.gpt import GPT, GPTModule
 from tests.support import WORKERS, run_python
 from tests.workers.pretrained_run import CASES, SIZE

@@ -192,7 +192,7 @@ def sharded(tmp_path_factory, runs) -> dict:
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_sharded_checkpoint_holds_each_ranks_blocks_and_consolidates_to_the_master_checkpoint(
         runs, sharded, stage, tmp_path):
-    from ddp_plugin.sharded_checkpoint import consolidate
+    from ddp_plugin.checkpoints.sharded_checkpoint import consolidate
 
     variant = SHARDED[[0, 1, 3].index(stage)]
     tag = variant.replace(":", "-")

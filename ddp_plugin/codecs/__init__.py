@@ -98,7 +98,7 @@ def check_compression(compression: Any, options: Mapping[str, Any]) -> None:
 def check_auto_options(options: Mapping[str, Any]) -> None:
     """``compression="auto"``'s options: ``candidates`` (codec names, ``None`` for no codec; default ``[None,
     "int8"]``) and, keyed by a candidate's name, that codec's own options."""
-    from ddp_plugin.planning import DEFAULT_CANDIDATES
+    from ddp_plugin.gradients.planning import DEFAULT_CANDIDATES
 
     candidates = options.get("candidates", list(DEFAULT_CANDIDATES))
     names = available_codecs()

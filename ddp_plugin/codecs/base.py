@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ddp_plugin.checks import check_options
+from ddp_plugin.strategy.checks import check_options
 from ddp_plugin.hookspecs import completed_future, hookimpl
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class Codec:
 
     @classmethod
     def check_values(cls, options: dict[str, Any]) -> None:
-        """Raise for a bad option value (``ddp_plugin.checks`` with ``context=cls.context()``)."""
+        """Raise for a bad option value (``ddp_plugin.strategy.checks`` with ``context=cls.context()``)."""
 
     @classmethod
     def context(cls) -> str:
@@ -154,6 +154,11 @@ class Codec:
         residual = getattr(state, "residual", None)
         if residual is not None and residual.numel() == tensor.numel():
             tensor.add_(residual.to(tensor.dtype).view_as(tensor))
+
+    @hookimpl
+    def on_fold_residual(self, key: int | str, tensor: Tensor, rank: int, size: int) -> bool:
+        self.fold_residual(key, tensor, rank, size)
+        return True
 
     # -------------------------------------------------------------- members that come and go
 

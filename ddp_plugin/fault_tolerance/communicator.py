@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
-from ddp_plugin.comm import TracedCommunicator, _nbytes
+from ddp_plugin.gradients.comm import TracedCommunicator, _nbytes
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaGroupCommunicator(TracedCommunicator):
-    """:class:`~ddp_plugin.comm.TracedCommunicator` whose collectives on ``cross`` (torchft's process group,
+    """:class:`~ddp_plugin.gradients.comm.TracedCommunicator` whose collectives on ``cross`` (torchft's process group,
     ``manager``'s) run on it as torchft's own do: counted as cross-node bytes, failures reported to ``manager``."""
 
     def __init__(self, ranks_per_node: int, timeout: timedelta | None, cross: Any, manager: Any) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ddp_plugin.comm import broadcast_coalesced
+from ddp_plugin.gradients.comm import broadcast_coalesced
 from ddp_plugin.hookspecs import is_tensor_parallel_shard, local_tensor
 
 if TYPE_CHECKING:

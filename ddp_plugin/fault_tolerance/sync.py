@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ddp_plugin.comm import broadcast_coalesced
+from ddp_plugin.gradients.comm import broadcast_coalesced
 from ddp_plugin.fault_tolerance.healing import take_from_first
 from ddp_plugin.hookspecs import hookimpl, is_tensor_parallel_shard, local_tensor
 from ddp_plugin.sync import OuterSync

@@ -16,7 +16,7 @@ What is here:
 - :mod:`~ddp_plugin.parallel.components`: each parallelism as the strategy sees it.
 
 The contract between a parallelism and the strategy (:class:`~ddp_plugin.parallel.components.TensorParallel`,
-:class:`~ddp_plugin.parallel.components.PipelineParallel`): it asks the mesh (``ddp_plugin.process_groups``, built
+:class:`~ddp_plugin.parallel.components.PipelineParallel`): it asks the mesh (``ddp_plugin.strategy.process_groups``, built
 once per layout) for its groups, it prepares the module in ``setup`` before anything is allocated (tensor
 parallelism checks what ``configure_model`` did on the meta device; pipeline parallelism keeps this rank's
 stages), it starts once the module is materialized (the pipeline's schedule runner), and it wraps the steps it

@@ -30,10 +30,10 @@ if TYPE_CHECKING:
     from torch.nn import Module
     from torch.optim import Optimizer
 
-    from ddp_plugin.config import StrategyConfig
-    from ddp_plugin.process_groups import ProcessGroups
-    from ddp_plugin.topology import Layout
-    from ddp_plugin.session import FitSession
+    from ddp_plugin.strategy.config import StrategyConfig
+    from ddp_plugin.strategy.process_groups import ProcessGroups
+    from ddp_plugin.gradients.topology import Layout
+    from ddp_plugin.strategy.session import FitSession
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from ddp_plugin.parallel.ties import Tie, TiedGradients
 if TYPE_CHECKING:
     from torch.amp import GradScaler
 
-    from ddp_plugin.engine import GradientEngine
+    from ddp_plugin.gradients.engine import GradientEngine
 
     from ddp_plugin.parallel.stages import StagePlan
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ddp_plugin.checkpoint_io import materialize
+from ddp_plugin.checkpoints.checkpoint_io import materialize
 from ddp_plugin.parallel.state_parts import StatePart
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Each parallelism's part in a checkpoint: the contract :mod:`ddp_plugin.checkpointing` asks, without knowing
+"""Each parallelism's part in a checkpoint: the contract :mod:`ddp_plugin.checkpoints.checkpointing` asks, without knowing
 which parallelisms a fit has.
 
 A checkpoint's model and optimizer state starts as what this rank holds (the sharder's answer through the plugin
@@ -18,7 +18,7 @@ nothing to do for a step inherits :class:`StatePart`'s method, which returns wha
   plugins' ``on_load_optimizer_state_dict``) and :meth:`~StatePart.optimizer_fallback` (when no plugin took it).
 
 A new parallelism adds a part here (or in its own package) and lists it in
-:meth:`~ddp_plugin.fit_state.FitState.state_parts`'s components; the routing does not change.
+:meth:`~ddp_plugin.strategy.fit_state.FitState.state_parts`'s components; the routing does not change.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class StatePart:
 
     def local_optimizer(self, local: dict[str, Any], optimizer: Optimizer) -> dict[str, Any]:
         """``checkpoint="sharded"``: this rank's part of the optimizer state (flat keys ``<index>/<key>``, as
-        :func:`ddp_plugin.sharded_checkpoint.save` takes them), keyed so that no other rank's collides."""
+        :func:`ddp_plugin.checkpoints.sharded_checkpoint.save` takes them), keyed so that no other rank's collides."""
         return local
 
     def shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ddp_plugin.comm import broadcast_coalesced
-from ddp_plugin.materialize import unallocated
+from ddp_plugin.gradients.comm import broadcast_coalesced
+from ddp_plugin.parallel.materialize import unallocated
 from ddp_plugin.hookspecs import (
     is_tensor_parallel_shard,
     local_tensor,
@@ -156,7 +156,7 @@ def sync_module_states(module: Module, data_parallel_group: dist.ProcessGroup | 
     of a tensor-parallel group already come from one model, as ``parallelize_module`` distributes them from its
     rank 0, or from each rank's own initialization). Collective.
 
-    Tensors without memory yet are left out (:func:`~ddp_plugin.materialize.unallocated`): a ZeRO stage 3 sharder
+    Tensors without memory yet are left out (:func:`~ddp_plugin.parallel.materialize.unallocated`): a ZeRO stage 3 sharder
     allocates them later and has them made
     equal then (:func:`sync_tensors`)."""
     ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
@@ -309,7 +309,7 @@ def distribute_state_dict(state: Mapping[str, Any], module: Module) -> dict[str,
 def distribute_optimizer_state(state: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """A whole ``optimizer.state_dict()`` (parameters numbered across groups, as torch numbers them) with each
     state tensor of a DTensor parameter's shape split as that parameter is, ready for ``load_state_dict``."""
-    from ddp_plugin.sharded_checkpoint import StoredTensor
+    from ddp_plugin.checkpoints.sharded_checkpoint import StoredTensor
 
     def split(v: Any, p: DTensor) -> Any:
         if isinstance(v, StoredTensor) and tuple(v.shape) == tuple(p.shape):

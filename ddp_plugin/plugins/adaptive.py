@@ -1,4 +1,4 @@
-"""Following a :class:`~ddp_plugin.planning.CommPlan` while training, and re-planning when the link changes.
+"""Following a :class:`~ddp_plugin.gradients.planning.CommPlan` while training, and re-planning when the link changes.
 
 - :class:`AdaptivePlanner` is the reducer when a plan is made (``hierarchical=None`` over several nodes of
   several ranks, ``compression="auto"`` or ``bucket_size_mb="auto"``): each bucket takes the route its plan
@@ -19,7 +19,7 @@ optimizer step and read after the next one, so it never waits on the link; when 
 measurements. Bucket sizes stay as built.
 
 (Over 400 lines for a reason: the two plugins are one plan's two halves, sharing its bucket keys, its trials and
-the timing of each bucket; the probe and the codecs it times are :mod:`ddp_plugin.link_probe`.)
+the timing of each bucket; the probe and the codecs it times are :mod:`ddp_plugin.gradients.link_probe`.)
 """
 
 from __future__ import annotations
@@ -27,25 +27,26 @@ from __future__ import annotations
 import logging
 import statistics
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ddp_plugin.clock import Clock, Stamp
+from ddp_plugin.gradients.clock import Clock, Stamp
 from ddp_plugin.codecs.base import state_key
-from ddp_plugin.hookspecs import hookimpl
-from ddp_plugin.planning import FLAT, HIERARCHICAL, NO_CODEC, CommPlan
+import pluggy
+
+from ddp_plugin.hookspecs import PROJECT_NAME, hookimpl, hooks
+from ddp_plugin.gradients.planning import FLAT, HIERARCHICAL, NO_CODEC, CommPlan
 from ddp_plugin.plugins.flat_reducer import FlatReducer
 from ddp_plugin.plugins.hierarchical_reducer import HierarchicalReducer
 
 if TYPE_CHECKING:
-    import pluggy
     from torch import Tensor
 
     from ddp_plugin.hookspecs import Bucket, Communicator, Topology
-    from ddp_plugin.planning import CostModel
+    from ddp_plugin.gradients.planning import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +67,14 @@ def _key(bucket: Bucket) -> str:
     return str(state_key(bucket))
 
 
-def only(pm: pluggy.PluginManager, hook_name: str, plugin: object) -> Any:
-    """``pm``'s hook ``hook_name`` called on ``plugin`` alone (pluggy's ``subset_hook_caller`` without every other
-    plugin registered now): a candidate codec's own ``on_setup`` or ``on_cross_node_reduce``, with none of the
-    others' implementations or wrappers around it."""
-    return pm.subset_hook_caller(hook_name, remove_plugins=[p for p in pm.get_plugins() if p is not plugin])
+def own_hooks(plugin: object) -> pluggy.HookRelay:
+    """The hooks of ``plugin`` alone, through a plugin manager of its own (it stays registered in the fit's too): a
+    candidate codec's ``on_setup``, ``on_cross_node_reduce`` or ``on_fold_residual``, with none of the other
+    plugins' implementations or wrappers around it."""
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hooks)
+    pm.register(plugin)
+    return pm.hook
 
 
 class AdaptivePlanner(HierarchicalReducer):
@@ -105,8 +109,9 @@ class AdaptivePlanner(HierarchicalReducer):
         """Close calls being settled by measurement: key -> [chosen, runner-up] (see :meth:`start_trials`)."""
         self._trial_times: dict[str, list[list[float]]] = {}
         self._last_choice: dict[str, tuple[str, str]] = {}
-        self.codec_plugins: dict[str, object] = {}
-        """Candidate name -> codec plugin (set by :class:`AutoCodec`), to hand a residual over on a route switch."""
+        self.codec_hooks: dict[str, pluggy.HookRelay] = {}
+        """Candidate name -> its codec's own hooks (set by :class:`AutoCodec`), to hand a residual over on a route
+        switch."""
 
     def start_trials(self) -> None:
         """Time both options of every close call (:meth:`CommPlan.contested`) on alternate steps while training:
@@ -176,17 +181,18 @@ class AdaptivePlanner(HierarchicalReducer):
         """The bucket leaves route ``last[0]``, where codec ``last[1]`` kept an error-feedback residual shaped for
         that route's cross-node tensor: add it to the bucket's gradients (this rank's), scaled so that it reaches
         the global mean as it would have on that route's next step, before the new route starts."""
-        fold = getattr(self.codec_plugins.get(last[1]), "fold_residual", None)
-        if fold is None:
+        codec = self.codec_hooks.get(last[1])
+        if codec is None:
             return
         t, key = self._topology, state_key(bucket)
         if last[0] == FLAT:  # the whole bucket, averaged over every rank: the bucket's own units
-            fold(key, bucket.buffer, t.rank, t.world_size)
+            codec.on_fold_residual(key=key, tensor=bucket.buffer, rank=t.rank, size=t.world_size)
             return
         # This rank's chunk of the node's mean, averaged over the nodes: k times its units in the bucket.
         c = self.shard_numel(bucket)
         owed = bucket.buffer.new_zeros(c)
-        fold(key, owed, t.node_rank, t.num_nodes)
+        if not codec.on_fold_residual(key=key, tensor=owed, rank=t.node_rank, size=t.num_nodes):
+            return
         mine = bucket.buffer[t.local_rank * c: min((t.local_rank + 1) * c, bucket.numel)]
         mine.add_(owed[: mine.numel()], alpha=t.ranks_per_node)
 
@@ -338,12 +344,13 @@ class AdaptivePlanner(HierarchicalReducer):
 
 
 class AutoCodec:
-    """``compression="auto"``: the codec the plan names for each bucket, among the candidates (registered as
-    plugins of their own under their names; ``"none"`` is the plain mean)."""
+    """``compression="auto"``: the codec the plan names for each bucket, among the ``candidates`` (name -> plugin,
+    each registered in the fit's plugin manager under its name; ``"none"`` is the plain mean), each called through
+    hooks of its own."""
 
-    def __init__(self, planner: AdaptivePlanner, pm: pluggy.PluginManager) -> None:
+    def __init__(self, planner: AdaptivePlanner, candidates: Mapping[str, object]) -> None:
         self.planner = planner
-        self._pm = pm
+        self._hooks = {name: own_hooks(plugin) for name, plugin in candidates.items()}
         self._last: dict[str, str] = {}
         self._reduce: dict[str, Any] = {}
         self._topology: Topology | None = None
@@ -352,9 +359,8 @@ class AutoCodec:
     def on_setup(self, topology: Topology) -> None:
         self._topology = topology
         for name in self.planner.plan.codecs:
-            plugin = self._pm.get_plugin("mean_allreduce" if name == NO_CODEC else name)
-            self._reduce[name] = only(self._pm, "on_cross_node_reduce", plugin)
-            self.planner.codec_plugins[name] = plugin
+            self._reduce[name] = self._hooks[name].on_cross_node_reduce
+            self.planner.codec_hooks[name] = self._hooks[name]
 
     def _stage(self, group: dist.ProcessGroup) -> str:
         t, cross = self._topology, self.planner.plan.model.cross
@@ -404,18 +410,16 @@ class AutoCodec:
         """Hand codec ``old``'s error-feedback residual for ``key`` to the route the bucket takes now."""
         if old == NO_CODEC:
             return
-        plugin = self._pm.get_plugin(old)
-        fold = getattr(plugin, "fold_residual", None)
-        if fold is None:
+        folded = self._hooks[old].on_fold_residual(key=key, tensor=tensor, rank=dist.get_rank(group),
+                                                   size=dist.get_world_size(group))
+        if not folded:
             log.info("ddp_plugin: codec %r keeps its residual of bucket %s (it cannot hand it over); it is"
                      " applied when the bucket takes that codec again.", old, key)
-            return
-        fold(key, tensor, dist.get_rank(group), dist.get_world_size(group))
 
 
 def candidate_names(compression: str | None, options: dict[str, Any]) -> tuple[str, ...]:
     """The plan's codec names: ``compression="auto"``'s candidates (``None`` -> ``"none"``), or the one codec."""
-    from ddp_plugin.planning import DEFAULT_CANDIDATES
+    from ddp_plugin.gradients.planning import DEFAULT_CANDIDATES
 
     if compression == "auto":
         listed = options.get("candidates", DEFAULT_CANDIDATES)

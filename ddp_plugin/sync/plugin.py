@@ -48,10 +48,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddp_plugin import health
-from ddp_plugin.clock import Clock, Intervals
-from ddp_plugin.comm import RS_PIECE_BYTES
+from ddp_plugin.gradients.clock import Clock, Intervals
+from ddp_plugin.gradients.comm import RS_PIECE_BYTES
 from ddp_plugin.hookspecs import completed_future, hookimpl, local_tensor
-from ddp_plugin.streams import SideStream, SideThread
+from ddp_plugin.gradients.streams import SideStream, SideThread
 from ddp_plugin.sync.node_shards import NodeShards
 from ddp_plugin.sync.outer_optimizer import NESTEROV, NesterovSGD, build_outer_optimizer
 from ddp_plugin.sync.parts import InFlight, ModuleChunks, Piece, ShardParts, Update
@@ -101,7 +101,7 @@ class OuterSync:
         self._waits = Intervals(self._clock)
         """The training thread's waits for syncs, as stamps of its stream (CUDA events: read once passed)."""
         self._side = SideStream(torch.device("cpu"))
-        """The outer thread's CUDA stream (see ddp_plugin.streams)."""
+        """The outer thread's CUDA stream (see ddp_plugin.gradients.streams)."""
         self._drift: list[float] = []
         self._thread: SideThread | None = None
         self.access: ShardParts | ModuleChunks | None = None

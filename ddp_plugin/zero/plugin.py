@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ddp_plugin.comm import broadcast_coalesced
+from ddp_plugin.gradients.comm import broadcast_coalesced
 
 from ddp_plugin.hookspecs import ParameterShards, completed_future, hookimpl
 from ddp_plugin.zero import checkpoint, gradients

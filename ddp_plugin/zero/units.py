@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from ddp_plugin.hookspecs import local_tensor
-from ddp_plugin.module_classes import as_entries, class_names, containers, matches, unmatched
+from ddp_plugin.parallel.module_classes import as_entries, class_names, containers, matches, unmatched
 
 if TYPE_CHECKING:
     from ddp_plugin.zero.shards import Shards

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
-from ddp_plugin.activation_checkpointing import is_checkpointed
+from ddp_plugin.parallel.activation_checkpointing import is_checkpointed
 from ddp_plugin.testing.gpt import Block, GPTModule, token_dataset
 from ddp_plugin.testing.memory import SavedTensorBytes
 from ddp_plugin.testing.processes import every_rank, run_cases

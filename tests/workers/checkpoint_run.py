@@ -35,7 +35,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-import ddp_plugin.checkpoint_io
+import ddp_plugin.checkpoints.checkpoint_io
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.data import rank_loader, sine_dataset
 from ddp_plugin.testing.processes import run_each, write_pid_file
@@ -105,7 +105,7 @@ class SaveEvery(L.Callback):
 
 def stall_second_save(marker: str) -> None:
     """From the second checkpoint on, stop writing after 4 kB (after creating ``marker``) and wait to be killed."""
-    real_save, calls = ddp_plugin.checkpoint_io.stream_save, []
+    real_save, calls = ddp_plugin.checkpoints.checkpoint_io.stream_save, []
 
     class Stalling:
         def __init__(self, f, stall_at: int) -> None:
@@ -128,7 +128,7 @@ def stall_second_save(marker: str) -> None:
             return real_save(obj, f)
         return real_save(obj, Stalling(f, 4096))  # the checkpoint has ~20 kB
 
-    ddp_plugin.checkpoint_io.stream_save = save  # the checkpoint writer's serializer
+    ddp_plugin.checkpoints.checkpoint_io.stream_save = save  # the checkpoint writer's serializer
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.prefer_codecs_on_last_stage and int(os.environ.get("LOCAL_RANK", 0)) >= args.devices - args.devices // args.pp:
         # The last stage's plan takes a codec for every stage it plans while training (as if its probe had seen a
         # slower link than the first stage's): the stages then plan a tied weight's sum apart.
-        from ddp_plugin.planning import NO_CODEC, CostModel
+        from ddp_plugin.gradients.planning import NO_CODEC, CostModel
 
         def prefer_a_codec(model, stage, nbytes, codecs=None):
             lossy = [c for c in (codecs or model.codecs) if c != NO_CODEC and (stage, c) in model.cross]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ddp_plugin import sharded_checkpoint
+from ddp_plugin.checkpoints import sharded_checkpoint
 from ddp_plugin.testing.ranks import init_one_rank
 
 

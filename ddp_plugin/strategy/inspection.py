@@ -1,5 +1,5 @@
 """What a user (or a callback, or the precision plugin) asks the strategy about the ``fit`` in progress that takes
-more than a look at its :class:`~ddp_plugin.fit_state.FitState`: gradient norms where gradients are sharded, the
+more than a look at its :class:`~ddp_plugin.strategy.fit_state.FitState`: gradient norms where gradients are sharded, the
 clipping by value of what the optimizer holds, and memory. Outside a ``fit`` each answers as unsharded training
 would."""
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from torch.nn import Module
     from torch.optim import Optimizer
 
-    from ddp_plugin.fit_state import FitState
+    from ddp_plugin.strategy.fit_state import FitState
 
 
 def grad_norm(module: Module, fit: FitState, norm_type: float | int | str = 2, group_separator: str = "/"

@@ -24,8 +24,8 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
 
 from ddp_plugin import health
-from ddp_plugin.process_groups import ProcessGroups, check_ranks_per_node
-from ddp_plugin.topology import Layout, connect_timeout, set_collective_timeout
+from ddp_plugin.strategy.process_groups import ProcessGroups, check_ranks_per_node
+from ddp_plugin.gradients.topology import Layout, connect_timeout, set_collective_timeout
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies.launchers.launcher import _Launcher
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ddp_plugin.config import StrategyConfig
+    from ddp_plugin.strategy.config import StrategyConfig
 
 
 def root_device(parallel_devices: list[torch.device] | None, local_rank: int) -> torch.device:

@@ -14,21 +14,27 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ddp_plugin import activation_checkpointing, cpu_memory, fault_tolerance, pretrained
-from ddp_plugin.materialize import Deferred, has_meta_tensors
-from ddp_plugin.materialize import materialize as allocate
+from ddp_plugin import fault_tolerance
+
+from ddp_plugin.checkpoints import pretrained
+
+from ddp_plugin.gradients import cpu_memory
+
+from ddp_plugin.parallel import activation_checkpointing
+from ddp_plugin.parallel.materialize import Deferred, has_meta_tensors
+from ddp_plugin.parallel.materialize import materialize as allocate
 from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.parallel.ties import Tie, sync_ties
-from ddp_plugin.session import FitSession
+from ddp_plugin.strategy.session import FitSession
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import Precision
     from torch.nn import Module
 
-    from ddp_plugin.config import StrategyConfig
+    from ddp_plugin.strategy.config import StrategyConfig
     from ddp_plugin.parallel.pipeline import PipelineRunner
-    from ddp_plugin.process_groups import ProcessGroups
+    from ddp_plugin.strategy.process_groups import ProcessGroups
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +61,7 @@ def materialize(model: Module, module: Any, groups: ProcessGroups, config: Strat
     data-parallel rank 0 of its tensor-parallel position, each pipeline stage from its first rank, every copy of a
     parameter several stages hold from the first stage. At ZeRO stage 3 (in ``fit``) the trainable parameters
     are left without memory, for the sharder to allocate and initialize unit by unit (the returned
-    :class:`Deferred`; ``ddp_plugin.materialize``). Returns whether anything was on the meta device, and that.
+    :class:`Deferred`; ``ddp_plugin.parallel.materialize``). Returns whether anything was on the meta device, and that.
     Collective."""
     topology, deferred, materialized = groups.topology, None, False
     if has_meta_tensors(model):

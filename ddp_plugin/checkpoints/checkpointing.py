@@ -1,10 +1,10 @@
 """Checkpoint routing: what the strategy saves and loads, in which layout, through which plugin hook.
 
 ``checkpoint="master"`` writes one consolidated file from global rank 0; a sharder's optimizer state arrives
-as deferred tensors that rank 0 produces and writes one at a time (:class:`~ddp_plugin.checkpoint_io.
+as deferred tensors that rank 0 produces and writes one at a time (:class:`~ddp_plugin.checkpoints.checkpoint_io.
 AtomicCheckpointIO`) while every other rank produces its part of each, in the same order, and every rank then
 learns whether rank 0's write succeeded, so that all fail together, naming the cause. ``checkpoint="sharded"``
-has every rank write its own part (:mod:`ddp_plugin.sharded_checkpoint`). Both kinds load in either mode.
+has every rank write its own part (:mod:`ddp_plugin.checkpoints.sharded_checkpoint`). Both kinds load in either mode.
 
 Plugin state goes under ``checkpoint["ddp_plugin"]`` (what ``on_save_state_dict`` returned, the same on every
 rank) and ``checkpoint["ddp_plugin_ranks"]`` (every rank's ``on_save_rank_state_dict``, collected to rank 0
@@ -34,11 +34,13 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
-from ddp_plugin import cpu_memory, sharded_checkpoint
+from ddp_plugin.checkpoints import sharded_checkpoint
+
+from ddp_plugin.gradients import cpu_memory
 from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.parallel.state_parts import StatePart
 from ddp_plugin.hookspecs import local_tensor, pipeline_copies
-from ddp_plugin.checkpoint_io import (
+from ddp_plugin.checkpoints.checkpoint_io import (
     AtomicCheckpointIO,
     agree_with_rank_0,
     deferred_storages,
@@ -54,8 +56,8 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
     from torch.optim import Optimizer
 
-    from ddp_plugin.config import StrategyConfig
-    from ddp_plugin.fit_state import FitState
+    from ddp_plugin.strategy.config import StrategyConfig
+    from ddp_plugin.strategy.fit_state import FitState
 
 CHECKPOINT_KEY = "ddp_plugin"
 RANK_STATE_KEY = "ddp_plugin_ranks"
@@ -105,7 +107,7 @@ class Checkpoints:
                 f" {needed / 2**30:.2f} GiB of parameters and optimizer state here, more than the"
                 f" {available / 2**30:.2f} GiB rank 0 has available (the machine's, or its memory cgroup's limit)."
                 " Nothing was written. Use `checkpoint='sharded'`: each rank writes its own part"
-                " (`ddp_plugin.sharded_checkpoint.consolidate` makes one file of it where memory allows)."
+                " (`ddp_plugin.checkpoints.sharded_checkpoint.consolidate` makes one file of it where memory allows)."
             )
 
     def module_state(self) -> dict[str, Any] | None:

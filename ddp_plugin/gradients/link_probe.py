@@ -1,7 +1,7 @@
 """The link probe: the collectives a bucket's reduction is made of, timed on the groups they run on with every
 candidate codec (:func:`probe`), each codec on an instance of its own that training never sees
 (:func:`probe_codecs`); :func:`agree` makes global rank 0's figures every rank's. What they are fitted into, and the
-plan made of them, is :mod:`ddp_plugin.planning`."""
+plan made of them, is :mod:`ddp_plugin.gradients.planning`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_plugin.hookspecs import Bucket
-from ddp_plugin.planning import (
+from ddp_plugin.gradients.planning import (
     FLAT,
     HIERARCHICAL,
     LARGE_SECONDS,
@@ -199,7 +199,7 @@ def probe_codecs(names: Sequence[str], compression: str | None, options: dict[st
     be built so (the entry point names a module, or a class that needs arguments) is it the registered object
     itself, set up once more, its probe state under ``kind="probe"`` keys."""
     from ddp_plugin.codecs import BUILTIN_CODECS, installed_plugins
-    from ddp_plugin.plugin_manager import new_plugin_manager
+    from ddp_plugin.gradients.plugin_manager import new_plugin_manager
 
     installed = None
     out: dict[str, Any] = {}

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ddp_plugin.module_classes import Entries, as_entries, class_names, containers, matches, unmatched
+from ddp_plugin.parallel.module_classes import Entries, as_entries, class_names, containers, matches, unmatched
 
 
 def check_policy(policy: Any) -> Entries | None:

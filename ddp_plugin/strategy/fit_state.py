@@ -1,7 +1,7 @@
 """What the strategy holds between Lightning's calls, in one object: the process groups (once the processes have
 connected), the parallelisms' components, the pipeline's runner, and the session of the current or last ``fit``
 with the plugin state a checkpoint handed over before the plugins existed. The strategy and its collaborators
-(:mod:`ddp_plugin.checkpointing`, :mod:`ddp_plugin.stepping`, :mod:`ddp_plugin.inspection`) ask it, instead of
+(:mod:`ddp_plugin.checkpoints.checkpointing`, :mod:`ddp_plugin.strategy.stepping`, :mod:`ddp_plugin.strategy.inspection`) ask it, instead of
 each checking which of those exist."""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ if TYPE_CHECKING:
     import pluggy
     from torch.nn import Module
 
-    from ddp_plugin.engine import GradientEngine
+    from ddp_plugin.gradients.engine import GradientEngine
     from ddp_plugin.hookspecs import Topology
     from ddp_plugin.parallel.components import PipelineParallel
     from ddp_plugin.parallel.pipeline import PipelineRunner
-    from ddp_plugin.planning import CommPlan
-    from ddp_plugin.process_groups import ProcessGroups
-    from ddp_plugin.session import FitSession
+    from ddp_plugin.gradients.planning import CommPlan
+    from ddp_plugin.strategy.process_groups import ProcessGroups
+    from ddp_plugin.strategy.session import FitSession
 
 
 class FitState:
@@ -73,7 +73,7 @@ class FitState:
             self.pending_plugin_state = (state, rank_state)
 
     def forget(self) -> None:
-        """At interpreter exit: drop the fit's plugins and engine and the groups (see ddp_plugin.process_groups)."""
+        """At interpreter exit: drop the fit's plugins and engine and the groups (see ddp_plugin.strategy.process_groups)."""
         if self.session is not None:
             self.session.heartbeat.stop()
         self.session = self.pipeline = self.groups = None

@@ -1,6 +1,6 @@
 """The choices made once, at a fit's setup, from the links: ``compression="auto"`` (a codec per bucket),
 ``hierarchical=None`` (the route) and ``bucket_size_mb="auto"``. The link probe measures them
-(:mod:`ddp_plugin.link_probe`, :mod:`ddp_plugin.planning`), and the :class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner` made here follows the
+(:mod:`ddp_plugin.gradients.link_probe`, :mod:`ddp_plugin.gradients.planning`), and the :class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner` made here follows the
 plan during the fit; the session asks :class:`LinkChoices` and knows nothing of how."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING
 
 from ddp_plugin import health
 from ddp_plugin.hookspecs import Options, local_tensor
-from ddp_plugin.link_probe import agree, probe, probe_codecs
-from ddp_plugin.planning import FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel
+from ddp_plugin.gradients.link_probe import agree, probe, probe_codecs
+from ddp_plugin.gradients.planning import FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel
 from ddp_plugin.plugins.adaptive import AdaptivePlanner, candidate_names
 
 if TYPE_CHECKING:
     import torch
     from torch.nn import Module
 
-    from ddp_plugin.comm import TracedCommunicator
-    from ddp_plugin.config import StrategyConfig
+    from ddp_plugin.gradients.comm import TracedCommunicator
+    from ddp_plugin.strategy.config import StrategyConfig
     from ddp_plugin.hookspecs import Topology
 
 
@@ -72,7 +72,7 @@ class LinkChoices:
         model, seconds = self.probe(routes)
         total = sum(local_tensor(p).numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         if config.bucket_size_mb == "auto":
-            from ddp_plugin.engine import FIRST_BUCKET_BYTES, pack
+            from ddp_plugin.gradients.engine import FIRST_BUCKET_BYTES, pack
 
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 

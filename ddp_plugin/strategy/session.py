@@ -18,14 +18,14 @@ from torch import Tensor
 
 from ddp_plugin import health
 from ddp_plugin.parallel import tensor_parallel
-from ddp_plugin.comm import TracedCommunicator, broadcast_coalesced
-from ddp_plugin.engine import GradientEngine
+from ddp_plugin.gradients.comm import TracedCommunicator, broadcast_coalesced
+from ddp_plugin.gradients.engine import GradientEngine
 from ddp_plugin.hookspecs import local_tensor
-from ddp_plugin.plugin_manager import build_plugin_manager, cross_node_codec, transport
-from ddp_plugin.topology import Layout
-from ddp_plugin.link_choices import LinkChoices, options_for, plan_routes
-from ddp_plugin.planning import CommPlan
-from ddp_plugin.plugins.adaptive import AdaptivePlanner, only
+from ddp_plugin.gradients.plugin_manager import build_plugin_manager, cross_node_codec, transport
+from ddp_plugin.gradients.topology import Layout
+from ddp_plugin.gradients.link_choices import LinkChoices, options_for, plan_routes
+from ddp_plugin.gradients.planning import CommPlan
+from ddp_plugin.plugins.adaptive import AdaptivePlanner, own_hooks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from torch.nn import Module
     from torch.optim import Optimizer
 
-    from ddp_plugin.config import StrategyConfig
+    from ddp_plugin.strategy.config import StrategyConfig
     from ddp_plugin.hookspecs import Topology
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class FitSession:
             pm = self.plugin_manager
             pm.subset_hook_caller("on_setup", remove_plugins=[pm.get_plugin(n) for n in installed])(**setup)
             for name in installed:
-                only(pm, "on_setup", pm.get_plugin(name))(**{**setup, "options": self.choices.codec_options(name)})
+                own_hooks(pm.get_plugin(name)).on_setup(**{**setup, "options": self.choices.codec_options(name)})
         else:
             hook.on_setup(**setup)
 

@@ -1,11 +1,11 @@
 """``HierarchicalZeroStrategy``: the Lightning side. It follows the Trainer's lifecycle and orchestrates: its
-settings are one validated :class:`~ddp_plugin.config.StrategyConfig`, what it holds between Lightning's calls one
-:class:`~ddp_plugin.fit_state.FitState` (process groups, the parallelisms' components, the pipeline's runner, the
-fit's :class:`~ddp_plugin.session.FitSession`, whose plugins do the tensors and collectives), the setup's steps
-:mod:`ddp_plugin.assembly`. Its Lightning methods hand each call to a collaborator it builds:
-:class:`~ddp_plugin.checkpointing.Checkpoints` (saving and loading), :class:`~ddp_plugin.stepping.Steps` (the steps,
-backward and optimizer step), :mod:`ddp_plugin.inspection` (what a user asks about the fit) and
-:mod:`ddp_plugin.environment` (ranks, launcher, rendezvous, mesh).
+settings are one validated :class:`~ddp_plugin.strategy.config.StrategyConfig`, what it holds between Lightning's calls one
+:class:`~ddp_plugin.strategy.fit_state.FitState` (process groups, the parallelisms' components, the pipeline's runner, the
+fit's :class:`~ddp_plugin.strategy.session.FitSession`, whose plugins do the tensors and collectives), the setup's steps
+:mod:`ddp_plugin.strategy.assembly`. Its Lightning methods hand each call to a collaborator it builds:
+:class:`~ddp_plugin.checkpoints.checkpointing.Checkpoints` (saving and loading), :class:`~ddp_plugin.strategy.stepping.Steps` (the steps,
+backward and optimizer step), :mod:`ddp_plugin.strategy.inspection` (what a user asks about the fit) and
+:mod:`ddp_plugin.strategy.environment` (ranks, launcher, rendezvous, mesh).
 
 (About 620 lines: the flags' documentation (about 90 lines of the class docstring, which LightningCLI and
 jsonargparse read for ``--help``) and one method per Lightning hook the strategy answers, most of them a
@@ -39,17 +39,23 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ddp_plugin import activation_checkpointing, assembly, environment, health, inspection, pretrained
-from ddp_plugin.checkpoint_io import AtomicCheckpointIO
-from ddp_plugin.checkpointing import Checkpoints
-from ddp_plugin.config import CONFIG_FLAGS, UNSET, StrategyConfig, flag_names
-from ddp_plugin.fit_state import FitState
-from ddp_plugin.materialize import has_meta_tensors
+from ddp_plugin import health
+
+from ddp_plugin.checkpoints import pretrained
+
+from ddp_plugin.parallel import activation_checkpointing
+
+from ddp_plugin.strategy import assembly, environment, inspection
+from ddp_plugin.checkpoints.checkpoint_io import AtomicCheckpointIO
+from ddp_plugin.checkpoints.checkpointing import Checkpoints
+from ddp_plugin.strategy.config import CONFIG_FLAGS, UNSET, StrategyConfig, flag_names
+from ddp_plugin.strategy.fit_state import FitState
+from ddp_plugin.parallel.materialize import has_meta_tensors
 from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.parallel.components import PipelineParallel
-from ddp_plugin.precision import ShardedGradientClipping, with_sharded_clipping
-from ddp_plugin.process_groups import ProcessGroups
-from ddp_plugin.stepping import Steps
+from ddp_plugin.strategy.precision import ShardedGradientClipping, with_sharded_clipping
+from ddp_plugin.strategy.process_groups import ProcessGroups
+from ddp_plugin.strategy.stepping import Steps
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -57,10 +63,10 @@ if TYPE_CHECKING:
     from torch.amp import GradScaler
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ddp_plugin.engine import GradientEngine
+    from ddp_plugin.gradients.engine import GradientEngine
     from ddp_plugin.hookspecs import Topology
-    from ddp_plugin.planning import CommPlan
-    from ddp_plugin.topology import Layout
+    from ddp_plugin.gradients.planning import CommPlan
+    from ddp_plugin.gradients.topology import Layout
 
 log = logging.getLogger(__name__)
 _FLAGS = frozenset(flag_names())
@@ -229,7 +235,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     @property
     @override
     def precision_plugin(self) -> Precision:
-        # Clipping by norm must see every shard; the Trainer's choice of plugin is kept (see ddp_plugin.precision).
+        # Clipping by norm must see every shard; the Trainer's choice of plugin is kept (see ddp_plugin.strategy.precision).
         plugin = self._precision_plugin if self._precision_plugin is not None else Precision()
         if not isinstance(plugin, ShardedGradientClipping) or plugin.clipping is not self:
             plugin = self._precision_plugin = with_sharded_clipping(plugin, self)
@@ -239,7 +245,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     def precision_plugin(self, plugin: Precision | None) -> None:
         self._precision_plugin = None if plugin is None else with_sharded_clipping(plugin, self)
 
-    # ------------------------------------------------------------------ processes (ddp_plugin.environment)
+    # ------------------------------------------------------------------ processes (ddp_plugin.strategy.environment)
 
     @property
     @override
@@ -368,7 +374,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        # torchtitan's order (ddp_plugin.assembly): parallelized by `configure_model`, split into stages, wrapped,
+        # torchtitan's order (ddp_plugin.strategy.assembly): parallelized by `configure_model`, split into stages, wrapped,
         # materialized and made equal on the replicas, then sharded by the fit's session.
         assert self.accelerator is not None and self.model is not None
         fit = self.fit
@@ -407,7 +413,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         # Lightning tears down inside its `except` when the fit failed: then the error the user reads must stay the
-        # first one (ddp_plugin.assembly.after).
+        # first one (ddp_plugin.strategy.assembly.after).
         failing = sys.exc_info()[1]
         ProcessGroups.failed = failing is not None
         fit = self.fit
@@ -433,7 +439,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             self.checkpoint_io.teardown))
 
     def release_process_groups(self) -> None:
-        """At interpreter exit: drop the fit's plugins and engine and the groups (see ddp_plugin.process_groups)."""
+        """At interpreter exit: drop the fit's plugins and engine and the groups (see ddp_plugin.strategy.process_groups)."""
         self.fit.forget()
 
     @override
@@ -441,7 +447,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    # ------------------------------------------------------------------ steps (ddp_plugin.stepping)
+    # ------------------------------------------------------------------ steps (ddp_plugin.strategy.stepping)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -483,7 +489,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         step = functools.partial(super().optimizer_step, optimizer, model=model, **kwargs)
         return self._steps.optimizer_step(optimizer, closure, step)
 
-    # ------------------------------------------------------------------ checkpoints (ddp_plugin.checkpointing)
+    # ------------------------------------------------------------------ checkpoints (ddp_plugin.checkpoints.checkpointing)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -517,7 +523,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         self._checkpoints.load_optimizer_state(checkpoint, super().load_optimizer_state_dict)
 
-    # ------------------------------------------------------------------ what a user asks (ddp_plugin.inspection)
+    # ------------------------------------------------------------------ what a user asks (ddp_plugin.strategy.inspection)
 
     @property
     def topology(self) -> Topology | None:

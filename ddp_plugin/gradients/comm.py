@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_plugin.hookspecs import Traffic
-from ddp_plugin.topology import new_group
+from ddp_plugin.gradients.topology import new_group
 
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

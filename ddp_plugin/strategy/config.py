@@ -21,7 +21,7 @@ from typing import Any
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from ddp_plugin.fault_tolerance.options import check_composition as check_fault_tolerance_composition
-from ddp_plugin.checks import (
+from ddp_plugin.strategy.checks import (
     check_bool,
     check_choice,
     check_int,
@@ -149,12 +149,12 @@ class StrategyConfig:
 def _validated(values: dict[str, Any]) -> dict[str, Any]:
     """Each given value checked and normalized; missing ones keep their defaults."""
     from ddp_plugin.codecs import check_compression
-    from ddp_plugin.plugin_manager import check_plugins
-    from ddp_plugin.activation_checkpointing import check_policy as check_activation_checkpointing_policy
+    from ddp_plugin.gradients.plugin_manager import check_plugins
+    from ddp_plugin.parallel.activation_checkpointing import check_policy as check_activation_checkpointing_policy
     from ddp_plugin.zero.units import check_auto_wrap_policy
     from ddp_plugin.parallel.stage_module import ACTIVATION_DTYPES
     from ddp_plugin.parallel.stages import check_split as check_pipeline_split
-    from ddp_plugin.pretrained import check_pretrained
+    from ddp_plugin.checkpoints.pretrained import check_pretrained
     from ddp_plugin.fault_tolerance.options import check_fault_tolerance
 
     out: dict[str, Any] = {}
@@ -251,7 +251,7 @@ def _check_pipeline(c: dict[str, Any]) -> None:
 
 
 def _check_tensor_parallel(c: dict[str, Any]) -> None:
-    """What can be checked before the layout is known (the rest is :class:`~ddp_plugin.topology.Layout`'s)."""
+    """What can be checked before the layout is known (the rest is :class:`~ddp_plugin.gradients.topology.Layout`'s)."""
     tp, per_node = c["tensor_parallel_size"], c["devices_per_node"]
     if per_node is not None and tp != "auto" and per_node % tp:
         raise ValueError(
@@ -337,7 +337,7 @@ def _check_timeout(timeout: Any) -> timedelta | None:
 def _from_deepspeed_config(config: Any) -> Any:
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-    from ddp_plugin.deepspeed_config import describe_ignored, from_deepspeed_config
+    from ddp_plugin.strategy.deepspeed_config import describe_ignored, from_deepspeed_config
 
     mapped = from_deepspeed_config(config)
     message = describe_ignored(mapped)

@@ -1,5 +1,5 @@
 """Validation of user-given values, one helper per kind of value, used for every flag: the strategy's
-(:mod:`ddp_plugin.config`), the codecs' ``compression_options`` and the DeepSpeed config mapping.
+(:mod:`ddp_plugin.strategy.config`), the codecs' ``compression_options`` and the DeepSpeed config mapping.
 
 Every error names the flag, the value and what is allowed, in one of two forms:
 

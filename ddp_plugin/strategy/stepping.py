@@ -10,14 +10,14 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from ddp_plugin.parallel.components import PipelineParallel, restore_zero_grad
-from ddp_plugin.precision import loss_scaler
+from ddp_plugin.strategy.precision import loss_scaler
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
     from torch import Tensor
     from torch.optim import Optimizer
 
-    from ddp_plugin.fit_state import FitState
+    from ddp_plugin.strategy.fit_state import FitState
 
 
 class Steps:
