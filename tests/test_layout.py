@@ -168,3 +168,28 @@ def test_the_package_top_holds_the_layers_folders():
     for name in RELEASED_PATHS:
         tree = ast.parse((PACKAGE / f"{name}.py").read_text())
         assert all(isinstance(node, (ast.Expr, ast.ImportFrom, ast.Assign)) for node in tree.body), name
+
+
+def runtime_imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The package's modules ``path`` imports when it runs (top level, ``if TYPE_CHECKING:`` left out)."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.ImportFrom) and inner.module and inner.level == 0:
+                found.update(f"{inner.module}.{a.name}" if f"{inner.module}.{a.name}" in known else inner.module
+                             for a in inner.names)
+            elif isinstance(inner, ast.Import):
+                found.update(a.name for a in inner.names)
+    return {m for m in found if m in known}
+
+
+def test_no_layer_below_the_strategy_imports_it_when_it_runs():
+    """The Lightning side (``ddp_plugin.strategy``) sits on top: the gradient path, its plugins, checkpoints,
+    parallelism, fault tolerance and health never import it when they run (types only)."""
+    known = modules()
+    upward = {name: sorted(m for m in runtime_imports(path, known) if m.startswith("ddp_plugin.strategy"))
+              for name, path in known.items()
+              if not name.startswith(("ddp_plugin.strategy", "ddp_plugin.testing")) and name != "ddp_plugin"}
+    assert {name: found for name, found in upward.items() if found} == {}

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ddp_plugin.strategy.checks import check_bool, check_int
+from ddp_plugin.gradients.checks import check_bool, check_int
 from ddp_plugin.codecs.base import BucketState, Codec
 from ddp_plugin.gradients.finite import zero_if_not_finite, zero_unless
 from ddp_plugin.hookspecs import completed_future

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ddp_plugin.strategy.checks import check_bool, check_int, check_number
+from ddp_plugin.gradients.checks import check_bool, check_int, check_number
 from ddp_plugin.codecs.base import BucketState, Codec
 from ddp_plugin.codecs.int8 import finite_or_zero
 from ddp_plugin.gradients.finite import finite_flag

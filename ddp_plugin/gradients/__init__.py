@@ -9,6 +9,8 @@
   :mod:`~ddp_plugin.gradients.planning`: what the links decide (the probe, the cost model, the plan);
 - :mod:`~ddp_plugin.gradients.streams`, :mod:`~ddp_plugin.gradients.clock`: the side threads with their CUDA
   streams, device-time stamps;
+- :mod:`~ddp_plugin.gradients.checks`: one validation helper per kind of value (the flags' and the codecs'
+  options);
 - :mod:`~ddp_plugin.gradients.finite`, :mod:`~ddp_plugin.gradients.cpu_memory`: a NaN/Inf check without a
   temporary, glibc's mmap threshold.
 """

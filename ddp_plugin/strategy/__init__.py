@@ -3,8 +3,9 @@
 - :mod:`~ddp_plugin.strategy.hierarchical_zero`: ``HierarchicalZeroStrategy``, one class on Lightning's
   ``ParallelStrategy`` (also importable from here and from ``ddp_plugin``);
 - :mod:`~ddp_plugin.strategy.fit_state`: what it holds between Lightning's calls;
-- :mod:`~ddp_plugin.strategy.config`, :mod:`~ddp_plugin.strategy.checks`,
-  :mod:`~ddp_plugin.strategy.deepspeed_config`: the flags, validated once (a DeepSpeed config mapped to them);
+- :mod:`~ddp_plugin.strategy.config`, :mod:`~ddp_plugin.strategy.deepspeed_config`: the flags, validated once
+  (a DeepSpeed config mapped to them; the checks of single values are :mod:`ddp_plugin.gradients.checks`, which
+  the codecs' options use too);
 - :mod:`~ddp_plugin.strategy.environment`, :mod:`~ddp_plugin.strategy.process_groups`: ranks, launcher,
   rendezvous, the layout's process groups and their lifetime;
 - :mod:`~ddp_plugin.strategy.assembly`: the setup's steps in torchtitan's order;

@@ -21,7 +21,7 @@ from typing import Any
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from ddp_plugin.fault_tolerance.options import check_composition as check_fault_tolerance_composition
-from ddp_plugin.strategy.checks import (
+from ddp_plugin.gradients.checks import (
     check_bool,
     check_choice,
     check_int,
