@@ -195,7 +195,7 @@ def worker(args: argparse.Namespace) -> None:
             setattr(obj, method, timed)  # on the instance: the schedule calls self._stage.forward_one_chunk(...)
 
         def on_train_start(self, trainer, pl_module) -> None:
-            runner = getattr(trainer.strategy, "_pipeline", None)  # (private: benchmark instrumentation only)
+            runner = getattr(getattr(trainer.strategy, "fit", None), "pipeline", None)  # (benchmark instrumentation only)
             if runner is None:
                 return
             self._timed(runner.schedule, "step", "schedule_s")

@@ -164,7 +164,7 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
 
     trainer.fit(model, datamodule=Data(), ckpt_path=resume)
     strategy = trainer.strategy
-    if getattr(strategy, "_pipeline", None) is not None and strategy.config.checkpoint == "sharded":
+    if getattr(getattr(strategy, "fit", None), "pipeline", None) is not None and strategy.config.checkpoint == "sharded":
         # (a sharded run's state dict is each rank's own: every stage's, as the master checkpoint gathers them)
         with strategy.full_parameters():
             state = {k: v.detach().clone() for k, v in full_state_dict(model.state_dict()).items()}
