@@ -206,7 +206,8 @@ def traffic_of(rank, world, name, options, numel):
 
 
 @pytest.mark.parametrize(
-    ("name", "options"), [("int8", {"block_size": 64}), ("topk", {"ratio": 0.1}), ("powersgd", {"start_iter": 0})]
+    ("name", "options"), [("int8", {"block_size": 64}), ("topk", {"ratio": 0.1}), ("powersgd", {"start_iter": 0}),
+                          ("sparse", {"density": 0.1, "chunk": 64})]
 )
 def test_non_finite_gradient_reaches_the_output_and_does_not_poison_later_steps(ranks, name, options):
     data = inputs(2, 512, seed=2)
@@ -267,6 +268,54 @@ def test_topk_sends_non_finite_values_first_and_drops_the_residual_of_what_it_co
     assert torch.equal(residuals[2], torch.zeros(500))
     out = results[0][0][0]
     assert torch.isnan(out).sum() >= 50 and torch.isfinite(out[60:]).all()  # rank 2's 50 NaN were sent
+
+
+# ---------------------------------------------------------------------- sparse (top-k per chunk, low bits)
+
+
+def test_sparse_keeps_each_chunks_largest_within_half_a_level(ranks):
+    # 8 bits, no error feedback: each rank's 10 largest of every chunk of 100, each within half a level (its
+    # chunk's largest kept magnitude / 255) of its value; nothing else.
+    data = inputs(1, 1000, seed=12)
+    options = {"density": 0.1, "chunk": 100, "bits": 8, "error_feedback": False}
+    out = ranks.run(reduce_steps, "sparse", options, [(1000,)], data)[0][0][0]
+    expected, bound = torch.zeros(1000), torch.zeros(1000)
+    for r in range(WORLD):
+        rows = data[r, 0].view(10, 100)
+        idx = rows.abs().topk(10, dim=1).indices
+        kept = torch.zeros(10, 100).scatter_(1, idx, rows.gather(1, idx))
+        expected += kept.view(-1)
+        bound += (kept != 0).float().view(-1) * (rows.gather(1, idx).abs().amax(1, keepdim=True) / 255).expand(10, 100).reshape(-1)
+    assert (out != 0).sum() <= WORLD * 100 and (out != 0).sum() >= 100
+    assert ((out - expected / WORLD).abs() <= bound / WORLD + 1e-6).all()
+
+
+def test_sparse_with_density_one_and_8_bits_is_the_mean_within_half_a_level(ranks):
+    data = inputs(1, 256, seed=13)
+    out = ranks.run(reduce_steps, "sparse", {"density": 1.0, "chunk": 64, "bits": 8}, [(256,)], data)[0][0][0]
+    half_level = data[:, 0].view(WORLD, 4, 64).abs().amax(2).div(255).mean(0).repeat_interleave(64)
+    assert ((out - data[:, 0].mean(0)).abs() <= half_level + 1e-6).all()
+
+
+def test_sparse_sends_its_formula_bytes_far_fewer_than_float32(ranks):
+    from ddp_plugin.codecs import SparseCodec
+
+    numel = 65536
+    sent = ranks.run(traffic_of, "sparse", {}, numel)
+    # (n - 1) payloads of C * (4 + k * (2 + bits / 8)) bytes: 16 chunks of 4096 keeping 62 at 2 bits
+    assert sent == [(WORLD - 1) * (16 * 4 + 16 * 62 * 2 + 16 * 62 * 2 // 8)] * WORLD
+    assert sent[0] == (WORLD - 1) * SparseCodec().payload_bytes(numel)
+    fp32_ring = 2 * (WORLD - 1) / WORLD * 4 * numel
+    assert fp32_ring / sent[0] > 57  # (115x on 2 nodes, where the ring sends 4 N and the gather 1 payload)
+
+
+def test_sparse_decay_zero_forgets_the_residual_and_one_keeps_it(ranks):
+    data = inputs(2, 512, seed=14)
+    options = {"density": 0.05, "chunk": 128, "bits": 2}
+    for decay, same in ((0.0, True), (1.0, False)):
+        both = ranks.run(reduce_steps, "sparse", {**options, "decay": decay}, [(512,)], data)[0][0]
+        alone = ranks.run(reduce_steps, "sparse", {**options, "decay": decay}, [(512,)], data[:, 1:])[0][0]
+        assert torch.equal(both[1], alone[0]) is same
 
 
 # ---------------------------------------------------------------------- PowerSGD
@@ -366,7 +415,7 @@ def test_powersgd_draws_q_afresh_after_a_non_finite_step(ranks):
 def pending(name, states, numel, options):
     """What error feedback still owes the mean: the mean of the ranks' residuals (plus int8's residuals of each
     rank's chunk of the mean)."""
-    owed = torch.stack([s["residual"] for s in states]).mean(0)
+    owed = torch.stack([s["residual"][:numel] for s in states]).mean(0)  # (sparse keeps it padded to its chunks)
     if name == "int8":
         owed = owed + torch.cat([s["chunk_residual"].flatten() for s in states])[:numel]
     return owed
@@ -374,7 +423,8 @@ def pending(name, states, numel, options):
 
 @pytest.mark.parametrize(
     ("name", "options"),
-    [("int8", {"block_size": 128}), ("topk", {"ratio": 0.05}), ("powersgd", {"rank": 2, "start_iter": 0})],
+    [("int8", {"block_size": 128}), ("topk", {"ratio": 0.05}), ("powersgd", {"rank": 2, "start_iter": 0}),
+     ("sparse", {"density": 0.05, "chunk": 100, "bits": 2})],
 )
 def test_error_feedback_carries_what_compression_left_out(ranks, name, options):
     # Summed over steps, outputs plus what the residuals still hold equal the exact means: nothing is lost.
@@ -391,7 +441,8 @@ def test_error_feedback_carries_what_compression_left_out(ranks, name, options):
 
 @pytest.mark.parametrize(
     ("name", "options"),
-    [("int8", {"block_size": 128}), ("topk", {"ratio": 0.05}), ("powersgd", {"rank": 2, "start_iter": 2})],
+    [("int8", {"block_size": 128}), ("topk", {"ratio": 0.05}), ("powersgd", {"rank": 2, "start_iter": 2}),
+     ("sparse", {"density": 0.05, "chunk": 128, "bits": 4})],
 )
 def test_codec_state_round_trips_through_a_checkpoint(ranks, name, options):
     results = ranks.run(resume_step, name, options, [(24, 40)], inputs(5, 24 * 40, seed=9))
@@ -442,6 +493,11 @@ def test_resume_without_this_ranks_state_keeps_only_shared_state():
         ("int8", {"block_size": -256}, r"compression_options\['block_size'\]=-256"),
         ("int8", {"blocksize": 256}, r"`compression_options\['blocksize'\]` is not an option of `compression='int8'`;"
                                      r" accepted options: 'block_size', 'error_feedback'"),
+        ("sparse", {"density": 0}, r"compression_options\['density'\]=0`.*'sparse'.*allowed values: a number in \(0, 1\]"),
+        ("sparse", {"bits": 3}, r"compression_options\['bits'\]=3`.*'sparse'.*allowed values: 2, 4 or 8"),
+        ("sparse", {"chunk": 1}, r"compression_options\['chunk'\]=1`.*an integer from 2 to 65536"),
+        ("sparse", {"chunk": 70000}, r"compression_options\['chunk'\]=70000"),
+        ("sparse", {"decay": 1.5}, r"compression_options\['decay'\]=1.5`.*a number in \[0, 1\]"),
         ("fp16", {"rank": 4}, r"compression_options\['rank'\]` is not an option of `compression='fp16'`;"
                               r" accepted options: none"),
     ],

@@ -5,8 +5,9 @@ ran it).
 One launch of 4 CPU ranks (tests/workers/defaults_run.py) trains the tiny tied GPT for 12 steps under each case
 in turn: the built-in codecs, the example entry-point codec (examples/onebit_codec, installed as a real
 distribution), no codec and ``"auto"``, on one node of 4, 2 simulated nodes x 2 (the route left to the link
-probe), the same with ZeRO stages 1-3, and tensor or pipeline parallelism of 2 with data parallelism of 2 across
-the nodes; none of them is refused at construction. (With tensor or pipeline parallelism of 2 on 4 ranks a node
+probe), the same with ZeRO stages 1-3 and with DiLoCo (``sync_every=4``: the codec codes the pseudo-gradients), and
+tensor or pipeline parallelism of 2 with data parallelism of 2 across the nodes; none of them is refused at
+construction. (With tensor or pipeline parallelism of 2 on 4 ranks a node
 holds one data-parallel rank, so there is no route to choose; that would take 8 ranks, not run here.)
 """
 

@@ -354,7 +354,7 @@ def test_the_lighthouse_killed_and_started_again_mid_run(sync_every, tmp_path):
     assert found["2-back"]["steps"][-1]["ft/heals"] >= 1
 
 
-@pytest.mark.parametrize("codec", ["fp16", "bf16", "topk"])
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "topk", "sparse"])
 def test_the_other_codecs_across_groups_leave_every_group_with_the_same_parameters(codec, tmp_path):
     """The codecs the faults above do not run (int8, PowerSGD), on 2 groups of 1 rank: what crosses is coded
     (fewer bytes than torchft's float32 all-reduce), and the groups stay equal bit for bit."""

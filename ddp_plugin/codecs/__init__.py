@@ -11,6 +11,7 @@ codec's constructor keyword arguments, checked when the strategy is constructed.
 | ``int8``   | ``Int8Codec``   | ``int8``      | about 1/4: all-to-all + all-gather of int8   | yes, two-sided |
 | ``topk``   | ``TopKCodec``   | ``topk``      | n * ratio: all-gather of values + indices    | yes            |
 | ``powersgd`` | ``PowerSGDCodec`` | ``powersgd`` | r(m+n)/(mn) per matrix, two all-reduces  | yes            |
+| ``sparse`` | ``SparseCodec`` | ``sparse``    | n * density * (2 + bits/8) / 4: all-gather   | yes, decayed   |
 
 Every codec leaves the same bits on every rank of the group (C1): whatever is decoded is decoded from the same
 gathered data in the same order everywhere. All collectives go through the communicator handed to
@@ -30,18 +31,20 @@ from ddp_plugin.codecs.base import BucketState, Codec
 from ddp_plugin.codecs.cast import Bf16Codec, Fp16Codec
 from ddp_plugin.codecs.int8 import Int8Codec, dequantize_int8, quantize_int8
 from ddp_plugin.codecs.powersgd import PowerSGDCodec, matrix_segments, orthogonalize
+from ddp_plugin.codecs.sparse import SparseCodec
 from ddp_plugin.codecs.topk import TopKCodec
 from ddp_plugin.hookspecs import PROJECT_NAME, hooks
 
 __all__ = [
-    "BUILTIN_CODECS", "Bf16Codec", "BucketState", "Codec", "Fp16Codec", "Int8Codec", "PowerSGDCodec", "TopKCodec",
+    "BUILTIN_CODECS", "Bf16Codec", "BucketState", "Codec", "Fp16Codec", "Int8Codec", "PowerSGDCodec", "SparseCodec",
+    "TopKCodec",
     "available_codecs", "check_compression", "dequantize_int8", "implements", "installed_codecs", "installed_plugins",
     "matrix_segments",
     "orthogonalize", "quantize_int8",
 ]
 
 BUILTIN_CODECS: dict[str, type[Codec]] = {
-    codec.name: codec for codec in (Fp16Codec, Bf16Codec, Int8Codec, TopKCodec, PowerSGDCodec)
+    codec.name: codec for codec in (Fp16Codec, Bf16Codec, Int8Codec, TopKCodec, PowerSGDCodec, SparseCodec)
 }
 """``compression=`` name -> codec class, in the order the error messages list them."""
 

@@ -34,6 +34,7 @@ CONFIGS: dict[str, tuple[str | None, dict]] = {
     "int8": ("int8", {}),
     "topk": ("topk", {}),
     "powersgd": ("powersgd", {}),
+    "sparse": ("sparse", {}),  # (1.5 % of each chunk of 4096, 2 bits)
     "onebit": ("onebit", {}),  # the example package's codec, installed through its entry point
     # The link probe chooses the route and, between no codec and int8, the codec per bucket (docs/adaptive.md).
     "auto": ("auto", {}),

@@ -29,7 +29,7 @@ from ddp_plugin.testing.processes import run_cases
 from ddp_plugin.testing.ranks import replicas_identical
 
 CODECS: dict[str, str | None] = {
-    "none": None, "fp16": "fp16", "bf16": "bf16", "int8": "int8", "topk": "topk", "powersgd": "powersgd",
+    "none": None, "fp16": "fp16", "bf16": "bf16", "int8": "int8", "topk": "topk", "powersgd": "powersgd", "sparse": "sparse",
     "onebit": "onebit",  # the example package's codec, installed through its entry point
     "auto": "auto",
 }
@@ -41,6 +41,7 @@ LAYOUTS: dict[str, dict] = {
     "2x2_zero3": {"devices_per_node": 2, "zero_stage": 3},
     "tp2_dp2": {"devices_per_node": 2, "tensor_parallel_size": 2},
     "pp2_dp2": {"devices_per_node": 2, "pipeline_parallel_size": 2},
+    "2x2_diloco": {"devices_per_node": 2, "sync_every": 4},  # (the codec codes the pseudo-gradients)
 }
 CASES = [f"{layout}/{codec}" for layout in LAYOUTS for codec in CODECS]
 
