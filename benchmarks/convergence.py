@@ -34,6 +34,12 @@ overfitting. Runs:
   (:func:`nesterov_momentum_05`, passed as a callable ``outer_optimizer``);
 - ``diloco_h16_warmup``: DiLoCo H=16 with the paper's outer optimizer, the first 1024 steps (25%)
   synchronous (``sync_warmup_steps=1024``), as the paper starts from a synchronously trained model.
+- ``diloco_h16_sparse3``, ``diloco_h16_sparse15``, ``diloco_h64_sparse15``, ``streaming_h16_sparse15``: DiLoCo (and
+  streaming) with ``compression="sparse"`` on the pseudo-gradients, 3 % / 1.5 % of each chunk in 2 bits; with
+  ``diloco_h64_int8`` for comparison;
+- ``sparseloco_h16``, ``sparseloco_h16_d3``, ``sparseloco_h64``, ``streaming_sparseloco_h16``: SparseLoCo's recipe,
+  the codec's error-feedback accumulator decayed by 0.95 standing in for the outer momentum, the outer step plain
+  descent on the averaged sparse updates (``outer_optimizer="average"``).
 
 Like ``tests/workers/compression_run.py``, the script is launched once and Lightning's default launcher
 re-executes it once per rank, so every run happens one after another inside the same 4 processes. Per run it
@@ -119,6 +125,23 @@ RUNS: dict[str, dict[str, Any]] = {
     "diloco_h16_m05": {"sync_every": 16, "outer_optimizer": nesterov_momentum_05},
     "diloco_h64_m05": {"sync_every": 64, "outer_optimizer": nesterov_momentum_05},
     "diloco_h16_warmup": {"sync_every": 16, "outer_optimizer": "nesterov", "sync_warmup_steps": 1024},
+    # compression="sparse" (top-k of each chunk of 4096, 2-bit values; docs/compression.md) on the pseudo-gradients
+    "diloco_h16_sparse3": {"sync_every": 16, "outer_optimizer": "nesterov", "compression": "sparse",
+                           "compression_options": {"density": 0.03}},
+    "diloco_h16_sparse15": {"sync_every": 16, "outer_optimizer": "nesterov", "compression": "sparse"},
+    "diloco_h64_int8": {"sync_every": 64, "outer_optimizer": "nesterov", "compression": "int8"},
+    "diloco_h64_sparse15": {"sync_every": 64, "outer_optimizer": "nesterov", "compression": "sparse"},
+    "streaming_h16_sparse15": {"sync_every": 16, "outer_optimizer": "nesterov", "sync_fragments": 4,
+                               "max_staleness": 1, "compression": "sparse"},
+    # SparseLoCo's outer step: the decayed error-feedback accumulator in place of the outer momentum, plain descent
+    "sparseloco_h16": {"sync_every": 16, "outer_optimizer": "average", "compression": "sparse",
+                       "compression_options": {"decay": 0.95}},
+    "sparseloco_h16_d3": {"sync_every": 16, "outer_optimizer": "average", "compression": "sparse",
+                          "compression_options": {"decay": 0.95, "density": 0.03}},
+    "sparseloco_h64": {"sync_every": 64, "outer_optimizer": "average", "compression": "sparse",
+                       "compression_options": {"decay": 0.95}},
+    "streaming_sparseloco_h16": {"sync_every": 16, "outer_optimizer": "average", "sync_fragments": 4,
+                                 "max_staleness": 1, "compression": "sparse", "compression_options": {"decay": 0.95}},
 }
 ACCEPTANCE = (("diloco_h16", "diloco_h16_m05", "diloco_h16_warmup"), 0.03)  # held-out loss <= 3% above sync's
 

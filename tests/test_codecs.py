@@ -498,6 +498,7 @@ def test_resume_without_this_ranks_state_keeps_only_shared_state():
         ("sparse", {"chunk": 1}, r"compression_options\['chunk'\]=1`.*an integer from 2 to 65536"),
         ("sparse", {"chunk": 70000}, r"compression_options\['chunk'\]=70000"),
         ("sparse", {"decay": 1.5}, r"compression_options\['decay'\]=1.5`.*a number in \[0, 1\]"),
+        ("sparse", {"decay": 0.9, "error_feedback": False}, r"compression_options\['decay'\]=0.9` decays.*error_feedback"),
         ("fp16", {"rank": 4}, r"compression_options\['rank'\]` is not an option of `compression='fp16'`;"
                               r" accepted options: none"),
     ],

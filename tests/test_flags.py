@@ -257,3 +257,14 @@ def test_fault_tolerance_splits_the_data_over_every_replica_groups_ranks():
     trainer = L.Trainer(accelerator="cpu", devices=2, logger=False,
                         strategy=HierarchicalZeroStrategy(fault_tolerance={**FT, "replica_group": 2}))
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 6, "rank": 4}
+
+
+def test_a_decayed_sparse_accumulator_needs_a_sync_mode():
+    """``decay`` < 1 is SparseLoCo's accumulator of pseudo-gradients; on every step's gradients it would drop what the
+    codec did not send: refused at construction, naming the flags; with a sync mode it is taken."""
+    with pytest.raises(ValueError, match=r"`compression_options\['decay'\]=0.95` with `compression='sparse'` needs a"
+                                         r" sync mode \(`sync_every` > 1\)"):
+        HierarchicalZeroStrategy(compression="sparse", compression_options={"decay": 0.95})
+    strategy = HierarchicalZeroStrategy(compression="sparse", compression_options={"decay": 0.95}, sync_every=16,
+                                        outer_optimizer="average")
+    assert strategy.compression_options == {"decay": 0.95}

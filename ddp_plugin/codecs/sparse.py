@@ -70,6 +70,9 @@ class SparseCodec(Codec):
         check_number("compression_options['decay']", options["decay"], minimum=0, maximum=1,
                      strict=False, expected="a number in [0, 1]", context=cls.context())
         check_bool("compression_options['error_feedback']", options["error_feedback"], context=cls.context())
+        if options["decay"] != 1.0 and not options["error_feedback"]:
+            raise ValueError(f"`compression_options['decay']={options['decay']}` decays the error-feedback residual, and"
+                             f" `error_feedback=False` keeps none ({cls.context()}): drop `decay`, or keep error feedback.")
 
     @property
     def keeps_rank_state(self) -> bool:

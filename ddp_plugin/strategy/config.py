@@ -290,6 +290,14 @@ def _check_sync_mode(c: dict[str, Any]) -> None:
             f"`sync_warmup_steps={c['sync_warmup_steps']}` needs a sync mode (`sync_every` > 1): it is the number of"
             " synchronous steps before the sync mode starts, and `sync_every=1` is synchronous throughout."
         )
+    decay = (c.get("compression_options") or {}).get("decay", 1.0) if c["compression"] == "sparse" else 1.0
+    if decay < 1 and every == 1:
+        raise ValueError(
+            f"`compression_options['decay']={decay}` with `compression='sparse'` needs a sync mode (`sync_every` > 1):"
+            " a decayed error-feedback accumulator stands in for the outer momentum of the pseudo-gradients"
+            " (SparseLoCo); on every step's gradients it would drop what was not sent. Use decay 1.0 (the default)"
+            " here, or a sync mode."
+        )
     if every > 1 and c["zero_stage"] and c["shard_scope"] == "global":
         raise ValueError(
             f"`shard_scope='global'` cannot go with `sync_every={every}`: a sync mode keeps every node a whole"
