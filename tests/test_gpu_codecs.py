@@ -40,6 +40,7 @@ CASES: dict[str, tuple[str, dict]] = {
     # Two exact warm-up steps, then the power iteration with a warm-started Q (a non-finite step replaces it).
     "powersgd": ("powersgd", {"rank": 2, "start_iter": 2}),
     "powersgd-gram-schmidt": ("powersgd", {"rank": 2, "start_iter": 2, "epsilon": 1e-8, "warm_start": False}),
+    "sparse": ("sparse", {"density": 0.05, "chunk": 128, "bits": 4}),
 }
 """Case id -> (codec name, options): every built-in codec, and the options that take other paths."""
 
@@ -99,7 +100,7 @@ def test_non_finite_step_reaches_the_output_and_later_steps_are_finite(device, r
 
 
 @pytest.mark.parametrize("case", [c for c, (name, o) in CASES.items()
-                                  if name in ("int8", "topk", "powersgd") and o.get("error_feedback", True)])
+                                  if name in ("int8", "topk", "powersgd", "sparse") and o.get("error_feedback", True)])
 def test_codec_state_stays_on_the_device_and_finite(device, results, case):
     on_device = results["cases"][case]["device"]
     assert on_device["state_devices"] == [results["device"]]

@@ -29,6 +29,7 @@ OPTIONS = {
     "int8": {"block_size": 128},
     "topk": {"ratio": 0.05},
     "powersgd": {"rank": 2, "start_iter": 0},
+    "sparse": {"density": 0.05, "chunk": 128, "bits": 4},
 }
 STEPS, SHAPE = 5, (48, 40)
 
