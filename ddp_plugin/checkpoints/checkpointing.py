@@ -37,6 +37,7 @@ from torch.nn import Module
 from ddp_plugin.checkpoints import sharded_checkpoint
 
 from ddp_plugin.gradients import cpu_memory
+from ddp_plugin.gradients.plugin_manager import merged_answers
 from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.parallel.state_parts import StatePart
 from ddp_plugin.hookspecs import local_tensor, pipeline_copies
@@ -166,14 +167,14 @@ class Checkpoints:
         pm = self.fit.plugin_manager
         if pm is None:
             return
-        checkpoint[CHECKPOINT_KEY] = _merged(pm.hook.on_save_state_dict())
+        checkpoint[CHECKPOINT_KEY] = merged_answers(pm.hook.on_save_state_dict(), "saved state")
         parts = self._parts()
         with diagnosed(f"the checkpoint's gather of the plugin state of {_what(parts)} to rank 0"):
             for part in parts:
                 checkpoint[CHECKPOINT_KEY] = part.plugin_state(checkpoint[CHECKPOINT_KEY])
         rank_states = [state for state in pm.hook.on_save_rank_state_dict() if state]
         if rank_states:  # the same answer on every rank (the contract), so every rank takes part in the gather
-            mine = _merged(rank_states)
+            mine = merged_answers(rank_states, "saved state")
             ranks: list[Any] | None = [mine]
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 # To rank 0 only: it writes the file, and no other rank holds every rank's state.
@@ -355,18 +356,6 @@ def _load_stored(module: Module, state: Mapping[str, Any], strict: bool) -> None
 
 def _what(parts: list[StatePart]) -> str:
     return " and ".join(part.what for part in parts) or "the model"
-
-
-def _merged(parts: list[dict[str, Any] | None]) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
-    for part in parts:
-        if not part:
-            continue
-        clash = merged.keys() & part.keys()
-        if clash:
-            raise RuntimeError(f"Two plugins saved state under the same key(s) {sorted(clash)}; keys must be unique.")
-        merged.update(part)
-    return merged
 
 
 def _compare_state_dicts(mine: Mapping[str, Tensor], theirs: Mapping[str, Any]

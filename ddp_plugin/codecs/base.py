@@ -152,8 +152,12 @@ class Codec:
         the mean on this step instead of the next one this codec would have coded."""
         state = self.states.pop(key, None)
         residual = getattr(state, "residual", None)
-        if residual is not None and residual.numel() == tensor.numel():
-            tensor.add_(residual.to(tensor.dtype).view_as(tensor))
+        if residual is not None and residual.numel() == self.residual_numel(tensor.numel()):
+            tensor.add_(residual[: tensor.numel()].to(tensor.dtype).view_as(tensor))
+
+    def residual_numel(self, numel: int) -> int:
+        """Elements of the residual this codec keeps for a tensor of ``numel`` (a codec may keep it padded)."""
+        return numel
 
     @hookimpl
     def on_fold_residual(self, key: int | str, tensor: Tensor, rank: int, size: int) -> bool:

@@ -166,13 +166,9 @@ class SparseCodec(Codec):
         levels = torch.stack([(packed >> (j * self.bits)) & mask for j in range(per_byte)], dim=1).reshape(-1)
         return scales, indices, levels[: chunks * k].view(chunks, k)
 
-    def fold_residual(self, key: int | str, tensor: torch.Tensor, rank: int, n: int) -> None:
-        # (the residual is kept padded to whole chunks)
-        state = self.states.pop(key, None)
-        residual = getattr(state, "residual", None)
-        c, chunks, _ = self.layout(tensor.numel())
-        if residual is not None and residual.numel() == chunks * c:
-            tensor.add_(residual[: tensor.numel()].to(tensor.dtype).view_as(tensor))
+    def residual_numel(self, numel: int) -> int:
+        c, chunks, _ = self.layout(numel)
+        return chunks * c  # (kept padded to whole chunks)
 
 
 def _round4(nbytes: int) -> int:

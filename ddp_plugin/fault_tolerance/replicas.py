@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ddp_plugin.fault_tolerance import torchft_adapter
+from ddp_plugin.gradients.plugin_manager import merged_answers
 
 if TYPE_CHECKING:
     from pluggy import HookRelay
@@ -94,13 +95,7 @@ class ReplicaGroups:
 
     def _state(self) -> dict[str, Any]:
         """Every plugin's ``on_member_state``, merged (a key handed over twice is refused)."""
-        merged: dict[str, Any] = {}
-        for part in self.hook.on_member_state(covers=set()):
-            twice = set(merged) & set(part)
-            if twice:
-                raise RuntimeError(f"replica groups: two plugins hand over the state key(s) {sorted(twice)}")
-            merged.update(part)
-        return merged
+        return merged_answers(self.hook.on_member_state(covers=set()), "hand a returning replica group state")
 
     def _healed(self, state: dict[str, Any]) -> None:
         self.heals += 1

@@ -12,7 +12,7 @@ from ddp_plugin.hookspecs import PROJECT_NAME, hooks
 from ddp_plugin.plugins import FlatReducer, HierarchicalReducer, MeanAllReduce, TrafficAccounting
 
 __all__ = ["available_codecs", "build_plugin_manager", "check_plugins", "cross_node_codec", "installed_codecs",
-           "transport"]
+           "merged_answers", "transport"]
 
 
 def new_plugin_manager() -> pluggy.PluginManager:
@@ -91,6 +91,20 @@ def build_plugin_manager(
         pm.register(plugin)
     pm.check_pending()
     return pm
+
+
+def merged_answers(parts: list[dict[str, Any] | None], what: str) -> dict[str, Any]:
+    """The dicts several plugins answered one hook with, merged; a key two plugins used is refused (``what`` they
+    answered, for the message)."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        if not part:
+            continue
+        clash = merged.keys() & part.keys()
+        if clash:
+            raise RuntimeError(f"Two plugins {what} under the same key(s) {sorted(clash)}; keys must be unique.")
+        merged.update(part)
+    return merged
 
 
 def transport(comm: Any, plugins: Iterable[object]) -> Any:
