@@ -483,6 +483,32 @@ def on_load_member_state(state: Mapping[str, Any], covers: set[int]) -> None:
 
 
 @hookspec
+def on_member_sync_state(covers: set[int]) -> dict[str, Any] | None:
+    """With a sync mode: what a member that joins between two syncs must receive of this plugin's state, of what
+    every live member holds the same and changes only inside a sync (a sync mode's global copy and outer
+    optimizer, a codec's shared state). Called on a live member's rank on a thread of its own, at any time,
+    while the training thread runs its inner steps: what it returns is read as it is (a download that overlapped
+    a sync is taken again). Local; return references.
+
+    :param covers: the ids of the module's tensors your state gives the joining member values for (a sync mode:
+        every synced parameter, which takes the global copy); add yours.
+    :returns: ``{key: state}`` under keys of your own (every plugin's are merged); or ``None``.
+    """
+
+
+@hookspec
+def on_load_member_sync_state(state: Mapping[str, Any], covers: set[int]) -> None:
+    """On a member joining between syncs, before its first step, on every rank: load your part of what a live
+    member's ``on_member_sync_state`` returned (the same rank of the member; every rank of the joining member
+    loads one sync's state). Local (a sync mode then spreads its replica inside the member: collective there).
+
+    :param state: the merged dict of every plugin's ``on_member_sync_state`` on the live member; take your key.
+    :param covers: as in ``on_member_sync_state``.
+    :returns: nothing.
+    """
+
+
+@hookspec
 def on_member_unify(covers: set[int]) -> None:
     """On every rank of a member, at its first committed step or sync: make what several of its ranks hold the
     same (a node's shards on every node of a member, the module's replicated tensors) one value, taken from the

@@ -185,6 +185,15 @@ class Codec:
             restored = self.states[key] = self.State(shared["numel"])
             restored.load_state_dict(shared)
 
+    @hookimpl
+    def on_member_sync_state(self) -> dict[str, Any]:
+        # (with a sync mode a codec codes only the syncs: its shared state changes only inside one)
+        return self.on_member_state()
+
+    @hookimpl
+    def on_load_member_sync_state(self, state: Mapping[str, Any]) -> None:
+        self.on_load_member_state(state)
+
     # -------------------------------------------------------------- checkpoints
 
     @property
