@@ -36,11 +36,13 @@ __all__ = ["FaultTolerance", "fit_plugins"]
 
 def fit_plugins(options: FaultTolerance, module: pl.LightningModule, optimizers: Callable[[], list[Optimizer]],
                 topology: Topology, device: torch.device, ranks_per_node: int, timeout: timedelta | None,
-                per_step: bool, ties: Iterable[Tie] = ()) -> tuple[list[object], dict[str, Any]]:
+                per_step: bool, ties: Iterable[Tie] = (), sync_mode: bool = False
+                ) -> tuple[list[object], dict[str, Any]]:
     """This rank's torchft Manager, as the fit's plugins: the member plugin (healing ``module``, ``optimizers()``
     and the fit loop), and the stand-ins for the built-in reducer, sync mode and ZeRO cross stage
     (``build_plugin_manager``'s names). ``per_step``: a quorum per optimizer step (the synchronous route, or a
-    sync mode's warm-up steps)."""
+    sync mode's warm-up steps); ``sync_mode``: a sync mode runs (a returning group may then heal in the
+    background)."""
     if importlib.util.find_spec("torchft") is None:
         raise ImportError("`fault_tolerance` runs on torchft: `pip install ddp_plugin[torchft]` (or `pip install"
                           " torchft`).")
@@ -50,7 +52,7 @@ def fit_plugins(options: FaultTolerance, module: pl.LightningModule, optimizers:
     # (torchft's group rank: the rank in the group's world, every tensor-parallel position and stage its own)
     rank = topology.global_rank(topology.rank)
     size = topology.world_size * topology.tensor_parallel_size * topology.pipeline_parallel_size
-    replicas = ReplicaGroups(options, rank, size, device, timeout, per_step=per_step)
+    replicas = ReplicaGroups(options, rank, size, device, timeout, per_step=per_step, sync_mode=sync_mode)
     replicas.ties = list(ties)
     return replica_group_plugins(replicas, ReplicaGroupMember(replicas, module, optimizers, topology,
                                                               ranks_per_node, timeout))

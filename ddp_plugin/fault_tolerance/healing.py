@@ -11,6 +11,7 @@ pieces, whose layout is the peer's), with the groups' hyperparameters (the learn
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -158,3 +159,72 @@ def _like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if isinstance(p, DTensor) and value.shape == local_tensor(p).shape:
         return DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
     return value
+
+
+# ---------------------------------------------------------------------- a group joining between syncs
+
+
+def synced_fit_state(module: pl.LightningModule, optimizers: list[Optimizer]) -> dict[str, Any]:
+    """On a live peer, at the start of the first step after a sync is sent: the fit's position then (its
+    learning-rate schedulers, loss scaler, loop counters, the optimizers' hyperparameters), and copies of the
+    module's buffers; small, copied (the step about to run changes them). The frozen parameters are served as
+    they are (nothing changes them)."""
+    trainer = module.trainer
+    loop = trainer.fit_loop.epoch_loop
+    return {
+        "schedulers": [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs],
+        "precision": copy.deepcopy(trainer.precision_plugin.state_dict()),
+        "optimizer_steps": loop.automatic_optimization.optim_progress.optimizer.step.total.completed,
+        "batches_that_stepped": loop._batches_that_stepped,
+        "groups": [[{k: v for k, v in group.items() if k != "params"} for group in getattr(o, "_optimizer", o).param_groups]
+                   for o in optimizers],
+        "buffers": {name: local_tensor(b).detach().clone() for name, b in module.named_buffers()},
+    }
+
+
+def sync_module_state(module: nn.Module, synced: dict[str, Any], skip: Collection[int]) -> dict[str, Any]:
+    """The module's tensors not in ``skip`` a group joining between syncs receives: the buffers as copied at the last
+    sync (``synced["buffers"]``), the other tensors (frozen parameters) as they are."""
+    buffers = synced["buffers"]
+    return {k: buffers[k] if k in buffers else local_tensor(v).detach()
+            for k, v in module.state_dict(keep_vars=True).items() if id(v) not in skip}
+
+
+def load_synced_fit_state(module: pl.LightningModule, optimizers: list[Optimizer], state: dict[str, Any],
+                          skip: Collection[int]) -> None:
+    """On a group joining between syncs, before its first step: the module's tensors ``sync_module_state`` gave,
+    the position of :func:`synced_fit_state`; the optimizers' state starts afresh (a group's inner moments are
+    its own, as its pseudo-gradients are), with the peer's hyperparameters (the learning rate its scheduler set)."""
+    load_module_state(module, state["module"], skip)
+    fit = state["fit"]
+    for optimizer, groups in zip(optimizers, fit["groups"], strict=True):
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer.state.clear()
+        for group, hyper in zip(optimizer.param_groups, groups, strict=True):
+            group.update(hyper)
+    trainer = module.trainer
+    for config, saved in zip(trainer.lr_scheduler_configs, fit["schedulers"]):
+        config.scheduler.load_state_dict(saved)
+    if fit["precision"]:
+        trainer.precision_plugin.load_state_dict(fit["precision"])
+    loop = trainer.fit_loop.epoch_loop
+    total = loop.automatic_optimization.optim_progress.optimizer.step.total
+    total.completed = total.ready = fit["optimizer_steps"]
+    loop._batches_that_stepped = fit["batches_that_stepped"]
+
+
+def advance_fit(module: pl.LightningModule, steps: int) -> None:
+    """Inside an optimizer step: the fit's counters and its per-step learning-rate schedulers moved ``steps``
+    optimizer steps on (a group that joined its peers' sync before its own schedule's takes their position)."""
+    trainer = module.trainer
+    loop = trainer.fit_loop.epoch_loop
+    total = loop.automatic_optimization.optim_progress.optimizer.step.total
+    base = loop._batches_that_stepped
+    for config in trainer.lr_scheduler_configs:
+        if config.interval == "step" and not config.reduce_on_plateau:
+            for i in range(steps):
+                if (base + i + 1) % config.frequency == 0:
+                    config.scheduler.step()
+    total.completed += steps
+    total.ready += steps
+    loop._batches_that_stepped += steps

@@ -30,6 +30,11 @@ class FaultTolerance:
     """Groups a step needs to commit; fewer live, the others wait for a quorum."""
     quorum_timeout: float = 60.0
     """Seconds a quorum may take (a returning group's healing included) before the step fails."""
+    background_heal: bool = True
+    """With a sync mode: a returning group downloads the state every live group holds the same between syncs
+    while they go on, and enters their next sync (``False``: it heals inside that sync, the live groups waiting)."""
+    heal_rate: float | None = None
+    """With ``background_heal``: MB a second a live rank serves a returning group at most (``None``: no limit)."""
 
 
 def check_fault_tolerance(value: Any) -> FaultTolerance | None:
@@ -43,7 +48,8 @@ def check_fault_tolerance(value: Any) -> FaultTolerance | None:
         value = {}
     elif not isinstance(value, Mapping):
         raise invalid("fault_tolerance", value, "None, True, a FaultTolerance or a mapping with the keys"
-                      " replica_group, replica_groups, lighthouse, min_replicas, quorum_timeout")
+                      " replica_group, replica_groups, lighthouse, min_replicas, quorum_timeout, background_heal,"
+                      " heal_rate")
     known = {f.name for f in fields(FaultTolerance)}
     unknown = sorted(set(value) - known)
     if unknown:
@@ -74,7 +80,13 @@ def check_fault_tolerance(value: Any) -> FaultTolerance | None:
     minimum = check_int("fault_tolerance['min_replicas']", given.get("min_replicas", 1), minimum=1,
                         maximum=groups, expected=f"an integer from 1 to {groups} (`replica_groups`)")
     timeout = check_positive_number("fault_tolerance['quorum_timeout']", given.get("quorum_timeout", 60.0))
-    return FaultTolerance(group, groups, lighthouse, minimum, float(timeout))
+    background = given.get("background_heal", True)
+    if not isinstance(background, bool):
+        raise invalid("fault_tolerance['background_heal']", background, "True or False")
+    rate = given.get("heal_rate")
+    if rate is not None:
+        rate = float(check_positive_number("fault_tolerance['heal_rate']", rate))
+    return FaultTolerance(group, groups, lighthouse, minimum, float(timeout), background, rate)
 
 
 def check_composition(c: Mapping[str, Any]) -> None:

@@ -11,7 +11,17 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ddp_plugin.fault_tolerance.healing import fit_state, load_fit_state, unify_group
+import time
+
+from ddp_plugin.fault_tolerance.healing import (
+    advance_fit,
+    fit_state,
+    load_fit_state,
+    load_synced_fit_state,
+    sync_module_state,
+    synced_fit_state,
+    unify_group,
+)
 from ddp_plugin.fault_tolerance.reducer import ReplicaGroupReducer
 from ddp_plugin.fault_tolerance.sync import ReplicaGroupSync
 from ddp_plugin.hookspecs import hookimpl
@@ -47,6 +57,13 @@ class ReplicaGroupMember:
         self.topology = topology
         self.ranks_per_node = ranks_per_node
         self.timeout = timeout
+        self._started = False
+        self._synced: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+        """The fit's position at the last sync applied (what a group joining between syncs takes)."""
+        self._synced_at: float | None = None
+        self._interval_s = 0.0
+        replicas.on_skip = lambda steps: advance_fit(self.module, steps)
 
     @hookimpl
     def on_transport(self, comm: Communicator) -> ReplicaGroupCommunicator:
@@ -62,6 +79,25 @@ class ReplicaGroupMember:
 
     @hookimpl
     def on_step_start(self) -> None:
+        if not self._started:
+            self._started = True
+            # A group whose peers are past a sync takes their state in the background (none of them waits).
+            self.replicas.heal_in_background(group=None)
+        if self.replicas.snapshot_due:
+            # A sync was sent in the last step: the fit's position now (where it was sent from).
+            self._pending = synced_fit_state(self.module, self.optimizers())
+            self.replicas.snapshot_due = False
+        if self._pending is not None and self.replicas.outer_done:
+            # Its outer step is done too (and committed or not, torchft's step with it): what the heal server
+            # serves is whole again.
+            now = time.monotonic()
+            if self._synced_at is not None:
+                self._interval_s = now - self._synced_at
+            self._synced_at = now
+            self._synced = {**self._pending, "ft": {**self.replicas.manager.state_dict(), "interval_s": self._interval_s}}
+            self._pending = None
+            self.replicas.outer_done = False
+            self.replicas.version.written()
         if self.replicas.per_step:
             self.replicas.start_step()  # (the quorum is computed while the forward runs)
 
@@ -89,6 +125,17 @@ class ReplicaGroupMember:
     @hookimpl(trylast=True)
     def on_load_member_state(self, state: Mapping[str, Any], covers: set[int]) -> None:
         load_fit_state(self.module, self.optimizers(), state["fit"], covers)
+
+    @hookimpl(trylast=True)
+    def on_member_sync_state(self, covers: set[int]) -> dict[str, Any] | None:
+        if self._synced is None:
+            return None
+        return {"fit": self._synced, "module": sync_module_state(self.module, self._synced, covers),
+                "ft": self._synced["ft"]}
+
+    @hookimpl(trylast=True)
+    def on_load_member_sync_state(self, state: Mapping[str, Any], covers: set[int]) -> None:
+        load_synced_fit_state(self.module, self.optimizers(), state, covers)
 
     @hookimpl(trylast=True)
     def on_member_unify(self, covers: set[int]) -> None:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ddp_plugin.fault_tolerance import torchft_adapter
+from ddp_plugin.fault_tolerance import background, torchft_adapter
 from ddp_plugin.gradients.plugin_manager import merged_answers
 
 if TYPE_CHECKING:
@@ -30,6 +31,13 @@ if TYPE_CHECKING:
     from ddp_plugin.hookspecs import Bucket
 
 log = logging.getLogger(__name__)
+
+DISCOVERY_TIMEOUT = timedelta(seconds=10)
+"""How long a returning group waits for a live group's manager server to name its heal server."""
+
+HEAL_ATTEMPTS = 8
+"""Downloads a background heal tries before healing in the next quorum instead (each one that overlapped a sync
+on the peer, or found the group's ranks holding different syncs' states, is taken again)."""
 
 
 class ReplicaGroups:
@@ -45,9 +53,12 @@ class ReplicaGroups:
     (:class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`)."""
 
     def __init__(self, options: FaultTolerance, rank: int, size: int, device: torch.device,
-                 timeout: timedelta | None, per_step: bool = True) -> None:
+                 timeout: timedelta | None, per_step: bool = True, sync_mode: bool = False) -> None:
         timeout = timeout or timedelta(seconds=60)
         self.options = options
+        self.rank = rank
+        self.device = device
+        self.timeout = timeout
         self.per_step = per_step
         self.steps_lost = 0
         """Optimizer steps whose work no group applied (a group was lost in them, or too few were live)."""
@@ -56,12 +67,36 @@ class ReplicaGroups:
         self.heals = 0
         self.healed_bytes = 0
         """What the healings received, in bytes of tensors."""
+        self.background_heals = 0
+        self.heal_s = 0.0
+        """Seconds this group spent downloading its peers' state before its first step (a background heal)."""
+        self.catching_up = False
+        """Whether this group healed in the background and has asked for the quorum of its peers' next sync (a sync
+        mode then sends its sync as soon as that quorum is in: :class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`)."""
+        self.on_skip: Callable[[int], None] | None = None
+        """Called with a count of optimizer steps the fit's counters and schedulers skip (a group that healed in the
+        background joins its peers' sync before its own schedule's: it takes their position after it)."""
+        self.version = background.Version()
+        """Odd while a sync writes what a heal server serves (the sync mode marks it)."""
+        self.snapshot_due = False
+        """Set by the sync mode once a sync is sent: the member records the fit's position at the next step's
+        start, and marks the version written at a step's start once the sync's outer step is done too
+        (:attr:`outer_done`, set by the outer thread)."""
+        self.outer_done = False
+        self.server: background.HealServer | None = None
+        self.healed_from: set[str] | None = None
+        """After a background heal, until its first committed sync: the live groups' replica ids it found."""
+        self.served_in_quorum = 0
+        """Healings this rank served inside a quorum (its group, and every group of that quorum, waiting for it)."""
         self._started = False
         self.hook: HookRelay | None = None
         """The fit's plugin hooks (``on_member_state`` and the others of members that come and go)."""
         host = advertised_host(os.environ["MASTER_ADDR"])
+        if sync_mode and options.background_heal:
+            rate = options.heal_rate * 2**20 if options.heal_rate else None
+            self.server = background.HealServer(host, self._sync_state, self.version, rate)
         self.manager, pg = torchft_adapter.manager(
-            device, load_state_dict=self._healed, state_dict=self._state, min_replica_size=options.min_replicas,
+            device, heal=self.server.address if self.server is not None else None, load_state_dict=self._healed, state_dict=self._state, min_replica_size=options.min_replicas,
             rank=rank, world_size=size, replica_id=f"replica_group_{options.replica_group}",
             lighthouse_addr=options.lighthouse, timeout=timeout,
             quorum_timeout=timedelta(seconds=options.quorum_timeout), connect_timeout=timeout,
@@ -95,7 +130,99 @@ class ReplicaGroups:
 
     def _state(self) -> dict[str, Any]:
         """Every plugin's ``on_member_state``, merged (a key handed over twice is refused)."""
+        self.served_in_quorum += 1
         return merged_answers(self.hook.on_member_state(covers=set()), "hand a returning replica group state")
+
+    def _sync_state(self) -> dict[str, Any]:
+        """Every plugin's ``on_member_sync_state``, merged (the heal server's state)."""
+        return merged_answers(self.hook.on_member_sync_state(covers=set()), "hand a group joining between syncs state")
+
+    def heal_in_background(self, group: Any) -> bool:
+        """Before this group's first step: if live groups are past their first sync, download what every one of them
+        holds the same between syncs from one of them (each group rank from the same rank of a group picked by rank),
+        the group's ranks agreeing on one version over ``group`` (the group's world), and load it; then ask for
+        the quorum of their next sync. ``False`` (nothing loaded): no group is live, or the download did not
+        settle in :data:`HEAL_ATTEMPTS` tries (the group then heals in its first quorum, the old way)."""
+        import torch.distributed as dist
+
+        if self.server is None:
+            return False
+        started = time.monotonic()
+        deadline = started + self.options.quorum_timeout
+        mine = f"replica_group_{self.options.replica_group}"
+        state, got, torn, attempt, address, served = None, 0, 0, 0, "", -1
+        while True:
+            # Each rank: 2 and the sync it holds (torchft's count), 1 (try again: a sync under way, a download torn by
+            # one, a peer gone) or 0 (no live group, or none past a sync: not a returning group).
+            status, version = 0, -1
+            try:
+                live = [m for m in torchft_adapter.previous_quorum(self.options.lighthouse, 10.0)
+                        if m[0].split(":")[0] != mine]
+                if live:
+                    _, manager_address, _ = live[(self.rank + attempt) % len(live)]
+                    address = torchft_adapter.heal_address(manager_address, self.rank, DISCOVERY_TIMEOUT)
+                    if address is not None:
+                        served, state, got = background.fetch(address, self.timeout.total_seconds())
+                        # (the peer's count of committed syncs, the same on every group holding that sync's state;
+                        # its server's version is its own. Version 0: it has sent no sync yet.)
+                        status = 2 if served > 0 and "ft" in state else 0
+                        version = state["ft"]["step"] if status == 2 else -1
+            except background.Torn as err:
+                status, busy = 1, "under way" in str(err)
+                torn += not busy
+                log.info("ddp_plugin: replica group %d: background heal: %s", self.options.replica_group, err)
+            except Exception as err:  # noqa: BLE001 - a peer gone: another one, or heal the old way
+                status, torn = 1, torn + 1
+                log.info("ddp_plugin: replica group %d: background heal: %s", self.options.replica_group, err)
+            give_up = torn >= HEAL_ATTEMPTS or time.monotonic() > deadline
+            # (what the group decides, each rank the same: every rank's answer reduced over the group)
+            report = torch.tensor([status, -status, version, -version, -int(give_up)], dtype=torch.int64,
+                                  device=self.device)
+            dist.all_reduce(report, op=dist.ReduceOp.MIN, group=group)
+            low, high, oldest, newest, stop = (report[0].item(), -report[1].item(), report[2].item(),
+                                               -report[3].item(), -report[4].item())
+            if high == 0:
+                return False  # (no rank found a live group past a sync)
+            if low == 2 and oldest == newest and self._still_served(address, served, group):
+                break  # (and no peer has sent another sync since: the quorum asked for below is their next one)
+            attempt += 1
+            if stop:
+                log.warning("ddp_plugin: replica group %d: the background heal did not settle (%d tries, %.0f s);"
+                            " healing in the next quorum instead", self.options.replica_group, attempt,
+                            time.monotonic() - started)
+                return False
+            time.sleep(0.2 if low == 1 else 0.0)  # (a sync under way on a peer: it ends soon)
+        self.healed_from = {m[0] for m in live}
+        self.hook.on_load_member_sync_state(state=state, covers=set())
+        self.manager.load_state_dict({k: state["ft"][k] for k in ("step", "batches_committed")})
+        self._first_commit = False  # (every rank loaded one version: the group is one replica)
+        self.heals += 1
+        self.background_heals += 1
+        self.healed_bytes += got
+        self.heal_s += time.monotonic() - started
+        log.warning("ddp_plugin: replica group %d healed in the background from a live peer (%.1f MB a rank in %.1f s);"
+                    " it joins their next sync", self.options.replica_group, got / 2**20, self.heal_s)
+        # The quorum of the peers' next sync, asked for now: it is in once they ask (their previous quorum's members
+        # all there), up to a sync interval of theirs away.
+        interval = float(state["ft"].get("interval_s", 0.0))
+        self.start_step(timeout=timedelta(seconds=self.options.quorum_timeout + 2 * interval))
+        self.catching_up = True
+        return True
+
+    def _still_served(self, address: str, version: int, group: Any) -> bool:
+        """Whether every rank's peer still serves the version it downloaded (it has sent no sync since)."""
+        import torch.distributed as dist
+
+        try:
+            same = background.version_of(address, DISCOVERY_TIMEOUT.total_seconds()) == version
+        except Exception:  # noqa: BLE001 - the peer gone: download again
+            same = False
+        flag = torch.tensor([int(same)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    def quorum_ready(self) -> bool:
+        return torchft_adapter.quorum_ready(self.manager)
 
     def _healed(self, state: dict[str, Any]) -> None:
         self.heals += 1
@@ -104,12 +231,13 @@ class ReplicaGroups:
                     self.options.replica_group, self.manager.current_step())
         self.hook.on_load_member_state(state=state, covers=set())
 
-    def start_step(self, shrink_only: bool = False) -> None:
+    def start_step(self, shrink_only: bool = False, timeout: timedelta | None = None) -> None:
         """The quorum of the coming step, computed while the forward runs (once per optimizer step: the inner
         steps of gradient accumulation find it started). ``shrink_only``: of the last quorum's groups only (a
-        group that asks meanwhile joins the next one, and heals there)."""
+        group that asks meanwhile joins the next one, and heals there). ``timeout``: instead of
+        ``quorum_timeout``."""
         if not self._started:
-            self.manager.start_quorum(shrink_only=shrink_only)
+            self.manager.start_quorum(shrink_only=shrink_only, timeout=timeout)
             self._started = True
             if self.per_step and self._first_commit and self.on_first_quorum is not None:
                 self.wait_quorum()
@@ -166,7 +294,15 @@ class ReplicaGroups:
         group loads its peer's state here first). Every rank of the group calls it once per quorum."""
         self._started = False
         self.wait_quorum()
+        if self.healed_from is not None and not self.healed_from & set(self.pg.quorums.members):
+            # A quorum of groups that all returned since (every live one it healed from away): their sync would
+            # commit apart from the live groups' next one, at the same step. Refused: retried, or dropped (every
+            # group of it then keeps the global copy it loaded).
+            self.manager.report_error(RuntimeError(
+                "a background-healed group's first quorum holds none of the live groups it healed from"))
         committed = self.manager.should_commit()
+        if committed:
+            self.healed_from = None
         if committed and self._first_commit:
             self._first_commit = False
             self.hook.on_member_unify(covers=set())
@@ -180,10 +316,14 @@ class ReplicaGroups:
     def metrics(self) -> dict[str, float]:
         return {"ft/replicas": float(self.manager.num_participants()), "ft/steps_lost": float(self.steps_lost),
                 "ft/uncommitted": float(self.uncommitted), "ft/heals": float(self.heals),
-                "ft/healed_MB": self.healed_bytes / 2**20,
+                "ft/healed_MB": self.healed_bytes / 2**20, "ft/background_heals": float(self.background_heals),
+                "ft/heal_s": self.heal_s, "ft/served_in_quorum": float(self.served_in_quorum),
+                "ft/served_in_background": float(self.server.served if self.server is not None else 0),
                 "ft/step": float(self.manager.current_step())}
 
     def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
         self.manager.shutdown(wait=False)
 
 

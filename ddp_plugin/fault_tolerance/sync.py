@@ -71,6 +71,12 @@ class ReplicaGroupSync(OuterSync):
         was its peers' next sync (they are past the warm-up steps it thought it was in)."""
         if self.warmup:
             replicas.on_first_quorum = self._first_quorum
+        self._carried: dict[int, int] = {}
+        """After a background heal: the inner steps each fragment's replica carries until its first sync."""
+        self._weight = 0
+        self._synced_step = 0
+        """The inner step of the last sync sent (where a group joining between syncs starts)."""
+        self._sends = 0
 
     @property
     def synchronous(self) -> bool:
@@ -80,8 +86,12 @@ class ReplicaGroupSync(OuterSync):
 
     def send(self, fragment: int) -> None:
         # (`fragment`, the schedule's, is this group's own view: the quorum's is the one sent)
+        self._replicas.version.writing()  # (what the heal server serves changes until the sync is applied)
         self._replicas.start_step()
         flight = InFlight(self.quorum_fragment(), self.step, [], None)
+        # (a background-healed group's first sync of a fragment carries fewer steps than the schedule's)
+        self._weight = self._carried.pop(flight.fragment, self.schedule.every)
+        self._sends += 1
         if self.schedule.staleness and self._replicas.unified and not self._replicas.heals_in_quorum():
             # Behind the next `max_staleness` inner steps, as without replica groups (applied as `now + x - s`).
             pieces = self.pieces_of(flight.fragment)
@@ -127,6 +137,7 @@ class ReplicaGroupSync(OuterSync):
                 break
         else:
             self._dropped(flight)
+        self._replicas.outer_done = True
         return [Update(p.bucket, p.lo, p.hi, p.outer.detach()) for p in pieces], drift
 
     def _sync_stale(self, flight: InFlight, pieces: list[Piece]) -> tuple[list[Update], float]:
@@ -143,6 +154,7 @@ class ReplicaGroupSync(OuterSync):
                 break
         else:
             self._dropped(flight)
+        self._replicas.outer_done = True
         return self.updates(pieces, flight.snapshots, pseudo), drift
 
     def _attempt(self, pieces: list[Piece], pseudo: list[Tensor]) -> tuple[bool, float]:
@@ -151,6 +163,7 @@ class ReplicaGroupSync(OuterSync):
         local = self.squared_norm(pseudo)
         if self.topology.ranks_per_node > 1:
             self.comm.all_reduce(local, group=self.intra)
+        self._weigh(pseudo)
         self._across([(g, piece.pseudo, piece.lo) for piece, g in zip(pieces, pseudo)])
         first = not self._replicas.unified
         committed = self._replicas.commit("outer sync")
@@ -159,6 +172,16 @@ class ReplicaGroupSync(OuterSync):
             if first:
                 self._unify_replicated()
         return committed, float(local.sqrt())
+
+    def _weigh(self, pseudo: list[Tensor]) -> None:
+        """A group that healed in the background, at its first sync of each fragment: its pseudo-gradients scaled by
+        the inner steps they carry over the schedule's (``sync_every``, what its peers' carry), so that it counts
+        for what it did (it joined its peers' sync before its own schedule's). Nothing crosses groups for it: every
+        other sync, and every other group, is unscaled."""
+        if self._weight >= self.schedule.every or self._weight <= 0:
+            return
+        for g in pseudo:
+            g.mul_(self._weight / self.schedule.every)
 
     def _across(self, parts: list[tuple[Tensor, Bucket, int]]) -> None:
         """The pseudo-gradients averaged over the live groups, in place. On a group of M nodes, which hold the same
@@ -233,6 +256,7 @@ class ReplicaGroupSync(OuterSync):
 
     def _dropped(self, flight: InFlight) -> None:
         self._replicas.steps_lost += self.schedule.every
+        self._replicas.healed_from = None  # (no live group it healed from came: it goes on with those there are)
         log.warning("ddp_plugin: replica group %d: the outer sync of fragment %d after step %d failed %d times; every"
                     " group takes its global copy back (the inner steps since its last sync are lost)",
                     self._replicas.options.replica_group, flight.fragment, self.step, RETRIES + 1)
@@ -240,7 +264,28 @@ class ReplicaGroupSync(OuterSync):
     @hookimpl(tryfirst=True)
     def on_after_optimizer_step(self, optimizer: Optimizer) -> None:
         self._take_healed_step()  # (healed in a warm-up step's commit: the peer's position before that step)
+        for f in self._carried:
+            self._carried[f] += 1
+        sends = self._sends
         super().on_after_optimizer_step(optimizer)
+        scheduled = self.step > self.warmup and bool(self.schedule.sent_after(self.step - self.warmup))
+        if self._replicas.catching_up and (scheduled or self._replicas.quorum_ready()):
+            # Healed in the background: the quorum of the peers' next sync is in (they asked), so the sync goes now,
+            # with the steps done since, and the fit takes the peers' position after it.
+            self._replicas.catching_up = False
+            if not scheduled:
+                now = self.step
+                self.send(0)
+                self.apply_due()
+                if self._healed_step is None:  # (not healed inside that quorum after all)
+                    skip = self._next_sync_step(now) - now
+                    self.step += skip
+                    for flight in self.in_flight:  # (a sync behind the next inner steps: applied as the peers')
+                        flight.apply_after += skip
+                    self._replicas.on_skip(skip)
+        if self._sends != sends:  # (what the heal server serves is whole again once the sync is done: the member)
+            self._synced_step = self.step
+            self._replicas.snapshot_due = True
         if self._join:
             self._join = False
             self.send(0)
@@ -250,6 +295,11 @@ class ReplicaGroupSync(OuterSync):
         self._take_healed_step()
         if self.warmup:  # (a quorum per step until the warm-up is over, the healed position included)
             self._replicas.per_step = self.step < self.warmup
+
+    def _next_sync_step(self, step: int) -> int:
+        """The first optimizer step after ``step`` whose schedule sends a sync."""
+        return next(t for t in range(step + 1, step + self.schedule.every + 1)
+                    if self.schedule.sent_after(t - self.warmup))
 
     def _take_healed_step(self) -> None:
         if self._healed_step is not None:
@@ -274,3 +324,29 @@ class ReplicaGroupSync(OuterSync):
         self.outer.load_state_dict(state["optimizer"])
         self.syncs = self.syncs_logged = state["syncs"]
         self._healed_step = state["step"]
+
+    @hookimpl
+    def on_member_sync_state(self, covers: set[int]) -> dict[str, Any]:
+        """On a live peer's heal server thread, between syncs: references to the global copy and the outer
+        optimizer's state (changed only inside a sync), and the last sync's inner step; ``covers``: every synced
+        parameter (a joining group's replica takes the global copy)."""
+        covers.update(id(p) for bucket in self.buckets for p in bucket.params)
+        return {"sync": {"step": self._synced_step, "syncs": self.syncs,
+                         "outer": [p.outer.detach() for p in self.pieces], "optimizer": self.outer.state_dict()}}
+
+    @hookimpl
+    def on_load_member_sync_state(self, state: Mapping[str, Any], covers: set[int]) -> None:
+        """On a group joining between syncs, before its first step: the global copy and outer state, the replica
+        made the global copy (spread inside the group), the schedule at the last sync's step."""
+        covers.update(id(p) for bucket in self.buckets for p in bucket.params)
+        state = state["sync"]
+        with torch.no_grad():
+            for piece, value in zip(self.pieces, state["outer"], strict=True):
+                piece.outer.copy_(value)
+                self.access.write(piece.bucket, piece.own_lo, piece.own_hi, piece.outer.detach())
+        self.outer.load_state_dict(state["optimizer"])
+        self.syncs = self.syncs_logged = state["syncs"]
+        self.step = self._synced_step = state["step"]
+        self._carried = {f: 0 for f in range(self.schedule.fragments)}
+        self.access.publish([r for ranges in self.fragment_ranges.values() for r in ranges])
+        self._replicas.per_step = self.step < self.warmup

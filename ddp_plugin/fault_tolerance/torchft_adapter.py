@@ -10,7 +10,14 @@ why:
 - The process group's ``configure`` is given a store prefix with the quorum's step (:func:`unique_rendezvous`), for
   the same reason: its rendezvous keys are the quorum id's.
 - ``HTTPTransport._server`` (the checkpoint transport's HTTP server) gives the port advertised at a host the other
-  groups reach (:func:`http_transport`): torchft 0.2 advertises the machine's host name.
+  groups reach (:func:`http_transport`): torchft 0.2 advertises the machine's host name. The transport's metadata
+  (what torchft's manager server hands a peer for a rank) also carries the rank's heal server
+  (:mod:`~ddp_plugin.fault_tolerance.background`), after :data:`HEAL_SEPARATOR`.
+- ``ManagerClient._checkpoint_metadata`` (a peer group's manager server, asked for a rank's transport metadata)
+  finds a live peer's heal server (:func:`heal_address`), and the lighthouse's status page (its HTML, the only
+  place torchft 0.2 shows the last quorum's members to a group outside it) which groups are live
+  (:func:`previous_quorum`).
+- ``Manager._quorum_future`` says whether a quorum asked for is in (:func:`quorum_ready`).
 
 Everything else (``Manager`` and its quorum, commit, all-reduce and error calls, ``ProcessGroupGloo``/``NCCL``,
 ``HTTPTransport``) is torchft's public API.
@@ -26,16 +33,21 @@ import torch
 CHECKED_VERSIONS = ("0.2.0",)
 """The torchft releases this module was checked against."""
 
+HEAL_SEPARATOR = "|heal="
+"""Between torchft's checkpoint address and the heal server's in a rank's transport metadata."""
 
-def manager(device: torch.device, *, hostname: str, timeout: timedelta, **options: Any) -> tuple[Any, Any]:
+
+def manager(device: torch.device, *, hostname: str, timeout: timedelta, heal: str | None = None,
+            **options: Any) -> tuple[Any, Any]:
     """A torchft ``Manager`` (``options``: its keyword arguments) and its process group (NCCL on a CUDA ``device``,
     else gloo), with the rendezvous keyed by quorum step as well as id, the checkpoint transport advertised at
-    ``hostname`` and the quorum recorder in place."""
+    ``hostname`` (with ``heal``, this rank's heal server's address, in its metadata) and the quorum recorder in
+    place."""
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
     pg = unique_rendezvous(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
     made = Manager(pg=pg, hostname=hostname, timeout=timeout,
-                   checkpoint_transport=http_transport(hostname, timeout), **options)
+                   checkpoint_transport=http_transport(hostname, timeout, heal), **options)
     pg.quorums = made._client = QuorumRecorder(made._client, made)
     return made, pg
 
@@ -60,6 +72,11 @@ class QuorumRecorder:
         self._members = members
         return quorum
 
+    @property
+    def members(self) -> list[str]:
+        """The replica ids of the last quorum returned."""
+        return list(self._members[1]) if self._members is not None else []
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
@@ -79,15 +96,52 @@ def unique_rendezvous(base: type) -> type:
     return UniqueRendezvous
 
 
-def http_transport(host: str, timeout: timedelta) -> Any:
+def http_transport(host: str, timeout: timedelta, heal: str | None = None) -> Any:
     """torchft's HTTP checkpoint transport (what its Manager makes by default), advertised at ``host``: torchft 0.2
-    advertises the machine's host name, which another node may not reach (a network namespace's, say)."""
+    advertises the machine's host name, which another node may not reach (a network namespace's, say). With
+    ``heal``, its metadata names this rank's heal server too."""
     from torchft.checkpointing import HTTPTransport
 
     class Transport(HTTPTransport):
         def address(self) -> str:
             return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
+        def metadata(self) -> str:
+            return self.address() + (f"{HEAL_SEPARATOR}{heal}" if heal else "")
+
+        def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+            return super().recv_checkpoint(src_rank, metadata.split(HEAL_SEPARATOR)[0], step, timeout)
+
     return Transport(timeout=timeout, num_chunks=0)
+
+
+def previous_quorum(lighthouse: str, timeout: float) -> list[tuple[str, str, int]]:
+    """The members of the lighthouse's last quorum, ``(replica id, manager address, step)`` each, read from its
+    status page (empty before the first quorum)."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"{lighthouse.rstrip('/')}/status", timeout=timeout) as response:  # noqa: S310
+        page = response.read().decode()
+    if "Previous Quorum" not in page:
+        return []
+    page = page.split("Previous Quorum", 1)[1].split("Heartbeats", 1)[0]
+    return [(replica, address, int(step)) for replica, step, address in re.findall(
+        r"<b>([^<]+)</b>\s*<br/>\s*Step:\s*(\d+)\s*<br/>\s*Manager:\s*(\S+)\s*<br/>", page)]
+
+
+def heal_address(manager_address: str, rank: int, timeout: timedelta) -> str | None:
+    """The heal server of group rank ``rank`` of the group whose manager server is at ``manager_address`` (what
+    that rank's transport metadata names), or ``None`` if it names none."""
+    from torchft._torchft import ManagerClient
+
+    metadata = ManagerClient(manager_address, connect_timeout=timeout)._checkpoint_metadata(rank, timeout=timeout)
+    return metadata.split(HEAL_SEPARATOR, 1)[1] if HEAL_SEPARATOR in metadata else None
+
+
+def quorum_ready(made: Any) -> bool:
+    """Whether the quorum ``made`` (a torchft Manager) asked for is in (``wait_quorum`` would not wait)."""
+    future = made._quorum_future
+    return future is not None and future.done()
 
 

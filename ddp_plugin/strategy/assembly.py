@@ -100,7 +100,8 @@ def start_session(config: StrategyConfig, model: Module, groups: ProcessGroups, 
     if config.fault_tolerance is not None:
         members, builtins = fault_tolerance.fit_plugins(
             config.fault_tolerance, module, optimizers, groups.topology, device, groups.layout.ranks_per_node,
-            config.timeout, per_step=config.sync_every == 1 or config.sync_warmup_steps > 0, ties=ties)
+            config.timeout, per_step=config.sync_every == 1 or config.sync_warmup_steps > 0, ties=ties,
+            sync_mode=config.sync_every > 1)
         plugins += members
     session = FitSession(config, model, groups.topology, groups.bookkeeping, device, hierarchical, measure_memory,
                          node_flags_group=groups.node_bookkeeping, layout=groups.layout,

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.fault_tolerance import background
 from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
 from ddp_plugin.hookspecs import is_tensor_parallel_shard, local_tensor
 from ddp_plugin.testing.data import sine_dataset
@@ -123,7 +124,7 @@ def main() -> None:
     parser.add_argument("--kill-in", choices=["end", "backward", "sync", "heal"], default="backward",
                         help="where in the step every rank of the group kills itself (sync: in the first outer sync"
                         " from --kill-at on, before its all-reduce across groups; heal: once it has received a live peer's"
-                        " state, before loading it)")
+                        " state, before loading it, in a quorum or in the background)")
     parser.add_argument("--sync-every", type=int, default=1, help="DiLoCo's H (1: the synchronous route)")
     parser.add_argument("--sync-fragments", type=int, default=1, help="streaming DiLoCo's fragments")
     parser.add_argument("--max-staleness", type=int, default=0)
@@ -140,6 +141,8 @@ def main() -> None:
     parser.add_argument("--quorum-timeout", type=float, default=120.0)
     parser.add_argument("--timeout", type=float, default=120.0, help="the strategy's `timeout` (torchft's collectives"
                         " and process group set-ups too)")
+    parser.add_argument("--no-background-heal", action="store_true", help="`background_heal=False`: a returning"
+                        " group heals inside its first quorum, the live groups waiting")
     parser.add_argument("--tag", default="")
     parser.add_argument("--hold", action="append", default=[], help="STEP:FILE[,FILE]: at the first step from"
                         " STEP on, wait until every FILE exists")
@@ -149,7 +152,15 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.kill_in == "heal":
-        ReplicaGroups._healed = kill_instead  # (the state received from a live peer, before it is loaded)
+        # (the state received from a live peer, before it is loaded: inside the quorum, or in the background)
+        ReplicaGroups._healed = kill_instead
+        fetch = background.fetch
+
+        def fetch_then_die(*args, **kwargs):
+            fetch(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        background.fetch = fetch_then_die
     torch.manual_seed(args.group)  # different initial parameters per group: the first quorum makes them equal
     if args.tp > 1 or args.pp > 1:
         model, data = GPTModule(), DataLoader(token_dataset(4096), batch_size=BATCH)
@@ -159,7 +170,8 @@ def main() -> None:
     record = Record(args)
     strategy = HierarchicalZeroStrategy(fault_tolerance={
         "replica_group": args.group, "replica_groups": args.groups, "lighthouse": args.lighthouse,
-        "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout}, timeout=args.timeout,
+        "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout,
+        "background_heal": not args.no_background_heal}, timeout=args.timeout,
         sync_every=args.sync_every, sync_fragments=args.sync_fragments, max_staleness=args.max_staleness,
         sync_warmup_steps=args.sync_warmup_steps, compression=args.compression, compression_options=args.compression_options, zero_stage=args.zero_stage,
         shard_scope="node", devices_per_node=args.devices_per_node, tensor_parallel_size=args.tp,
