@@ -74,7 +74,8 @@ def main() -> None:
     ckpt_dir = os.path.join(spec["out"], "ckpt")
     if spec.get("lighthouse"):
         options["fault_tolerance"] = {"replica_group": spec["node"], "replica_groups": spec["nodes"],
-                                      "lighthouse": spec["lighthouse"], "quorum_timeout": 60.0}
+                                      "lighthouse": spec["lighthouse"], "quorum_timeout": 60.0,
+                                      "background_heal": spec.get("background_heal", True)}
         num_nodes = 1
     else:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=spec["ckpt_every"], save_last=True,

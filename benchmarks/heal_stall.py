@@ -1,0 +1,174 @@
+"""What a returning replica group's healing costs the live ones, on the simulated cluster: DiLoCo across groups of
+one node, the last node killed and started again, healing in the background (``background_heal=True``, the
+default) against inside its first quorum (``background_heal=False``, the live groups waiting), at model sizes
+whose heal moves tens of MB a rank.
+
+    sudo python benchmarks/heal_stall.py                       # 3 nodes at 100 Mbit/s; writes benchmarks/results/heal_stall.md
+    python benchmarks/heal_stall.py --widths 1600,2400 --rate 100mbit --repeats 2
+
+Per width (the MLP of ``benchmarks/ft_worker.py``, two hidden layers of that width: about 2 width^2 parameters) and
+way, one run of ``--steps`` steps (``sync_every=--sync-every``), the last node killed at ``--kill-at`` and started
+again ``--down`` seconds later, reports:
+
+- the bytes its healing received (a rank: 8 bytes a parameter in the background, 20 inside the quorum);
+- **a sync's step**: the live node's longest interval before the kill (a sync's, whose pseudo-gradients cross the
+  link: what a stall is to be compared with, besides the median step);
+- **stall**: the most any of the live node's steps took, from the relaunch until ``--after`` steps past the returning
+  node's first step in the quorum, beyond what that step usually takes (a sync's step: the median of the syncs
+  outside that window; any other: the median step before the kill), in seconds and in median steps;
+- **rejoin**: from the relaunch to the returning node's first step counted in the quorum;
+- the heal's own time on the returning node (``ft/heal_s``, background only).
+
+Needs root (network namespaces); a benchmark, not a test: it asserts nothing. Run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from fault_tolerance import LIGHTHOUSE_PORT, WORKER, kill_node, records, wait_all, wait_for_step, worker_env  # noqa: E402
+
+
+def run(cluster, args, width: int, background: bool, out: Path) -> dict:
+    n = cluster.nodes
+    lighthouse = cluster.popen(0, [str(Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"), "--min_replicas",
+                                   "1", "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "1000", "--bind",
+                                   f"[::]:{LIGHTHOUSE_PORT}"], stdout=open(out / "lighthouse.txt", "w"),
+                               stderr=subprocess.STDOUT)
+    time.sleep(1.0)
+    address = f"http://{cluster.addresses[0]}:{LIGHTHOUSE_PORT}"
+
+    def launch(node: int, tag: str = "") -> subprocess.Popen:
+        spec = {"sync_every": args.sync_every, "out": str(out), "node": node, "nodes": n, "steps": args.steps,
+                "lighthouse": address, "tag": tag, "sleep": args.step_sleep, "seed": 0, "gate": str(out / "gate"),
+                "width": width, "background_heal": background}
+        return cluster.popen(node, [sys.executable, str(WORKER), json.dumps(spec)],
+                             env=worker_env(cluster, node, (29700 if tag else 29600) + node),
+                             stdout=open(out / f"log{node}{tag}.txt", "w"), stderr=subprocess.STDOUT)
+
+    try:
+        procs = [launch(i) for i in range(n)]
+        deadline = time.time() + 300
+        while not all((out / f"gate.{i}.0").exists() for i in range(n)):
+            if time.time() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"a node did not start; see the logs in {out}")
+            time.sleep(0.05)
+        (out / "gate").touch()
+        last = n - 1
+        wait_for_step(out, last, args.kill_at, procs)
+        killed = kill_node(cluster, last, procs[last])
+        time.sleep(args.down)
+        relaunched = time.time()
+        procs[last] = launch(last, "-back")
+        codes = wait_all(procs)
+        live = records(out, 0)
+        gaps = [(b["time"] - a["time"], a["time"], b["global_step"]) for a, b in zip(live, live[1:])]
+        step = statistics.median(g for g, t, _ in gaps if t < killed)
+        back = records(out, last, "-back")
+        joined = next((r for r in back if r.get("ft/replicas", 0) == n), None)
+        until = (joined["time"] if joined else live[-1]["time"]) + args.after * step
+        # A sync's step takes its pseudo-gradients across the link: what each step normally takes, a sync's (the
+        # median of the syncs outside the heal's window, the run's first left out: every group but one heals in
+        # it) or the median step, is subtracted from each step of the window.
+        syncs = [g for g, t, s in gaps if s % args.sync_every == 0 and s > args.sync_every and not relaunched <= t <= until]
+        sync_step = statistics.median(syncs) if syncs else float("nan")
+        window = [(g, s) for g, t, s in gaps if relaunched <= t <= until]
+        extra = max((g - (sync_step if s % args.sync_every == 0 else step) for g, s in window), default=float("nan"))
+        if syncs == [] or joined is None:
+            extra = float("nan")  # (no sync outside the window to compare a sync's step with)
+        stall = max((g for g, _ in window), default=float("nan"))
+        return {"codes": codes, "step_s": step, "sync_step_s": sync_step, "stall_s": stall, "extra_s": extra,
+                "extra_x": extra / step,
+                "rejoin_s": joined["time"] - relaunched if joined else float("nan"),
+                "healed_MB": back[-1]["ft/healed_MB"] if back else float("nan"),
+                "heal_s": back[-1].get("ft/heal_s", float("nan")) if back else float("nan"),
+                "background": back[-1].get("ft/background_heals", 0) if back else 0,
+                "params_M": (2 * width * width + 12 * width + 1) / 1e6}
+    finally:
+        os.killpg(lighthouse.pid, signal.SIGKILL)
+        lighthouse.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--rate", default="100mbit")
+    parser.add_argument("--widths", default="1600,2400", help="the MLP's hidden width per size (comma-separated)")
+    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--sync-every", type=int, default=40)
+    parser.add_argument("--kill-at", type=int, default=45)
+    parser.add_argument("--down", type=float, default=10.0, help="seconds the killed node stays down (past the"
+                        " sync the kill fails, so that its stall is not counted as the heal's)")
+    parser.add_argument("--after", type=int, default=25, help="steps of the live node past the returning node's"
+                        " join that the stall is looked for in")
+    parser.add_argument("--step-sleep", type=float, default=0.2, help="a step's simulated compute, seconds")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--ways", default="background,quorum", help="which ways to heal (comma-separated)")
+    parser.add_argument("--keep", action="store_true", help="keep each run's directory (logs, records)")
+    parser.add_argument("--out", default=str(HERE / "results" / "heal_stall.md"))
+    args = parser.parse_args()
+
+    from ddp_plugin.testing.simcluster import SimulatedCluster, available
+
+    ok, why = available()
+    if not ok:
+        sys.exit(f"needs the simulated cluster: {why}")
+    rows = []
+    with SimulatedCluster(nodes=args.nodes, rate=args.rate, prefix="healbench") as cluster:
+        for width in [int(w) for w in args.widths.split(",")]:
+            for repeat in range(args.repeats):
+                for background in [way == "background" for way in args.ways.split(",")]:
+                    out = Path(tempfile.mkdtemp(prefix="heal-"))
+                    try:
+                        result = run(cluster, args, width, background, out)
+                    finally:
+                        if args.keep:
+                            print("kept", out, flush=True)
+                        else:
+                            shutil.rmtree(out, ignore_errors=True)
+                    name = f"width {width}, {'background' if background else 'in the quorum'}"
+                    print(name, json.dumps(result), flush=True)
+                    rows.append((name, repeat, result))
+    lines = [
+        "# A returning group's healing: what it costs the live groups",
+        "",
+        f"`python benchmarks/heal_stall.py --nodes {args.nodes} --rate {args.rate} --widths {args.widths} --steps"
+        f" {args.steps} --sync-every {args.sync_every} --kill-at {args.kill_at} --repeats {args.repeats}` on"
+        f" {platform.node()} ({os.cpu_count()} cores; nothing else running), {time.strftime('%Y-%m-%d')}. DiLoCo"
+        f" (H={args.sync_every}) across {args.nodes} groups of one node, every link at {args.rate}; node"
+        f" {args.nodes - 1} killed at step {args.kill_at}, started again {args.down:g} s later. Window: the live"
+        f" node's steps from the relaunch to {args.after} steps past the returning node's join. Stall: the most any"
+        " step of the window took beyond what it usually takes (a sync's step: the median of the syncs outside the"
+        " window, the run's first left out; any other: the median step before the kill).",
+        "",
+        "| run | repeat | parameters (M) | healed (MB a rank) | heal (s) | median step (s) | a sync's step (s) |"
+        " longest step in the window (s) | stall: beyond its usual (s) | stall (x median step) | rejoin (s) |"
+        " exit codes |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for name, repeat, r in rows:
+        lines.append(f"| {name} | {repeat} | {r['params_M']:.1f} | {r['healed_MB']:.1f} | {r['heal_s']:.1f} |"
+                     f" {r['step_s']:.2f} | {r['sync_step_s']:.2f} | {r['stall_s']:.2f} | {r['extra_s']:.2f} |"
+                     f" {r['extra_x']:.1f} | {r['rejoin_s']:.1f} |"
+                     f" {r['codes']} |")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
