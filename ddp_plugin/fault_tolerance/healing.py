@@ -50,14 +50,19 @@ def load_fit_state(module: pl.LightningModule, optimizers: list[Optimizer], stat
     load_module_state(module, state["module"], skip)
     for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
         load_optimizer_state(getattr(optimizer, "_optimizer", optimizer), saved)
-    trainer = module.trainer
+    load_position(module.trainer, state, in_step=True)
+
+
+def load_position(trainer: pl.Trainer, state: dict[str, Any], in_step: bool) -> None:
+    """Where a peer's fit was: its learning-rate schedulers, loss scaler and loop counters (``in_step``: loaded
+    inside an optimizer step, which Lightning counted ready, not completed)."""
     for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
         config.scheduler.load_state_dict(saved)
     if state["precision"]:
         trainer.precision_plugin.load_state_dict(state["precision"])
     loop = trainer.fit_loop.epoch_loop
     total = loop.automatic_optimization.optim_progress.optimizer.step.total
-    total.completed, total.ready = state["optimizer_steps"], state["optimizer_steps"] + 1
+    total.completed, total.ready = state["optimizer_steps"], state["optimizer_steps"] + int(in_step)
     loop._batches_that_stepped = state["batches_that_stepped"]
 
 
@@ -202,15 +207,7 @@ def load_synced_fit_state(module: pl.LightningModule, optimizers: list[Optimizer
         optimizer.state.clear()
         for group, hyper in zip(optimizer.param_groups, groups, strict=True):
             group.update(hyper)
-    trainer = module.trainer
-    for config, saved in zip(trainer.lr_scheduler_configs, fit["schedulers"]):
-        config.scheduler.load_state_dict(saved)
-    if fit["precision"]:
-        trainer.precision_plugin.load_state_dict(fit["precision"])
-    loop = trainer.fit_loop.epoch_loop
-    total = loop.automatic_optimization.optim_progress.optimizer.step.total
-    total.completed = total.ready = fit["optimizer_steps"]
-    loop._batches_that_stepped = fit["batches_that_stepped"]
+    load_position(module.trainer, fit, in_step=False)
 
 
 def advance_fit(module: pl.LightningModule, steps: int) -> None:
