@@ -67,7 +67,8 @@ def wait(proc, out, timeout: float) -> int:
                                         (2, 2, 1, "backward", None, 0, {"pp": 2}),
                                         (2, 2, 5, "sync", "int8", 2, {"nodes": 2}),
                                         (2, 1, 5, "sync", "int8", 0, {"warmup": 5}),
-                                        (2, 2, 5, "sync", None, 0, {"pp": 2})],
+                                        (2, 2, 5, "sync", None, 0, {"pp": 2}),
+                                        (2, 2, 6, "sync", "int8", 0, {"dynamic": True})],
                 ids=["3 groups of 1", "2 groups of 2, int8", "3 groups of 1, ZeRO 1, PowerSGD",
                      "DiLoCo, 3 groups of 1, int8, killed in a sync", "2 groups of 2, ZeRO 3, int8",
                      "DiLoCo, 2 groups of 2, ZeRO 2, killed in a sync", "2 groups of 2 nodes x 1, ZeRO 2, int8",
@@ -76,7 +77,8 @@ def wait(proc, out, timeout: float) -> int:
                      "2 groups of 2, tensor parallel, int8", "DiLoCo, 2 groups of 2, tensor parallel, killed in a sync",
                      "2 groups of 2, pipeline stages", "DiLoCo, 2 groups of 2 nodes x 1, ZeRO 2, int8, killed in a sync",
                      "DiLoCo after 5 warm-up steps, 2 groups of 1, int8, killed in a sync",
-                     "DiLoCo, 2 groups of 2 pipeline stages, killed in a sync"])
+                     "DiLoCo, 2 groups of 2 pipeline stages, killed in a sync",
+                     "DiLoCo with dynamic steps, 2 groups of 2, int8, killed in a sync"])
 def run(request, tmp_path_factory):
     from torchft._torchft import LighthouseServer
 
@@ -97,7 +99,8 @@ def run(request, tmp_path_factory):
             ["--devices-per-node", str(devices // nodes)] if nodes > 1 else []) + (  # (a group of several nodes)
             ["--sync-fragments", str(fragments), "--max-staleness", str(staleness)] if fragments > 1 else []) + (
             ["--tp", str(tp)] if tp > 1 else []) + (["--pp", str(pp)] if pp > 1 else []) + (
-            ["--sync-warmup-steps", str(warmup)] if warmup else [])
+            ["--sync-warmup-steps", str(warmup)] if warmup else []) + (
+            ["--dynamic-steps"] if more.get("dynamic") else [])
         procs = [launch(out, g, groups, address, devices, sync_every, "--gate", str(gate), *coded,
                         *(["--kill-at", str(KILL_AT), "--kill-in", kill_in] if g == last else
                           ["--hold", f"{HOLD_AT}:{back_ready}.0"]))
@@ -408,6 +411,42 @@ def test_the_other_codecs_across_groups_leave_every_group_with_the_same_paramete
         assert steps and all(s["ft/replicas"] == 2 and s["comm/compression_ratio"] > 1.5 for s in steps), steps
 
 
+@pytest.mark.parametrize(("devices", "extra"), [(2, []), (1, ["--sync-fragments", "2", "--max-staleness", "1",
+                                                               "--compression", "int8"])],
+                         ids=["DiLoCo, 2 ranks a group", "streaming, staleness 1, int8"])
+def test_with_dynamic_steps_a_slow_group_runs_the_steps_that_fit_and_the_groups_stay_one(devices, extra, tmp_path):
+    """``dynamic_steps``: 2 groups, the second 4x slower a step. Each sync is due when the fast group asks for it: the
+    slow group sends its own at the end of the step it is in (its ranks agreeing at the same step), weighted by the
+    steps it carries, and its schedule and the fit's counters skip to the fast group's step. The fast group runs
+    every step on its schedule; the slow one fewer, its skipped steps making up the rest exactly; both end at the
+    last step with the same parameters and global copy bit for bit."""
+    from torchft._torchft import LighthouseServer
+
+    steps, every = 24, 6
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=60000, heartbeat_timeout_ms=1000)
+    try:
+        procs = [launch(tmp_path, g, 2, lighthouse.address(), devices, every, "--steps", str(steps), "--dynamic-steps",
+                        "--step-sleep", str(0.05 if g == 0 else 0.3), *extra) for g in range(2)]
+        for proc in procs:
+            assert wait(proc, tmp_path, 600) == 0
+    finally:
+        lighthouse.shutdown()
+    fast, slow = (torch.load(tmp_path / f"{g}.pt") for g in range(2))
+    for run in (fast, slow):
+        assert run["steps"][-1]["global_step"] == steps
+        # (each record is a step the group ran: the skipped ones make up the rest, exactly)
+        assert len(run["steps"]) + run["steps"][-1]["ft/steps_skipped"] == steps
+    assert slow["steps"][-1]["ft/early_syncs"] >= 1 and len(slow["steps"]) < len(fast["steps"])
+    assert sum(s["sync/outer_syncs"] for s in fast["steps"]) == sum(s["sync/outer_syncs"] for s in slow["steps"])
+    if not extra:  # (streaming: the fragments not synced last hold each group's own inner steps)
+        for key, value in fast["params"].items():
+            assert torch.equal(slow["params"][key], value), key
+    for rank in range(devices):
+        mine, theirs = (torch.load(tmp_path / f"{g}.rank{rank}.sync.pt") for g in range(2))
+        for a, b in zip(mine["outer"], theirs["outer"], strict=True):
+            assert torch.equal(a, b), rank
+
+
 @pytest.mark.parametrize(("zero", "sync_every"), [(0, 1), (2, 1), (0, 4), (2, 4)],
                          ids=["ZeRO 0", "ZeRO 2", "DiLoCo, ZeRO 0", "DiLoCo, ZeRO 2"])
 def test_a_group_of_two_nodes_averages_as_a_group_of_one(zero, sync_every, tmp_path):
@@ -583,6 +622,64 @@ def test_a_returning_group_finds_the_live_groups_and_their_heal_servers_through_
         plain.shutdown(wait=False)
     # (heal_address, which asks a live group's manager server for that metadata, runs in every background heal of
     # the runs above: test_with_a_sync_mode_no_live_group_waited_for_the_returning_groups_download)
+
+
+def test_a_group_sees_when_a_member_of_the_last_quorum_asks_for_the_next_and_not_a_returning_group_asking_early():
+    """What ``dynamic_steps`` watches, on torchft's own lighthouse: no request; a group outside the last quorum
+    (returning, beating) asking early; then a member of the last quorum asking: only the last counts. The watch
+    sees only a request made after it was armed, and none once disarmed."""
+    import threading
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient, LighthouseServer
+
+    from ddp_plugin.fault_tolerance.pace import PeerWatch
+    from ddp_plugin.fault_tolerance.torchft_adapter import waiting_members
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000, heartbeat_timeout_ms=60000)
+    address = lighthouse.address()
+    clients = {g: LighthouseClient(address, connect_timeout=timedelta(seconds=10)) for g in ("a:1", "b:1", "c:2")}
+
+    def ask(group: str) -> threading.Thread:
+        thread = threading.Thread(target=clients[group].quorum, daemon=True, kwargs=dict(
+            replica_id=group, timeout=timedelta(seconds=60), address="http://x:1", store_address="x:2", step=1,
+            world_size=1, shrink_only=False))
+        thread.start()
+        return thread
+
+    def until(count: int) -> None:
+        deadline = time.time() + 30
+        while waiting_members(address, 10) != count:
+            assert time.time() < deadline, f"never {count} members waiting"
+            time.sleep(0.05)
+
+    watch = PeerWatch(address, poll_s=0.02)
+    try:
+        for group in ("a:1", "b:1"):
+            clients[group].heartbeat(group)
+        first = [ask("a:1"), ask("b:1")]  # (the last quorum: a and b)
+        for thread in first:
+            thread.join(30)
+        clients["c:2"].heartbeat("c:2")
+        watch.arm()
+        assert waiting_members(address, 10) == 0
+        ask("c:2")  # (a returning group, asking early: not a member of the last quorum)
+        time.sleep(0.5)
+        assert waiting_members(address, 10) == 0 and not watch.asked
+        ask("a:1")
+        until(1)
+        deadline = time.time() + 30
+        while not watch.asked:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        watch.disarm()
+        time.sleep(0.2)
+        assert not watch.asked
+        ask("b:1")  # (the quorum of a, b and c forms: nothing waits any more)
+        until(0)
+    finally:
+        watch.close()
+        lighthouse.shutdown()
 
 
 def test_the_background_heal_flags_are_checked_at_construction():

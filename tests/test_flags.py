@@ -196,7 +196,10 @@ FT = {"replica_group": 1, "replica_groups": 3, "lighthouse": "http://lighthouse:
     ({"fault_tolerance": {**FT, "replica_group": 3}}, r"replica_group'\]=3` must be an integer from 0 to 2"),
     ({"fault_tolerance": {**FT, "lighthouse": "lighthouse:29510"}}, r"'http://host:port'"),
     ({"fault_tolerance": {**FT, "min_replicas": 4}}, r"min_replicas'\]=4` must be an integer from 1 to 3"),
-    ({"fault_tolerance": {**FT, "replicas": 2}}, r"unknown key\(s\) 'replicas'; allowed keys: background_heal, heal_rate, lighthouse"),
+    ({"fault_tolerance": {**FT, "replicas": 2}}, r"unknown key\(s\) 'replicas'; allowed keys: background_heal, dynamic_steps, heal_rate,"),
+    ({"fault_tolerance": {**FT, "dynamic_steps": "yes"}}, r"dynamic_steps'\]='yes'` must be True or False"),
+    ({"fault_tolerance": {**FT, "dynamic_steps": True}}, r"`fault_tolerance\['dynamic_steps'\]=True` needs a sync mode"
+     r" \(`sync_every` > 1, got 1\)"),
     ({"fault_tolerance": "yes"}, r"`fault_tolerance='yes'` must be None, True, a FaultTolerance or a mapping"),
     ({"fault_tolerance": FT, "compression": "auto"}, r"not yet with `compression='auto'` \(the link probe"),
     ({"fault_tolerance": FT, "sync_every": 8, "sync_fragments": 4, "max_staleness": 2},

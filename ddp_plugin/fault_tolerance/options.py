@@ -35,6 +35,9 @@ class FaultTolerance:
     while they go on, and enters their next sync (``False``: it heals inside that sync, the live groups waiting)."""
     heal_rate: float | None = None
     """With ``background_heal``: MB a second a live rank serves a returning group at most (``None``: no limit)."""
+    dynamic_steps: bool = False
+    """With a sync mode: a sync is due when the first group asks for it; every other group sends its own at the end
+    of the step it is in, its pseudo-gradient weighted by the steps it carries (a slow group holds no other)."""
 
 
 def check_fault_tolerance(value: Any) -> FaultTolerance | None:
@@ -49,7 +52,7 @@ def check_fault_tolerance(value: Any) -> FaultTolerance | None:
     elif not isinstance(value, Mapping):
         raise invalid("fault_tolerance", value, "None, True, a FaultTolerance or a mapping with the keys"
                       " replica_group, replica_groups, lighthouse, min_replicas, quorum_timeout, background_heal,"
-                      " heal_rate")
+                      " heal_rate, dynamic_steps")
     known = {f.name for f in fields(FaultTolerance)}
     unknown = sorted(set(value) - known)
     if unknown:
@@ -86,7 +89,10 @@ def check_fault_tolerance(value: Any) -> FaultTolerance | None:
     rate = given.get("heal_rate")
     if rate is not None:
         rate = float(check_positive_number("fault_tolerance['heal_rate']", rate))
-    return FaultTolerance(group, groups, lighthouse, minimum, float(timeout), background, rate)
+    dynamic = given.get("dynamic_steps", False)
+    if not isinstance(dynamic, bool):
+        raise invalid("fault_tolerance['dynamic_steps']", dynamic, "True or False")
+    return FaultTolerance(group, groups, lighthouse, minimum, float(timeout), background, rate, dynamic)
 
 
 def check_composition(c: Mapping[str, Any]) -> None:
@@ -124,6 +130,12 @@ def check_composition(c: Mapping[str, Any]) -> None:
             f" streaming DiLoCo, with or without staleness or warm-up steps), at every ZeRO stage, with tensor"
             f" parallelism and pipeline stages inside a group, on groups of one node or several, with or without a"
             f" built-in codec, for now; not yet with {', '.join(names)}. Drop the flag, or those."
+        )
+    if ft.dynamic_steps and c["sync_every"] <= 1:
+        raise ValueError(
+            f"`fault_tolerance['dynamic_steps']=True` needs a sync mode (`sync_every` > 1, got {c['sync_every']}):"
+            f" on the synchronous route every step is a sync every group takes part in. Set `sync_every`, or drop"
+            f" `dynamic_steps`."
         )
 
 

@@ -83,6 +83,8 @@ class ReplicaGroupMember:
             self._started = True
             # A group whose peers are past a sync takes their state in the background (none of them waits).
             self.replicas.heal_in_background(group=None)
+            if self.replicas.watch is not None:
+                self.replicas.watch.arm()  # (dynamic steps: a peer asking for the first sync, or the next, is seen)
         if self.replicas.snapshot_due:
             # A sync was sent in the last step: the fit's position now (where it was sent from).
             self._pending = synced_fit_state(self.module, self.optimizers())

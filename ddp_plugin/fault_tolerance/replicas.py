@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ddp_plugin.fault_tolerance import background, torchft_adapter
+from ddp_plugin.fault_tolerance import background, pace, torchft_adapter
 from ddp_plugin.gradients.plugin_manager import merged_answers
 
 if TYPE_CHECKING:
@@ -88,7 +88,16 @@ class ReplicaGroups:
         """After a background heal, until its first committed sync: the live groups' replica ids it found."""
         self.served_in_quorum = 0
         """Healings this rank served inside a quorum (its group, and every group of that quorum, waiting for it)."""
+        self.early_syncs = 0
+        """Syncs this group sent before its schedule's step (a peer asked first: ``dynamic_steps``, or a
+        background-healed group joining its peers' next sync)."""
+        self.steps_skipped = 0
+        """Optimizer steps this group's schedule skipped to stand where its peers do after such a sync."""
+        self.watch = (pace.PeerWatch(options.lighthouse) if sync_mode and options.dynamic_steps and rank == 0
+                      else None)
+        """On the group's rank 0 with ``dynamic_steps``: whether a peer has asked for the next sync's quorum."""
         self._started = False
+        self._armed = False
         self.hook: HookRelay | None = None
         """The fit's plugin hooks (``on_member_state`` and the others of members that come and go)."""
         host = advertised_host(os.environ["MASTER_ADDR"])
@@ -203,7 +212,7 @@ class ReplicaGroups:
         log.warning("ddp_plugin: replica group %d healed in the background from a live peer (%.1f MB a rank in %.1f s);"
                     " it joins their next sync", self.options.replica_group, got / 2**20, self.heal_s)
         # The quorum of the peers' next sync, asked for now: it is in once they ask (their previous quorum's members
-        # all there), up to a sync interval of theirs away.
+        # all there: the lighthouse waits for no other group), up to a sync interval of theirs away.
         interval = float(state["ft"].get("interval_s", 0.0))
         self.start_step(timeout=timedelta(seconds=self.options.quorum_timeout + 2 * interval))
         self.catching_up = True
@@ -224,6 +233,11 @@ class ReplicaGroups:
     def quorum_ready(self) -> bool:
         return torchft_adapter.quorum_ready(self.manager)
 
+    def peers_asked(self) -> bool:
+        """With ``dynamic_steps``, on the group's rank 0: whether a group asked for a quorum since this group's last
+        one came in (``False`` on the other ranks: the sync mode agrees over the group on rank 0's answer)."""
+        return self.watch is not None and self.watch.asked
+
     def _healed(self, state: dict[str, Any]) -> None:
         self.heals += 1
         self.healed_bytes += state_bytes(state)
@@ -237,8 +251,10 @@ class ReplicaGroups:
         group that asks meanwhile joins the next one, and heals there). ``timeout``: instead of
         ``quorum_timeout``."""
         if not self._started:
+            if self.watch is not None:
+                self.watch.disarm()  # (this group asks: its own request is no peer's)
             self.manager.start_quorum(shrink_only=shrink_only, timeout=timeout)
-            self._started = True
+            self._started, self._armed = True, False
             if self.per_step and self._first_commit and self.on_first_quorum is not None:
                 self.wait_quorum()
                 self.on_first_quorum(self.manager.current_step())
@@ -248,6 +264,9 @@ class ReplicaGroups:
         vain) names the lighthouse."""
         try:
             self.manager.wait_quorum()
+            if self.watch is not None and not self._armed:
+                self._armed = True
+                self.watch.arm()  # (every request the lighthouse held is answered: the next one is a peer's next sync)
         except Exception as err:  # (torchft raises the lighthouse client's error as it is)
             raise RuntimeError(
                 f"replica group {self.options.replica_group}: no quorum within {self.options.quorum_timeout:g} s"
@@ -319,11 +338,14 @@ class ReplicaGroups:
                 "ft/healed_MB": self.healed_bytes / 2**20, "ft/background_heals": float(self.background_heals),
                 "ft/heal_s": self.heal_s, "ft/served_in_quorum": float(self.served_in_quorum),
                 "ft/served_in_background": float(self.server.served if self.server is not None else 0),
+                "ft/early_syncs": float(self.early_syncs), "ft/steps_skipped": float(self.steps_skipped),
                 "ft/step": float(self.manager.current_step())}
 
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        if self.watch is not None:
+            self.watch.close()
         self.manager.shutdown(wait=False)
 
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ddp_plugin.gradients.comm import broadcast_coalesced
@@ -73,10 +74,25 @@ class ReplicaGroupSync(OuterSync):
             replicas.on_first_quorum = self._first_quorum
         self._carried: dict[int, int] = {}
         """After a background heal: the inner steps each fragment's replica carries until its first sync."""
-        self._weight = 0
+        self._scale = 1.0
+        """What the pseudo-gradients of the sync being sent are multiplied by (:meth:`_weigh`)."""
+        self._early = False
+        self._done = 0
+        """Optimizer steps this group ran (:attr:`step`, the schedule's, counts the steps it skipped too)."""
+        self._sent_at: dict[int, tuple[int, int]] = {}
+        """Each fragment's last sync: the schedule's step it stood for and :attr:`_done` then."""
+        self._agreement: Any = None
         self._synced_step = 0
         """The inner step of the last sync sent (where a group joining between syncs starts)."""
         self._sends = 0
+
+    @hookimpl(trylast=True)
+    def on_setup(self, topology: Any, buckets: Any, hook: Any, options: Any, module: Any, comm: Any) -> None:
+        super().on_setup(topology=topology, buckets=buckets, hook=hook, options=options, module=module, comm=comm)
+        if dist.get_world_size() > 1 and (self.dynamic or self._replicas.server is not None):
+            # (the group's ranks agree once a step on whether the peers' sync is due: on a group of their own, gloo,
+            # so that the integer stays on the CPU)
+            self._agreement = comm.new_group(backend="gloo")
 
     @property
     def synchronous(self) -> bool:
@@ -89,8 +105,9 @@ class ReplicaGroupSync(OuterSync):
         self._replicas.version.writing()  # (what the heal server serves changes until the sync is applied)
         self._replicas.start_step()
         flight = InFlight(self.quorum_fragment(), self.step, [], None)
-        # (a background-healed group's first sync of a fragment carries fewer steps than the schedule's)
-        self._weight = self._carried.pop(flight.fragment, self.schedule.every)
+        # (a background-healed group's first sync of a fragment, or a sync sent before the schedule's step, carries
+        # fewer steps than the schedule's)
+        self._scale = self._weight_of(flight.fragment)
         self._sends += 1
         if self.schedule.staleness and self._replicas.unified and not self._replicas.heals_in_quorum():
             # Behind the next `max_staleness` inner steps, as without replica groups (applied as `now + x - s`).
@@ -173,15 +190,33 @@ class ReplicaGroupSync(OuterSync):
                 self._unify_replicated()
         return committed, float(local.sqrt())
 
+    def _serving_step(self) -> int:
+        """The step this group's sync stands for: the schedule's, or for one sent before it, the step the schedule
+        then skips to (the peers' own: a group healing in that sync takes it)."""
+        return self._next_sync_step(self.step) if self._early else self.step
+
+    def _weight_of(self, fragment: int) -> float:
+        """What a sync of ``fragment`` sent now weighs: 1 on the schedule's step. A group that healed in the
+        background, at its first sync of each fragment: the inner steps it carries over the schedule's
+        (``sync_every``, what its peers' carry). A sync sent before the schedule's step (``dynamic_steps``): the
+        optimizer steps run since the fragment's last sync over the schedule's steps between that sync and the
+        peers' (the step this group's schedule skips to). Nothing crosses groups for it."""
+        target = self._serving_step()
+        since_step, since_done = self._sent_at.get(fragment, (0, 0))
+        self._sent_at[fragment] = (target, self._done)
+        if fragment in self._carried:
+            return min(1.0, self._carried.pop(fragment) / self.schedule.every)
+        if not self._early or target <= since_step:
+            return 1.0
+        return min(1.0, (self._done - since_done) / (target - since_step))
+
     def _weigh(self, pseudo: list[Tensor]) -> None:
-        """A group that healed in the background, at its first sync of each fragment: its pseudo-gradients scaled by
-        the inner steps they carry over the schedule's (``sync_every``, what its peers' carry), so that it counts
-        for what it did (it joined its peers' sync before its own schedule's). Nothing crosses groups for it: every
-        other sync, and every other group, is unscaled."""
-        if self._weight >= self.schedule.every or self._weight <= 0:
+        """The pseudo-gradients of a sync that carries fewer inner steps than its peers' scaled by
+        :meth:`_weight_of`, so that the group counts for what it did; every other sync is unscaled."""
+        if self._scale >= 1.0 or self._scale <= 0.0:
             return
         for g in pseudo:
-            g.mul_(self._weight / self.schedule.every)
+            g.mul_(self._scale)
 
     def _across(self, parts: list[tuple[Tensor, Bucket, int]]) -> None:
         """The pseudo-gradients averaged over the live groups, in place. On a group of M nodes, which hold the same
@@ -266,23 +301,21 @@ class ReplicaGroupSync(OuterSync):
         self._take_healed_step()  # (healed in a warm-up step's commit: the peer's position before that step)
         for f in self._carried:
             self._carried[f] += 1
+        self._done += 1
         sends = self._sends
         super().on_after_optimizer_step(optimizer)
         scheduled = self.step > self.warmup and bool(self.schedule.sent_after(self.step - self.warmup))
-        if self._replicas.catching_up and (scheduled or self._replicas.quorum_ready()):
-            # Healed in the background: the quorum of the peers' next sync is in (they asked), so the sync goes now,
-            # with the steps done since, and the fit takes the peers' position after it.
+        catching_up = self._replicas.catching_up
+        if scheduled:
             self._replicas.catching_up = False
-            if not scheduled:
-                now = self.step
-                self.send(0)
-                self.apply_due()
-                if self._healed_step is None:  # (not healed inside that quorum after all)
-                    skip = self._next_sync_step(now) - now
-                    self.step += skip
-                    for flight in self.in_flight:  # (a sync behind the next inner steps: applied as the peers')
-                        flight.apply_after += skip
-                    self._replicas.on_skip(skip)
+        elif catching_up or (self.dynamic and self.step > self.warmup and not self.in_flight):
+            # Healed in the background (it asked for the peers' next quorum: it is in), or dynamic local steps (a
+            # group of the last quorum asked the lighthouse for the next): the peers' next sync is due, so this group's goes now, with the steps done since,
+            # and the fit takes the peers' position after it. The group's ranks agree on what they saw.
+            due = self._replicas.quorum_ready() if catching_up else self._replicas.peers_asked()
+            if self._agreed(due):
+                self._replicas.catching_up = False
+                self._send_early()
         if self._sends != sends:  # (what the heal server serves is whole again once the sync is done: the member)
             self._synced_step = self.step
             self._replicas.snapshot_due = True
@@ -296,6 +329,37 @@ class ReplicaGroupSync(OuterSync):
         if self.warmup:  # (a quorum per step until the warm-up is over, the healed position included)
             self._replicas.per_step = self.step < self.warmup
 
+    @property
+    def dynamic(self) -> bool:
+        return self._replicas.options.dynamic_steps
+
+    def _agreed(self, flag: bool) -> bool:
+        """Whether any rank of the group saw ``flag`` (one integer all-reduced over the group's ranks)."""
+        if self._agreement is None:
+            return flag
+        seen = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self._agreement)  # (not data: not counted)
+        return bool(seen.item())
+
+    def _send_early(self) -> None:
+        """This group's sync, sent after this step (before its schedule's step: the peers' sync is due), then the
+        schedule, the syncs behind it and the fit's counters moved to where the peers stand after it."""
+        now = self.step
+        self._early = True
+        try:
+            self.send(0)
+        finally:
+            self._early = False
+        self.apply_due()
+        self._replicas.early_syncs += 1
+        if self._healed_step is None:  # (not healed inside that quorum after all)
+            skip = self._next_sync_step(now) - now
+            self.step += skip
+            for flight in self.in_flight:  # (a sync behind the next inner steps: applied as the peers')
+                flight.apply_after += skip
+            self._replicas.steps_skipped += skip
+            self._replicas.on_skip(skip)
+
     def _next_sync_step(self, step: int) -> int:
         """The first optimizer step after ``step`` whose schedule sends a sync."""
         return next(t for t in range(step + 1, step + self.schedule.every + 1)
@@ -304,14 +368,15 @@ class ReplicaGroupSync(OuterSync):
     def _take_healed_step(self) -> None:
         if self._healed_step is not None:
             self.step, self._healed_step = self._healed_step, None
+            self._sent_at = {f: (self.step, self._done) for f in range(self.schedule.fragments)}
 
     @hookimpl
     def on_member_state(self) -> dict[str, Any]:
         """On a live peer, at the quorum of a sync: references to the global copy and the outer optimizer's state
         (the training thread waits for the sync; the outer thread steps them only after the commit, once the
         transfer is done)."""
-        return {"sync": {"step": self.step, "syncs": self.syncs, "outer": [p.outer.detach() for p in self.pieces],
-                         "optimizer": self.outer.state_dict()}}
+        return {"sync": {"step": self._serving_step(), "syncs": self.syncs,
+                         "outer": [p.outer.detach() for p in self.pieces], "optimizer": self.outer.state_dict()}}
 
     @hookimpl
     def on_load_member_state(self, state: Mapping[str, Any]) -> None:
@@ -348,5 +413,6 @@ class ReplicaGroupSync(OuterSync):
         self.syncs = self.syncs_logged = state["syncs"]
         self.step = self._synced_step = state["step"]
         self._carried = {f: 0 for f in range(self.schedule.fragments)}
+        self._sent_at = {f: (self.step, self._done) for f in range(self.schedule.fragments)}
         self.access.publish([r for ranges in self.fragment_ranges.values() for r in ranges])
         self._replicas.per_step = self.step < self.warmup

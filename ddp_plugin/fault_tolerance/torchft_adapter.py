@@ -16,7 +16,7 @@ why:
 - ``ManagerClient._checkpoint_metadata`` (a peer group's manager server, asked for a rank's transport metadata)
   finds a live peer's heal server (:func:`heal_address`), and the lighthouse's status page (its HTML, the only
   place torchft 0.2 shows the last quorum's members to a group outside it) which groups are live
-  (:func:`previous_quorum`).
+  (:func:`previous_quorum`) and whether one of them has asked for the next quorum (:func:`waiting_members`).
 - ``Manager._quorum_future`` says whether a quorum asked for is in (:func:`quorum_ready`).
 
 Everything else (``Manager`` and its quorum, commit, all-reduce and error calls, ``ProcessGroupGloo``/``NCCL``,
@@ -115,19 +115,40 @@ def http_transport(host: str, timeout: timedelta, heal: str | None = None) -> An
     return Transport(timeout=timeout, num_chunks=0)
 
 
-def previous_quorum(lighthouse: str, timeout: float) -> list[tuple[str, str, int]]:
-    """The members of the lighthouse's last quorum, ``(replica id, manager address, step)`` each, read from its
-    status page (empty before the first quorum)."""
-    import re
+def status_page(lighthouse: str, timeout: float) -> str:
     import urllib.request
 
     with urllib.request.urlopen(f"{lighthouse.rstrip('/')}/status", timeout=timeout) as response:  # noqa: S310
-        page = response.read().decode()
+        return response.read().decode()
+
+
+def previous_quorum(lighthouse: str, timeout: float, page: str | None = None) -> list[tuple[str, str, int]]:
+    """The members of the lighthouse's last quorum, ``(replica id, manager address, step)`` each, read from its
+    status page (empty before the first quorum)."""
+    import re
+
+    page = status_page(lighthouse, timeout) if page is None else page
     if "Previous Quorum" not in page:
         return []
     page = page.split("Previous Quorum", 1)[1].split("Heartbeats", 1)[0]
     return [(replica, address, int(step)) for replica, step, address in re.findall(
         r"<b>([^<]+)</b>\s*<br/>\s*Step:\s*(\d+)\s*<br/>\s*Manager:\s*(\S+)\s*<br/>", page)]
+
+
+def waiting_members(lighthouse: str, timeout: float) -> int:
+    """How many of the groups in the lighthouse's last quorum have asked for its next one (and wait for it), read
+    from its status page: the requests it holds (its next quorum's status ends ``[healthy/asked participants
+    healthy]``) less the groups beating outside that quorum (a returning group may have asked early: counted as
+    one that did)."""
+    import re
+
+    page = status_page(lighthouse, timeout)
+    found = re.search(r"\[\d+/(\d+) participants healthy\]", page)
+    if found is None:
+        return 0
+    members = {replica for replica, _, _ in previous_quorum(lighthouse, timeout, page)}
+    beating = set(re.findall(r'<li class="heartbeat\s*">\s*([^\s<]+): seen', page.split("Heartbeats", 1)[-1]))
+    return max(0, int(found.group(1)) - len(beating - members))
 
 
 def heal_address(manager_address: str, rank: int, timeout: timedelta) -> str | None:

@@ -8,7 +8,7 @@ as a node lost mid-run.
         [--sync-every 6 [--sync-fragments 3 --max-staleness 1]] [--tp 2 | --pp 2]
         [--compression int8]
         [--zero-stage 2] [--devices-per-node 2]
-        [--step-sleep 0.05]
+        [--step-sleep 0.05] [--dynamic-steps]
         [--hold 40:FILE[,FILE]] [--tag TAG]
 
 Rank 0 of the group writes ``DIR/<group><tag>.pt``: the final parameters (a rank's local parts), the names of
@@ -137,6 +137,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor parallelism inside the group: the tiny GPT, split")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages inside the group: the tiny GPT")
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--dynamic-steps", action="store_true", help="`dynamic_steps=True`: a sync is due when the"
+                        " first group asks for it")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=120.0)
     parser.add_argument("--timeout", type=float, default=120.0, help="the strategy's `timeout` (torchft's collectives"
@@ -171,7 +173,7 @@ def main() -> None:
     strategy = HierarchicalZeroStrategy(fault_tolerance={
         "replica_group": args.group, "replica_groups": args.groups, "lighthouse": args.lighthouse,
         "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout,
-        "background_heal": not args.no_background_heal}, timeout=args.timeout,
+        "background_heal": not args.no_background_heal, "dynamic_steps": args.dynamic_steps}, timeout=args.timeout,
         sync_every=args.sync_every, sync_fragments=args.sync_fragments, max_staleness=args.max_staleness,
         sync_warmup_steps=args.sync_warmup_steps, compression=args.compression, compression_options=args.compression_options, zero_stage=args.zero_stage,
         shard_scope="node", devices_per_node=args.devices_per_node, tensor_parallel_size=args.tp,
