@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from ddp_plugin.parallel.ties import Tie
+    from ddp_plugin.sync.parts import Piece
 
 
 def fit_state(module: pl.LightningModule, optimizers: list[Optimizer], skip: Collection[int] = ()) -> dict[str, Any]:
@@ -225,3 +226,37 @@ def advance_fit(module: pl.LightningModule, steps: int) -> None:
     total.completed += steps
     total.ready += steps
     loop._batches_that_stepped += steps
+
+
+def unify_tie(sync: Any, tie: Tie) -> None:
+    """With pipeline stages, at a sync mode's first committed sync (``sync``: the
+    :class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`): the global copy and outer state of a tied
+    parameter's copy (the embedding's on the first stage, the head's on the last), taken from the first stage's
+    (torchft may heal each group rank from another group at that first quorum). Each stage holds its copy elsewhere in its buckets, so the ranks of a node cut it into other parts on each stage: each rank
+    puts its elements into buffers of the whole parameter, the node's ranks of the stage sum them (every
+    element from the one rank holding it), the first stage's are broadcast over the tie's group, and each rank
+    takes its elements back. (One fragment: the whole parameter is synced at once on every stage.)"""
+    b = next(i for i, bucket in enumerate(sync.buckets) if any(p is tie.param for p in bucket.params))
+    bucket = sync.buckets[b]
+    start = bucket.offsets[next(i for i, p in enumerate(bucket.params) if p is tie.param)]
+    n = local_tensor(tie.param).numel()
+    spans = [(p, max(p.lo, start), min(p.hi, start + n)) for p in sync.pieces
+             if p.bucket == b and p.lo < start + n and p.hi > start]
+    keys = sorted({k for p in sync.pieces for k, v in sync.outer.state.get(p.outer, {}).items()
+                   if isinstance(v, torch.Tensor) and v.shape == p.outer.shape})
+    whole = torch.zeros((1 + len(keys), n), dtype=tie.param.dtype, device=sync.topology.device)
+
+    def held(piece: Piece) -> list[torch.Tensor]:
+        state = sync.outer.state.get(piece.outer, {})
+        return [piece.outer.detach()] + [state[k] for k in keys]
+
+    for piece, lo, hi in spans:
+        for row, values in zip(whole, held(piece)):
+            row[lo - start : hi - start].copy_(values[lo - piece.lo : hi - piece.lo])
+    if sync.topology.ranks_per_node > 1:
+        sync.comm.all_reduce(whole, group=sync.intra)
+    broadcast_coalesced([whole], tie.group)
+    with torch.no_grad():
+        for piece, lo, hi in spans:
+            for row, values in zip(whole, held(piece)):
+                values[lo - piece.lo : hi - piece.lo].copy_(row[lo - start : hi - start])

@@ -12,9 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ddp_plugin.gradients.comm import broadcast_coalesced
-from ddp_plugin.fault_tolerance.healing import take_from_first
-from ddp_plugin.hookspecs import hookimpl, is_tensor_parallel_shard, local_tensor
+from ddp_plugin.fault_tolerance.healing import take_from_first, unify_tie
+from ddp_plugin.hookspecs import hookimpl, is_tensor_parallel_shard
 from ddp_plugin.sync import OuterSync
 from ddp_plugin.sync.parts import InFlight, Update
 
@@ -23,7 +22,6 @@ if TYPE_CHECKING:
 
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
     from ddp_plugin.hookspecs import Bucket
-    from ddp_plugin.parallel.ties import Tie
     from ddp_plugin.sync.parts import Piece
 
 log = logging.getLogger(__name__)
@@ -255,39 +253,7 @@ class ReplicaGroupSync(OuterSync):
             take_from_first(whole, [self.outer], t.tensor_parallel_group)
         for tie in self._replicas.ties:
             if tie.param is not None:
-                self._unify_tie(tie)
-
-    def _unify_tie(self, tie: Tie) -> None:
-        """With pipeline stages: the global copy and outer state of a tied parameter's copy (the embedding's on the
-        first stage, the head's on the last), taken from the first stage's, for the reason above. Each stage holds
-        its copy elsewhere in its buckets, so the ranks of a node cut it into other parts on each stage: each rank
-        puts its elements into buffers of the whole parameter, the node's ranks of the stage sum them (every
-        element from the one rank holding it), the first stage's are broadcast over the tie's group, and each rank
-        takes its elements back. (One fragment: the whole parameter is synced at once on every stage.)"""
-        b = next(i for i, bucket in enumerate(self.buckets) if any(p is tie.param for p in bucket.params))
-        bucket = self.buckets[b]
-        start = bucket.offsets[next(i for i, p in enumerate(bucket.params) if p is tie.param)]
-        n = local_tensor(tie.param).numel()
-        spans = [(p, max(p.lo, start), min(p.hi, start + n)) for p in self.pieces
-                 if p.bucket == b and p.lo < start + n and p.hi > start]
-        keys = sorted({k for p in self.pieces for k, v in self.outer.state.get(p.outer, {}).items()
-                       if isinstance(v, Tensor) and v.shape == p.outer.shape})
-        whole = torch.zeros((1 + len(keys), n), dtype=tie.param.dtype, device=self.topology.device)
-
-        def held(piece: Piece) -> list[Tensor]:
-            state = self.outer.state.get(piece.outer, {})
-            return [piece.outer.detach()] + [state[k] for k in keys]
-
-        for piece, lo, hi in spans:
-            for row, values in zip(whole, held(piece)):
-                row[lo - start : hi - start].copy_(values[lo - piece.lo : hi - piece.lo])
-        if self.topology.ranks_per_node > 1:
-            self.comm.all_reduce(whole, group=self.intra)
-        broadcast_coalesced([whole], tie.group)
-        with torch.no_grad():
-            for piece, lo, hi in spans:
-                for row, values in zip(whole, held(piece)):
-                    values[lo - piece.lo : hi - piece.lo].copy_(row[lo - start : hi - start])
+                unify_tie(self, tie)
 
     def _dropped(self, flight: InFlight) -> None:
         self._replicas.steps_lost += self.schedule.every
