@@ -2,7 +2,15 @@
 once per group (a node each, with its own rendezvous). Kill a group (every process of it) at any moment and start
 it again: the others go on without it, and it rejoins healed from a live peer.
 
-On one machine, 2 ranks per group, 3 groups:
+On one machine, 2 ranks per group, 3 groups (the first one starts the lighthouse; each group its own rendezvous
+port, 29600 + its id):
+
+    ddp-plugin-group --group 0 --groups 3 --start-lighthouse examples/fault_tolerance.py &
+    for i in 1 2; do
+        ddp-plugin-group --group $i --groups 3 --lighthouse http://localhost:29510 examples/fault_tolerance.py &
+    done
+
+which is, by hand:
 
     torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000 --bind [::]:29510 &
     for i in 0 1 2; do
@@ -12,8 +20,8 @@ On one machine, 2 ranks per group, 3 groups:
 
 ``SYNC_EVERY=50`` runs DiLoCo instead (a quorum per outer sync; nothing crosses nodes between syncs).
 
-On a cluster, the same per node (its own address as ``MASTER_ADDR``, ``torchrun --nproc_per_node K`` or
-Lightning's launcher), with the lighthouse's host in ``TORCHFT_LIGHTHOUSE``.
+On a cluster, the same per node (``--master-addr`` its own address, ``--nproc-per-node K`` to run under torchrun,
+or Lightning's launcher), with the lighthouse's host in ``--lighthouse``.
 """
 
 from __future__ import annotations

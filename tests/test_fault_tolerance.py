@@ -7,6 +7,7 @@ the group killed inside a sync."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import signal
 import socket
 import subprocess
@@ -473,27 +474,48 @@ def test_a_group_of_two_nodes_averages_as_a_group_of_one(zero, sync_every, tmp_p
     for key, value in node["params"].items():
         torch.testing.assert_close(nodes["params"][key], value, atol=1e-6, rtol=0)
 def test_the_example_runs_as_its_docstring_launches_it(tmp_path):
-    """examples/fault_tolerance.py, 2 groups of 1 rank with DiLoCo, each with its own MASTER_PORT."""
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000, heartbeat_timeout_ms=1000)
-    try:
-        procs = []
-        for g in range(2):
-            env = clean_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "REPLICA_GROUP_ID": str(g),
-                             "NUM_REPLICA_GROUPS": "2", "TORCHFT_LIGHTHOUSE": lighthouse.address(), "DEVICES": "1",
-                             "STEPS": "20", "SYNC_EVERY": "5"})
-            log = open(tmp_path / f"log{g}.txt", "w")  # noqa: SIM115 - closed with the process
-            proc = subprocess.Popen([interpreter(), str(ROOT / "examples" / "fault_tolerance.py")], env=env, cwd=tmp_path,
-                                    stdout=log, stderr=subprocess.STDOUT)
-            proc.log = log
-            procs.append(proc)
-        for proc in procs:
-            assert wait(proc, tmp_path, 600) == 0
-    finally:
-        lighthouse.shutdown()
+    """examples/fault_tolerance.py, 2 groups of 1 rank with DiLoCo, started by ``ddp-plugin-group`` (the console
+    entry point's module): the first group starts the lighthouse, the second waits for it; each its own rendezvous
+    port. Both end; the lighthouse, kept up while a group beat, is gone after."""
+    port, base = free_port(), free_port()
+    procs = []
     for g in range(2):
-        assert "`Trainer.fit` stopped: `max_steps=20` reached" in (tmp_path / f"log{g}.txt").read_text()
+        where = ["--start-lighthouse", "--lighthouse-port", str(port)] if g == 0 else [
+            "--lighthouse", f"http://127.0.0.1:{port}"]
+        env = clean_env({"DEVICES": "1", "STEPS": "20", "SYNC_EVERY": "5"})
+        log = open(tmp_path / f"log{g}.txt", "w")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            [interpreter(), "-m", "ddp_plugin.fault_tolerance.launch", "--group", str(g), "--groups", "2", *where,
+             "--master-port", str(base + g) if g == 0 else str(free_port()), str(ROOT / "examples" / "fault_tolerance.py")],
+            env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+        proc.log = log
+        procs.append(proc)
+    for proc in procs:
+        assert wait(proc, tmp_path, 600) == 0
+    for g in range(2):
+        text = (tmp_path / f"log{g}.txt").read_text()
+        assert f"ddp-plugin-group: group {g} of 2" in text
+        assert "`Trainer.fit` stopped: `max_steps=20` reached" in text
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--group", "3", "--groups", "3", "--lighthouse", "http://h:1"], r"--group=3: must be from 0 to 2"),
+    (["--group", "0", "--groups", "2"], r"give --lighthouse http://host:port .* or --start-lighthouse"),
+    (["--group", "0", "--groups", "2", "--lighthouse", "h:1"], r"--lighthouse='h:1': must be the lighthouse's"),
+    (["--group", "0", "--groups", "2", "--lighthouse", "http://h:1", "--nnodes", "2"], r"need --nproc-per-node"),
+    (["--group", "0", "--groups", "2", "--lighthouse", "http://h:1", "--min-replicas", "3"],
+     r"--min-replicas=3: must be from 1 to 2"),
+])
+def test_the_launch_command_names_a_bad_flag_before_starting_anything(argv, message, monkeypatch, capsys):
+    from ddp_plugin.fault_tolerance import launch
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        launch.main([*argv, str(ROOT / "examples" / "fault_tolerance.py")])
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_other_nodes_reach_this_groups_manager_and_checkpoints_at_its_rendezvous_host():

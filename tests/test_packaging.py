@@ -61,3 +61,7 @@ def test_wheel_holds_every_package_and_module_of_the_source_tree(wheel):
     # Nothing lands under a generic top-level name (hookspecs, tests, benchmarks), only the package and its metadata.
     tops = {name.split("/", 1)[0] for name in names}
     assert {top for top in tops if not top.endswith(".dist-info")} == {"ddp_plugin"}, sorted(tops)
+    # The console entry point that launches a replica group.
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    assert "ddp-plugin-group = ddp_plugin.fault_tolerance.launch:main" in zipfile.ZipFile(wheel).read(
+        entry_points).decode()

@@ -16,7 +16,8 @@ why:
 - ``ManagerClient._checkpoint_metadata`` (a peer group's manager server, asked for a rank's transport metadata)
   finds a live peer's heal server (:func:`heal_address`), and the lighthouse's status page (its HTML, the only
   place torchft 0.2 shows the last quorum's members to a group outside it) which groups are live
-  (:func:`previous_quorum`) and whether one of them has asked for the next quorum (:func:`waiting_members`).
+  (:func:`previous_quorum`), whether one of them has asked for the next quorum (:func:`waiting_members`) and
+  how many groups beat (:func:`beating_groups`).
 - ``Manager._quorum_future`` says whether a quorum asked for is in (:func:`quorum_ready`).
 
 Everything else (``Manager`` and its quorum, commit, all-reduce and error calls, ``ProcessGroupGloo``/``NCCL``,
@@ -149,6 +150,14 @@ def waiting_members(lighthouse: str, timeout: float) -> int:
     members = {replica for replica, _, _ in previous_quorum(lighthouse, timeout, page)}
     beating = set(re.findall(r'<li class="heartbeat\s*">\s*([^\s<]+): seen', page.split("Heartbeats", 1)[-1]))
     return max(0, int(found.group(1)) - len(beating - members))
+
+
+def beating_groups(lighthouse: str, timeout: float) -> int:
+    """How many groups the lighthouse counts as beating (its next quorum's status ends ``[n heartbeating]``)."""
+    import re
+
+    found = re.search(r"\[(\d+) heartbeating\]", status_page(lighthouse, timeout))
+    return int(found.group(1)) if found else 0
 
 
 def heal_address(manager_address: str, rank: int, timeout: timedelta) -> str | None:
