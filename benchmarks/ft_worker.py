@@ -6,7 +6,7 @@ With ``"lighthouse"`` in the spec it is replica group ``node`` of a run on torch
 node ``node`` of one torchrun job over every node (today's fail-fast run), which checkpoints every
 ``ckpt_every`` steps and, with ``"resume"``, resumes from the last one. Every optimizer step appends a JSON line to
 ``DIR/rec-<node><tag>.jsonl`` (the node's local rank 0): the time, the global step, the loss and the ``ft/``
-metrics. ``"devices"`` ranks per node, ``"compression"``, ``"hierarchical"``, ``"sync_fragments"`` and
+metrics. ``"devices"`` ranks per node, ``"batch"``, ``"dynamic_steps"``, ``"compression"``, ``"hierarchical"``, ``"sync_fragments"`` and
 ``"max_staleness"`` as the strategy's flags; with
 ``"gate"``, every rank writes ``GATE.<node>.<local rank>`` once set up and waits for ``GATE`` before its first step.
 """
@@ -65,7 +65,7 @@ def main() -> None:
     torch.manual_seed(spec.get("seed", 0))  # every node starts from the same parameters
     model = TinyModule(mlp(8, spec.get("width", 128), 1, layers=2, activation=nn.Tanh), optimizer="adamw",
                        lr=spec.get("lr", 3e-3))
-    data = DataLoader(sine_dataset(1 << 16, 8, seed=3), batch_size=32)
+    data = DataLoader(sine_dataset(1 << 16, 8, seed=3), batch_size=spec.get("batch", 32))
     options = {"sync_every": spec["sync_every"], "timeout": 30.0, "compression": spec.get("compression"),
                "hierarchical": spec.get("hierarchical"), "sync_fragments": spec.get("sync_fragments", 1),
                "max_staleness": spec.get("max_staleness", 0)}
@@ -75,7 +75,8 @@ def main() -> None:
     if spec.get("lighthouse"):
         options["fault_tolerance"] = {"replica_group": spec["node"], "replica_groups": spec["nodes"],
                                       "lighthouse": spec["lighthouse"], "quorum_timeout": 60.0,
-                                      "background_heal": spec.get("background_heal", True)}
+                                      "background_heal": spec.get("background_heal", True),
+                                      "dynamic_steps": spec.get("dynamic_steps", False)}
         num_nodes = 1
     else:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=spec["ckpt_every"], save_last=True,
