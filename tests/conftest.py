@@ -35,3 +35,33 @@ def onebit_install(tmp_path_factory):
         check=True, capture_output=True, text=True, timeout=120,
     )
     return target
+
+
+# ---------------------------------------------------------------------------------------------- where the time goes
+
+TIMES_ENV = "DDP_PLUGIN_TEST_TIMES"
+"""A path: the suite writes there a table of the seconds each test file took (its tests' setup, call and teardown,
+module fixtures included, summed over the tests of the file as the workers ran them). `.ci/run` sets it."""
+_file_seconds: dict[str, float] = {}
+_file_tests: dict[str, int] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+    if report.when == "call" or (report.when == "setup" and report.skipped):
+        _file_tests[path] = _file_tests.get(path, 0) + 1
+
+
+def pytest_sessionfinish(session) -> None:
+    target = os.environ.get(TIMES_ENV)
+    if not target or hasattr(session.config, "workerinput"):  # (the controller writes it, from every report)
+        return
+    total = sum(_file_seconds.values())
+    rows = sorted(_file_seconds.items(), key=lambda item: -item[1])
+    lines = ["| file | tests | seconds | share |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| `{path}` | {_file_tests.get(path, 0)} | {seconds:.0f} | {seconds / total:.1%} |"
+              for path, seconds in rows]
+    lines.append(f"| all | {sum(_file_tests.values())} | {total:.0f} | 100% |")
+    with open(target, "w") as out:
+        out.write("\n".join(lines) + "\n")
