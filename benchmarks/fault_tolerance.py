@@ -99,16 +99,22 @@ def worker_env(cluster, node: int, port: int) -> dict[str, str]:
                                      "PYTHONPATH": str(HERE.parent)})
 
 
+def start_lighthouse(cluster, out: Path, join_timeout_ms: int = 5000, heartbeat_timeout_ms: int = 1000
+                     ) -> tuple[subprocess.Popen, str]:
+    """torchft's lighthouse in node 0's namespace (its log in ``out``), and its address as the nodes reach it."""
+    lighthouse = cluster.popen(0, [str(Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"), "--min_replicas",
+                                   "1", "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms",
+                                   str(heartbeat_timeout_ms), "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
+                               stdout=open(out / "lighthouse.txt", "w"), stderr=subprocess.STDOUT)
+    time.sleep(1.0)
+    return lighthouse, f"http://{cluster.addresses[0]}:{LIGHTHOUSE_PORT}"
+
+
 def run_torchft(cluster, args, route: dict, out: Path, kills: list[int], seed: int = 0) -> dict:
     """The torchft run: every node set up before any steps (a gate), then node ``n - 1 - i`` killed once it
     reaches step ``kills[i]``, started again ``--down`` s later (tagged ``-back``)."""
     sync_every = route["sync_every"]
-    lighthouse = cluster.popen(0, [str(Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"), "--min_replicas",
-                                   "1", "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "1000", "--bind",
-                                   f"[::]:{LIGHTHOUSE_PORT}"], stdout=open(out / "lighthouse.txt", "w"),
-                               stderr=subprocess.STDOUT)
-    time.sleep(1.0)
-    address = f"http://{cluster.addresses[0]}:{LIGHTHOUSE_PORT}"
+    lighthouse, address = start_lighthouse(cluster, out)
     n = cluster.nodes
 
     def launch(node: int, tag: str = "") -> subprocess.Popen:

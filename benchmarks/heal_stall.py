@@ -33,7 +33,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -41,17 +40,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from fault_tolerance import LIGHTHOUSE_PORT, WORKER, kill_node, records, wait_all, wait_for_step, worker_env  # noqa: E402
+from fault_tolerance import WORKER, kill_node, records, start_lighthouse, wait_all, wait_for_step, worker_env  # noqa: E402
 
 
 def run(cluster, args, width: int, background: bool, out: Path) -> dict:
     n = cluster.nodes
-    lighthouse = cluster.popen(0, [str(Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"), "--min_replicas",
-                                   "1", "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "1000", "--bind",
-                                   f"[::]:{LIGHTHOUSE_PORT}"], stdout=open(out / "lighthouse.txt", "w"),
-                               stderr=subprocess.STDOUT)
-    time.sleep(1.0)
-    address = f"http://{cluster.addresses[0]}:{LIGHTHOUSE_PORT}"
+    lighthouse, address = start_lighthouse(cluster, out)
 
     def launch(node: int, tag: str = "") -> subprocess.Popen:
         spec = {"sync_every": args.sync_every, "out": str(out), "node": node, "nodes": n, "steps": args.steps,

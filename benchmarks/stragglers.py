@@ -26,7 +26,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from fault_tolerance import LIGHTHOUSE_PORT, WORKER, records, wait_all, worker_env  # noqa: E402
+from fault_tolerance import WORKER, records, start_lighthouse, wait_all, worker_env  # noqa: E402
 
 CGROUP = Path("/sys/fs/cgroup/cpu")
 
@@ -62,12 +61,7 @@ class Quota:
 
 def run(cluster, args, dynamic: bool, quota: Quota | None, out: Path) -> dict:
     n = cluster.nodes
-    lighthouse = cluster.popen(0, [str(Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"), "--min_replicas",
-                                   "1", "--join_timeout_ms", "60000", "--heartbeat_timeout_ms", "2000", "--bind",
-                                   f"[::]:{LIGHTHOUSE_PORT}"], stdout=open(out / "lighthouse.txt", "w"),
-                               stderr=subprocess.STDOUT)
-    time.sleep(1.0)
-    address = f"http://{cluster.addresses[0]}:{LIGHTHOUSE_PORT}"
+    lighthouse, address = start_lighthouse(cluster, out, join_timeout_ms=60000, heartbeat_timeout_ms=2000)
     try:
         procs = []
         for node in range(n):
