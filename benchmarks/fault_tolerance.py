@@ -34,7 +34,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -102,7 +101,9 @@ def worker_env(cluster, node: int, port: int) -> dict[str, str]:
 def start_lighthouse(cluster, out: Path, join_timeout_ms: int = 5000, heartbeat_timeout_ms: int = 1000
                      ) -> tuple[subprocess.Popen, str]:
     """torchft's lighthouse in node 0's namespace (its log in ``out``), and its address as the nodes reach it."""
-    lighthouse = cluster.popen(0, [str(Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"), "--min_replicas",
+    from ddp_plugin.fault_tolerance.launch import lighthouse_binary
+
+    lighthouse = cluster.popen(0, [lighthouse_binary(), "--min_replicas",
                                    "1", "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms",
                                    str(heartbeat_timeout_ms), "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
                                stdout=open(out / "lighthouse.txt", "w"), stderr=subprocess.STDOUT)

@@ -11,7 +11,6 @@ import re
 import signal
 import socket
 import subprocess
-import sysconfig
 import time
 from pathlib import Path
 
@@ -263,8 +262,10 @@ LIGHTHOUSE_AWAY = 4
 def start_lighthouse(port: int, out, min_replicas: int = 1) -> subprocess.Popen:
     """torchft's lighthouse as a process of its own (so that it can be killed and started again). A quorum waits
     up to a minute for every group that beats but has not asked (here: a group held at a step)."""
+    from ddp_plugin.fault_tolerance.launch import lighthouse_binary
+
     proc = subprocess.Popen(
-        [str(Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"), "--min_replicas", str(min_replicas), "--join_timeout_ms",
+        [lighthouse_binary(), "--min_replicas", str(min_replicas), "--join_timeout_ms",
          "60000",
          "--heartbeat_timeout_ms", "1000", "--bind", f"[::]:{port}"],
         stdout=open(out / "lighthouse.txt", "a"), stderr=subprocess.STDOUT)  # noqa: SIM115 - closed with it

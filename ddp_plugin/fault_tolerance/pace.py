@@ -35,7 +35,10 @@ class PeerWatch:
         self._thread.start()
 
     def arm(self) -> None:
+        """From now on (a no-op while armed: every wait for one quorum arms it, the first counts)."""
         with self._lock:
+            if self._armed_at is not None:
+                return
             self._armed_at, self._seen = time.monotonic(), False
         self._wake.set()
 

@@ -97,7 +97,6 @@ class ReplicaGroups:
                       else None)
         """On the group's rank 0 with ``dynamic_steps``: whether a peer has asked for the next sync's quorum."""
         self._started = False
-        self._armed = False
         self.hook: HookRelay | None = None
         """The fit's plugin hooks (``on_member_state`` and the others of members that come and go)."""
         host = advertised_host(os.environ["MASTER_ADDR"])
@@ -254,7 +253,7 @@ class ReplicaGroups:
             if self.watch is not None:
                 self.watch.disarm()  # (this group asks: its own request is no peer's)
             self.manager.start_quorum(shrink_only=shrink_only, timeout=timeout)
-            self._started, self._armed = True, False
+            self._started = True
             if self.per_step and self._first_commit and self.on_first_quorum is not None:
                 self.wait_quorum()
                 self.on_first_quorum(self.manager.current_step())
@@ -264,8 +263,7 @@ class ReplicaGroups:
         vain) names the lighthouse."""
         try:
             self.manager.wait_quorum()
-            if self.watch is not None and not self._armed:
-                self._armed = True
+            if self.watch is not None:
                 self.watch.arm()  # (every request the lighthouse held is answered: the next one is a peer's next sync)
         except Exception as err:  # (torchft raises the lighthouse client's error as it is)
             raise RuntimeError(
