@@ -449,6 +449,49 @@ def test_with_dynamic_steps_a_slow_group_runs_the_steps_that_fit_and_the_groups_
             assert torch.equal(a, b), rank
 
 
+def test_with_the_data_split_by_the_quorum_a_new_group_takes_a_share_and_one_that_left_stops_holding_one(tmp_path):
+    """``data_split="quorum"``: groups 0 and 1 start (``replica_groups=2``, 48 samples shuffled, 6 batches an epoch
+    each); group 2, a new id, joins at step 6 (they wait there until it is set up), and group 1 leaves for good
+    after 16 steps. Each epoch splits over the groups of the last quorum at the end of the one before: every
+    epoch two groups ran alike (same number, same split) their shares are disjoint, and an epoch all its
+    groups ran covers the 48 samples exactly: with 3 groups while group 1 was there, with 2 after; the new group
+    took its peers' epoch number and step, and the two that ran to the end hold the same parameters."""
+    from torchft._torchft import LighthouseServer
+
+    samples, steps = 48, 40
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000, heartbeat_timeout_ms=1000)
+    split = ["--data-split", "quorum", "--samples", str(samples), "--shuffle", "--step-sleep", "0.05"]
+    joined = tmp_path / "joined"
+    try:
+        procs = launch_gated(tmp_path, 2, lighthouse.address(), 1, lambda g: [
+            *split, "--steps", str(steps if g == 0 else 16), "--hold", f"6:{joined}.0"])
+        procs.append(launch(tmp_path, 2, 2, lighthouse.address(), 1, 1, *split, "--steps", str(steps),
+                            "--announce", str(joined)))
+        for proc in procs:
+            assert wait(proc, tmp_path, 600) == 0
+    finally:
+        lighthouse.shutdown()
+    runs = {g: torch.load(tmp_path / f"{g}.pt") for g in range(3)}
+    assert runs[0]["epochs"][0]["num_replicas"] == 2 and runs[2]["epochs"][0]["num_replicas"] == 3
+    assert runs[2]["epochs"][0]["epoch"] == 0 and runs[2]["epochs"][1]["epoch"] >= 1  # (its peers' number, healed)
+    by_epoch: dict[tuple[int, int], dict[int, list[int]]] = {}
+    for g, run in runs.items():
+        for e in run["epochs"][1:] if g == 2 else run["epochs"]:  # (group 2's first: the epoch it started in)
+            by_epoch.setdefault((e["epoch"], e["num_replicas"]), {})[g] = e["indices"]
+    covered = set()
+    for (epoch, shares), groups in by_epoch.items():
+        seen = [i for indices in groups.values() for i in indices]
+        assert len(seen) == len(set(seen)), (epoch, shares, groups)  # no sample twice
+        if len(groups) == shares:
+            assert sorted(seen) == list(range(samples)), (epoch, groups)
+            covered.add((shares, tuple(sorted(groups))))
+    assert (3, (0, 1, 2)) in covered and (2, (0, 2)) in covered, covered
+    for g in (0, 2):
+        assert runs[g]["steps"][-1]["global_step"] == steps
+    for key, value in runs[0]["params"].items():
+        assert torch.equal(runs[2]["params"][key], value), key
+
+
 @pytest.mark.parametrize(("zero", "sync_every"), [(0, 1), (2, 1), (0, 4), (2, 4)],
                          ids=["ZeRO 0", "ZeRO 2", "DiLoCo, ZeRO 0", "DiLoCo, ZeRO 2"])
 def test_a_group_of_two_nodes_averages_as_a_group_of_one(zero, sync_every, tmp_path):
@@ -502,7 +545,7 @@ def test_the_example_runs_as_its_docstring_launches_it(tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--group", "3", "--groups", "3", "--lighthouse", "http://h:1"], r"--group=3: must be from 0 to 2"),
+    (["--group", "-1", "--groups", "3", "--lighthouse", "http://h:1"], r"--group=-1: must be 0 or more"),
     (["--group", "0", "--groups", "2"], r"give --lighthouse http://host:port .* or --start-lighthouse"),
     (["--group", "0", "--groups", "2", "--lighthouse", "h:1"], r"--lighthouse='h:1': must be the lighthouse's"),
     (["--group", "0", "--groups", "2", "--lighthouse", "http://h:1", "--nnodes", "2"], r"need --nproc-per-node"),
@@ -703,6 +746,27 @@ def test_a_group_sees_when_a_member_of_the_last_quorum_asks_for_the_next_and_not
     finally:
         watch.close()
         lighthouse.shutdown()
+
+
+def test_the_data_split_flag_is_checked_and_splits_over_the_launch_then_the_quorum():
+    from ddp_plugin.fault_tolerance.data import data_groups, group_id, sampler_split
+    from ddp_plugin.fault_tolerance.options import check_fault_tolerance
+
+    base = {"replica_group": 0, "replica_groups": 2, "lighthouse": "http://h:1"}
+    assert check_fault_tolerance(base).data_split == "fixed"
+    with pytest.raises(ValueError, match=r"fault_tolerance\['data_split'\]='epoch'.*'fixed' or 'quorum'"):
+        check_fault_tolerance({**base, "data_split": "epoch"})
+    with pytest.raises(ValueError, match=r"fault_tolerance\['replica_group'\]=2.*from 0 to 1.*data_split='quorum'"):
+        check_fault_tolerance({**base, "replica_group": 2})
+    joining = check_fault_tolerance({**base, "replica_group": 5, "data_split": "quorum"})
+    assert group_id("replica_group_12:0e1f-aa") == 12 and group_id("other") is None
+    # (the launch's groups until a quorum is known; then the quorum's, and always this one)
+    assert data_groups(joining, []) == [0, 1, 5]
+    assert data_groups(joining, ["replica_group_0:x", "replica_group_3:y"]) == [0, 3, 5]
+    assert sampler_split(joining, None, 2, 1) == {"num_replicas": 6, "rank": 5}
+    assert sampler_split(joining, [0, 5], 2, 0) == {"num_replicas": 4, "rank": 2}
+    fixed = check_fault_tolerance({**base, "replica_group": 1})
+    assert sampler_split(fixed, [1], 2, 1) == {"num_replicas": 4, "rank": 3}  # (live or not: its own quarter)
 
 
 def test_the_background_heal_flags_are_checked_at_construction():

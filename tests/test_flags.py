@@ -196,7 +196,7 @@ FT = {"replica_group": 1, "replica_groups": 3, "lighthouse": "http://lighthouse:
     ({"fault_tolerance": {**FT, "replica_group": 3}}, r"replica_group'\]=3` must be an integer from 0 to 2"),
     ({"fault_tolerance": {**FT, "lighthouse": "lighthouse:29510"}}, r"'http://host:port'"),
     ({"fault_tolerance": {**FT, "min_replicas": 4}}, r"min_replicas'\]=4` must be an integer from 1 to 3"),
-    ({"fault_tolerance": {**FT, "replicas": 2}}, r"unknown key\(s\) 'replicas'; allowed keys: background_heal, dynamic_steps, heal_rate,"),
+    ({"fault_tolerance": {**FT, "replicas": 2}}, r"unknown key\(s\) 'replicas'; allowed keys: background_heal, data_split, dynamic_steps, heal_rate,"),
     ({"fault_tolerance": {**FT, "dynamic_steps": "yes"}}, r"dynamic_steps'\]='yes'` must be True or False"),
     ({"fault_tolerance": {**FT, "dynamic_steps": True}}, r"`fault_tolerance\['dynamic_steps'\]=True` needs a sync mode"
      r" \(`sync_every` > 1, got 1\)"),

@@ -42,6 +42,7 @@ def fit_state(module: pl.LightningModule, optimizers: list[Optimizer], skip: Col
         "precision": trainer.precision_plugin.state_dict(),
         "optimizer_steps": loop.automatic_optimization.optim_progress.optimizer.step.total.completed,
         "batches_that_stepped": loop._batches_that_stepped,
+        "epochs": trainer.fit_loop.epoch_progress.state_dict(),
     }
 
 
@@ -56,7 +57,8 @@ def load_fit_state(module: pl.LightningModule, optimizers: list[Optimizer], stat
 
 def load_position(trainer: pl.Trainer, state: dict[str, Any], in_step: bool) -> None:
     """Where a peer's fit was: its learning-rate schedulers, loss scaler and loop counters (``in_step``: loaded
-    inside an optimizer step, which Lightning counted ready, not completed)."""
+    inside an optimizer step, which Lightning counted ready, not completed), its epoch number with them (both in
+    an epoch: the next one shuffles its data as the peer's next does, and ``max_epochs`` ends them together)."""
     for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
         config.scheduler.load_state_dict(saved)
     if state["precision"]:
@@ -65,6 +67,8 @@ def load_position(trainer: pl.Trainer, state: dict[str, Any], in_step: bool) -> 
     total = loop.automatic_optimization.optim_progress.optimizer.step.total
     total.completed, total.ready = state["optimizer_steps"], state["optimizer_steps"] + int(in_step)
     loop._batches_that_stepped = state["batches_that_stepped"]
+    if "epochs" in state:
+        trainer.fit_loop.epoch_progress.load_state_dict(state["epochs"])
 
 
 def unify_group(module: pl.LightningModule, optimizers: list[Optimizer], skip: Collection[int],
@@ -182,6 +186,7 @@ def synced_fit_state(module: pl.LightningModule, optimizers: list[Optimizer]) ->
         "precision": copy.deepcopy(trainer.precision_plugin.state_dict()),
         "optimizer_steps": loop.automatic_optimization.optim_progress.optimizer.step.total.completed,
         "batches_that_stepped": loop._batches_that_stepped,
+        "epochs": copy.deepcopy(trainer.fit_loop.epoch_progress.state_dict()),
         "groups": [[{k: v for k, v in group.items() if k != "params"} for group in getattr(o, "_optimizer", o).param_groups]
                    for o in optimizers],
         "buffers": {name: local_tensor(b).detach().clone() for name, b in module.named_buffers()},

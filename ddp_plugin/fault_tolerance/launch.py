@@ -39,7 +39,8 @@ MASTER_PORT = 29600
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ddp-plugin-group", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--group", type=int, required=True, help="this group's id, 0 to --groups - 1 (REPLICA_GROUP_ID)")
+    p.add_argument("--group", type=int, required=True, help="this group's id, 0 to --groups - 1 (REPLICA_GROUP_ID);"
+                   " a new id for a group joining a running job (its script's fault_tolerance data_split='quorum')")
     p.add_argument("--groups", type=int, required=True, help="how many groups the data is split over"
                    " (NUM_REPLICA_GROUPS)")
     p.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"), help="the lighthouse's address,"
@@ -67,8 +68,8 @@ def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     """Bad input named with its flag and what is allowed, before anything starts."""
     if args.groups < 1:
         p.error(f"--groups={args.groups}: must be 1 or more")
-    if not 0 <= args.group < args.groups:
-        p.error(f"--group={args.group}: must be from 0 to {args.groups - 1} (--groups={args.groups})")
+    if args.group < 0:
+        p.error(f"--group={args.group}: must be 0 or more (0 to {args.groups - 1} for the groups launched together)")
     if not 1 <= args.min_replicas <= args.groups:
         p.error(f"--min-replicas={args.min_replicas}: must be from 1 to {args.groups} (--groups)")
     if args.lighthouse is None and not args.start_lighthouse:

@@ -14,6 +14,7 @@ REPLICA_GROUPS_ENV = "NUM_REPLICA_GROUPS"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 ENVIRONMENT = {"replica_group": REPLICA_GROUP_ENV, "replica_groups": REPLICA_GROUPS_ENV, "lighthouse": LIGHTHOUSE_ENV}
 """The environment variables torchft's own examples read, read here for the keys not given."""
+DATA_SPLITS = ("fixed", "quorum")
 
 
 @dataclass(frozen=True)
@@ -21,9 +22,11 @@ class FaultTolerance:
     """Replica groups on torchft (docs/fault_tolerance.md). Every key may come from the environment instead."""
 
     replica_group: int
-    """This group's id, 0 to ``replica_groups`` - 1 (``REPLICA_GROUP_ID``)."""
+    """This group's id, 0 to ``replica_groups`` - 1 (``REPLICA_GROUP_ID``); any id not in use with
+    ``data_split="quorum"`` (a group joining a running job)."""
     replica_groups: int
-    """How many groups the data is split over, live or not (``NUM_REPLICA_GROUPS``)."""
+    """How many groups the data is split over, live or not (``NUM_REPLICA_GROUPS``); with ``data_split="quorum"``
+    the groups launched together (ids 0 to ``replica_groups`` - 1), who split the first epoch."""
     lighthouse: str
     """The lighthouse's address, ``http://host:port`` (``TORCHFT_LIGHTHOUSE``)."""
     min_replicas: int = 1
@@ -38,6 +41,10 @@ class FaultTolerance:
     dynamic_steps: bool = False
     """With a sync mode: a sync is due when the first group asks for it; every other group sends its own at the end
     of the step it is in, its pseudo-gradient weighted by the steps it carries (a slow group holds no other)."""
+    data_split: str = "fixed"
+    """``"fixed"``: the data is split over ``replica_groups`` shares, live or not (a lost group's share is not
+    trained on until it returns). ``"quorum"``: at each epoch's start over the groups of this group's last quorum (and
+    itself): a group that left stops holding a share, one that joined takes one (docs/fault_tolerance.md)."""
 
 
 def check_fault_tolerance(value: Any) -> FaultTolerance | None:
@@ -52,7 +59,7 @@ def check_fault_tolerance(value: Any) -> FaultTolerance | None:
     elif not isinstance(value, Mapping):
         raise invalid("fault_tolerance", value, "None, True, a FaultTolerance or a mapping with the keys"
                       " replica_group, replica_groups, lighthouse, min_replicas, quorum_timeout, background_heal,"
-                      " heal_rate, dynamic_steps")
+                      " heal_rate, dynamic_steps, data_split")
     known = {f.name for f in fields(FaultTolerance)}
     unknown = sorted(set(value) - known)
     if unknown:
@@ -74,9 +81,16 @@ def check_fault_tolerance(value: Any) -> FaultTolerance | None:
             f" {', '.join(ENVIRONMENT[k] for k in missing)} (each replica group's launch sets its own id; the"
             " lighthouse is the address `torchft_lighthouse` listens on)."
         )
+    split = given.get("data_split", "fixed")
+    if split not in DATA_SPLITS:
+        raise invalid("fault_tolerance['data_split']", split, " or ".join(map(repr, DATA_SPLITS)))
     groups = check_int("fault_tolerance['replica_groups']", given["replica_groups"], minimum=1)
-    group = check_int("fault_tolerance['replica_group']", given["replica_group"], minimum=0, maximum=groups - 1,
-                      expected=f"an integer from 0 to {groups - 1} (`replica_groups={groups}`)")
+    if split == "quorum":
+        group = check_int("fault_tolerance['replica_group']", given["replica_group"], minimum=0)
+    else:
+        group = check_int("fault_tolerance['replica_group']", given["replica_group"], minimum=0, maximum=groups - 1,
+                          expected=f"an integer from 0 to {groups - 1} (`replica_groups={groups}`; a group joining"
+                          f" with a new id needs `data_split='quorum'`)")
     lighthouse = given["lighthouse"]
     if not isinstance(lighthouse, str) or not lighthouse.startswith(("http://", "https://")):
         raise invalid("fault_tolerance['lighthouse']", lighthouse, "the lighthouse's address, 'http://host:port'")
@@ -92,7 +106,7 @@ def check_fault_tolerance(value: Any) -> FaultTolerance | None:
     dynamic = given.get("dynamic_steps", False)
     if not isinstance(dynamic, bool):
         raise invalid("fault_tolerance['dynamic_steps']", dynamic, "True or False")
-    return FaultTolerance(group, groups, lighthouse, minimum, float(timeout), background, rate, dynamic)
+    return FaultTolerance(group, groups, lighthouse, minimum, float(timeout), background, rate, dynamic, split)
 
 
 def check_composition(c: Mapping[str, Any]) -> None:

@@ -59,16 +59,19 @@ def layout(config: StrategyConfig, num_nodes: int, num_processes: int) -> Layout
                   pipeline_parallel_size=config.pipeline_parallel_size)
 
 
-def sampler_kwargs(config: StrategyConfig, layout: Layout, global_rank: int) -> dict[str, Any]:
+def sampler_kwargs(config: StrategyConfig, layout: Layout, global_rank: int,
+                   data_groups: list[int] | None = None) -> dict[str, Any]:
     """The DistributedSampler's split: the ranks of a tensor-parallel group, and the stages of a pipeline, read the
     same batch, so it splits over data-parallel ranks; with ``fault_tolerance`` every replica group its own part
-    of the data, live or not (docs/fault_tolerance.md)."""
+    of the data: one of ``replica_groups``, live or not, or one of ``data_groups``, the live ones
+    (``data_split="quorum"``: :mod:`ddp_plugin.fault_tolerance.data`)."""
     tp = layout.tensor_parallel_size
     rank = (global_rank % layout.stage_size) // tp
     ft = config.fault_tolerance
     if ft is not None:
-        n = layout.data_parallel_size
-        return {"num_replicas": n * ft.replica_groups, "rank": ft.replica_group * n + rank}
+        from ddp_plugin.fault_tolerance.data import sampler_split
+
+        return sampler_split(ft, data_groups, layout.data_parallel_size, rank)
     return {"num_replicas": layout.data_parallel_size, "rank": rank}
 
 

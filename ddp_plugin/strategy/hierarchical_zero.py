@@ -42,6 +42,7 @@ from typing_extensions import override
 from ddp_plugin import health
 
 from ddp_plugin.checkpoints import pretrained
+from ddp_plugin.fault_tolerance import data as ft_data
 
 from ddp_plugin.parallel import activation_checkpointing
 
@@ -272,7 +273,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return environment.sampler_kwargs(self.config, self._layout(), self.global_rank)
+        return environment.sampler_kwargs(self.config, self._layout(), self.global_rank, self.fit.data_groups)
 
     @property
     def process_group_backend(self) -> str | None:
@@ -397,6 +398,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         fit.pipeline = stages.start(module, ties, device) if stages is not None else None
         fit.tensor_parallel.watch(self.model)
         if fitting:
+            ft_data.attach(trainer, config.fault_tolerance, fit)
             fit.start(assembly.start_session(config, self.model, groups, device, self._hierarchical_by_flags(),
                                              self.memory_bytes, fit.pipeline, ties, deferred, module,
                                              lambda: self.optimizers))

@@ -10,10 +10,12 @@ as a node lost mid-run.
         [--zero-stage 2] [--devices-per-node 2]
         [--step-sleep 0.05] [--dynamic-steps]
         [--hold 40:FILE[,FILE]] [--tag TAG]
+        [--data-split quorum --samples 48 --shuffle]
 
 Rank 0 of the group writes ``DIR/<group><tag>.pt``: the final parameters (a rank's local parts), the names of
 those tensor parallelism leaves whole, and per optimizer step the time, the global step, the live replicas, the
-steps lost and the heals so far, and the traffic metrics (``comm/...``); every
+steps lost and the heals so far, and the traffic metrics (``comm/...``), and per epoch the sampler's epoch, split
+and sample indices; every
 rank ``r`` its final parameters to ``DIR/<group><tag>.rank<r>.pt``, and with a sync mode its part of the global
 copy and the replica's values of the fragment synced last, with that fragment's global copy, to
 ``DIR/<group><tag>.rank<r>.sync.pt``.
@@ -65,7 +67,13 @@ class Record(L.Callback):
         self.holds = [(int(step), files.split(",")) for step, files in (h.split(":", 1) for h in args.hold)]
         self.announce = args.announce
         self.steps: list[dict] = []
+        self.epochs: list[dict] = []
         self.sync: dict | None = None
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        sampler = trainer.train_dataloader.sampler
+        self.epochs.append({"epoch": sampler.epoch, "num_replicas": sampler.num_replicas, "rank": sampler.rank,
+                            "indices": list(sampler), "global_step": trainer.global_step})
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.announce is not None:
@@ -145,6 +153,9 @@ def main() -> None:
                         " and process group set-ups too)")
     parser.add_argument("--no-background-heal", action="store_true", help="`background_heal=False`: a returning"
                         " group heals inside its first quorum, the live groups waiting")
+    parser.add_argument("--data-split", default="fixed", help="`fault_tolerance['data_split']`")
+    parser.add_argument("--samples", type=int, default=4096, help="the dataset's size")
+    parser.add_argument("--shuffle", action="store_true", help="the training dataloader shuffles")
     parser.add_argument("--tag", default="")
     parser.add_argument("--hold", action="append", default=[], help="STEP:FILE[,FILE]: at the first step from"
                         " STEP on, wait until every FILE exists")
@@ -165,15 +176,16 @@ def main() -> None:
         background.fetch = fetch_then_die
     torch.manual_seed(args.group)  # different initial parameters per group: the first quorum makes them equal
     if args.tp > 1 or args.pp > 1:
-        model, data = GPTModule(), DataLoader(token_dataset(4096), batch_size=BATCH)
+        model, data = GPTModule(), DataLoader(token_dataset(args.samples), batch_size=BATCH, shuffle=args.shuffle)
     else:
         model = Model(mlp(FEATURES, HIDDEN, 1, layers=1, activation=nn.Tanh))
-        data = DataLoader(sine_dataset(4096, FEATURES, seed=3), batch_size=BATCH)
+        data = DataLoader(sine_dataset(args.samples, FEATURES, seed=3), batch_size=BATCH, shuffle=args.shuffle)
     record = Record(args)
     strategy = HierarchicalZeroStrategy(fault_tolerance={
         "replica_group": args.group, "replica_groups": args.groups, "lighthouse": args.lighthouse,
         "min_replicas": args.min_replicas, "quorum_timeout": args.quorum_timeout,
-        "background_heal": not args.no_background_heal, "dynamic_steps": args.dynamic_steps}, timeout=args.timeout,
+        "background_heal": not args.no_background_heal, "dynamic_steps": args.dynamic_steps,
+        "data_split": args.data_split}, timeout=args.timeout,
         sync_every=args.sync_every, sync_fragments=args.sync_fragments, max_staleness=args.max_staleness,
         sync_warmup_steps=args.sync_warmup_steps, compression=args.compression, compression_options=args.compression_options, zero_stage=args.zero_stage,
         shard_scope="node", devices_per_node=args.devices_per_node, tensor_parallel_size=args.tp,
@@ -191,7 +203,7 @@ def main() -> None:
     if trainer.global_rank == 0:
         params = {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()}
         replicated = [n for n, p in model.named_parameters() if not is_tensor_parallel_shard(p)]
-        torch.save({"params": params, "steps": record.steps, "replicated": replicated},
+        torch.save({"params": params, "steps": record.steps, "replicated": replicated, "epochs": record.epochs},
                    os.path.join(args.out, f"{args.group}{args.tag}.pt"))
 
 
