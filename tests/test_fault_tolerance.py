@@ -449,6 +449,37 @@ def test_with_dynamic_steps_a_slow_group_runs_the_steps_that_fit_and_the_groups_
             assert torch.equal(a, b), rank
 
 
+def test_a_group_healing_in_the_background_while_the_only_live_group_waits_in_its_sync_quorum_joins_it(tmp_path):
+    """2 groups, DiLoCo: group 1 is lost at step 11, after the sync of step 10, and started again; it starts healing
+    only once group 0, the only live group, is inside its sync of step 15, waiting in the quorum, which the
+    lighthouse cannot form without group 1 (a member of the last quorum is missing, and one of two beating groups is
+    not more than half). The heal server served nothing while a sync waited for its quorum ("a sync is under
+    way"), so the two waited for each other until the quorum timed out (seen on the simulated cluster: 4 groups,
+    one lost, two healing); now it serves the last sync's state until the quorum is in, and group 1 heals, joins
+    that sync, and both end at the last step with the same parameters."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000, heartbeat_timeout_ms=1000)
+    back, sent = tmp_path / "back", tmp_path / "sent"
+    common = ["--steps", "30", "--step-sleep", "0.05", "--quorum-timeout", "30", "--timeout", "30"]
+    try:
+        procs = launch_gated(tmp_path, 2, lighthouse.address(), 5, lambda g: [
+            *common, *(["--hold", f"12:{back}.0", "--mark-sync", str(sent)] if g == 0 else
+                       ["--kill-at", "11", "--kill-in", "end"])])
+        assert wait(procs[1], tmp_path, 600) == -9
+        procs[1] = launch(tmp_path, 1, 2, lighthouse.address(), 1, 5, *common, "--announce", str(back),
+                          "--wait-start", f"{sent}.15", tag="-back")
+        for proc in procs:
+            assert wait(proc, tmp_path, 600) == 0
+    finally:
+        lighthouse.shutdown()
+    live, returned = torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1-back.pt")
+    assert returned["steps"][-1]["ft/background_heals"] == 1
+    assert live["steps"][-1]["global_step"] == returned["steps"][-1]["global_step"] == 30
+    for key, value in live["params"].items():
+        assert torch.equal(returned["params"][key], value), key
+
+
 def test_with_the_data_split_by_the_quorum_a_new_group_takes_a_share_and_one_that_left_stops_holding_one(tmp_path):
     """``data_split="quorum"``: groups 0 and 1 start (``replica_groups=2``, 48 samples shuffled, 6 batches an epoch
     each); group 2, a new id, joins at step 6 (they wait there until it is set up), and group 1 leaves for good

@@ -164,8 +164,12 @@ class ReplicaGroups:
             # one, a peer gone) or 0 (no live group, or none past a sync: not a returning group).
             status, version = 0, -1
             try:
-                live = [m for m in torchft_adapter.previous_quorum(self.options.lighthouse, 10.0)
+                page = torchft_adapter.status_page(self.options.lighthouse, 10.0)
+                live = [m for m in torchft_adapter.previous_quorum(self.options.lighthouse, 10.0, page)
                         if m[0].split(":")[0] != mine]
+                # (those still beating first: a lost peer's address may take the whole timeout to fail)
+                beating = torchft_adapter.beating_ids(page)
+                live = [m for m in live if m[0] in beating] or live
                 if live:
                     _, manager_address, _ = live[(self.rank + attempt) % len(live)]
                     address = torchft_adapter.heal_address(manager_address, self.rank, DISCOVERY_TIMEOUT)

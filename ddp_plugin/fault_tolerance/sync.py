@@ -100,9 +100,13 @@ class ReplicaGroupSync(OuterSync):
 
     def send(self, fragment: int) -> None:
         # (`fragment`, the schedule's, is this group's own view: the quorum's is the one sent)
-        self._replicas.version.writing()  # (what the heal server serves changes until the sync is applied)
         self._replicas.start_step()
         flight = InFlight(self.quorum_fragment(), self.step, [], None)
+        # What the heal server serves changes from here until the sync is applied. Not before the quorum is in: a group
+        # healing in the background must be able to download the last sync's state and ask for this quorum while
+        # this group waits in it, for the lighthouse may need it there (it forms no quorum of half the beating
+        # groups or fewer: one live group of two, two of four).
+        self._replicas.version.writing()
         # (a background-healed group's first sync of a fragment, or a sync sent before the schedule's step, carries
         # fewer steps than the schedule's)
         self._scale = self._weight_of(flight.fragment)

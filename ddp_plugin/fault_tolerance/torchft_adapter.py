@@ -148,8 +148,14 @@ def waiting_members(lighthouse: str, timeout: float) -> int:
     if found is None:
         return 0
     members = {replica for replica, _, _ in previous_quorum(lighthouse, timeout, page)}
-    beating = set(re.findall(r'<li class="heartbeat\s*">\s*([^\s<]+): seen', page.split("Heartbeats", 1)[-1]))
-    return max(0, int(found.group(1)) - len(beating - members))
+    return max(0, int(found.group(1)) - len(beating_ids(page) - members))
+
+
+def beating_ids(page: str) -> set[str]:
+    """The replica ids whose heartbeats the lighthouse's status ``page`` shows as recent."""
+    import re
+
+    return set(re.findall(r'<li class="heartbeat\s*">\s*([^\s<]+): seen', page.split("Heartbeats", 1)[-1]))
 
 
 def beating_groups(lighthouse: str, timeout: float) -> int:

@@ -11,6 +11,7 @@ as a node lost mid-run.
         [--step-sleep 0.05] [--dynamic-steps]
         [--hold 40:FILE[,FILE]] [--tag TAG]
         [--data-split quorum --samples 48 --shuffle]
+        [--announce FILE] [--wait-start FILE] [--mark-sync FILE]
 
 Rank 0 of the group writes ``DIR/<group><tag>.pt``: the final parameters (a rank's local parts), the names of
 those tensor parallelism leaves whole, and per optimizer step the time, the global step, the live replicas, the
@@ -66,6 +67,7 @@ class Record(L.Callback):
         # (step, files): at the first step from `step` on, wait until every file exists
         self.holds = [(int(step), files.split(",")) for step, files in (h.split(":", 1) for h in args.hold)]
         self.announce = args.announce
+        self.wait_start = args.wait_start
         self.steps: list[dict] = []
         self.epochs: list[dict] = []
         self.sync: dict | None = None
@@ -78,6 +80,8 @@ class Record(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         if self.announce is not None:
             open(f"{self.announce}.{trainer.global_rank}", "w").close()
+        while self.wait_start is not None and not os.path.exists(self.wait_start):
+            time.sleep(0.05)
         if self.gate is None:
             return
         # Every group set up before any trains (the launches of a loaded machine start far apart).
@@ -160,6 +164,10 @@ def main() -> None:
     parser.add_argument("--hold", action="append", default=[], help="STEP:FILE[,FILE]: at the first step from"
                         " STEP on, wait until every FILE exists")
     parser.add_argument("--announce", default=None, help="write ANNOUNCE.<rank> once set up")
+    parser.add_argument("--wait-start", default=None, help="once set up (after --announce), wait for this file"
+                        " before the first step")
+    parser.add_argument("--mark-sync", default=None, help="write MARK_SYNC.<step> as each outer sync is sent, before"
+                        " its quorum, and MARK_SYNC.<step>.sent once its quorum is in")
     parser.add_argument("--gate", default=None, help="wait for this file before the first step (after writing"
                         " GATE.<group>.<rank>)")
     args = parser.parse_args()
@@ -174,6 +182,17 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         background.fetch = fetch_then_die
+    if args.mark_sync is not None:
+        from ddp_plugin.fault_tolerance.sync import ReplicaGroupSync
+
+        send = ReplicaGroupSync.send
+
+        def mark_then_send(self, fragment):
+            open(f"{args.mark_sync}.{self.step}", "w").close()
+            send(self, fragment)
+            open(f"{args.mark_sync}.{self.step}.sent", "w").close()  # (its quorum is in)
+
+        ReplicaGroupSync.send = mark_then_send
     torch.manual_seed(args.group)  # different initial parameters per group: the first quorum makes them equal
     if args.tp > 1 or args.pp > 1:
         model, data = GPTModule(), DataLoader(token_dataset(args.samples), batch_size=BATCH, shuffle=args.shuffle)
