@@ -6,7 +6,7 @@ With ``"lighthouse"`` in the spec it is replica group ``node`` of a run on torch
 node ``node`` of one torchrun job over every node (today's fail-fast run), which checkpoints every
 ``ckpt_every`` steps and, with ``"resume"``, resumes from the last one. Every optimizer step appends a JSON line to
 ``DIR/rec-<node><tag>.jsonl`` (the node's local rank 0): the time, the global step, the loss and the ``ft/``
-metrics. ``"devices"`` ranks per node, ``"batch"``, ``"dynamic_steps"``, ``"compression"``, ``"hierarchical"``, ``"sync_fragments"`` and
+metrics. ``"devices"`` ranks per node, ``"batch"``, ``"dynamic_steps"``, ``"data_split"``, ``"compression"``, ``"hierarchical"``, ``"sync_fragments"`` and
 ``"max_staleness"`` as the strategy's flags; with
 ``"gate"``, every rank writes ``GATE.<node>.<local rank>`` once set up and waits for ``GATE`` before its first step.
 """
@@ -76,7 +76,8 @@ def main() -> None:
         options["fault_tolerance"] = {"replica_group": spec["node"], "replica_groups": spec["nodes"],
                                       "lighthouse": spec["lighthouse"], "quorum_timeout": 60.0,
                                       "background_heal": spec.get("background_heal", True),
-                                      "dynamic_steps": spec.get("dynamic_steps", False)}
+                                      "dynamic_steps": spec.get("dynamic_steps", False),
+                                      "data_split": spec.get("data_split", "fixed")}
         num_nodes = 1
     else:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=spec["ckpt_every"], save_last=True,
