@@ -61,6 +61,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("spec", type=json.loads, help="the run, as JSON (written by benchmarks/fault_tolerance.py)")
     spec = parser.parse_args().spec
+    if os.environ.get("FT_WORKER_LOG"):  # (e.g. INFO: the background heal's tries)
+        import logging
+
+        logging.basicConfig(level=os.environ["FT_WORKER_LOG"])
     torch.set_num_threads(1)
     torch.manual_seed(spec.get("seed", 0))  # every node starts from the same parameters
     model = TinyModule(mlp(8, spec.get("width", 128), 1, layers=2, activation=nn.Tanh), optimizer="adamw",

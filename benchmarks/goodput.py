@@ -64,8 +64,13 @@ def run_torchft(cluster, args, out: Path, background: bool, faults: bool, seed: 
 
     def launch(node: int, tag: str = "", gate: bool = False) -> subprocess.Popen:
         spec = {**base, "node": node, "tag": tag, **({"gate": str(out / "gate")} if gate else {})}
-        return cluster.popen(node, [sys.executable, str(WORKER), json.dumps(spec)],
-                             env=worker_env(cluster, node, (29700 if tag else 29600) + node),
+        port = (29700 if tag else 29600) + node
+        argv = [str(WORKER), json.dumps(spec)]
+        if args.through_command:  # (as a user starts a group: the package's command, its flags)
+            argv = ["-m", "ddp_plugin.fault_tolerance.launch", "--group", str(node), "--groups", str(n - 1),
+                    "--lighthouse", address, "--master-addr", cluster.addresses[node], "--master-port", str(port),
+                    *argv]
+        return cluster.popen(node, [sys.executable, *argv], env=worker_env(cluster, node, port),
                              stdout=open(out / f"log{node}{tag}.txt", "w"), stderr=subprocess.STDOUT)
 
     started = time.time()
@@ -170,6 +175,8 @@ def main() -> None:
     parser.add_argument("--runs", default="no faults,background heal,heal in the quorum,fail-fast + resume")
     parser.add_argument("--repeats", type=int, default=3, help="runs without faults (seeds 0..): the goodput"
                         " compared to is their mean, and their final losses give the spread")
+    parser.add_argument("--through-command", action="store_true", help="start each torchft group with"
+                        " `ddp-plugin-group` (python -m ddp_plugin.fault_tolerance.launch) instead of the worker itself")
     parser.add_argument("--keep", action="store_true", help="keep each run's logs (their folders are printed)")
     parser.add_argument("--out", default=str(HERE / "results" / "goodput.md"))
     args = parser.parse_args()
