@@ -46,8 +46,8 @@ class FitState:
         self.units_initialized = 0
         """ZeRO stage 3 units this fit's setup allocated and initialized one by one (a model built on meta)."""
         self.data_groups: list[int] | None = None
-        """With ``fault_tolerance={"data_split": "quorum"}``: the replica groups the data is split over (``None``: the
-        launch's; :mod:`ddp_plugin.fault_tolerance.data`)."""
+        """With the data split by the quorum: the ids of the groups the data is split over (``None``: the launch's;
+        see the docs on fault tolerance)."""
 
     def new_setup(self) -> None:
         """A new ``setup_environment``: the groups are connected again, the model built again."""
