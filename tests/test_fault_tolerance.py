@@ -462,8 +462,9 @@ def test_a_group_healing_in_the_background_while_the_only_live_group_waits_in_it
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000, heartbeat_timeout_ms=1000)
     back, sent = tmp_path / "back", tmp_path / "sent"
     common = ["--steps", "30", "--step-sleep", "0.05", "--quorum-timeout", "30", "--timeout", "30"]
+    procs = []
     try:
-        procs = launch_gated(tmp_path, 2, lighthouse.address(), 5, lambda g: [
+        procs += launch_gated(tmp_path, 2, lighthouse.address(), 5, lambda g: [
             *common, *(["--hold", f"12:{back}.0", "--mark-sync", str(sent)] if g == 0 else
                        ["--kill-at", "11", "--kill-in", "end"])])
         assert wait(procs[1], tmp_path, 600) == -9
@@ -472,6 +473,10 @@ def test_a_group_healing_in_the_background_while_the_only_live_group_waits_in_it
         for proc in procs:
             assert wait(proc, tmp_path, 600) == 0
     finally:
+        for proc in procs:  # (one failed: the other may wait for it for ever)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         lighthouse.shutdown()
     live, returned = torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1-back.pt")
     assert returned["steps"][-1]["ft/background_heals"] == 1
