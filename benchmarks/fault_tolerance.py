@@ -168,6 +168,20 @@ def run_torchft(cluster, args, route: dict, out: Path, kills: list[int], seed: i
     return result
 
 
+def launch_job(cluster, out: Path, nodes: int, devices: int, port: int, spec: dict) -> list[subprocess.Popen]:
+    """One torchrun job of ``benchmarks/ft_worker.py`` over nodes 0..``nodes``-1 (``spec`` with each node's
+    ``node`` and the job's ``nodes``), its logs ``out/log<node><tag>.txt``."""
+    procs = []
+    for node in range(nodes):
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node}",
+                   f"--nproc_per_node={devices}", f"--master_addr={cluster.addresses[0]}", f"--master_port={port}",
+                   "--max_restarts=0", str(WORKER), json.dumps({**spec, "node": node, "nodes": nodes})]
+        env = cluster.launch_env(node, {"PYTHONPATH": str(HERE.parent)})
+        procs.append(cluster.popen(node, command, env=env, stdout=open(out / f"log{node}{spec['tag']}.txt", "w"),
+                                   stderr=subprocess.STDOUT))
+    return procs
+
+
 def run_failfast(cluster, args, route: dict, out: Path, kills: list[int], port: int) -> dict:
     """Today's run: one torchrun job over every node, a checkpoint every ``--ckpt-every`` steps; at each kill the
     others fail and the job is started again from ``last.ckpt``."""
@@ -175,17 +189,9 @@ def run_failfast(cluster, args, route: dict, out: Path, kills: list[int], port: 
     devices = route.get("devices", 1)
 
     def launch(tag: str, resume: bool, port: int) -> list[subprocess.Popen]:
-        procs = []
-        for node in range(n):
-            spec = {**route, "out": str(out), "node": node, "nodes": n, "steps": args.steps,
-                    "ckpt_every": args.ckpt_every, "resume": resume, "tag": tag, "sleep": args.step_sleep}
-            command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={n}", f"--node_rank={node}",
-                       f"--nproc_per_node={devices}", f"--master_addr={cluster.addresses[0]}", f"--master_port={port}",
-                       "--max_restarts=0", str(WORKER), json.dumps(spec)]
-            env = cluster.launch_env(node, {"PYTHONPATH": str(HERE.parent)})
-            procs.append(cluster.popen(node, command, env=env, stdout=open(out / f"log{node}{tag}.txt", "w"),
-                                       stderr=subprocess.STDOUT))
-        return procs
+        spec = {**route, "out": str(out), "steps": args.steps, "ckpt_every": args.ckpt_every, "resume": resume,
+                "tag": tag, "sleep": args.step_sleep}
+        return launch_job(cluster, out, n, devices, port, spec)
 
     started = time.time()
     procs, tag = launch("", False, port), ""

@@ -42,6 +42,7 @@ sys.path.insert(0, str(HERE))
 from fault_tolerance import (  # noqa: E402
     WORKER,
     kill_node,
+    launch_job,
     records,
     start_lighthouse,
     wait_all,
@@ -118,18 +119,10 @@ def run_failfast(cluster, args, out: Path, port: int) -> dict:
     join, *kills = events(args)
 
     def launch(nodes: int, tag: str, resume: bool, port: int) -> list[subprocess.Popen]:
-        procs = []
-        for node in range(nodes):
-            spec = {"out": str(out), "node": node, "nodes": nodes, "steps": args.steps, "sync_every": args.sync_every,
-                    "compression": "int8", "batch": args.batch, "ckpt_every": args.ckpt_every, "resume": resume,
-                    "tag": tag, "sleep": args.step_sleep}
-            command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node}",
-                       "--nproc_per_node=1", f"--master_addr={cluster.addresses[0]}", f"--master_port={port}",
-                       "--max_restarts=0", str(WORKER), json.dumps(spec)]
-            env = cluster.launch_env(node, {"PYTHONPATH": str(HERE.parent)})
-            procs.append(cluster.popen(node, command, env=env, stdout=open(out / f"log{node}{tag}.txt", "w"),
-                                       stderr=subprocess.STDOUT))
-        return procs
+        spec = {"out": str(out), "steps": args.steps, "sync_every": args.sync_every, "compression": "int8",
+                "batch": args.batch, "ckpt_every": args.ckpt_every, "resume": resume, "tag": tag,
+                "sleep": args.step_sleep}
+        return launch_job(cluster, out, nodes, 1, port, spec)
 
     started = time.time()
     plan = [(n - 1, join, None), (n, kills[0], n - 2), (n, kills[1], n - 3), (n, None, None)]
@@ -138,7 +131,6 @@ def run_failfast(cluster, args, out: Path, port: int) -> dict:
     for i, (nodes, until, victim) in enumerate(plan):
         tag = f"-launch{i}"
         procs = launch(nodes, tag, i > 0, port + i)
-        first = None
         if until is not None:
             wait_for_step(out, 0, until, procs, tag)
             if victim is not None:
