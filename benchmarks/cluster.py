@@ -74,6 +74,8 @@ CONTENDERS: dict[str, tuple[str, str, str | None]] = {
     "ours_diloco16_streaming": ("ours, streaming DiLoCo (`sync_every=16, sync_fragments=16, max_staleness=1`)",
                                 "ours_diloco16_streaming", "capped"),
     "ours_diloco16_streaming_int8": ("ours, streaming DiLoCo + int8", "ours_diloco16_streaming_int8", "capped"),
+    "ours_diloco16_streaming_sparse": ("ours, streaming DiLoCo + sparse 1.5 %, 2 bits (SparseLoCo: decay 0.95, "
+                                       "`outer_optimizer=\"average\"`)", "ours_diloco16_streaming_sparse", "capped"),
     "uncapped_floor": ("uncapped floor: Lightning `ddp`, link not capped", "lightning_ddp", None),
     # ZeRO group: not in the default selection (see the module docstring).
     "deepspeed_zero1": ("DeepSpeed ZeRO-1", "deepspeed_zero1", "capped"),
@@ -95,7 +97,7 @@ CONTENDERS.update({f"{name}_keep_heap": (f"{label}, `release_cpu_memory=False`",
 GLIBC_CONTENDERS = tuple(c for c in CONTENDERS if c.endswith(("_release", "_keep_heap")))
 ZERO_CONTENDERS = tuple(c for c in CONTENDERS if c.startswith(("deepspeed_zero", "ours_zero")))
 SYNC_CONTENDERS = {"ours_diloco16": (16, 1, 1), "ours_diloco16_streaming": (16, 1, 16),
-                   "ours_diloco16_streaming_int8": (16, 4, 16)}
+                   "ours_diloco16_streaming_int8": (16, 4, 16), "ours_diloco16_streaming_sparse": (16, 100, 16)}
 """Sync-mode contenders: (sync_every H, codec ratio c, fragments F); the acceptance bound on cross-node bytes is
 S / (c H), plus, without a codec (the outer state sharded over the nodes), the padding of each part to n equal
 shares: at most n - 1 fp32 values per part, each way (:func:`_share_padding_mb`)."""

@@ -77,6 +77,11 @@ LIGHTNING_CONTENDERS = {
     "ours_diloco16_streaming": {"sync_every": 16, "sync_fragments": 16, "max_staleness": 1},
     "ours_diloco16_streaming_int8": {"sync_every": 16, "sync_fragments": 16, "max_staleness": 1,
                                      "compression": "int8"},
+    # SparseLoCo's recipe on the same schedule: 1.5 % of each chunk of 4096 in 2 bits, error feedback decayed by 0.95
+    # standing in for the outer momentum (plain averaged descent).
+    "ours_diloco16_streaming_sparse": {"sync_every": 16, "sync_fragments": 16, "max_staleness": 1,
+                                       "compression": "sparse", "compression_options": {"decay": 0.95},
+                                       "outer_optimizer": "average"},
 }
 # The glibc setting per path (`release_cpu_memory`): each stage-0 path with it on, ZeRO-2/3 with it off (their default
 # is on), to choose the default by measurement.
