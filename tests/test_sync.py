@@ -133,6 +133,13 @@ VARIANTS = {
 }
 
 
+SPARSELOCO = {"sync_every": 4, "outer_optimizer": "average", "compression": "sparse",
+              "compression_options": {"decay": 0.95, "density": 0.1, "chunk": 64, "bits": 2}}
+"""SparseLoCo's recipe (the decayed error feedback standing in for the outer momentum), chunks small enough for
+the tiny model to have several; and the same streamed, 2 fragments a step late."""
+SPARSELOCO_STREAMING = {**SPARSELOCO, "sync_fragments": 2, "max_staleness": 1}
+
+
 SHARDED = ({"sync_every": 4, "sync_fragments": 2, "max_staleness": 1, "zero_stage": 2, "shard_scope": "node",
             "checkpoint": "sharded"}, "adamw")
 UNEVEN_SIZES = "4,4,2,1"  # node 0: 8 samples a step, node 1: 3
@@ -151,6 +158,8 @@ def runs(tmp_path_factory) -> dict:
                               "--batch-sizes", UNEVEN_SIZES)
     todo["today"] = run_args(d, "today", {})
     todo["one"] = run_args(d, "one", {"sync_every": 1, "outer_optimizer": "average"})
+    todo["sparseloco"] = run_args(d, "sparseloco", SPARSELOCO)
+    todo["sparseloco_streaming"] = run_args(d, "sparseloco_streaming", SPARSELOCO_STREAMING)
     for stage, flags in COMPOSE_STAGES.items():
         todo[f"compose_{stage}"] = run_args(d, f"compose_{stage}", {"sync_every": 4, **flags}, "adamw", 8,
                                             "--trainer", json.dumps(COMPOSE_TRAINER), "--scheduler")
@@ -223,6 +232,26 @@ def test_nothing_crosses_nodes_but_the_outer_syncs(runs, name):
             total = float(sent[-1, node * RANKS_PER_NODE : (node + 1) * RANKS_PER_NODE].sum())
             extra = total - round(total / whole) * whole
             assert 0 <= extra <= padding, (node, total, whole)
+
+
+def test_sparseloco_leaves_every_rank_with_the_same_bits_after_each_sync_and_sends_a_fraction(runs):
+    """``compression="sparse"`` with a decayed accumulator and ``outer_optimizer="average"``: each node gathers the
+    others' sparse pseudo-gradients and decodes them in rank order, so every rank holds the same bits right after
+    each sync (and the nodes drift apart in between); streamed with staleness, the ranks of a node stay one replica
+    every step. What crossed is a fraction of what the same fp32 syncs send."""
+    got = runs["sparseloco"]["history"]
+    for t in (4, 8, 12):
+        assert all(torch.equal(got[t - 1, r], got[t - 1, 0]) for r in range(WORLD)), t
+    assert not torch.equal(got[2, 0], got[2, RANKS_PER_NODE])
+    assert not torch.equal(got[-1], runs["local_sgd"]["history"][-1])  # (coded: not the plain mean's result)
+    for name in ("sparseloco", "sparseloco_streaming"):
+        history = runs[name]["history"]
+        assert torch.isfinite(history).all()
+        for node in range(NODES):
+            first = node * RANKS_PER_NODE
+            assert all(torch.equal(history[:, r], history[:, first]) for r in range(first + 1, first + RANKS_PER_NODE)), name
+    coded, plain = runs["sparseloco"]["cross_node_MB"][-1].sum(), runs["local_sgd"]["cross_node_MB"][-1].sum()
+    assert 0 < coded < plain / 2, (coded, plain)
 
 
 def test_warmup_steps_are_synchronous_and_the_sync_mode_starts_after_them(runs):
