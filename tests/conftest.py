@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -44,6 +45,66 @@ TIMES_ENV = "DDP_PLUGIN_TEST_TIMES"
 module fixtures included, summed over the tests of the file as the workers ran them). `.ci/run` sets it."""
 _file_seconds: dict[str, float] = {}
 _file_tests: dict[str, int] = {}
+FIXTURE_SECONDS = 5.0
+"""A fixture whose setup took at least this long gets a row of its own in the table."""
+
+
+def _side_file(kind: str) -> str | None:
+    """Beside the table: ``.fixtures`` (each worker's fixture setups) and ``.launches`` (the zygote's log of the
+    Pythons the tests started, :data:`tests.zygote.LAUNCHES_ENV`)."""
+    target = os.environ.get(TIMES_ENV)
+    return f"{target}.{kind}" if target else None
+
+
+if _side_file("launches"):
+    from tests.zygote import LAUNCHES_ENV
+
+    os.environ[LAUNCHES_ENV] = _side_file("launches")
+
+
+def pytest_configure(config) -> None:
+    if not hasattr(config, "workerinput"):  # (the controller, before any worker runs a test: a fresh log)
+        for kind in ("fixtures", "launches"):
+            if _side_file(kind):
+                open(_side_file(kind), "w").close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    start = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - start
+    target = _side_file("fixtures")
+    if target and seconds >= 1.0:
+        with open(target, "a") as out:  # (one short line per write: the workers' lines do not interleave)
+            out.write(f"{request.node.nodeid.split('::', 1)[0]}\t{fixturedef.argname}\t{fixturedef.scope}"
+                      f"\t{seconds:.3f}\n")
+
+
+def _launches() -> dict[str, list[int]]:
+    """``{file: [Pythons started, of them fresh interpreters]}`` from the zygote's log."""
+    counts: dict[str, list[int]] = {}
+    path = _side_file("launches")
+    for line in open(path).read().splitlines() if path and os.path.exists(path) else []:
+        test, _, forked = line.rpartition("\t")
+        row = counts.setdefault(test.split("::", 1)[0] or "(outside a test)", [0, 0])
+        row[0] += 1
+        row[1] += forked == "0"
+    return counts
+
+
+def _fixture_rows() -> list[str]:
+    """The fixtures whose setups took :data:`FIXTURE_SECONDS` or more, summed over their instances."""
+    path = _side_file("fixtures")
+    found: dict[tuple[str, str, str], list[float]] = {}
+    for line in open(path).read().splitlines() if path and os.path.exists(path) else []:
+        file, name, scope, seconds = line.split("\t")
+        found.setdefault((file, name, scope), []).append(float(seconds))
+    rows = sorted(((sum(v), len(v), k) for k, v in found.items() if sum(v) >= FIXTURE_SECONDS), reverse=True)
+    lines = ["| file | fixture (scope) | setups | seconds |", "| --- | --- | ---: | ---: |"]
+    lines += [f"| `{file}` | `{name}` ({scope}) | {count} | {total:.0f} |"
+              for total, count, (file, name, scope) in rows]
+    return lines
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -59,10 +120,15 @@ def pytest_sessionfinish(session) -> None:
         return
     total = sum(_file_seconds.values())
     rows = sorted(_file_seconds.items(), key=lambda item: -item[1])
-    lines = ["| file | tests | seconds | share |", "| --- | ---: | ---: | ---: |"]
+    launches = _launches()
+    lines = ["| file | tests | seconds | share | Pythons through the zygote (fresh) |", "| --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| `{path}` | {_file_tests.get(path, 0)} | {seconds:.0f} | {seconds / total:.1%} |"
+              f" {launches.get(path, [0, 0])[0]} ({launches.get(path, [0, 0])[1]}) |"
               for path, seconds in rows]
-    lines.append(f"| all | {sum(_file_tests.values())} | {total:.0f} | 100% |")
+    started = [sum(row[i] for row in launches.values()) for i in (0, 1)]
+    lines.append(f"| all | {sum(_file_tests.values())} | {total:.0f} | 100% | {started[0]} ({started[1]}) |")
+    lines += ["", f"Fixtures whose setups took {FIXTURE_SECONDS:.0f} s or more (a module fixture's launches are"
+              " counted in its file's row above):", "", *_fixture_rows()]
     with open(target, "w") as out:
         out.write("\n".join(lines) + "\n")
 

@@ -39,6 +39,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOCKET_ENV = "DDP_TEST_ZYGOTE_SOCKET"
+LAUNCHES_ENV = "DDP_PLUGIN_TEST_LAUNCHES"
+"""A path: where a caller's environment names one, the zygote appends a line per Python started through the shim
+(the test running, as pytest's ``PYTEST_CURRENT_TEST`` names it, and 1 if forked, 0 if a fresh interpreter), for
+the suite's time table (tests/conftest.py)."""
 
 IMPORT_TIME_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "TORCH", "PYTORCH", "CUDA", "NCCL")
 """Variables an import may read (prefixes): a run that sets or changes one of them from the zygote's value gets a
@@ -145,6 +149,16 @@ def _changed(env: dict[str, str], base: dict[str, str]) -> list[str]:
                   and k not in ("PYTHONUNBUFFERED", SOCKET_ENV) and env.get(k) != base.get(k))
 
 
+def _count(env: dict[str, str], forked: bool) -> None:
+    """A line in the launch log the caller's environment names (:data:`LAUNCHES_ENV`), if any."""
+    if env.get(LAUNCHES_ENV):
+        try:
+            with open(env[LAUNCHES_ENV], "a") as log:
+                log.write(f"{env.get('PYTEST_CURRENT_TEST', '')}\t{int(forked)}\n")
+        except OSError:
+            pass
+
+
 def _answer(conn: socket.socket, number: int) -> None:
     try:
         conn.sendall(struct.pack("!q", number))
@@ -200,7 +214,9 @@ def serve(path: str) -> None:
                 except (OSError, ValueError, struct.error):
                     conn.close()
                     continue
-                if len(fds) != 3 or _changed(request["env"], base_env) or request.get("namespaces") != here:
+                fresh = len(fds) != 3 or _changed(request["env"], base_env) or request.get("namespaces") != here
+                _count(request["env"], not fresh)
+                if fresh:
                     for fd in fds:
                         os.close(fd)
                     _answer(conn, 0)  # 0: not forked, the shim execs the real interpreter
