@@ -704,34 +704,75 @@ def test_a_heal_server_serves_its_tensors_whole_and_a_download_a_sync_overlapped
         server.close()
 
 
-def test_a_returning_group_finds_the_live_groups_and_their_heal_servers_through_the_lighthouse():
-    """The last quorum's members as the lighthouse shows them, and a member's heal server as its rank's transport
-    metadata names it (torchft's own lighthouse, manager server and transport)."""
+def test_a_returning_group_finds_a_live_groups_heal_server_while_that_group_waits_in_a_quorum_held_for_it():
+    """Groups A and B form a quorum; B is lost and C, returning, beats but has not asked yet (it heals first), so
+    the lighthouse holds A's next quorum for C up to its join timeout (the goodput benchmark's situation: a group
+    returning as another is lost). C reads A's heal server, rank by rank, from A's store as the lighthouse shows
+    it, while A waits; a rank with no heal server there reads none. torchft's own lighthouse, manager server and
+    store (the store route replaced asking A's manager server for its transport metadata, a private call of
+    torchft's)."""
+    import threading
     from datetime import timedelta
 
-    from torchft._torchft import LighthouseClient, LighthouseServer
+    from torch.distributed import TCPStore
+    from torchft._torchft import LighthouseClient, LighthouseServer, ManagerClient, ManagerServer
 
-    from ddp_plugin.fault_tolerance.torchft_adapter import HEAL_SEPARATOR, http_transport, previous_quorum
+    from ddp_plugin.fault_tolerance.torchft_adapter import (heal_address, previous_quorum, publish_heal_address,
+                                                            status_page)
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000, heartbeat_timeout_ms=1000)
+    address, seconds = lighthouse.address(), timedelta(seconds=10)
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # (group A's rendezvous store)
+    beating = {"B:1": True, "replica_group_1:c": False}
+    done = threading.Event()
+
+    def beat():
+        clients = {g: LighthouseClient(address, connect_timeout=seconds) for g in beating}
+        while not done.is_set():
+            for group, on in beating.items():
+                if on:
+                    clients[group].heartbeat(group)
+            time.sleep(0.1)
+
+    def ask(step: int, asked: list):
+        client = ManagerClient(manager.address(), connect_timeout=seconds)
+        client._quorum(group_rank=0, step=step, checkpoint_metadata="", shrink_only=False,
+                       timeout=timedelta(seconds=120), commit_failures=0, init_sync=True)
+        asked.append(step)
+
+    manager = ManagerServer(replica_id="replica_group_0:a", lighthouse_addr=address, hostname="127.0.0.1",
+                            bind="[::]:0", store_addr=f"127.0.0.1:{port}", world_size=1,
+                            heartbeat_interval=timedelta(milliseconds=100), connect_timeout=seconds, quorum_retries=0)
+    threading.Thread(target=beat, daemon=True).start()
     try:
-        assert previous_quorum(lighthouse.address(), 10) == []
-        client = LighthouseClient(lighthouse.address(), connect_timeout=timedelta(seconds=10))
-        client.quorum(replica_id="replica_group_1:abc", timeout=timedelta(seconds=10), address="http://hostA:1234",
-                      store_address="hostA:5678", step=7, world_size=2, shrink_only=False)
-        assert previous_quorum(lighthouse.address(), 10) == [("replica_group_1:abc", "http://hostA:1234", 7)]
+        publish_heal_address(f"127.0.0.1:{port}", 0, "http://127.0.0.1:4321", seconds)
+        asked: list = []
+        first = threading.Thread(target=ask, args=(5, asked), daemon=True)
+        first.start()
+        LighthouseClient(address, connect_timeout=seconds).quorum(
+            replica_id="B:1", timeout=timedelta(seconds=60), address="http://b:1", store_address="b:2", step=5,
+            world_size=1, shrink_only=False)
+        first.join(60)
+        assert asked == [5]
+        assert {m[0] for m in previous_quorum(address, 10)} == {"replica_group_0:a", "B:1"}
+        beating["B:1"], beating["replica_group_1:c"] = False, True  # B lost; C back, beating, not asking
+        time.sleep(1.5)
+        threading.Thread(target=ask, args=(6, asked), daemon=True).start()
+        deadline = time.time() + 30
+        while not re.search(r"\[\d+/[1-9]\d* participants healthy\]", status_page(address, 10)):
+            assert time.time() < deadline, "group A never asked"
+            time.sleep(0.05)
+        started = time.time()
+        assert heal_address(status_page(address, 10), "replica_group_0:a", 0, timedelta(seconds=5)) == \
+            "http://127.0.0.1:4321"
+        assert heal_address(status_page(address, 10), "replica_group_0:a", 1, timedelta(seconds=5)) is None
+        assert time.time() - started < 5 and asked == [5]  # (found while A still waited in the quorum held for C)
     finally:
+        done.set()
+        manager.shutdown()
         lighthouse.shutdown()
-    transport = http_transport("127.0.0.1", timedelta(seconds=5), heal="http://127.0.0.1:4321")
-    plain = http_transport("127.0.0.1", timedelta(seconds=5))
-    try:
-        assert transport.metadata() == transport.address() + HEAL_SEPARATOR + "http://127.0.0.1:4321"
-        assert plain.metadata() == plain.address()
-    finally:
-        transport.shutdown(wait=False)
-        plain.shutdown(wait=False)
-    # (heal_address, which asks a live group's manager server for that metadata, runs in every background heal of
-    # the runs above: test_with_a_sync_mode_no_live_group_waited_for_the_returning_groups_download)
+        del store
 
 
 def test_a_group_sees_when_a_member_of_the_last_quorum_asks_for_the_next_and_not_a_returning_group_asking_early():

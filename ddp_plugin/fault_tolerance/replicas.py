@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DISCOVERY_TIMEOUT = timedelta(seconds=10)
-"""How long a returning group waits for a live group's manager server to name its heal server."""
+"""How long a returning group waits for a live group's store to name its heal server."""
 
 HEAL_ATTEMPTS = 8
 """Downloads a background heal tries before healing in the next quorum instead (each one that overlapped a sync
@@ -104,7 +104,7 @@ class ReplicaGroups:
             rate = options.heal_rate * 2**20 if options.heal_rate else None
             self.server = background.HealServer(host, self._sync_state, self.version, rate)
         self.manager, pg = torchft_adapter.manager(
-            device, heal=self.server.address if self.server is not None else None, load_state_dict=self._healed, state_dict=self._state, min_replica_size=options.min_replicas,
+            device, load_state_dict=self._healed, state_dict=self._state, min_replica_size=options.min_replicas,
             rank=rank, world_size=size, replica_id=f"replica_group_{options.replica_group}",
             lighthouse_addr=options.lighthouse, timeout=timeout,
             quorum_timeout=timedelta(seconds=options.quorum_timeout), connect_timeout=timeout,
@@ -116,6 +116,9 @@ class ReplicaGroups:
             # quorum_timeout (torchft's manager server retries; without, the first refusal fails the quorum).
             quorum_retries=max(1, int(options.quorum_timeout)),
         )
+        if self.server is not None:  # (where a returning group finds it: the store the lighthouse shows for this group)
+            torchft_adapter.publish_heal_address(f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", rank,
+                                                 self.server.address, timeout)
         self.pg = pg
         """torchft's process group of this group rank over the live groups (what a codec's collectives run on)."""
         self.comm: ReplicaGroupCommunicator | None = None
@@ -171,8 +174,8 @@ class ReplicaGroups:
                 beating = torchft_adapter.beating_ids(page)
                 live = [m for m in live if m[0] in beating] or live
                 if live:
-                    _, manager_address, _ = live[(self.rank + attempt) % len(live)]
-                    address = torchft_adapter.heal_address(manager_address, self.rank, DISCOVERY_TIMEOUT)
+                    peer = live[(self.rank + attempt) % len(live)][0]
+                    address = torchft_adapter.heal_address(page, peer, self.rank, DISCOVERY_TIMEOUT)
                     if address is not None:
                         served, state, got = background.fetch(address, self.timeout.total_seconds())
                         # (the peer's count of committed syncs, the same on every group holding that sync's state;

@@ -10,14 +10,11 @@ why:
 - The process group's ``configure`` is given a store prefix with the quorum's step (:func:`unique_rendezvous`), for
   the same reason: its rendezvous keys are the quorum id's.
 - ``HTTPTransport._server`` (the checkpoint transport's HTTP server) gives the port advertised at a host the other
-  groups reach (:func:`http_transport`): torchft 0.2 advertises the machine's host name. The transport's metadata
-  (what torchft's manager server hands a peer for a rank) also carries the rank's heal server
-  (:mod:`~ddp_plugin.fault_tolerance.background`), after :data:`HEAL_SEPARATOR`.
-- ``ManagerClient._checkpoint_metadata`` (a peer group's manager server, asked for a rank's transport metadata)
-  finds a live peer's heal server (:func:`heal_address`), and the lighthouse's status page (its HTML, the only
-  place torchft 0.2 shows the last quorum's members to a group outside it) which groups are live
-  (:func:`previous_quorum`), whether one of them has asked for the next quorum (:func:`waiting_members`) and
-  how many groups beat (:func:`beating_groups`).
+  groups reach (:func:`http_transport`): torchft 0.2 advertises the machine's host name.
+- The lighthouse's status page (its HTML, the only place torchft 0.2 shows the last quorum's members to a group
+  outside it) says which groups are live (:func:`previous_quorum`), where their stores are (:func:`heal_address`
+  reads a live peer's heal server there), whether one of them has asked for the next quorum
+  (:func:`waiting_members`) and how many groups beat (:func:`beating_groups`).
 - ``Manager._quorum_future`` says whether a quorum asked for is in (:func:`quorum_ready`).
 
 Everything else (``Manager`` and its quorum, commit, all-reduce and error calls, ``ProcessGroupGloo``/``NCCL``,
@@ -34,21 +31,19 @@ import torch
 CHECKED_VERSIONS = ("0.2.0",)
 """The torchft releases this module was checked against."""
 
-HEAL_SEPARATOR = "|heal="
-"""Between torchft's checkpoint address and the heal server's in a rank's transport metadata."""
+HEAL_KEY = "ddp_plugin/heal/{rank}"
+"""The key under which each group rank's heal server is in its group's store (the one the lighthouse shows)."""
 
 
-def manager(device: torch.device, *, hostname: str, timeout: timedelta, heal: str | None = None,
-            **options: Any) -> tuple[Any, Any]:
+def manager(device: torch.device, *, hostname: str, timeout: timedelta, **options: Any) -> tuple[Any, Any]:
     """A torchft ``Manager`` (``options``: its keyword arguments) and its process group (NCCL on a CUDA ``device``,
     else gloo), with the rendezvous keyed by quorum step as well as id, the checkpoint transport advertised at
-    ``hostname`` (with ``heal``, this rank's heal server's address, in its metadata) and the quorum recorder in
-    place."""
+    ``hostname`` and the quorum recorder in place."""
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
     pg = unique_rendezvous(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
-    made = Manager(pg=pg, hostname=hostname, timeout=timeout,
-                   checkpoint_transport=http_transport(hostname, timeout, heal), **options)
+    made = Manager(pg=pg, hostname=hostname, timeout=timeout, checkpoint_transport=http_transport(hostname, timeout),
+                   **options)
     pg.quorums = made._client = QuorumRecorder(made._client, made)
     return made, pg
 
@@ -97,21 +92,14 @@ def unique_rendezvous(base: type) -> type:
     return UniqueRendezvous
 
 
-def http_transport(host: str, timeout: timedelta, heal: str | None = None) -> Any:
+def http_transport(host: str, timeout: timedelta) -> Any:
     """torchft's HTTP checkpoint transport (what its Manager makes by default), advertised at ``host``: torchft 0.2
-    advertises the machine's host name, which another node may not reach (a network namespace's, say). With
-    ``heal``, its metadata names this rank's heal server too."""
+    advertises the machine's host name, which another node may not reach (a network namespace's, say)."""
     from torchft.checkpointing import HTTPTransport
 
     class Transport(HTTPTransport):
         def address(self) -> str:
             return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
-
-        def metadata(self) -> str:
-            return self.address() + (f"{HEAL_SEPARATOR}{heal}" if heal else "")
-
-        def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
-            return super().recv_checkpoint(src_rank, metadata.split(HEAL_SEPARATOR)[0], step, timeout)
 
     return Transport(timeout=timeout, num_chunks=0)
 
@@ -166,13 +154,40 @@ def beating_groups(lighthouse: str, timeout: float) -> int:
     return int(found.group(1)) if found else 0
 
 
-def heal_address(manager_address: str, rank: int, timeout: timedelta) -> str | None:
-    """The heal server of group rank ``rank`` of the group whose manager server is at ``manager_address`` (what
-    that rank's transport metadata names), or ``None`` if it names none."""
-    from torchft._torchft import ManagerClient
+def member_stores(page: str) -> dict[str, str]:
+    """``{replica id: its group's store, host:port}`` of the last quorum's members on the lighthouse's status
+    ``page`` (the store torchft's Manager was given: the group's rendezvous store)."""
+    import re
 
-    metadata = ManagerClient(manager_address, connect_timeout=timeout)._checkpoint_metadata(rank, timeout=timeout)
-    return metadata.split(HEAL_SEPARATOR, 1)[1] if HEAL_SEPARATOR in metadata else None
+    if "Previous Quorum" not in page:
+        return {}
+    page = page.split("Previous Quorum", 1)[1].split("Heartbeats", 1)[0]
+    return dict(re.findall(r"<b>([^<]+)</b>.*?TCPStore:\s*(\S+)\s*<br/>", page, flags=re.S))
+
+
+def _store(address: str, timeout: timedelta) -> Any:
+    from torch.distributed import TCPStore
+
+    host, port = address.rsplit(":", 1)
+    return TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def publish_heal_address(store_address: str, rank: int, address: str, timeout: timedelta) -> None:
+    """Put group rank ``rank``'s heal server at ``address`` into its group's store (``host:port``)."""
+    _store(store_address, timeout).set(HEAL_KEY.format(rank=rank), address)
+
+
+def heal_address(page: str, replica_id: str, rank: int, timeout: timedelta) -> str | None:
+    """The heal server of group rank ``rank`` of the last quorum's member ``replica_id``, as its group's store
+    (which the lighthouse's status ``page`` names) holds it, or ``None`` if it holds none: the rendezvous store
+    every group reaches already (torchft's process group across groups meets in one), through torch's public
+    ``TCPStore``, rather than a private call to the group's torchft manager server."""
+    store_address = member_stores(page).get(replica_id)
+    if store_address is None:
+        return None
+    store = _store(store_address, timeout)
+    key = HEAL_KEY.format(rank=rank)
+    return store.get(key).decode() if store.check([key]) else None
 
 
 def quorum_ready(made: Any) -> bool:
