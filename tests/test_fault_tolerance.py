@@ -493,6 +493,38 @@ def test_a_group_healing_in_the_background_while_the_only_live_group_waits_in_it
         assert torch.equal(returned["params"][key], value), key
 
 
+def test_a_group_returning_after_its_peers_ended_does_not_try_to_heal_from_them(tmp_path):
+    """2 groups, DiLoCo: group 1 is lost at step 6, group 0 trains on to the last step and exits; group 1 then starts
+    again. The last quorum's only other member beats no more: the returning group says so and does not try to
+    download from it (it tried every member of the last quorum, beating or not, up to 8 failed tries or
+    `quorum_timeout`: on the simulated cluster, in runs shorter than a node's return, a minute idle), then trains
+    alone from its first quorum."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
+    common = ["--steps", "20", "--step-sleep", "0", "--quorum-timeout", "30", "--timeout", "30"]
+    procs = []
+    try:
+        procs += launch_gated(tmp_path, 2, lighthouse.address(), 5, lambda g: [
+            *common, *(["--kill-at", "6", "--kill-in", "end"] if g == 1 else [])])
+        assert wait(procs[1], tmp_path, 600) == -9
+        assert wait(procs[0], tmp_path, 600) == 0
+        time.sleep(2)  # (the lighthouse hears group 0 no more)
+        procs[1] = launch(tmp_path, 1, 2, lighthouse.address(), 1, 5, *common, tag="-back")
+        assert wait(procs[1], tmp_path, 600) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        lighthouse.shutdown()
+    log = (tmp_path / "log1-back.txt").read_text()
+    assert "no group of the last quorum beats any more" in log, log[-3000:]
+    assert "did not settle" not in log
+    returned = torch.load(tmp_path / "1-back.pt")
+    assert returned["steps"][-1]["global_step"] == 20 and returned["steps"][-1]["ft/background_heals"] == 0
+
+
 def test_with_the_data_split_by_the_quorum_a_new_group_takes_a_share_and_one_that_left_stops_holding_one(tmp_path):
     """``data_split="quorum"``: groups 0 and 1 start (``replica_groups=2``, 48 samples shuffled, 6 batches an epoch
     each); group 2, a new id, joins at step 6 (they wait there until it is set up), and group 1 leaves for good

@@ -161,7 +161,7 @@ class ReplicaGroups:
         started = time.monotonic()
         deadline = started + self.options.quorum_timeout
         mine = f"replica_group_{self.options.replica_group}"
-        state, got, torn, attempt, address, served = None, 0, 0, 0, "", -1
+        state, got, torn, attempt, address, served, ended = None, 0, 0, 0, "", -1, False
         while True:
             # Each rank: 2 and the sync it holds (torchft's count), 1 (try again: a sync under way, a download torn by
             # one, a peer gone) or 0 (no live group, or none past a sync: not a returning group).
@@ -170,9 +170,11 @@ class ReplicaGroups:
                 page = torchft_adapter.status_page(self.options.lighthouse, 10.0)
                 live = [m for m in torchft_adapter.previous_quorum(self.options.lighthouse, 10.0, page)
                         if m[0].split(":")[0] != mine]
-                # (those still beating first: a lost peer's address may take the whole timeout to fail)
+                # (only those still beating: a group lost or ended serves nothing, and its address may take the whole
+                # timeout to fail; none beating, none is live)
                 beating = torchft_adapter.beating_ids(page)
-                live = [m for m in live if m[0] in beating] or live
+                ended = ended or (bool(live) and not any(m[0] in beating for m in live))
+                live = [m for m in live if m[0] in beating]
                 if live:
                     peer = live[(self.rank + attempt) % len(live)][0]
                     address = torchft_adapter.heal_address(page, peer, self.rank, DISCOVERY_TIMEOUT)
@@ -196,8 +198,11 @@ class ReplicaGroups:
             dist.all_reduce(report, op=dist.ReduceOp.MIN, group=group)
             low, high, oldest, newest, stop = (report[0].item(), -report[1].item(), report[2].item(),
                                                -report[3].item(), -report[4].item())
-            if high == 0:
-                return False  # (no rank found a live group past a sync)
+            if high == 0:  # (no rank found a live group past a sync)
+                if ended and self.rank == 0:
+                    log.warning("ddp_plugin: replica group %d: no group of the last quorum beats any more (they ended"
+                                " or were lost); not healing in the background", self.options.replica_group)
+                return False
             if low == 2 and oldest == newest and self._still_served(address, served, group):
                 break  # (and no peer has sent another sync since: the quorum asked for below is their next one)
             attempt += 1
