@@ -56,7 +56,7 @@ def _side_file(kind: str) -> str | None:
     return f"{target}.{kind}" if target else None
 
 
-if _side_file("launches"):
+if os.environ.get(TIMES_ENV):
     from tests.zygote import LAUNCHES_ENV
 
     os.environ[LAUNCHES_ENV] = _side_file("launches")
@@ -123,8 +123,7 @@ def pytest_sessionfinish(session) -> None:
     launches = _launches()
     lines = ["| file | tests | seconds | share | Pythons through the zygote (fresh) |", "| --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| `{path}` | {_file_tests.get(path, 0)} | {seconds:.0f} | {seconds / total:.1%} |"
-              f" {launches.get(path, [0, 0])[0]} ({launches.get(path, [0, 0])[1]}) |"
-              for path, seconds in rows]
+              " {} ({}) |".format(*launches.get(path, [0, 0])) for path, seconds in rows]
     started = [sum(row[i] for row in launches.values()) for i in (0, 1)]
     lines.append(f"| all | {sum(_file_tests.values())} | {total:.0f} | 100% | {started[0]} ({started[1]}) |")
     lines += ["", f"Fixtures whose setups took {FIXTURE_SECONDS:.0f} s or more (a module fixture's launches are"

@@ -161,11 +161,11 @@ class ReplicaGroups:
         started = time.monotonic()
         deadline = started + self.options.quorum_timeout
         mine = f"replica_group_{self.options.replica_group}"
-        state, got, torn, attempt, address, served, ended = None, 0, 0, 0, "", -1, False
+        state, got, torn, attempt, address, served = None, 0, 0, 0, "", -1
         while True:
             # Each rank: 2 and the sync it holds (torchft's count), 1 (try again: a sync under way, a download torn by
             # one, a peer gone) or 0 (no live group, or none past a sync: not a returning group).
-            status, version = 0, -1
+            status, version, ended = 0, -1, False
             try:
                 page = torchft_adapter.status_page(self.options.lighthouse, 10.0)
                 live = [m for m in torchft_adapter.previous_quorum(self.options.lighthouse, 10.0, page)
@@ -173,7 +173,7 @@ class ReplicaGroups:
                 # (only those still beating: a group lost or ended serves nothing, and its address may take the whole
                 # timeout to fail; none beating, none is live)
                 beating = torchft_adapter.beating_ids(page)
-                ended = ended or (bool(live) and not any(m[0] in beating for m in live))
+                ended = bool(live) and not any(m[0] in beating for m in live)
                 live = [m for m in live if m[0] in beating]
                 if live:
                     peer = live[(self.rank + attempt) % len(live)][0]

@@ -116,12 +116,14 @@ def previous_quorum(lighthouse: str, timeout: float, page: str | None = None) ->
     status page (empty before the first quorum)."""
     import re
 
-    page = status_page(lighthouse, timeout) if page is None else page
-    if "Previous Quorum" not in page:
-        return []
-    page = page.split("Previous Quorum", 1)[1].split("Heartbeats", 1)[0]
+    section = _previous_quorum_section(status_page(lighthouse, timeout) if page is None else page)
     return [(replica, address, int(step)) for replica, step, address in re.findall(
-        r"<b>([^<]+)</b>\s*<br/>\s*Step:\s*(\d+)\s*<br/>\s*Manager:\s*(\S+)\s*<br/>", page)]
+        r"<b>([^<]+)</b>\s*<br/>\s*Step:\s*(\d+)\s*<br/>\s*Manager:\s*(\S+)\s*<br/>", section)]
+
+
+def _previous_quorum_section(page: str) -> str:
+    """The part of the lighthouse's status ``page`` that lists its last quorum's members (empty before one)."""
+    return page.split("Previous Quorum", 1)[1].split("Heartbeats", 1)[0] if "Previous Quorum" in page else ""
 
 
 def waiting_members(lighthouse: str, timeout: float) -> int:
@@ -159,10 +161,7 @@ def member_stores(page: str) -> dict[str, str]:
     ``page`` (the store torchft's Manager was given: the group's rendezvous store)."""
     import re
 
-    if "Previous Quorum" not in page:
-        return {}
-    page = page.split("Previous Quorum", 1)[1].split("Heartbeats", 1)[0]
-    return dict(re.findall(r"<b>([^<]+)</b>.*?TCPStore:\s*(\S+)\s*<br/>", page, flags=re.S))
+    return dict(re.findall(r"<b>([^<]+)</b>.*?TCPStore:\s*(\S+)\s*<br/>", _previous_quorum_section(page), flags=re.S))
 
 
 def _store(address: str, timeout: timedelta) -> Any:
