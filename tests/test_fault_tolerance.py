@@ -60,27 +60,27 @@ def wait(proc, out, timeout: float) -> int:
 
 
 @pytest.fixture(scope="module", params=[(3, 1, 1, "backward", None, 0), (2, 2, 1, "backward", "int8", 0),
-                                        (3, 1, 1, "backward", "powersgd", 1), (3, 1, 5, "sync", "int8", 0),
+                                        (3, 1, 1, "backward", "powersgd", 1), (3, 1, 5, "sync", "int8", 0, {"apart": True}),
                                         (2, 2, 1, "backward", "int8", 3), (2, 2, 5, "sync", None, 2),
                                         (2, 2, 1, "backward", "int8", 2, {"nodes": 2}),
                                         (2, 2, 6, "sync", "int8", 2, {"fragments": 3}),
                                         (3, 1, 6, "sync", None, 0, {"fragments": 2, "staleness": 2}),
                                         (2, 2, 1, "backward", "int8", 0, {"tp": 2}),
-                                        (2, 2, 5, "sync", None, 0, {"tp": 2}),
+                                        (2, 2, 5, "sync", None, 0, {"tp": 2, "apart": True}),
                                         (2, 2, 1, "backward", None, 0, {"pp": 2}),
                                         (2, 2, 5, "sync", "int8", 2, {"nodes": 2}),
                                         (2, 1, 5, "sync", "int8", 0, {"warmup": 5}),
-                                        (2, 2, 5, "sync", None, 0, {"pp": 2}),
+                                        (2, 2, 5, "sync", None, 0, {"pp": 2, "apart": True}),
                                         (2, 2, 6, "sync", "int8", 0, {"dynamic": True})],
                 ids=["3 groups of 1", "2 groups of 2, int8", "3 groups of 1, ZeRO 1, PowerSGD",
-                     "DiLoCo, 3 groups of 1, int8, killed in a sync", "2 groups of 2, ZeRO 3, int8",
+                     "DiLoCo, 3 groups of 1, int8, killed in a sync, started apart", "2 groups of 2, ZeRO 3, int8",
                      "DiLoCo, 2 groups of 2, ZeRO 2, killed in a sync", "2 groups of 2 nodes x 1, ZeRO 2, int8",
                      "streaming DiLoCo, 2 groups of 2, ZeRO 2, int8, killed in a sync",
                      "streaming DiLoCo with staleness 2, 3 groups of 1, killed in a sync",
-                     "2 groups of 2, tensor parallel, int8", "DiLoCo, 2 groups of 2, tensor parallel, killed in a sync",
+                     "2 groups of 2, tensor parallel, int8", "DiLoCo, 2 groups of 2, tensor parallel, killed in a sync, started apart",
                      "2 groups of 2, pipeline stages", "DiLoCo, 2 groups of 2 nodes x 1, ZeRO 2, int8, killed in a sync",
                      "DiLoCo after 5 warm-up steps, 2 groups of 1, int8, killed in a sync",
-                     "DiLoCo, 2 groups of 2 pipeline stages, killed in a sync",
+                     "DiLoCo, 2 groups of 2 pipeline stages, killed in a sync, started apart",
                      "DiLoCo with dynamic steps, 2 groups of 2, int8, killed in a sync"])
 def run(request, tmp_path_factory):
     from torchft._torchft import LighthouseServer
@@ -104,6 +104,8 @@ def run(request, tmp_path_factory):
             ["--tp", str(tp)] if tp > 1 else []) + (["--pp", str(pp)] if pp > 1 else []) + (
             ["--sync-warmup-steps", str(warmup)] if warmup else []) + (
             ["--dynamic-steps"] if more.get("dynamic") else []) + (
+            # (a sync mode's groups seeded alike, as users seed them, unless the layout starts them apart)
+            ["--seed", "0"] if sync_every > 1 and not more.get("apart") else []) + (
             # (the synchronous route heals inside a quorum: no download has to fit between two syncs)
             ["--step-sleep", "0.05"] if sync_every == 1 else [])
         procs = [launch(out, g, groups, address, devices, sync_every, "--gate", str(gate), *coded,
@@ -138,6 +140,7 @@ def run(request, tmp_path_factory):
         found["sync"] = {(g, r): torch.load(out / f"{g}.rank{r}.sync.pt") for g in range(last) for r in range(devices)}
         found["sync"].update({("back", r): torch.load(out / f"{last}-back.rank{r}.sync.pt") for r in range(devices)})
     return {"groups": groups, "ranks_per_node": devices // nodes // tp // pp, "tp": tp, "pp": pp,
+            "apart": sync_every == 1 or bool(more.get("apart")),
             "sync_every": sync_every,
             "fragments": fragments, "staleness": staleness, "warmup": warmup, "codec": codec, "zero": zero,
             "killed_at": killed_at, **found}
@@ -213,6 +216,22 @@ def test_what_crosses_groups_is_counted_and_a_codec_compresses_it(run):
             assert set(ratios) == {1.0}, name
         else:  # (the steps a group healed in take torchft's plain all-reduce: 1.0)
             assert max(ratios) > 1.5, (name, ratios)
+
+
+def test_with_a_sync_mode_groups_started_alike_heal_none_at_the_first_sync_and_groups_started_apart_are_made_one(run):
+    """The run's first sync: where every group was seeded alike (as users seed them), no group heals in it (torchft
+    would heal every group but one from it, every group waiting); where they were seeded apart, it heals every group
+    but one (the other tests find every group equal after). Either commits at its first try that no group died in
+    (the refused try of groups started apart is not counted as a failure)."""
+    if run["sync_every"] == 1 or run["warmup"]:
+        pytest.skip("the synchronous route (and a sync mode's warm-up steps): torchft's init sync at the first step")
+    firsts = [next(s for s in run[g]["steps"] if s["ft/step"] > 0) for g in range(run["groups"] - 1)]
+    moved = sum(s["ft/heals"] + s["ft/served_in_quorum"] for s in firsts)
+    if run["apart"]:
+        assert moved >= 1, firsts  # (a live group healed from another, or served one)
+    else:
+        assert moved == 0, firsts
+    assert all(s["ft/uncommitted"] == 0 for s in firsts), firsts
 
 
 def test_the_returning_group_healed_from_a_live_peer_and_stepped_on_from_there(run):
@@ -805,6 +824,40 @@ def test_a_returning_group_finds_a_live_groups_heal_server_while_that_group_wait
         manager.shutdown()
         lighthouse.shutdown()
         del store
+
+
+def test_a_returning_group_does_not_take_the_state_of_a_peer_that_heals_inside_the_last_quorum():
+    """A quorum of A at step 5 and B at step 4 (B behind: it heals inside that quorum, and its heal server still
+    serves the sync before): read off torchft's own lighthouse page, a download of step 4 is behind that quorum,
+    one of A's step (5, or 6 once A committed) is not; with no quorum yet, nothing is."""
+    import threading
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient, LighthouseServer
+
+    from ddp_plugin.fault_tolerance.background import behind
+    from ddp_plugin.fault_tolerance.torchft_adapter import previous_quorum
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=60000, heartbeat_timeout_ms=5000)
+    address = lighthouse.address()
+    try:
+        assert previous_quorum(address, 10) == [] and not behind(0, [])
+
+        def ask(replica: str, step: int) -> None:
+            LighthouseClient(address, connect_timeout=timedelta(seconds=10)).quorum(
+                replica_id=replica, timeout=timedelta(seconds=60), address=f"http://{replica}:1",
+                store_address=f"{replica}:2", step=step, world_size=1, shrink_only=False)
+
+        asking = [threading.Thread(target=ask, args=args, daemon=True) for args in (("A:1", 5), ("B:1", 4))]
+        for thread in asking:
+            thread.start()
+        for thread in asking:
+            thread.join(60)
+        members = previous_quorum(address, 10)
+        assert sorted((m[0], m[2]) for m in members) == [("A:1", 5), ("B:1", 4)]
+        assert behind(4, members) and not behind(5, members) and not behind(6, members)
+    finally:
+        lighthouse.shutdown()
 
 
 def test_a_group_sees_when_a_member_of_the_last_quorum_asks_for_the_next_and_not_a_returning_group_asking_early():

@@ -10,7 +10,7 @@ from pathlib import Path
 from tests.support import ROOT
 
 PACKAGE = ROOT / "ddp_plugin"
-TORCHFT_PRIVATE = {"_client", "_quorum", "_quorum_id", "_server"}
+TORCHFT_PRIVATE = {"_client", "_quorum", "_quorum_id", "_server", "_init_sync", "_quorum_future"}
 """The private attributes of torchft's Manager, its client and its checkpoint transport that ddp_plugin uses."""
 
 

@@ -225,6 +225,14 @@ def fetch(address: str, timeout: float) -> tuple[int, dict[str, Any], int]:
     return version, _fill(skeleton, tensors), total
 
 
+def behind(step: int, members: list[tuple[str, str, int]]) -> bool:
+    """Whether a heal server's state of torchft step ``step`` is behind the last quorum (``members``, as
+    :func:`~ddp_plugin.fault_tolerance.torchft_adapter.previous_quorum` reads them, each with the step it asked
+    at): a member that heals inside that quorum asked at a lower step, and serves the sync before it until it has
+    healed (seen on the simulated cluster: a returning group took it, and healed again inside its first quorum)."""
+    return bool(members) and step < max(m[2] for m in members)
+
+
 def version_of(address: str, timeout: float) -> int:
     with urllib.request.urlopen(f"{address}/version", timeout=timeout) as response:  # noqa: S310
         return int(response.read())

@@ -125,6 +125,8 @@ class ReplicaGroups:
         self.coded = False
         """Whether a codec codes what crosses groups (set with the fit's plugins)."""
         self._first_commit = True
+        self.heals_at_start = True  # (whether a quorum at torchft's step 0 heals all groups but one: init_sync)
+        self.started_apart = False  # (the run's first sync found the groups apart: refused, retried healing)
         self.ties: list[Any] = []
         """The parameters several pipeline stages of this group hold (:class:`~ddp_plugin.parallel.ties.Tie`)."""
         self.on_first_quorum: Callable[[int], None] | None = None
@@ -184,6 +186,10 @@ class ReplicaGroups:
                         # its server's version is its own. Version 0: it has sent no sync yet.)
                         status = 2 if served > 0 and "ft" in state else 0
                         version = state["ft"]["step"] if status == 2 else -1
+                        if status == 2 and background.behind(version, live):
+                            log.info("ddp_plugin: replica group %d: background heal: %s is behind its quorum",
+                                     self.options.replica_group, peer)
+                            status, version, torn = 1, -1, torn + 1
             except background.Torn as err:
                 status, busy = 1, "under way" in str(err)
                 torn += not busy
@@ -240,6 +246,12 @@ class ReplicaGroups:
         flag = torch.tensor([int(same)], dtype=torch.int64, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         return bool(flag.item())
+
+    def init_sync(self, on: bool) -> None:
+        """Whether this group's quorums heal every group but one at torchft's step 0 (its ``init_sync``): a sync
+        mode's groups started alike need not (:class:`~ddp_plugin.fault_tolerance.start.StartCheck`)."""
+        self.heals_at_start = on
+        torchft_adapter.set_init_sync(self.manager, on)
 
     def quorum_ready(self) -> bool:
         return torchft_adapter.quorum_ready(self.manager)
@@ -310,8 +322,9 @@ class ReplicaGroups:
 
     def heals_in_quorum(self) -> bool:
         """Whether a group heals in this quorum, as every group of it sees it: one behind the others' step, or, at
-        step 0, every group but the first (torchft makes them start from its state)."""
-        return self.manager.current_step() == 0 or self.manager.num_participants() < self.pg.size()
+        step 0 with :attr:`heals_at_start`, every group but the first (torchft makes them start from its state)."""
+        return ((self.manager.current_step() == 0 and self.heals_at_start)
+                or self.manager.num_participants() < self.pg.size())
 
     @property
     def unified(self) -> bool:
@@ -335,11 +348,12 @@ class ReplicaGroups:
         if committed and self._first_commit:
             self._first_commit = False
             self.hook.on_member_unify(covers=set())
-        if not committed:
+        if not committed and not self.started_apart:  # (a refused try of groups started apart is no failure)
             self.uncommitted += 1
             log.warning("ddp_plugin: replica group %d: %s not committed (a group was lost, or fewer than"
                         " min_replicas=%d are live); the next quorum goes on with the live ones",
                         self.options.replica_group, what, self.options.min_replicas)
+        self.started_apart = False
         return committed
 
     def metrics(self) -> dict[str, float]:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ddp_plugin.fault_tolerance.healing import take_from_first, unify_tie
+from ddp_plugin.fault_tolerance.start import StartCheck
 from ddp_plugin.hookspecs import hookimpl, is_tensor_parallel_shard
 from ddp_plugin.sync import OuterSync
 from ddp_plugin.sync.parts import InFlight, Update
@@ -70,6 +71,9 @@ class ReplicaGroupSync(OuterSync):
         was its peers' next sync (they are past the warm-up steps it thought it was in)."""
         if self.warmup:
             replicas.on_first_quorum = self._first_quorum
+        # (the run's first sync heals no group where every group started from the same bits; warm-up steps keep
+        # torchft's heal at the first)
+        self._start = StartCheck(replicas) if not self.warmup else None
         self._carried: dict[int, int] = {}
         """After a background heal: the inner steps each fragment's replica carries until its first sync."""
         self._scale = 1.0
@@ -91,6 +95,8 @@ class ReplicaGroupSync(OuterSync):
             # (the group's ranks agree once a step on whether the peers' sync is due: on a group of their own, gloo,
             # so that the integer stays on the CPU)
             self._agreement = comm.new_group(backend="gloo")
+        if self._start is not None:
+            self._start.setup(module, self.buckets, comm)
 
     @property
     def synchronous(self) -> bool:
@@ -182,9 +188,12 @@ class ReplicaGroupSync(OuterSync):
         local = self.squared_norm(pseudo)
         if self.topology.ranks_per_node > 1:
             self.comm.all_reduce(local, group=self.intra)
+        first = not self._replicas.unified
+        if first and self._start is not None and not self._start.alike([p.outer for p in self.pieces]):
+            # (torchft skips the collectives of an errored quorum: nothing crosses, and the sync is not committed)
+            self._replicas.manager.report_error(RuntimeError("the replica groups started from different parameters"))
         self._weigh(pseudo)
         self._across([(g, piece.pseudo, piece.lo) for piece, g in zip(pieces, pseudo)])
-        first = not self._replicas.unified
         committed = self._replicas.commit("outer sync")
         if committed:
             self.outer_optimizer_step(pieces, pseudo)

@@ -16,6 +16,9 @@ why:
   reads a live peer's heal server there), whether one of them has asked for the next quorum
   (:func:`waiting_members`) and how many groups beat (:func:`beating_groups`).
 - ``Manager._quorum_future`` says whether a quorum asked for is in (:func:`quorum_ready`).
+- ``Manager._init_sync`` (what each quorum request asks for at step 0: every group but one healing from it) is
+  turned off and on again by :func:`set_init_sync`: a sync mode's groups that started from the same bits skip that
+  heal (torchft 0.2 takes it only as the Manager's argument, and reads the attribute at each quorum).
 
 Everything else (``Manager`` and its quorum, commit, all-reduce and error calls, ``ProcessGroupGloo``/``NCCL``,
 ``HTTPTransport``) is torchft's public API.
@@ -187,6 +190,12 @@ def heal_address(page: str, replica_id: str, rank: int, timeout: timedelta) -> s
     store = _store(store_address, timeout)
     key = HEAL_KEY.format(rank=rank)
     return store.get(key).decode() if store.check([key]) else None
+
+
+def set_init_sync(made: Any, on: bool) -> None:
+    """Whether the quorums ``made`` (a torchft Manager) asks for from now on heal every group but one at step 0
+    (torchft's ``init_sync``; every group of a quorum must ask the same)."""
+    made._init_sync = on
 
 
 def quorum_ready(made: Any) -> bool:

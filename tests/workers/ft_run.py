@@ -9,7 +9,7 @@ as a node lost mid-run.
         [--compression int8]
         [--zero-stage 2] [--devices-per-node 2]
         [--step-sleep 0.05] [--dynamic-steps]
-        [--hold 40:FILE[,FILE]] [--tag TAG]
+        [--hold 40:FILE[,FILE]] [--tag TAG] [--seed N]
         [--data-split quorum --samples 48 --shuffle]
         [--announce FILE] [--wait-start FILE] [--mark-sync FILE]
 
@@ -160,6 +160,8 @@ def main() -> None:
     parser.add_argument("--data-split", default="fixed", help="`fault_tolerance['data_split']`")
     parser.add_argument("--samples", type=int, default=4096, help="the dataset's size")
     parser.add_argument("--shuffle", action="store_true", help="the training dataloader shuffles")
+    parser.add_argument("--seed", type=int, default=None, help="the initial parameters' seed (default: the group's"
+                        " number, every group starting elsewhere)")
     parser.add_argument("--tag", default="")
     parser.add_argument("--hold", action="append", default=[], help="STEP:FILE[,FILE]: at the first step from"
                         " STEP on, wait until every FILE exists")
@@ -193,7 +195,9 @@ def main() -> None:
             open(f"{args.mark_sync}.{self.step}.sent", "w").close()  # (its quorum is in)
 
         ReplicaGroupSync.send = mark_then_send
-    torch.manual_seed(args.group)  # different initial parameters per group: the first quorum makes them equal
+    # (by default different initial parameters per group: the first quorum, or with a sync mode its first sync, makes
+    # them equal; seeded alike, a sync mode's first sync heals none)
+    torch.manual_seed(args.group if args.seed is None else args.seed)
     if args.tp > 1 or args.pp > 1:
         model, data = GPTModule(), DataLoader(token_dataset(args.samples), batch_size=BATCH, shuffle=args.shuffle)
     else:
