@@ -512,6 +512,41 @@ def test_a_group_healing_in_the_background_while_the_only_live_group_waits_in_it
         assert torch.equal(returned["params"][key], value), key
 
 
+def test_a_group_healing_in_the_background_while_the_only_live_group_retries_the_sync_it_lost_it_in_joins_it(tmp_path):
+    """2 groups, DiLoCo: group 1 dies inside the sync of step 10 and starts again at once; group 0's sync fails, and
+    it asks for its retry's quorum only once group 1 is back (beating). The lighthouse cannot form that quorum
+    without group 1 (one of two beating groups is not more than half), and the heal server answered "a sync is
+    under way" through the whole retry, so group 1 could not heal until its download gave up (seen in CI: both
+    waited out the 120 s quorum timeout). Now the server serves the last sync's state again until the retry's quorum
+    is in: group 1 heals in the background, joins the retry, and both end equal."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000, heartbeat_timeout_ms=1000)
+    back = tmp_path / "back"
+    common = ["--steps", "30", "--step-sleep", "0.05", "--quorum-timeout", "30", "--timeout", "30", "--seed", "0"]
+    procs = []
+    try:
+        procs += launch_gated(tmp_path, 2, lighthouse.address(), 5, lambda g: [
+            *common, *(["--hold-retry", f"{back}.0"] if g == 0 else ["--kill-at", "10", "--kill-in", "sync"])])
+        assert wait(procs[1], tmp_path, 600) == -9
+        procs[1] = launch(tmp_path, 1, 2, lighthouse.address(), 1, 5, *common, "--announce", str(back), tag="-back")
+        for proc in procs:
+            assert wait(proc, tmp_path, 600) == 0
+    finally:
+        for proc in procs:  # (one failed: the other may wait for it for ever)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        lighthouse.shutdown()
+    live, returned = torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1-back.pt")
+    assert live["steps"][-1]["ft/uncommitted"] >= 1  # (the sync it died in failed, and was retried)
+    assert returned["steps"][-1]["ft/background_heals"] == returned["steps"][-1]["ft/heals"] == 1
+    assert live["steps"][-1]["ft/served_in_quorum"] == 0
+    assert live["steps"][-1]["global_step"] == returned["steps"][-1]["global_step"] == 30
+    for key, value in live["params"].items():
+        assert torch.equal(returned["params"][key], value), key
+
+
 def test_a_group_returning_after_its_peers_ended_does_not_try_to_heal_from_them(tmp_path):
     """2 groups, DiLoCo: group 1 is lost at step 6, group 0 trains on to the last step and exits; group 1 then starts
     again. The last quorum's only other member beats no more: the returning group says so and does not try to

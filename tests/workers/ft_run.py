@@ -11,7 +11,7 @@ as a node lost mid-run.
         [--step-sleep 0.05] [--dynamic-steps]
         [--hold 40:FILE[,FILE]] [--tag TAG] [--seed N]
         [--data-split quorum --samples 48 --shuffle]
-        [--announce FILE] [--wait-start FILE] [--mark-sync FILE]
+        [--announce FILE] [--wait-start FILE] [--mark-sync FILE] [--hold-retry FILE]
 
 Rank 0 of the group writes ``DIR/<group><tag>.pt``: the final parameters (a rank's local parts), the names of
 those tensor parallelism leaves whole, and per optimizer step the time, the global step, the live replicas, the
@@ -170,6 +170,8 @@ def main() -> None:
                         " before the first step")
     parser.add_argument("--mark-sync", default=None, help="write MARK_SYNC.<step> as each outer sync is sent, before"
                         " its quorum, and MARK_SYNC.<step>.sent once its quorum is in")
+    parser.add_argument("--hold-retry", default=None, help="before the quorum of the first retry of a sync that"
+                        " failed, wait for this file")
     parser.add_argument("--gate", default=None, help="wait for this file before the first step (after writing"
                         " GATE.<group>.<rank>)")
     args = parser.parse_args()
@@ -184,6 +186,17 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         background.fetch = fetch_then_die
+    if args.hold_retry is not None:
+        start_step, held = ReplicaGroups.start_step, []
+
+        def hold_then_start(self, *args_, **kwargs):
+            if self.uncommitted and not held and not self._started:  # (the first retry of a sync that failed)
+                held.append(True)
+                while not os.path.exists(args.hold_retry):
+                    time.sleep(0.05)
+            start_step(self, *args_, **kwargs)
+
+        ReplicaGroups.start_step = hold_then_start
     if args.mark_sync is not None:
         from ddp_plugin.fault_tolerance.sync import ReplicaGroupSync
 
