@@ -151,8 +151,7 @@ class ReplicaGroupSync(OuterSync):
     def _sync(self, flight: InFlight) -> tuple[list[Update], float]:
         for attempt in range(RETRIES + 1):
             if attempt:  # over the groups still live, from the replicas as they were (a sync is applied only once done)
-                # (so the heal server serves the last sync's state again while the retry's quorum forms: the lighthouse
-                # may need a returning group in it, which heals first, as in send)
+                # (the heal server serves the last sync again while the retry's quorum forms, as in send)
                 self._replicas.version.written()
                 self._replicas.start_step()
             flight.fragment = self.quorum_fragment()
