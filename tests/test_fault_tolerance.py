@@ -476,27 +476,19 @@ def test_with_dynamic_steps_a_slow_group_runs_the_steps_that_fit_and_the_groups_
             assert torch.equal(a, b), rank
 
 
-def test_a_group_healing_in_the_background_while_the_only_live_group_waits_in_its_sync_quorum_joins_it(tmp_path):
-    """2 groups, DiLoCo: group 1 is lost at step 11, after the sync of step 10, and started again; it starts healing
-    only once group 0, the only live group, is inside its sync of step 15, waiting in the quorum, which the
-    lighthouse cannot form without group 1 (a member of the last quorum is missing, and one of two beating groups is
-    not more than half). The heal server served nothing while a sync waited for its quorum ("a sync is under
-    way"), so the two waited for each other until the quorum timed out (seen on the simulated cluster: 4 groups,
-    one lost, two healing); now it serves the last sync's state until the quorum is in, and group 1 heals, joins
-    that sync, and both end at the last step with the same parameters."""
+def lose_and_return(tmp_path, live: list[str], lost: list[str], back: list[str], *common: str) -> tuple[dict, dict]:
+    """2 groups of 1 rank, DiLoCo (a sync every 5 steps), 30 steps of 0.05 s: group 0 runs with ``live``, group 1
+    dies as ``lost`` says and starts again with ``back`` (both with ``common``). Both must end at the last step with
+    the same parameters; their records (``0.pt``, ``1-back.pt``)."""
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000, heartbeat_timeout_ms=1000)
-    back, sent = tmp_path / "back", tmp_path / "sent"
-    common = ["--steps", "30", "--step-sleep", "0.05", "--quorum-timeout", "30", "--timeout", "30"]
+    common = ("--steps", "30", "--step-sleep", "0.05", "--quorum-timeout", "30", "--timeout", "30", *common)
     procs = []
     try:
-        procs += launch_gated(tmp_path, 2, lighthouse.address(), 5, lambda g: [
-            *common, *(["--hold", f"12:{back}.0", "--mark-sync", str(sent)] if g == 0 else
-                       ["--kill-at", "11", "--kill-in", "end"])])
+        procs += launch_gated(tmp_path, 2, lighthouse.address(), 5, lambda g: [*common, *(live if g == 0 else lost)])
         assert wait(procs[1], tmp_path, 600) == -9
-        procs[1] = launch(tmp_path, 1, 2, lighthouse.address(), 1, 5, *common, "--announce", str(back),
-                          "--wait-start", f"{sent}.15", tag="-back")
+        procs[1] = launch(tmp_path, 1, 2, lighthouse.address(), 1, 5, *common, *back, tag="-back")
         for proc in procs:
             assert wait(proc, tmp_path, 600) == 0
     finally:
@@ -505,11 +497,26 @@ def test_a_group_healing_in_the_background_while_the_only_live_group_waits_in_it
                 proc.kill()
                 proc.wait()
         lighthouse.shutdown()
-    live, returned = torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1-back.pt")
+    records = torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1-back.pt")
+    assert records[0]["steps"][-1]["global_step"] == records[1]["steps"][-1]["global_step"] == 30
+    for key, value in records[0]["params"].items():
+        assert torch.equal(records[1]["params"][key], value), key
+    return records
+
+
+def test_a_group_healing_in_the_background_while_the_only_live_group_waits_in_its_sync_quorum_joins_it(tmp_path):
+    """2 groups, DiLoCo: group 1 is lost at step 11, after the sync of step 10, and started again; it starts healing
+    only once group 0, the only live group, is inside its sync of step 15, waiting in the quorum, which the
+    lighthouse cannot form without group 1 (a member of the last quorum is missing, and one of two beating groups is
+    not more than half). The heal server served nothing while a sync waited for its quorum ("a sync is under
+    way"), so the two waited for each other until the quorum timed out (seen on the simulated cluster: 4 groups,
+    one lost, two healing); now it serves the last sync's state until the quorum is in, and group 1 heals, joins
+    that sync, and both end at the last step with the same parameters."""
+    back, sent = tmp_path / "back", tmp_path / "sent"
+    _, returned = lose_and_return(tmp_path, ["--hold", f"12:{back}.0", "--mark-sync", str(sent)],
+                                  ["--kill-at", "11", "--kill-in", "end"],
+                                  ["--announce", str(back), "--wait-start", f"{sent}.15"])
     assert returned["steps"][-1]["ft/background_heals"] == 1
-    assert live["steps"][-1]["global_step"] == returned["steps"][-1]["global_step"] == 30
-    for key, value in live["params"].items():
-        assert torch.equal(returned["params"][key], value), key
 
 
 def test_a_group_healing_in_the_background_while_the_only_live_group_retries_the_sync_it_lost_it_in_joins_it(tmp_path):
@@ -519,32 +526,12 @@ def test_a_group_healing_in_the_background_while_the_only_live_group_retries_the
     under way" through the whole retry, so group 1 could not heal until its download gave up (seen in CI: both
     waited out the 120 s quorum timeout). Now the server serves the last sync's state again until the retry's quorum
     is in: group 1 heals in the background, joins the retry, and both end equal."""
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000, heartbeat_timeout_ms=1000)
     back = tmp_path / "back"
-    common = ["--steps", "30", "--step-sleep", "0.05", "--quorum-timeout", "30", "--timeout", "30", "--seed", "0"]
-    procs = []
-    try:
-        procs += launch_gated(tmp_path, 2, lighthouse.address(), 5, lambda g: [
-            *common, *(["--hold-retry", f"{back}.0"] if g == 0 else ["--kill-at", "10", "--kill-in", "sync"])])
-        assert wait(procs[1], tmp_path, 600) == -9
-        procs[1] = launch(tmp_path, 1, 2, lighthouse.address(), 1, 5, *common, "--announce", str(back), tag="-back")
-        for proc in procs:
-            assert wait(proc, tmp_path, 600) == 0
-    finally:
-        for proc in procs:  # (one failed: the other may wait for it for ever)
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        lighthouse.shutdown()
-    live, returned = torch.load(tmp_path / "0.pt"), torch.load(tmp_path / "1-back.pt")
+    live, returned = lose_and_return(tmp_path, ["--hold-retry", f"{back}.0"], ["--kill-at", "10", "--kill-in", "sync"],
+                                     ["--announce", str(back)], "--seed", "0")
     assert live["steps"][-1]["ft/uncommitted"] >= 1  # (the sync it died in failed, and was retried)
     assert returned["steps"][-1]["ft/background_heals"] == returned["steps"][-1]["ft/heals"] == 1
     assert live["steps"][-1]["ft/served_in_quorum"] == 0
-    assert live["steps"][-1]["global_step"] == returned["steps"][-1]["global_step"] == 30
-    for key, value in live["params"].items():
-        assert torch.equal(returned["params"][key], value), key
 
 
 def test_a_group_returning_after_its_peers_ended_does_not_try_to_heal_from_them(tmp_path):
