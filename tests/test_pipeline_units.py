@@ -1,5 +1,5 @@
-"""Pipeline stages without processes: the flags' errors, the layout, where the stages split, what a stage keeps,
-and which parameters several stages share."""
+"""Pipeline stages without processes (but the split by time's timing on two gloo ranks): the flags' errors, the
+layout, where the stages split, what a stage keeps, and which parameters several stages share."""
 
 from __future__ import annotations
 
@@ -191,6 +191,38 @@ def test_the_split_by_time_cuts_a_block_where_that_balances_beyond_the_noise():
     plan = plan_stages(model, 2, "time",
                        lambda owner, listed, cuts: BlockTimes(0.0, (1.0, 1.0, 1.0), 0.0, dict.fromkeys(cuts, 0.5), 0.0))
     assert plan.stage_blocks == ((0, 1), (1, 2)) and [i for i, _ in plan.cuts] == [1], plan
+
+
+def _timed_with_rank_one_held(rank, world):
+    """``time_blocks`` on two ranks over gloo, on rank 1 every pass of the first block held 50 ms (what a rank
+    whose core something else takes sees), and the split those times give."""
+    import time
+
+    from ddp_plugin.parallel.stages.timing import time_blocks
+
+    torch.manual_seed(0)
+    model = Stack([1, 1, 16, 16])
+    if rank == 1:
+        model.blocks[0].register_forward_hook(lambda *_: time.sleep(0.05))
+    example = ((torch.randn(64, 128, generator=torch.Generator().manual_seed(1)),), {})
+    times = time_blocks(model, list(model.blocks), example, torch.device("cpu"))
+    return times, plan_stages(model, 2, "time", lambda owner, listed, cuts: times).stage_blocks
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    from ddp_plugin.testing.ranks import RankPool
+
+    with RankPool(2) as pool:
+        yield pool
+
+
+def test_the_split_by_time_takes_the_fastest_rank_so_a_held_rank_moves_no_stage(two_ranks):
+    (mine, split), (theirs, their_split) = two_ranks.run(_timed_with_rank_one_held)
+    assert mine == theirs and split == their_split  # (every rank cuts the same stages)
+    # rank 0's first block (no hold): averaged with rank 1's, it weighed 25 ms and more
+    assert mine.blocks[0] < 0.025 < 0.05, mine
+    assert split == ((0, 1, 2), (3,)), mine  # (held into the mean, the light blocks shared a stage with none)
 
 
 def test_the_split_by_time_needs_real_weights():

@@ -8,7 +8,8 @@ its arguments and stops the step there; the first microbatch of those arguments 
 own ``forward`` runs on it with hooks on every block stamping when its forward and its backward start and end;
 what runs before the first block (embeddings) and after the last (final norm, head, and a stand-in loss: the mean
 of the output's squares, the model having no target here) is timed with the first and the last stage. Each rank
-times the same model; the times are averaged over every rank, so each rank cuts the same stages. The module's
+times the same model; each part's time is the fastest of every rank's (a rank whose core something else took
+while it timed only comes out slower), so each rank cuts the same stages. The module's
 buffers and the random generators (torch's, Python's, NumPy's) are left as they were, and no gradient stays
 behind.
 """
@@ -136,7 +137,7 @@ def _name(module: nn.Module, owner: nn.Module) -> str:
 def fit_timer(module: Any, device: torch.device, microbatches: int) -> Callable[..., BlockTimes]:
     """``pipeline_split="time"``'s measure for a fit's setup (:data:`~ddp_plugin.parallel.stages.plan.Timer`): the
     blocks of the LightningModule ``module``'s pipelined model timed on ``device`` on the first microbatch of the
-    data (:func:`first_microbatch`), averaged over every rank, and logged."""
+    data (:func:`first_microbatch`), the fastest rank's, and logged."""
 
     def timer(owner: nn.Module, blocks: Sequence[nn.Module], cuts: Mapping[int, Cut]) -> BlockTimes:
         if any(p.is_meta for p in owner.parameters()):  # (refused before the step is run for its input)
@@ -161,7 +162,7 @@ def refuse_meta() -> None:
 
 @dataclass(frozen=True)
 class BlockTimes:
-    """What :func:`time_blocks` measured, in seconds of forward plus backward, averaged over the ranks."""
+    """What :func:`time_blocks` measured, in seconds of forward plus backward, the fastest rank's."""
 
     before: float
     """What runs before the first block (embeddings)."""
@@ -181,10 +182,10 @@ def time_blocks(owner: nn.Module, blocks: Sequence[nn.Module], example: Example,
                 group: dist.ProcessGroup | None = None, cuts: Mapping[int, Cut] | None = None) -> BlockTimes:
     """Seconds of forward plus backward of what runs before the first block, of each block, and of what runs after
     the last, ``owner`` called with ``example`` (its arguments) on ``device`` (``owner`` moved there for the
-    timing and back), averaged over the ranks of ``group`` (collective). With ``cuts`` (a cut per block
-    position), for each cut the share of its block's time that its first part takes: the forward time of the
-    modules the first part calls over that of all the modules either part calls (the backward taken to follow the
-    forward's proportions)."""
+    timing and back), the fastest of the ranks of ``group`` (collective; the cuts' shares and the noise are
+    averaged). With ``cuts`` (a cut per block position), for each cut the share of its block's time that its
+    first part takes: the forward time of the modules the first part calls over that of all the modules either
+    part calls (the backward taken to follow the forward's proportions)."""
     if any(p.is_meta for p in owner.parameters()):
         refuse_meta()
     home = next((p.device for p in owner.parameters()), device)
@@ -200,12 +201,14 @@ def time_blocks(owner: nn.Module, blocks: Sequence[nn.Module], example: Example,
             for name, b in owner.named_buffers():
                 b.copy_(buffers[name].to(b.device))
         owner.to(home)
-    seconds = torch.tensor(parts, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(seconds, group=group)
-        seconds /= dist.get_world_size(group)
     n = len(blocks)
-    values = seconds.tolist()
+    seconds = torch.tensor(parts[:n + 2], dtype=torch.float64, device=device)
+    rest = torch.tensor(parts[n + 2:], dtype=torch.float64, device=device)  # the cuts' shares, the noise
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(seconds, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(rest, group=group)
+        rest /= dist.get_world_size(group)
+    values = seconds.tolist() + rest.tolist()
     return BlockTimes(values[0], tuple(values[1:n + 1]), values[n + 1],
                       dict(zip(sorted(cuts or {}), values[n + 2:-1])), values[-1])
 
