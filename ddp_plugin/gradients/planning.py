@@ -48,9 +48,29 @@ TINY_BYTES = 16 * 2**10
 """The probe's latency size: a message this small costs what any collective costs, whatever its size."""
 BUCKET_CAPS_MIB = (1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
 """The bucket capacities ``bucket_size_mb="auto"`` weighs, with the one the sqrt rule gives."""
+BUCKET_BAND = 0.1
+"""``bucket_size_mb="auto"`` takes, of the capacities predicted to cost within this share of the least, the one
+nearest the default 25 MiB (DDP's): a difference the probe's noise can make does not move the buckets between two
+runs of one job."""
+DEFAULT_BUCKET_BYTES = 25 * 2**20
 CODEC_MARGIN = 0.05
 """A codec is chosen over no codec only when it is predicted this much faster: a lossy codec that saves nothing
 measurable is not worth its rounding."""
+
+TRIAL_BAND = (0.05, 0.3)
+"""A close call settled by measurement (:meth:`CommPlan.contested`) goes to the option measured faster only where
+it was faster by more than the measurement's own spread, taken at least 5 % and at most 30 %; within that the two
+are not told apart and :func:`preferred` decides, so that two runs of one job plan alike."""
+
+
+def preferred(option: tuple[str, str], codecs: Sequence[str] = ()) -> tuple[bool, bool, int, str]:
+    """The fixed rule between two ``(route, codec)`` options that measure alike (sort key, preferred first): no
+    codec before a codec (nothing rounded), then the hierarchical route before the flat one (fewer bytes across
+    the nodes: a node sends 2 S (1 - 1/m) for m nodes against 2 S (1 - 1/n) for n ranks), then the codec listed
+    first in ``codecs`` (the candidates)."""
+    route, codec = option
+    return codec != NO_CODEC, route != HIERARCHICAL, list(codecs).index(codec) if codec in codecs else 0, codec
+
 
 CodecReduce = Callable[[torch.Tensor, dist.ProcessGroup, Bucket], Any]
 """A candidate codec as the probe runs it: reduce ``tensor`` over ``group`` for ``bucket`` (returns a future or
@@ -160,7 +180,8 @@ class CostModel:
         engine would pack them: ``buckets_for(cap)``, bytes in launch order) cost least: every bucket's predicted
         time (its own route and codec) plus the last one's again, which no backward overlaps. Packing matters: a
         capacity just below a layer's size puts each layer and each bias in buckets of their own, twice the
-        latencies of one just above it."""
+        latencies of one just above it. Of the capacities within :data:`BUCKET_BAND` of the least cost, the one
+        nearest the default 25 MiB (the larger of two as near)."""
         caps = sorted({*(int(c * 2**20) for c in BUCKET_CAPS_MIB), self.bucket_bytes(total_bytes, routes, codecs)})
 
         def cost(cap: int) -> float:
@@ -169,7 +190,10 @@ class CostModel:
                 return 0.0
             return sum(self.choose(s, routes, codecs)[2] for s in sizes) + self.choose(sizes[-1], routes, codecs)[2]
 
-        return min(caps, key=lambda c: (cost(c), c))
+        costs = {cap: cost(cap) for cap in caps}
+        least = min(costs.values())
+        near = [cap for cap in caps if costs[cap] <= least * (1 + BUCKET_BAND)]
+        return min(near, key=lambda c: (abs(math.log(c / DEFAULT_BUCKET_BYTES)), -c))
 
     def bucket_bytes(self, total_bytes: int, routes: Sequence[str] | None = None,
                      codecs: Sequence[str] | None = None) -> int:
@@ -245,6 +269,8 @@ class CommPlan:
     settled: dict[str, list[list[str]]] = field(default_factory=dict)
     """The close calls this plan settled by timing both options while training: key -> [chosen by the model,
     runner-up] (the decision is in ``buckets``)."""
+    reasons: list[str] = field(default_factory=list)
+    """Why each close call went the way it did: the times measured, the spread, the rule (in :meth:`table`)."""
 
     def plan_buckets(self, sizes: Mapping[str, int]) -> None:
         """Decide every bucket of ``sizes`` (key -> bytes) from the model."""
@@ -294,4 +320,5 @@ class CommPlan:
         for key, b in self.buckets.items():
             lines.append(f"  bucket {key:<12} {b.nbytes / 1e6:8.2f} MB  {b.route:<12} {b.codec:<8}"
                          f" predicted {b.predicted_ms:8.2f} ms")
+        lines += [f"  close call: {reason}" for reason in self.reasons]
         return "\n".join(lines)

@@ -38,7 +38,7 @@ from ddp_plugin.codecs.base import state_key
 import pluggy
 
 from ddp_plugin.hookspecs import PROJECT_NAME, hookimpl, hooks
-from ddp_plugin.gradients.planning import FLAT, HIERARCHICAL, NO_CODEC, CommPlan
+from ddp_plugin.gradients.planning import FLAT, HIERARCHICAL, NO_CODEC, TRIAL_BAND, CommPlan, preferred
 from ddp_plugin.plugins.flat_reducer import FlatReducer
 from ddp_plugin.plugins.hierarchical_reducer import HierarchicalReducer
 
@@ -57,10 +57,16 @@ MIN_DEPARTURE_S = 10e-3
 """A step departs only when its measured time is this far from the baseline's expectation as well: on a busy
 machine a few milliseconds of scheduling swing small steps by several times, and a re-probe costs more than
 such steps could gain."""
-TRIAL_STEPS = 4
-"""Steps after a plan on which close calls alternate between their two options (after one warm-up step)."""
+TRIAL_STEPS = 6
+"""Steps after a plan on which close calls alternate between their two options (after one warm-up step): three
+timed steps each."""
 MIN_STEPS_BETWEEN_PLANS = 10
 """Optimizer steps after a plan before the next re-plan may start (a probe costs up to a few seconds)."""
+
+
+def _log_on_rank_zero(text: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info(text)
 
 
 def _key(bucket: Bucket) -> str:
@@ -106,20 +112,30 @@ class AdaptivePlanner(HierarchicalReducer):
         self._plan_steps = 0
         """Optimizer steps since the current plan was made."""
         self.trials: dict[str, list[tuple[str, str]]] = {}
-        """Close calls being settled by measurement: key -> [chosen, runner-up] (see :meth:`start_trials`)."""
-        self._trial_times: dict[str, list[list[float]]] = {}
+        """Close calls being settled by measurement: key -> [the option of even steps, of odd steps] (see
+        :meth:`start_trials`)."""
+        self._contested: dict[str, list[tuple[str, str]]] = {}
+        self._pairs: dict[tuple[tuple[str, str], tuple[str, str]], list[str]] = {}
+        self._trial_times: list[list[float]] = []
         self._last_choice: dict[str, tuple[str, str]] = {}
+        self.report: Callable[[str], None] = _log_on_rank_zero
+        """Where the plan is told, once per plan (its close calls settled): the strategy's rank-zero info."""
         self.codec_hooks: dict[str, pluggy.HookRelay] = {}
         """Candidate name -> its codec's own hooks (set by :class:`AutoCodec`), to hand a residual over on a route
         switch."""
 
     def start_trials(self) -> None:
-        """Time both options of every close call (:meth:`CommPlan.contested`) on alternate steps while training:
-        steps 2-5 after the plan (the first is a warm-up), runner-up, chosen, runner-up, chosen; then every rank
-        takes, per bucket, the option with the least measured time summed over the data-parallel ranks that hold
-        the bucket (one all-reduce)."""
-        self.trials = self.plan.contested()
-        self._trial_times = {key: [[], []] for key in self.trials}
+        """Time both options of every close call (:meth:`CommPlan.contested`) on alternate steps while training,
+        every bucket of the same two options together: steps 2-7 after the plan (the first is a warm-up), the
+        option :func:`~ddp_plugin.gradients.planning.preferred` ranks second, then the first, three times; then
+        :meth:`_settle_trials`."""
+        self._contested = self.plan.contested()
+        self._pairs = {}
+        for key, options in self._contested.items():
+            pair = tuple(sorted(options, key=lambda option: preferred(option, self.plan.codecs)))
+            self._pairs.setdefault(pair, []).append(key)
+        self.trials = {key: list(pair) for pair, keys in self._pairs.items() for key in keys}
+        self._trial_times = [[0.0] * len(self._pairs) for _ in range(TRIAL_STEPS)]
         self._plan_steps = 0
 
     def choice(self, key: str) -> tuple[str, str] | None:
@@ -240,9 +256,9 @@ class AdaptivePlanner(HierarchicalReducer):
         busy = self._take_busy()
         if self.trials:
             if 1 <= self._plan_steps <= TRIAL_STEPS:
-                for key, times in self._trial_times.items():
-                    if key in busy:
-                        times[self._plan_steps % 2].append(busy[key])
+                row = self._trial_times[self._plan_steps - 1]
+                for i, keys in enumerate(self._pairs.values()):
+                    row[i] += sum(busy.get(key, 0.0) for key in keys)
             return
         measured = predicted = 0.0
         for key, seconds in busy.items():
@@ -292,27 +308,41 @@ class AdaptivePlanner(HierarchicalReducer):
             self.replan(f"step {self._step}: measured times departed from the prediction")
 
     def _settle_trials(self) -> None:
-        """Every rank's mean time per option and bucket, summed over the data-parallel ranks of this rank's pipeline
-        stage and tensor-parallel position, the ones that hold its buckets (one all-reduce, every one of them the
-        same figures): each close call takes the option measured faster (collective over those ranks)."""
-        keys = sorted(self.trials, key=lambda k: (len(k), k))
-        means = [statistics.mean(times) if times else float("inf")
-                 for key in keys for times in self._trial_times[key]]
-        totals = torch.tensor(means, dtype=torch.float64, device=self._topology.device)
+        """Each pair of options' timed steps, the seconds of its buckets summed over the data-parallel ranks of this
+        rank's pipeline stage and tensor-parallel position, the ones that hold those buckets (one all-reduce: every
+        one of them the same figures): the pair's buckets take the option whose median step was faster by more
+        than the steps' spread (each option's slowest over its fastest step, the larger, within
+        :data:`~ddp_plugin.gradients.planning.TRIAL_BAND`), else the one the fixed rule prefers (collective over
+        those ranks)."""
+        totals = torch.tensor(self._trial_times, dtype=torch.float64, device=self._topology.device)
         if self._trial_group is not None and dist.get_world_size(self._trial_group) > 1:
             dist.all_reduce(totals, group=self._trial_group)
-        totals_s = totals.tolist()
-        for i, key in enumerate(keys):
-            runner_up, chosen = totals_s[2 * i + 1], totals_s[2 * i]
-            route, codec = self.trials[key][1] if runner_up < chosen else self.trials[key][0]
-            planned = self.plan.buckets[key]
-            planned.route, planned.codec = route, codec
-            planned.predicted_ms = self.plan.model.route_seconds(route, codec, planned.nbytes) * 1e3
-            planned.measured_ms, planned.steps = None, 0
+        steps = totals.tolist()  # (step 1 of the trial is row 0: odd steps time a pair's second option)
+        reasons = []
+        for i, (pair, keys) in enumerate(self._pairs.items()):
+            first = sorted(row[i] for row in steps[1::2])
+            second = sorted(row[i] for row in steps[0::2])
+            spread = max((t[-1] - t[0]) / t[0] if t[0] > 0 else 0.0 for t in (first, second))
+            band = min(max(TRIAL_BAND[0], spread), TRIAL_BAND[1])
+            a, b = statistics.median(first), statistics.median(second)
+            option = pair[1] if b * (1 + band) < a else pair[0]
+            why = ("measured faster beyond the spread" if option == pair[1] or a * (1 + band) < b
+                   else "within the spread: the fixed rule (no codec first, then the hierarchical route)")
+            names = ["+".join(o) for o in pair]
+            reasons.append(f"{names[0]} {a * 1e3:.1f} ms against {names[1]} {b * 1e3:.1f} ms a step (buckets"
+                           f" {', '.join(keys)}; spread {100 * spread:.0f} %): {'+'.join(option)}, {why}")
+            for key in keys:
+                planned = self.plan.buckets[key]
+                planned.route, planned.codec = option
+                planned.predicted_ms = self.plan.model.route_seconds(*option, planned.nbytes) * 1e3
+                planned.measured_ms, planned.steps = None, 0
         self.plan.record(self._step)
-        self.plan.settled = {key: [list(option) for option in self.trials[key]] for key in keys}
-        self.trials, self._trial_times = {}, {}
+        self.plan.settled = {key: [list(option) for option in self._contested[key]]
+                             for key in sorted(self._contested, key=lambda k: (len(k), k))}
+        self.plan.reasons = reasons
+        self.trials, self._contested, self._pairs, self._trial_times = {}, {}, {}, []
         self._restart_baseline()
+        self.report(self.plan.table())
 
     def _restart_baseline(self) -> None:
         """A plan changed: the measured-over-predicted baseline is set again, from the next steps."""
@@ -333,8 +363,8 @@ class AdaptivePlanner(HierarchicalReducer):
         self.plan = plan
         self._restart_baseline()
         self.start_trials()
-        if dist.get_rank() == 0:
-            log.info(plan.table())
+        if not self.trials:  # (else once they are settled)
+            self.report(plan.table())
 
     @hookimpl
     def on_collect_metrics(self) -> dict[str, float]:
