@@ -110,7 +110,8 @@ ZERO3_RSS_MARGIN_MB = 140  # ours at ZeRO-3 over every rank: peak RSS at least t
 ZERO3_STEP_RATIO = 1.3  # ... and a step within this multiple of ddp's
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's options (``benchmarks/regression.py`` builds on them)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
                    help=f"comma-separated subset of: {', '.join(CONTENDERS)} (default: all but the ZeRO ones, in"
@@ -135,6 +136,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per contender before it is killed")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown file; the plot goes next to it as .png")
     p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    p = build_parser() if parser is None else parser
     args = p.parse_args(argv)
     args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     unknown = [c for c in args.contenders if c not in CONTENDERS]
@@ -148,9 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------- running
 
 
-def _worker_argv(args: argparse.Namespace, contender: str, out_dir: Path) -> list[str]:
+def _worker_argv(args: argparse.Namespace, contender: str, out_dir: Path, worker: Path = WORKER) -> list[str]:
     return [
-        str(WORKER), "--contender", contender, "--out-dir", str(out_dir),
+        str(worker), "--contender", contender, "--out-dir", str(out_dir),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
         "--layers", str(args.layers), "--features", str(args.features), "--classes", str(args.classes),
         "--batch-size", str(args.batch_size), "--bucket-size-mb", str(args.bucket_size_mb), "--seed", str(args.seed),
@@ -158,12 +164,14 @@ def _worker_argv(args: argparse.Namespace, contender: str, out_dir: Path) -> lis
     ]  # fmt: skip
 
 
-def run_one(cluster: Any, args: argparse.Namespace, name: str, out_dir: Path) -> dict[str, Any]:
-    """Launch one contender on ``cluster``; return its per-rank results, or the error."""
+def run_one(cluster: Any, args: argparse.Namespace, name: str, out_dir: Path, worker: Path = WORKER,
+            env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Launch one contender on ``cluster``; return its per-rank results, or the error. ``worker`` and ``env`` (added
+    to the ranks' environment) let ``benchmarks/regression.py`` run another commit's worker and package."""
     _, worker_contender, _ = CONTENDERS[name]
-    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     t0 = time.perf_counter()
-    nodes = cluster.launch(_worker_argv(args, worker_contender, out_dir), nproc_per_node=args.nproc_per_node,
+    nodes = cluster.launch(_worker_argv(args, worker_contender, out_dir, worker), nproc_per_node=args.nproc_per_node,
                            env=env, timeout=args.timeout)
     wall = time.perf_counter() - t0
     ranks = [json.loads(f.read_text()) for f in sorted(out_dir.glob("rank*.json"))]

@@ -66,3 +66,190 @@ def test_gpu_check_runs_on_cpu_ranks(tmp_path) -> None:
     assert report["sections"]["parity"]["cases"]["default"]["max_abs_diff"] <= 1e-5
     assert report["sections"]["kill"]["dead_rank"] == 1 and set(report["sections"]["kill"]["survivors"]) == {"0"}
     assert "gpu_check: 9 passed, 0 failed, 0 skipped" in proc.stdout
+
+
+# ---------------------------------------------------------------------- benchmarks/regression.py (no cluster launched)
+
+RELEASE_0_1_0 = "7dfb8a6e5de9cd22fcea0678b2e3822ce484a0b1"  # the last commit of 2026-11-24, the 0.1.0 heading's date
+HISTORY_AT = "27025604307f2a74ef015ef49719e02bd221a78e"  # a commit whose newest release heading is 0.1.0
+
+
+@pytest.fixture(scope="module")
+def regression():
+    """benchmarks/regression.py as a module (it imports benchmarks/cluster.py beside it); sys.path as before."""
+    import importlib
+
+    saved = list(sys.path)
+    try:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        return importlib.import_module("regression")
+    finally:
+        sys.path[:] = saved
+
+
+def _has_commit(commit: str) -> bool:
+    return subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True).returncode == 0
+
+
+def test_regression_refuses_an_unknown_contender(regression, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        regression.parse_args(["--contenders", "ours_hier,bogus", "--base", "HEAD"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "regression.py: error: unknown contender(s) bogus" in err
+
+
+@pytest.mark.parametrize("side", ["base", "head"])
+def test_regression_names_a_bad_revision(regression, capsys, side: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        regression.parse_args([f"--{side}", "no-such-rev", *(["--base", "HEAD"] if side == "head" else [])])
+    assert e.value.code == 2
+    assert f"--{side}: 'no-such-rev' is not a commit of the repository" in capsys.readouterr().err
+
+
+def test_regression_arguments_keep_cluster_pys_rules(regression) -> None:
+    args = regression.parse_args(["--base", "HEAD", "--contenders", "ours_hier,ours_zero3"])
+    assert args.contenders == ["lightning_ddp", "ours_hier", "ours_zero3"]  # the reference always runs, first
+    assert args.optimizer == "adamw"  # a ZeRO contender switches every run to AdamW, as in cluster.py
+    assert args.revisions["base"]["commit"] == args.revisions["head"]["commit"]
+    default = regression.parse_args(["--base", "HEAD"])
+    assert default.contenders == list(regression.DEFAULT_CONTENDERS) and default.optimizer == "sgd"
+    assert default.out == ROOT / "benchmarks" / "results" / "regression.md"
+
+
+@pytest.mark.skipif(not _has_commit(HISTORY_AT), reason="a shallow clone: the release's history is not here")
+def test_regression_default_base_is_the_last_release(regression) -> None:
+    # CHANGELOG's 0.1.0 heading (dated 2026-11-24) was added on 2026-11-27 (f3ebf7e), 191 commits later: the
+    # release is the last commit of its date, not that one.
+    release = regression.last_release(HISTORY_AT)
+    assert (release["version"], release["date"], release["commit"]) == ("0.1.0", "2026-11-24", RELEASE_0_1_0)
+    assert "2026-11-24" in release["how"] and "f3ebf7e" in release["how"]
+    args = regression.parse_args([])
+    assert args.revisions["base"]["commit"] == regression.last_release()["commit"]
+    assert args.revisions["head"]["commit"] == regression.resolve("HEAD")["commit"]
+    assert "the default, release" in args.revisions["base"]["chosen"]
+
+
+def test_last_release_rules_on_a_small_history(regression, tmp_path) -> None:
+    def git(*argv: str, day: str | None = None) -> str:
+        env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+               "HOME": str(tmp_path), "PATH": "/usr/bin:/bin:/usr/local/bin"}
+        if day:
+            env["GIT_AUTHOR_DATE"] = env["GIT_COMMITTER_DATE"] = f"{day}T12:00:00+00:00"
+        return subprocess.run(["git", *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    def commit(day: str, changelog: str) -> str:
+        (tmp_path / "CHANGELOG.md").write_text(changelog)
+        git("add", "CHANGELOG.md")
+        git("commit", "-q", "--allow-empty", "-m", day, day=day)
+        return git("rev-parse", "HEAD")
+
+    git("init", "-q")
+    commit("2026-01-01", "# Changelog\n\n## [Unreleased]\n")
+    added_the_same_day = commit("2026-01-02", "# Changelog\n\n## [Unreleased]\n\n## [1.0.0] - 2026-01-02\n")
+    assert regression.last_release(repo=tmp_path)["commit"] == added_the_same_day
+    released = commit("2026-02-01", "# Changelog\n\n## [Unreleased]\n- more\n\n## [1.0.0] - 2026-01-02\n")
+    commit("2026-02-03", "# Changelog\n\n## [Unreleased]\n\n## [1.1.0] - 2026-02-01\n- more\n\n## [1.0.0] - 2026-01-02\n")
+    later = regression.last_release(repo=tmp_path)
+    assert (later["version"], later["commit"]) == ("1.1.0", released), later
+    git("tag", "v1.1.0", added_the_same_day)
+    assert regression.last_release(repo=tmp_path) == {"version": "1.1.0", "date": "2026-02-01",
+                                                     "commit": added_the_same_day, "how": "the tag v1.1.0"}
+    (tmp_path / "CHANGELOG.md").write_text("# Changelog\n\n## [Unreleased]\n")
+    git("commit", "-q", "-am", "no release", day="2026-03-01")
+    with pytest.raises(LookupError, match="no release heading"):
+        regression.last_release(repo=tmp_path)
+
+
+def test_regression_interleaves_the_commits(regression) -> None:
+    assert regression.schedule(["ddp", "hier"], 2) == [
+        (0, "ddp", "base"), (0, "ddp", "head"), (0, "hier", "head"), (0, "hier", "base"),
+        (1, "ddp", "head"), (1, "ddp", "base"), (1, "hier", "base"), (1, "hier", "head")]
+
+
+def test_regression_checks_where_the_ranks_imported_from(regression, tmp_path) -> None:
+    tree, records = tmp_path / "base", tmp_path / "records"
+    records.mkdir()
+    for pid, rank, where in ((1, "0", tree), (2, "1", tree), (3, None, tmp_path / "elsewhere")):
+        (records / f"{pid}.json").write_text(json.dumps({
+            "pid": pid, "rank": rank, "ddp_plugin": str(where / "ddp_plugin" / "__init__.py"),
+            "ddp_plugin.hookspecs": str(where / "hookspecs" / "__init__.py")}))
+    found = regression.check_imports(records, tree)  # the launcher (no RANK) does not count
+    assert found == {"ranks": 2, "outside": [], "files": {"ddp_plugin": ["ddp_plugin/__init__.py"],
+                                                          "ddp_plugin.hookspecs": ["hookspecs/__init__.py"]}}
+    (records / "4.json").write_text(json.dumps({"pid": 4, "rank": "2", "ddp_plugin": "/work/main/ddp_plugin/__init__.py",
+                                                "ddp_plugin.hookspecs": "/work/main/hookspecs/__init__.py"}))
+    assert regression.check_imports(records, tree)["outside"] == ["/work/main/ddp_plugin/__init__.py",
+                                                                  "/work/main/hookspecs/__init__.py"]
+
+
+def _fake_run(side: str, name: str, step_s: float, rss_mb: float = 900.0, tx_mb: float = 46.5,
+              error: str | None = None) -> dict:
+    """One launch as cluster.run_one returns it (4 ranks on 2 nodes, 4 timed steps), with the imports check."""
+    imports = {"ranks": 4, "outside": [], "files": {"ddp_plugin": ["ddp_plugin/__init__.py"],
+                                                    "ddp_plugin.hookspecs": ["hookspecs/__init__.py"]}}
+    run = {"side": side, "contender": name, "commit": side[:4], "index": 0, "wall_s": 30.0, "imports": imports}
+    if error is not None:
+        return {**run, "name": name, "error": error, "log": ""}
+    ranks = [{"rank": r, "node": r // 2, "step_s": [step_s] * 4, "timed_steps": 4, "grad_bytes": 46_360_000,
+              "params": 11_590_000, "losses": [2.3, 2.29], "maxrss_mb": rss_mb - r,
+              **({"tx_bytes": tx_mb * 4e6, "rx_bytes": tx_mb * 4e6} if r % 2 == 0 else {})} for r in range(4)]
+    return {**run, "name": name, "ranks": ranks}
+
+
+def _table(regression, runs: list[dict], contenders: list[str], repeats: int = 1) -> tuple[list[dict], str]:
+    import argparse
+
+    revisions = {side: {"rev": side, "commit": f"{side}0" * 8, "short": f"{side}0", "subject": f"the {side}",
+                        "chosen": f"`--{side} x`"} for side in ("base", "head")}
+    args = argparse.Namespace(contenders=contenders, nodes=2, nproc_per_node=2, rate="1gbit", warmup=3, steps=4,
+                              repeats=repeats, optimizer="sgd", revisions=revisions)
+    meta = {"command": "python benchmarks/regression.py", "date": "2026-12-01 10:00 UTC", "wall_s": 600.0, "cores": 2,
+            "platform": "Linux", "python": "3.11", "torch": "2.9", "lightning": "2.6", "load_start": 0.1,
+            "load_end": 1.9, "dirty": []}
+    entries = regression.compare(args, runs)
+    return entries, regression.write_markdown(args, meta, runs, entries)
+
+
+def test_regression_table_flags_a_slower_head(regression) -> None:
+    runs = [_fake_run("base", "lightning_ddp", 0.70), _fake_run("head", "lightning_ddp", 0.71),
+            _fake_run("base", "ours_hier", 0.60), _fake_run("head", "ours_hier", 0.66),
+            _fake_run("base", "ours_hier_int8", 0.44), _fake_run("head", "ours_hier_int8", 0.44, rss_mb=1000.0)]
+    entries, text = _table(regression, runs, ["lightning_ddp", "ours_hier", "ours_hier_int8"])
+    by = {e["name"]: e for e in entries}
+    assert by["ours_hier"]["step_ratio"] == pytest.approx(1.1) and by["ours_hier"]["threshold"] == 0.05
+    assert by["ours_hier"]["flags"] == ["step 1.100x base, beyond 1 + 0.050"]
+    assert by["ours_hier_int8"]["flags"] == ["peak RSS 1.111x base (+100 MB)"]
+    assert not by["lightning_ddp"]["flags"]
+    assert by["ours_hier"]["head"]["ratio_to_ddp"] == pytest.approx(0.66 / 0.71)  # against its own commit's ddp
+    row = next(line for line in text.splitlines() if line.startswith("| ours, hierarchical |"))
+    assert "| 0.600 / 0.660 | 0.857 / 0.930 | **1.100** | 46.50 / 46.50 | 900 / 900 | 2.29000 / 2.29000 |" in row
+    assert "**Flagged**" in text and "ours_hier: step 1.100x base" in text and "ours_hier_int8: peak RSS" in text
+
+
+def test_regression_table_no_flag_within_the_runs_spread(regression) -> None:
+    # head 8 % slower, but base's two runs lay 12 % apart: within the noise.
+    runs = [_fake_run(side, "lightning_ddp", 0.70) for side in ("base", "head") for _ in range(2)]
+    runs += [_fake_run("base", "ours_hier", 0.56), _fake_run("base", "ours_hier", 0.63),
+             _fake_run("head", "ours_hier", 0.64), _fake_run("head", "ours_hier", 0.65)]
+    entries, text = _table(regression, runs, ["lightning_ddp", "ours_hier"], repeats=2)
+    hier = entries[1]
+    assert hier["threshold"] == pytest.approx(0.07 / 0.595) and hier["step_ratio"] == pytest.approx(0.645 / 0.595)
+    assert hier["flags"] == [] and "No row flagged" in text and "**Flagged**" not in text
+    assert "| ours, hierarchical | 0.560, 0.630 | 0.640, 0.650 | 0.118 / 0.016 | 0.118 |" in text
+
+
+def test_regression_table_shows_a_failed_cell(regression) -> None:
+    unknown = "the worker at base0 has no contender 'ours_auto'"
+    runs = [_fake_run("base", "lightning_ddp", 0.70), _fake_run("head", "lightning_ddp", 0.70),
+            _fake_run("base", "ours_auto", 0.0, error=unknown), _fake_run("head", "ours_auto", 0.45),
+            _fake_run("base", "ours_hier", 0.60), _fake_run("head", "ours_hier", 0.0, error="exit codes [1, 1]")]
+    entries, text = _table(regression, runs, ["lightning_ddp", "ours_auto", "ours_hier"])
+    by = {e["name"]: e for e in entries}
+    assert by["ours_auto"]["flags"] == [] and by["ours_auto"]["notes"] == ["runs at head only"]
+    assert by["ours_hier"]["flags"] == ["fails at head, ran at base"]
+    auto = next(line for line in text.splitlines() if line.startswith("| ours, `compression=\"auto\"`"))
+    assert f"| failed: {unknown} / 0.450 |" in auto
+    assert "| 0.600 / failed: exit codes [1, 1] |" in text
+    assert "## Failed runs" in text and "ours_hier: fails at head, ran at base" in text
