@@ -1,6 +1,6 @@
 """Regression benchmark: the data-parallel paths of ``benchmarks/cluster.py`` at two commits, side by side.
 
-    python benchmarks/regression.py                                  # HEAD against the last release, ~25 minutes on 2 cores
+    python benchmarks/regression.py                                  # HEAD against the last release, ~15 minutes on 2 cores
     python benchmarks/regression.py --base 7dfb8a6 --head HEAD --contenders lightning_ddp,ours_hier --repeats 3
 
 Each revision is checked out with ``git worktree add --detach`` into a temporary folder (removed at the end, also
@@ -73,7 +73,7 @@ BYTES_MARGIN = 0.05  # ... cross-node bytes above 1 + this x base's
 RELEASE_HEADING = re.compile(r"^## \[(\d+\.\d+\.\d+[^\]]*)\](?:\s*-\s*(\d{4}-\d{2}-\d{2}))?", re.M)
 TREE_ENV, IMPORTS_ENV = "DDP_REGRESSION_TREE", "DDP_REGRESSION_IMPORTS"
 
-SITECUSTOMIZE = f'''"""Written by benchmarks/regression.py: ddp_plugin and ddp_plugin.hookspecs from ${TREE_ENV}, recorded."""
+SITECUSTOMIZE = f'''"""Written by benchmarks/regression.py: ddp_plugin and its hookspecs from ${TREE_ENV}, recorded."""
 import atexit
 import json
 import os
@@ -104,7 +104,8 @@ if _TREE:
         where = os.environ.get("{IMPORTS_ENV}")
         if not where or "ddp_plugin" not in sys.modules:
             return
-        files = {{name: getattr(sys.modules.get(name), "__file__", None) for name in ("ddp_plugin", "ddp_plugin.hookspecs")}}
+        files = {{name: getattr(sys.modules.get(name), "__file__", None)
+                 for name in ("ddp_plugin", "ddp_plugin.hookspecs")}}
         with open(os.path.join(where, f"{{os.getpid()}}.json"), "w") as f:
             json.dump({{"pid": os.getpid(), "rank": os.environ.get("RANK"), **files}}, f)
 
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cluster.build_parser()
     p.prog, p.description = "regression.py", __doc__.splitlines()[0]
     p.set_defaults(contenders=",".join(DEFAULT_CONTENDERS), out=DEFAULT_OUT)
+    # argparse has no public way to reword an option's help: its actions by option string.
     p._option_string_actions["--contenders"].help = (
         f"comma-separated subset of cluster.py's contenders (default: {','.join(DEFAULT_CONTENDERS)});"
         f" {REFERENCE} is always run, as the reference")
@@ -347,8 +349,13 @@ def compare(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[dict[s
             continue
         entry["step_ratio"] = head["median_s"] / base["median_s"]
         entry["threshold"] = max(SPREAD_FLOOR, spread(base), spread(head))
+        if "ratio_to_ddp" in base and "ratio_to_ddp" in head:
+            entry["ddp_ratio"] = head["ratio_to_ddp"] / base["ratio_to_ddp"]  # head / base, each against its ddp
         if entry["step_ratio"] > 1 + entry["threshold"]:
-            entry["flags"].append(f"step {entry['step_ratio']:.3f}x base, beyond 1 + {entry['threshold']:.3f}")
+            against = ""
+            if name != REFERENCE and "ddp_ratio" in entry:
+                against = f" ({entry['ddp_ratio']:.3f}x against each commit's ddp)"
+            entry["flags"].append(f"step {entry['step_ratio']:.3f}x base{against}, beyond 1 + {entry['threshold']:.3f}")
         elif entry["step_ratio"] < 1 - entry["threshold"]:
             entry["notes"].append(f"faster: step {entry['step_ratio']:.3f}x base")
         rss = head["peak_rss_mb"] / base["peak_rss_mb"]
@@ -442,6 +449,9 @@ def write_markdown(args: argparse.Namespace, meta: dict[str, Any], runs: list[di
         lines.append(f"No row flagged: head within the larger of the two commits' per-run-median spread and"
                      f" {SPREAD_FLOOR:.0%} of base's step time, RSS and cross-node bytes within {RSS_MARGIN:.0%},"
                      " nothing failing at head that ran at base.")
+    if args.repeats == 1:
+        lines += ["", f"One run per contender and commit: their spread is not measured, so only the {SPREAD_FLOOR:.0%}"
+                      " floor applies (`--repeats 2` or more for a verdict)."]
     ref = next((e for e in entries if e["name"] == REFERENCE and "step_ratio" in e), None)
     if ref is not None:
         lines += ["", f"Lightning `ddp` runs the same Lightning code at both commits: its head / base"
@@ -452,12 +462,13 @@ def write_markdown(args: argparse.Namespace, meta: dict[str, Any], runs: list[di
     for e in entries:
         per_run = [", ".join(f"{m:.3f}" for m in e[side].get("per_run_median_s", [])) or "-" for side in SIDES]
         spreads = " / ".join(f"{spread(e[side]):.3f}" if "median_s" in e[side] else "-" for side in SIDES)
-        lines.append(f"| {e['label']} | {per_run[0]} | {per_run[1]} | {spreads} | {cluster._fmt(e.get('threshold'), '.3f')} |")
+        threshold = cluster._fmt(e.get("threshold"), ".3f")
+        lines.append(f"| {e['label']} | {per_run[0]} | {per_run[1]} | {spreads} | {threshold} |")
     failures = [r for r in runs if "error" in r]
     if failures:
         lines += ["", "## Failed runs", ""]
-        lines += [f"- run {r['index'] + 1}, {r['contender']} at {r['side']} ({r['commit']}): {cluster._cell(r['error'], 300)}"
-                  for r in failures]
+        lines += [f"- run {r['index'] + 1}, {r['contender']} at {r['side']} ({r['commit']}):"
+                  f" {cluster._cell(r['error'], 300)}" for r in failures]
     return "\n".join(lines) + "\n"
 
 
@@ -516,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         boot = tmp / "boot"
         boot.mkdir()
         (boot / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        meta["worktrees"] = {side: str(tree) for side, tree in trees.items()}
         runs = run_all(args, trees, boot, tmp, stack)
     meta["wall_s"], meta["load_end"] = time.perf_counter() - t_all, os.getloadavg()[0]
     entries = compare(args, runs)

@@ -1,9 +1,12 @@
 """The benchmark scripts' command lines: every script under benchmarks/ answers ``--help`` with its usage and
-exits 0 (argparse formats help strings with ``%``, so a literal percent sign in one breaks ``--help`` only)."""
+exits 0 (argparse formats help strings with ``%``, so a literal percent sign in one breaks ``--help`` only); and
+what of benchmarks/regression.py needs no cluster: its arguments, the last release found in the history, the run
+order, the package pinned to a worktree, the comparison table."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -184,6 +187,28 @@ def test_regression_checks_where_the_ranks_imported_from(regression, tmp_path) -
                                                                   "/work/main/hookspecs/__init__.py"]
 
 
+def test_regression_sitecustomize_pins_the_package_to_the_worktree(regression, tmp_path) -> None:
+    # A stand-in worktree; the venv's editable install (if any) maps ddp_plugin.hookspecs to this checkout's
+    # hookspecs/, which PYTHONPATH alone does not override.
+    tree, boot, records = tmp_path / "tree", tmp_path / "boot", tmp_path / "records"
+    for folder in (tree / "ddp_plugin", tree / "hookspecs", boot, records):
+        folder.mkdir(parents=True)
+    (tree / "ddp_plugin" / "__init__.py").write_text("import ddp_plugin.hookspecs\n")
+    (tree / "hookspecs" / "__init__.py").write_text("")
+    (tree / "hookspecs" / "hooks.py").write_text("")
+    (boot / "sitecustomize.py").write_text(regression.SITECUSTOMIZE)
+    env = {**os.environ, "PYTHONPATH": f"{boot}{os.pathsep}{tree}", "RANK": "3", regression.TREE_ENV: str(tree),
+           regression.IMPORTS_ENV: str(records)}
+    # Run from the checkout, whose ddp_plugin/ is first on sys.path for `-c`: the worktree's still wins.
+    code = "import ddp_plugin.hookspecs.hooks as h, ddp_plugin; print(ddp_plugin.__file__); print(h.__file__)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(tree / "ddp_plugin" / "__init__.py"), str(tree / "hookspecs" / "hooks.py")]
+    assert regression.check_imports(records, tree) == {
+        "ranks": 1, "outside": [], "files": {"ddp_plugin": ["ddp_plugin/__init__.py"],
+                                             "ddp_plugin.hookspecs": ["hookspecs/__init__.py"]}}
+
+
 def _fake_run(side: str, name: str, step_s: float, rss_mb: float = 900.0, tx_mb: float = 46.5,
               error: str | None = None) -> dict:
     """One launch as cluster.run_one returns it (4 ranks on 2 nodes, 4 timed steps), with the imports check."""
@@ -219,7 +244,7 @@ def test_regression_table_flags_a_slower_head(regression) -> None:
     entries, text = _table(regression, runs, ["lightning_ddp", "ours_hier", "ours_hier_int8"])
     by = {e["name"]: e for e in entries}
     assert by["ours_hier"]["step_ratio"] == pytest.approx(1.1) and by["ours_hier"]["threshold"] == 0.05
-    assert by["ours_hier"]["flags"] == ["step 1.100x base, beyond 1 + 0.050"]
+    assert by["ours_hier"]["flags"] == ["step 1.100x base (1.085x against each commit's ddp), beyond 1 + 0.050"]
     assert by["ours_hier_int8"]["flags"] == ["peak RSS 1.111x base (+100 MB)"]
     assert not by["lightning_ddp"]["flags"]
     assert by["ours_hier"]["head"]["ratio_to_ddp"] == pytest.approx(0.66 / 0.71)  # against its own commit's ddp
