@@ -67,6 +67,7 @@ CONTENDERS: dict[str, tuple[str, str, str | None]] = {
     "ours_hier_int8": ("ours, hierarchical + int8", "ours_hier_int8", "capped"),
     "ours_hier_powersgd": ("ours, hierarchical + powersgd (rank 4)", "ours_hier_powersgd", "capped"),
     "torch_ddp_powersgd": ("torch DDP + PowerSGD hook (rank 4, 1 bucket)", "torch_ddp_powersgd", "capped"),
+    "ours_int8": ("ours, int8, `hierarchical=None` (the link probe routes each bucket)", "ours_int8", "capped"),
     "ours_auto": ("ours, `compression=\"auto\"`, `bucket_size_mb=\"auto\"` (the link probe decides)", "ours_auto",
                   "capped"),
     "ours_auto_fixed_buckets": ("ours, `compression=\"auto\"` (25 MiB buckets)", "ours_auto_fixed_buckets", "capped"),
@@ -103,7 +104,7 @@ S / (c H), plus, without a codec (the outer state sharded over the nodes), the p
 shares: at most n - 1 fp32 values per part, each way (:func:`_share_padding_mb`)."""
 SYNC_FLOOR_RATIO = 1.10  # the acceptance bound on a sync mode's step time, x the uncapped floor's
 DEFAULT_CONTENDERS = tuple(c for c in CONTENDERS if c not in ZERO_CONTENDERS and c not in SYNC_CONTENDERS
-                           and c not in GLIBC_CONTENDERS and c not in ("fsdp2_full", "ours_auto_fixed_buckets"))
+                           and c not in GLIBC_CONTENDERS and c not in ("fsdp2_full", "ours_auto_fixed_buckets", "ours_int8"))
 OPTIMIZERS = {"sgd": "SGD(lr=0.01, momentum=0.9)", "adamw": "AdamW(lr=1e-3), torch's other defaults"}
 ACCEPTANCE_BYTES = 1.02  # x S, per node and step, hierarchical without a codec
 ZERO3_RSS_MARGIN_MB = 140  # ours at ZeRO-3 over every rank: peak RSS at least this far below Lightning ddp's

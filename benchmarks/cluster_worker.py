@@ -60,6 +60,8 @@ LIGHTNING_CONTENDERS = {
     # smallest start_powerSGD_iter torch's hook accepts with error feedback, so both PowerSGDs compress from step 2.
     "ours_hier_powersgd": {"hierarchical": True, "compression": "powersgd",
                            "compression_options": {"rank": 4, "start_iter": 2}},
+    # int8 with the default `hierarchical=None`: the link probe decides each bucket's route (flat or hierarchical).
+    "ours_int8": {"compression": "int8"},
     # The link probe decides the route and codec per bucket (between no codec and int8) and the bucket size.
     "ours_auto": {"hierarchical": None, "compression": "auto", "bucket_size_mb": "auto"},
     # The same with the bucket size fixed (the run's --bucket-size-mb).

@@ -65,7 +65,7 @@ import cluster  # noqa: E402  (benchmarks/cluster.py: contenders, options, launc
 
 DEFAULT_OUT = HERE / "results" / "regression.md"
 REFERENCE = "lightning_ddp"
-DEFAULT_CONTENDERS = (REFERENCE, "ours_flat", "ours_hier", "ours_hier_int8", "ours_hier_powersgd", "ours_auto")
+DEFAULT_CONTENDERS = (REFERENCE, "ours_flat", "ours_hier", "ours_hier_int8", "ours_int8", "ours_hier_powersgd", "ours_auto")
 SIDES = ("base", "head")
 SPREAD_FLOOR = 0.05  # head / base step time is flagged above 1 + max(this, either commit's per-run-median spread)
 RSS_MARGIN = 0.05  # ... peak RSS above 1 + this x base's
