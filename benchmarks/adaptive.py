@@ -71,7 +71,7 @@ def plan_summary(res: dict[str, Any]) -> str:
 
 
 def report(rate: str, name: str, res: dict[str, Any], verbose: bool) -> None:
-    """One contender's run as it ends; with ``verbose`` the plan's fits and per-bucket times."""
+    """One contender's run as it ends; with ``verbose`` the plan's fits, per-bucket times and close calls."""
     if "error" in res:
         print(f"{rate} {name}: FAILED {res['error']}\n{res['log']}", flush=True)
         return
@@ -84,6 +84,10 @@ def report(rate: str, name: str, res: dict[str, Any], verbose: bool) -> None:
     for key, b in plan["buckets"].items():
         print(f"    bucket {key:<4} {b['MB']:6.2f} MB {b['route']:<12} {b['codec']:<5}"
               f" predicted {b['predicted_ms']:7.1f} ms measured {b['measured_ms'] or 0:7.1f} ms")
+    if plan.get("bucket_reason"):
+        print(f"    bucket size: {plan['bucket_reason']}")
+    for reason in plan.get("reasons", ()):
+        print(f"    close call: {reason}")
 
 
 def main(argv: list[str] | None = None) -> int:

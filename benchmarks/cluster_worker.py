@@ -388,7 +388,8 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
         if plan is not None:
             res["comm_plan"] = {
                 "version": plan.version, "probe_s": plan.probe_s, "bucket_size_mb": plan.bucket_size_mb,
-                "decisions": plan.decisions(), "links": plan.model.describe(),
+                "decisions": plan.decisions(), "links": plan.model.describe(), "reasons": plan.reasons,
+                "bucket_reason": plan.bucket_reason,
                 "buckets": {k: {"MB": b.nbytes / 1e6, "route": b.route, "codec": b.codec,
                                 "predicted_ms": b.predicted_ms, "measured_ms": b.measured_ms}
                             for k, b in plan.buckets.items()},

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ddp_plugin import health
 from ddp_plugin.hookspecs import Options, local_tensor
 from ddp_plugin.gradients.link_probe import agree, probe, probe_codecs
-from ddp_plugin.gradients.planning import FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel
+from ddp_plugin.gradients.planning import BUCKET_BAND, FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel
 from ddp_plugin.plugins.adaptive import AdaptivePlanner, candidate_names
 
 if TYPE_CHECKING:
@@ -81,15 +81,18 @@ class LinkChoices:
                         for group in pack(reversed(named), cap, FIRST_BUCKET_BYTES)]
 
             bucket_size_mb = model.choose_bucket_bytes(buckets_for, total, routes, names) / 2**20
+            costs = model.bucket_costs(buckets_for, total, routes, names)
+            why = ", ".join(f"{cap / 2**20:.4g} MiB {seconds * 1e3:.1f} ms" for cap, seconds in costs.items())
+            why = f"{bucket_size_mb:.4g} MiB (predicted: {why}; the nearest 25 MiB within {BUCKET_BAND:.0%} of the least)"
         else:
-            bucket_size_mb = float(config.bucket_size_mb)
+            bucket_size_mb, why = float(config.bucket_size_mb), ""
         if len(routes) > 1 and (config.zero_stage or config.sync_every > 1):
             # The route is the sharder's layout (or the sync mode's) for the whole fit: the one with the least
             # predicted time over buckets of this size.
             cap = int(bucket_size_mb * 2**20)
             sizes = [cap] * (total // cap) + ([total % cap] if total % cap else [])
             routes = (model.best_route(sizes, routes, names),)
-        plan = CommPlan(model, routes, names, bucket_size_mb, seconds)
+        plan = CommPlan(model, routes, names, bucket_size_mb, seconds, bucket_reason=why)
         self.planner = AdaptivePlanner(plan, lambda: self.probe(self.planner.plan.routes))
         return HIERARCHICAL in routes, bucket_size_mb
 

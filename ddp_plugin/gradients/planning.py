@@ -182,6 +182,14 @@ class CostModel:
         capacity just below a layer's size puts each layer and each bias in buckets of their own, twice the
         latencies of one just above it. Of the capacities within :data:`BUCKET_BAND` of the least cost, the one
         nearest the default 25 MiB (the larger of two as near)."""
+        costs = self.bucket_costs(buckets_for, total_bytes, routes, codecs)
+        least = min(costs.values())
+        near = [cap for cap in costs if costs[cap] <= least * (1 + BUCKET_BAND)]
+        return min(near, key=lambda c: (abs(math.log(c / DEFAULT_BUCKET_BYTES)), -c))
+
+    def bucket_costs(self, buckets_for: Callable[[int], Sequence[int]], total_bytes: int,
+                     routes: Sequence[str] | None = None, codecs: Sequence[str] | None = None) -> dict[int, float]:
+        """Each capacity :meth:`choose_bucket_bytes` weighs -> the predicted seconds of its buckets."""
         caps = sorted({*(int(c * 2**20) for c in BUCKET_CAPS_MIB), self.bucket_bytes(total_bytes, routes, codecs)})
 
         def cost(cap: int) -> float:
@@ -190,10 +198,7 @@ class CostModel:
                 return 0.0
             return sum(self.choose(s, routes, codecs)[2] for s in sizes) + self.choose(sizes[-1], routes, codecs)[2]
 
-        costs = {cap: cost(cap) for cap in caps}
-        least = min(costs.values())
-        near = [cap for cap in caps if costs[cap] <= least * (1 + BUCKET_BAND)]
-        return min(near, key=lambda c: (abs(math.log(c / DEFAULT_BUCKET_BYTES)), -c))
+        return {cap: cost(cap) for cap in caps}
 
     def bucket_bytes(self, total_bytes: int, routes: Sequence[str] | None = None,
                      codecs: Sequence[str] | None = None) -> int:
@@ -271,6 +276,8 @@ class CommPlan:
     runner-up] (the decision is in ``buckets``)."""
     reasons: list[str] = field(default_factory=list)
     """Why each close call went the way it did: the times measured, the spread, the rule (in :meth:`table`)."""
+    bucket_reason: str = ""
+    """With ``bucket_size_mb="auto"``: each capacity's predicted seconds, and the band the one taken is in."""
 
     def plan_buckets(self, sizes: Mapping[str, int]) -> None:
         """Decide every bucket of ``sizes`` (key -> bytes) from the model."""
@@ -278,7 +285,7 @@ class CommPlan:
             route, codec, seconds = self.model.choose(nbytes, self.routes, self.codecs)
             self.buckets[key] = BucketPlan(key, nbytes, route, codec, seconds * 1e3)
 
-    def contested(self, margin: float = 0.25) -> dict[str, list[tuple[str, str]]]:
+    def contested(self, margin: float = 0.5) -> dict[str, list[tuple[str, str]]]:
         """The buckets whose chosen ``(route, codec)`` is predicted less than ``margin`` faster than the next best:
         key -> [chosen, runner-up], to be settled by timing both while training (the probe runs without backward
         beside it; training does not, and a close call can go either way there)."""
@@ -320,5 +327,7 @@ class CommPlan:
         for key, b in self.buckets.items():
             lines.append(f"  bucket {key:<12} {b.nbytes / 1e6:8.2f} MB  {b.route:<12} {b.codec:<8}"
                          f" predicted {b.predicted_ms:8.2f} ms")
+        if self.bucket_reason:
+            lines.append(f"  bucket size: {self.bucket_reason}")
         lines += [f"  close call: {reason}" for reason in self.reasons]
         return "\n".join(lines)
