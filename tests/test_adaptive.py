@@ -143,7 +143,7 @@ def test_a_close_call_within_the_measured_spread_goes_by_the_fixed_rule_whatever
 def test_a_close_call_goes_to_the_option_measured_faster_beyond_the_spread():
     decisions, reasons = settled_alone({"0": HIER_INT8}, FLAT_INT8,
                                        {FLAT_INT8: [0.010, 0.011, 0.010], HIER_INT8: [0.020, 0.021, 0.020]})
-    assert decisions == {"0": FLAT_INT8} and "beyond the spread" in reasons[0], reasons
+    assert decisions == {"0": FLAT_INT8} and "beyond the band" in reasons[0], reasons
 
 
 def test_noisy_trial_steps_widen_the_band_the_fixed_rule_holds():

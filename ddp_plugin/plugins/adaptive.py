@@ -317,6 +317,7 @@ class AdaptivePlanner(HierarchicalReducer):
         totals = torch.tensor(self._trial_times, dtype=torch.float64, device=self._topology.device)
         if self._trial_group is not None and dist.get_world_size(self._trial_group) > 1:
             dist.all_reduce(totals, group=self._trial_group)
+        ranks = dist.get_world_size(self._trial_group) if self._trial_group is not None else 1
         steps = totals.tolist()  # (step 1 of the trial is row 0: odd steps time a pair's second option)
         reasons = []
         for i, (pair, keys) in enumerate(self._pairs.items()):
@@ -326,11 +327,12 @@ class AdaptivePlanner(HierarchicalReducer):
             band = min(max(TRIAL_BAND[0], spread), TRIAL_BAND[1])
             a, b = statistics.median(first), statistics.median(second)
             option = pair[1] if b * (1 + band) < a else pair[0]
-            why = ("measured faster beyond the spread" if option == pair[1] or a * (1 + band) < b
-                   else "within the spread: the fixed rule (no codec first, then the hierarchical route)")
+            why = ("measured faster beyond the band" if option == pair[1] or a * (1 + band) < b
+                   else "within the band: the fixed rule (no codec first, then the hierarchical route)")
             names = ["+".join(o) for o in pair]
-            reasons.append(f"{names[0]} {a * 1e3:.1f} ms against {names[1]} {b * 1e3:.1f} ms a step (buckets"
-                           f" {', '.join(keys)}; spread {100 * spread:.0f} %): {'+'.join(option)}, {why}")
+            reasons.append(f"{names[0]} {a * 1e3 / ranks:.1f} ms against {names[1]} {b * 1e3 / ranks:.1f} ms a rank"
+                           f" and step (buckets {', '.join(keys)}; steps {100 * spread:.0f} % apart, band"
+                           f" {100 * band:.0f} %): {'+'.join(option)}, {why}")
             for key in keys:
                 planned = self.plan.buckets[key]
                 planned.route, planned.codec = option
