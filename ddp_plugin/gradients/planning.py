@@ -66,12 +66,19 @@ are not told apart and :func:`preferred` decides, so that two runs of one job pl
 
 def preferred(option: tuple[str, str], codecs: Sequence[str] = ()) -> tuple[bool, bool, int, str]:
     """The fixed rule between two ``(route, codec)`` options that measure alike (sort key, preferred first): no
-    codec before a codec (nothing rounded), then the hierarchical route before the flat one (fewer bytes across
-    the nodes: a node sends 2 S (1 - 1/m) for m nodes against 2 S (1 - 1/n) for n ranks), then the codec listed
-    first in ``codecs`` (the candidates)."""
+    codec before a codec (nothing rounded); then, without a codec, the flat route (one collective, as ``ddp``: a
+    link fast enough to need no codec is where the in-node stages cost what they save), with one the hierarchical
+    route (fewer bytes across the nodes, 2 S (1 - 1/m) a node for m nodes against 2 S (1 - 1/n) for n ranks: what
+    the slow link a codec is for wants); then the codec listed first in ``codecs`` (the candidates)."""
     route, codec = option
-    return codec != NO_CODEC, route != HIERARCHICAL, list(codecs).index(codec) if codec in codecs else 0, codec
+    coded = codec != NO_CODEC
+    return coded, route != (HIERARCHICAL if coded else FLAT), list(codecs).index(codec) if codec in codecs else 0, codec
 
+
+CLOSE_S = 5e-3
+"""Options predicted within this many seconds of each other are a close call whatever their ratio: a small
+bucket's time is the latencies, which the probe measures a few milliseconds apart from run to run (int8's over
+the world: 6.5, 7.8 and 10.3 ms in three runs at 1 and 10 Gbit/s)."""
 
 CodecReduce = Callable[[torch.Tensor, dist.ProcessGroup, Bucket], Any]
 """A candidate codec as the probe runs it: reduce ``tensor`` over ``group`` for ``bucket`` (returns a future or
@@ -287,9 +294,9 @@ class CommPlan:
             self.buckets[key] = BucketPlan(key, nbytes, route, codec, seconds * 1e3)
 
     def contested(self, margin: float = 0.5) -> dict[str, list[tuple[str, str]]]:
-        """The buckets whose chosen ``(route, codec)`` is predicted less than ``margin`` faster than the next best:
-        key -> [chosen, runner-up], to be settled by timing both while training (the probe runs without backward
-        beside it; training does not, and a close call can go either way there)."""
+        """The buckets whose chosen ``(route, codec)`` is predicted less than ``margin`` faster than the next best,
+        or less than :data:`CLOSE_S`: key -> [chosen, runner-up], to be settled by timing both while training (the
+        probe runs without backward beside it; training does not, and a close call can go either way there)."""
         out = {}
         for key, b in self.buckets.items():
             if b.route not in (FLAT, HIERARCHICAL):
@@ -300,7 +307,7 @@ class CommPlan:
                 continue
             chosen = self.model.route_seconds(b.route, b.codec, b.nbytes)
             runner_up = self.model.route_seconds(*options[0], b.nbytes)
-            if runner_up <= chosen * (1 + margin):
+            if runner_up <= chosen * (1 + margin) or runner_up - chosen <= CLOSE_S:
                 out[key] = [(b.route, b.codec), options[0]]
         return out
 

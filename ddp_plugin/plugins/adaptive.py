@@ -259,6 +259,10 @@ class AdaptivePlanner(HierarchicalReducer):
                 row = self._trial_times[self._plan_steps - 1]
                 for i, keys in enumerate(self._pairs.values()):
                     row[i] += sum(busy.get(key, 0.0) for key in keys)
+            for key, seconds in busy.items():  # (the others' times count as ever; the step's is no baseline)
+                planned = self.plan.buckets.get(key)
+                if planned is not None and key not in self.trials:
+                    planned.record(seconds)
             return
         measured = predicted = 0.0
         for key, seconds in busy.items():
@@ -328,7 +332,7 @@ class AdaptivePlanner(HierarchicalReducer):
             a, b = statistics.median(first), statistics.median(second)
             option = pair[1] if b * (1 + band) < a else pair[0]
             why = ("measured faster beyond the band" if option == pair[1] or a * (1 + band) < b
-                   else "within the band: the fixed rule (no codec first, then the hierarchical route)")
+                   else "within the band: the fixed rule (no codec first; flat without a codec, hierarchical with one)")
             names = ["+".join(o) for o in pair]
             reasons.append(f"{names[0]} {a * 1e3 / ranks:.1f} ms against {names[1]} {b * 1e3 / ranks:.1f} ms a rank"
                            f" and step (buckets {', '.join(keys)}; steps {100 * spread:.0f} % apart, band"
