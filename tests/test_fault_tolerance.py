@@ -793,7 +793,9 @@ def test_a_returning_group_finds_a_live_groups_heal_server_while_that_group_wait
     from ddp_plugin.fault_tolerance.torchft_adapter import (heal_address, previous_quorum, publish_heal_address,
                                                             status_page)
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000, heartbeat_timeout_ms=1000)
+    # (a heartbeat 3 s old counts: a beat thread starved on a busy machine must not make B look lost, which formed
+    # A's first quorum without B, seen once in CI)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000, heartbeat_timeout_ms=3000)
     address, seconds = lighthouse.address(), timedelta(seconds=10)
     port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # (group A's rendezvous store)
@@ -820,6 +822,10 @@ def test_a_returning_group_finds_a_live_groups_heal_server_while_that_group_wait
     threading.Thread(target=beat, daemon=True).start()
     try:
         publish_heal_address(f"127.0.0.1:{port}", 0, "http://127.0.0.1:4321", seconds)
+        deadline = time.time() + 30
+        while "[2 heartbeating]" not in status_page(address, 10):  # (A's manager and B: both are waited for)
+            assert time.time() < deadline, "A and B never both beat"
+            time.sleep(0.05)
         asked: list = []
         first = threading.Thread(target=ask, args=(5, asked), daemon=True)
         first.start()
@@ -830,7 +836,7 @@ def test_a_returning_group_finds_a_live_groups_heal_server_while_that_group_wait
         assert asked == [5]
         assert {m[0] for m in previous_quorum(address, 10)} == {"replica_group_0:a", "B:1"}
         beating["B:1"], beating["replica_group_1:c"] = False, True  # B lost; C back, beating, not asking
-        time.sleep(1.5)
+        time.sleep(3.5)
         threading.Thread(target=ask, args=(6, asked), daemon=True).start()
         deadline = time.time() + 30
         while not re.search(r"\[\d+/[1-9]\d* participants healthy\]", status_page(address, 10)):
