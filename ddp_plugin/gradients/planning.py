@@ -76,9 +76,10 @@ def preferred(option: tuple[str, str], codecs: Sequence[str] = ()) -> tuple[bool
 
 
 CLOSE_S = 5e-3
-"""Options predicted within this many seconds of each other are a close call whatever their ratio: a small
-bucket's time is the latencies, which the probe measures a few milliseconds apart from run to run (int8's over
-the world: 6.5, 7.8 and 10.3 ms in three runs at 1 and 10 Gbit/s)."""
+"""Options predicted within this many seconds of the fastest are not told apart, whatever their ratio, and the
+fixed rule (:func:`preferred`) takes one of them at once: a small bucket's time is the latencies, which the probe
+measures milliseconds apart from run to run (int8's over the world: 6.5, 7.8 and 10.3 ms in three runs), and which
+timing in training cannot settle either (a 50 KB bucket measured 40-80 ms a step, against 5 ms predicted)."""
 
 CodecReduce = Callable[[torch.Tensor, dist.ProcessGroup, Bucket], Any]
 """A candidate codec as the probe runs it: reduce ``tensor`` over ``group`` for ``bucket`` (returns a future or
@@ -288,15 +289,21 @@ class CommPlan:
     """With ``bucket_size_mb="auto"``: each capacity's predicted seconds, and the band the one taken is in."""
 
     def plan_buckets(self, sizes: Mapping[str, int]) -> None:
-        """Decide every bucket of ``sizes`` (key -> bytes) from the model."""
+        """Decide every bucket of ``sizes`` (key -> bytes) from the model: the fastest option, or of those within
+        :data:`CLOSE_S` of it the one the fixed rule prefers."""
         for key, nbytes in sizes.items():
             route, codec, seconds = self.model.choose(nbytes, self.routes, self.codecs)
+            alike = [(r, c) for t, r, c in self.model.ranked(nbytes, self.routes, self.codecs) if t - seconds <= CLOSE_S]
+            if (route, codec) in alike:
+                route, codec = min(alike, key=lambda option: preferred(option, self.codecs))
+                seconds = self.model.route_seconds(route, codec, nbytes)
             self.buckets[key] = BucketPlan(key, nbytes, route, codec, seconds * 1e3)
 
     def contested(self, margin: float = 0.5) -> dict[str, list[tuple[str, str]]]:
-        """The buckets whose chosen ``(route, codec)`` is predicted less than ``margin`` faster than the next best,
-        or less than :data:`CLOSE_S`: key -> [chosen, runner-up], to be settled by timing both while training (the
-        probe runs without backward beside it; training does not, and a close call can go either way there)."""
+        """The buckets whose chosen ``(route, codec)`` is predicted less than ``margin`` faster than the next best
+        (but more than :data:`CLOSE_S`, where the fixed rule has chosen): key -> [chosen, runner-up], to be settled
+        by timing both while training (the probe runs without backward beside it; training does not, and a close
+        call can go either way there)."""
         out = {}
         for key, b in self.buckets.items():
             if b.route not in (FLAT, HIERARCHICAL):
@@ -307,7 +314,7 @@ class CommPlan:
                 continue
             chosen = self.model.route_seconds(b.route, b.codec, b.nbytes)
             runner_up = self.model.route_seconds(*options[0], b.nbytes)
-            if runner_up <= chosen * (1 + margin) or runner_up - chosen <= CLOSE_S:
+            if abs(runner_up - chosen) > CLOSE_S and runner_up <= chosen * (1 + margin):
                 out[key] = [(b.route, b.codec), options[0]]
         return out
 
