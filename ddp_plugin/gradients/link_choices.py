@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ddp_plugin import health
 from ddp_plugin.hookspecs import Options, local_tensor
 from ddp_plugin.gradients.link_probe import agree, probe, probe_codecs
-from ddp_plugin.gradients.planning import BUCKET_BAND, FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel
+from ddp_plugin.gradients.planning import BUCKET_BAND, FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel, nearest_default
 from ddp_plugin.plugins.adaptive import AdaptivePlanner, candidate_names
 
 if TYPE_CHECKING:
@@ -80,8 +80,8 @@ class LinkChoices:
                 return [sum(local_tensor(p).numel() * p.element_size() for _, p in group)
                         for group in pack(reversed(named), cap, FIRST_BUCKET_BYTES)]
 
-            bucket_size_mb = model.choose_bucket_bytes(buckets_for, total, routes, names) / 2**20
             costs = model.bucket_costs(buckets_for, total, routes, names)
+            bucket_size_mb = nearest_default(costs) / 2**20
             why = ", ".join(f"{cap / 2**20:.4g} MiB {seconds * 1e3:.1f} ms" for cap, seconds in costs.items())
             why = f"{bucket_size_mb:.4g} MiB (predicted: {why}; the nearest 25 MiB within {BUCKET_BAND:.0%} of the least)"
         else:

@@ -191,10 +191,7 @@ class CostModel:
         capacity just below a layer's size puts each layer and each bias in buckets of their own, twice the
         latencies of one just above it. Of the capacities within :data:`BUCKET_BAND` of the least cost, the one
         nearest the default 25 MiB (the larger of two as near)."""
-        costs = self.bucket_costs(buckets_for, total_bytes, routes, codecs)
-        least = min(costs.values())
-        near = [cap for cap in costs if costs[cap] <= least * (1 + BUCKET_BAND)]
-        return min(near, key=lambda c: (abs(math.log(c / DEFAULT_BUCKET_BYTES)), -c))
+        return nearest_default(self.bucket_costs(buckets_for, total_bytes, routes, codecs))
 
     def bucket_costs(self, buckets_for: Callable[[int], Sequence[int]], total_bytes: int,
                      routes: Sequence[str] | None = None, codecs: Sequence[str] | None = None) -> dict[int, float]:
@@ -230,6 +227,14 @@ class CostModel:
             out["intra/reduce_scatter"] = self.reduce_scatter.describe()
             out["intra/all_gather"] = self.all_gather.describe()
         return out
+
+
+def nearest_default(costs: Mapping[int, float]) -> int:
+    """Of the capacities in ``costs`` (capacity -> predicted seconds) within :data:`BUCKET_BAND` of the least, the
+    one nearest the default 25 MiB (the larger of two as near)."""
+    least = min(costs.values())
+    near = [cap for cap in costs if costs[cap] <= least * (1 + BUCKET_BAND)]
+    return min(near, key=lambda c: (abs(math.log(c / DEFAULT_BUCKET_BYTES)), -c))
 
 
 @dataclass

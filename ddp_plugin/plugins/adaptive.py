@@ -128,7 +128,7 @@ class AdaptivePlanner(HierarchicalReducer):
         """Time both options of every close call (:meth:`CommPlan.contested`) on alternate steps while training,
         every bucket of the same two options together: steps 2-7 after the plan (the first is a warm-up), the
         option :func:`~ddp_plugin.gradients.planning.preferred` ranks second, then the first, three times; then
-        :meth:`_settle_trials`."""
+        :meth:`_settle_trials`. With none, the plan is told now (else once they are settled)."""
         self._contested = self.plan.contested()
         self._pairs = {}
         for key, options in self._contested.items():
@@ -137,6 +137,8 @@ class AdaptivePlanner(HierarchicalReducer):
         self.trials = {key: list(pair) for pair, keys in self._pairs.items() for key in keys}
         self._trial_times = [[0.0] * len(self._pairs) for _ in range(TRIAL_STEPS)]
         self._plan_steps = 0
+        if not self.trials:
+            self.report(self.plan.table())
 
     def choice(self, key: str) -> tuple[str, str] | None:
         """The ``(route, codec)`` bucket ``key`` takes this step (``None``: not a bucket the planner routes)."""
@@ -319,9 +321,9 @@ class AdaptivePlanner(HierarchicalReducer):
         :data:`~ddp_plugin.gradients.planning.TRIAL_BAND`), else the one the fixed rule prefers (collective over
         those ranks)."""
         totals = torch.tensor(self._trial_times, dtype=torch.float64, device=self._topology.device)
-        if self._trial_group is not None and dist.get_world_size(self._trial_group) > 1:
-            dist.all_reduce(totals, group=self._trial_group)
         ranks = dist.get_world_size(self._trial_group) if self._trial_group is not None else 1
+        if ranks > 1:
+            dist.all_reduce(totals, group=self._trial_group)
         steps = totals.tolist()  # (step 1 of the trial is row 0: odd steps time a pair's second option)
         reasons = []
         for i, (pair, keys) in enumerate(self._pairs.items()):
@@ -369,8 +371,6 @@ class AdaptivePlanner(HierarchicalReducer):
         self.plan = plan
         self._restart_baseline()
         self.start_trials()
-        if not self.trials:  # (else once they are settled)
-            self.report(plan.table())
 
     @hookimpl
     def on_collect_metrics(self) -> dict[str, float]:

@@ -103,9 +103,7 @@ class FitSession:
             plan.plan_buckets({str(b.index): b.nbytes for b in self.engine.buckets})
             plan.history.append((plan.version, 0, plan.decisions()))
             self.planner.report = rank_zero_info
-            self.planner.start_trials()
-            if not self.planner.trials:  # (else once its close calls are settled)
-                rank_zero_info(plan.table())
+            self.planner.start_trials()  # (tells the plan, now or once its close calls are settled)
         self.flags_group = flags_group
         # The node's bookkeeping group, for the steps whose gradients stay inside the node (a sync mode's, whose
         # plugin answers ``on_gradient_scope``). Made here, where every rank is (making a group is collective).
