@@ -64,7 +64,7 @@ def wait(proc, out, timeout: float) -> int:
                                         (2, 2, 1, "backward", "int8", 3), (2, 2, 5, "sync", None, 2),
                                         (2, 2, 1, "backward", "int8", 2, {"nodes": 2}),
                                         (2, 2, 6, "sync", "int8", 2, {"fragments": 3}),
-                                        (3, 1, 6, "sync", None, 0, {"fragments": 2, "staleness": 2}),
+                                        (3, 1, 10, "sync", None, 0, {"fragments": 2, "staleness": 2}),
                                         (2, 2, 1, "backward", "int8", 0, {"tp": 2}),
                                         (2, 2, 5, "sync", None, 0, {"tp": 2, "apart": True}),
                                         (2, 2, 1, "backward", None, 0, {"pp": 2}),
@@ -259,8 +259,9 @@ def test_the_returning_group_healed_from_a_live_peer_and_stepped_on_from_there(r
 def fits_between_syncs(run) -> bool:
     """Whether a background heal can be counted on to fit between two of the peers' syncs here: with a sync every
     2 steps of 0.2 s (streaming, 3 fragments of 6) the peers may send another between the download and the quorum,
-    and the group then heals inside that quorum (docs/fault_tolerance.md: the limit)."""
-    return run["sync_every"] // run["fragments"] >= 3
+    and the group then heals inside that quorum (docs/fault_tolerance.md: the limit). With a sync every 3 steps
+    (2 fragments of 6) a busy CI machine saw it too: a download of 0.2 s here took longer than 0.6 s there."""
+    return run["sync_every"] // run["fragments"] >= 5
 
 
 def test_with_a_sync_mode_no_live_group_waited_for_the_returning_groups_download(run):
