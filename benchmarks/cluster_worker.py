@@ -39,6 +39,7 @@ import gc
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -184,6 +185,32 @@ def _link_counters() -> dict[str, int]:
     return {"tx": s["tx"]["bytes"], "rx": s["rx"]["bytes"]}
 
 
+PROFILE_ENV = "DDP_BENCH_PROFILE"
+"""A folder: every rank samples its own Python stacks over the timed window (``py-spy record --idle --threads
+--format raw``, waits included, so a thread's samples sum to the window's wall time) into ``rank<r>.txt`` there
+(``benchmarks/profile_step.py`` sets it and reads them)."""
+
+
+def start_profiler() -> subprocess.Popen | None:
+    folder = os.environ.get(PROFILE_ENV)
+    if not folder:
+        return None
+    spy = Path(sys.executable).with_name("py-spy")
+    out = Path(folder) / f"rank{dist.get_rank()}.txt"
+    proc = subprocess.Popen([str(spy if spy.exists() else "py-spy"), "record", "--pid", str(os.getpid()), "--rate",
+                             os.environ.get(f"{PROFILE_ENV}_RATE", "100"), "--idle", "--threads", "--nonblocking",
+                             "--full-filenames", "--format", "raw", "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # (it attaches in well under a second; the window's barrier then starts every rank together)
+    return proc
+
+
+def stop_profiler(proc: subprocess.Popen | None) -> None:
+    if proc is not None:
+        proc.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+        proc.wait(timeout=60)
+
+
 class Window:
     """The timed window: per-step times on global rank 0, link counters on each node's local rank 0."""
 
@@ -198,6 +225,7 @@ class Window:
         self.window_s = 0.0
         self._t_start = 0.0
         self._last = 0.0
+        self._profiler: subprocess.Popen | None = None
 
     def _mark(self, name: str) -> None:
         # The barrier makes every rank's traffic of the steps before it part of the window or not, on both nodes.
@@ -207,6 +235,7 @@ class Window:
         self._last = time.perf_counter()
 
     def start(self) -> None:
+        self._profiler = start_profiler()
         self._mark("start")
         self._t_start = self._last
 
@@ -220,6 +249,7 @@ class Window:
     def end(self) -> None:
         self._mark("end")
         self.window_s = self._last - self._t_start
+        stop_profiler(self._profiler)
 
     def result(self) -> dict[str, Any]:
         res: dict[str, Any] = {

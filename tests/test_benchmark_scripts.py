@@ -278,3 +278,75 @@ def test_regression_table_shows_a_failed_cell(regression) -> None:
     assert f"| failed: {unknown} / 0.450 |" in auto
     assert "| 0.600 / failed: exit codes [1, 1] |" in text
     assert "## Failed runs" in text and "ours_hier: fails at head, ran at base" in text
+
+
+@pytest.fixture(scope="module")
+def profile_step():
+    """benchmarks/profile_step.py as a module; sys.path as before."""
+    import importlib
+
+    saved = list(sys.path)
+    try:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        return importlib.import_module("profile_step")
+    finally:
+        sys.path[:] = saved
+
+
+SITE = "/venv/lib/python3.11/site-packages"
+LOOP = (f"Trainer.fit ({SITE}/lightning/pytorch/trainer/trainer.py:584);"
+        f"_TrainingEpochLoop.advance ({SITE}/lightning/pytorch/loops/training_epoch_loop.py:300)")
+COMM = ("Thread._bootstrap (/usr/lib/python3.11/threading.py:1002);Thread.run (/usr/lib/python3.11/threading.py:982);"
+        "SideThread._run (/r/ddp_plugin/gradients/streams.py:103);GradientEngine._reduce (/r/ddp_plugin/gradients/engine.py:306)")
+
+
+@pytest.mark.parametrize(("thread", "stack", "category"), [
+    # The training thread waiting for the comm thread at the end of backward: a wait of that stage.
+    ("MainThread", f"{LOOP};backward ({SITE}/torch/autograd/__init__.py:395);_engine_run_backward ({SITE}/torch/autograd/graph.py:979);"
+     "GradientEngine.finish (/r/ddp_plugin/gradients/engine.py:366);wait (/r/ddp_plugin/health/watch.py:147);"
+     "Event.wait (/usr/lib/python3.11/threading.py:629)", "end of backward: the last buckets: waiting"),
+    # A grad hook copying into a bucket inside autograd: the hook's stage, not autograd's.
+    ("MainThread", f"{LOOP};_engine_run_backward ({SITE}/torch/autograd/graph.py:979);"
+     "GradientEngine._make_grad_hook.<locals>.on_grad_accumulated (/r/ddp_plugin/gradients/engine.py:243)",
+     "backward hooks: bucket copies, launches: computing"),
+    ("MainThread", f"{LOOP};_TrainingEpochLoop._broadcast_sigterm_tensor ({SITE}/lightning/pytorch/loops/training_epoch_loop.py:265);"
+     f"broadcast ({SITE}/torch/distributed/distributed_c10d.py:3151)", "Lightning's per-step SIGTERM broadcast: waiting"),
+    ("MainThread", f"{LOOP};Adam.step ({SITE}/torch/optim/adam.py:248);_single_tensor_adam ({SITE}/torch/optim/adam.py:528)",
+     "optimizer step: computing"),
+    # The codec's arithmetic and its collectives: the cross-node stage, computing and waiting.
+    ("ddp_plugin-comm", f"{COMM};HierarchicalReducer.reduce_to_shard (/r/ddp_plugin/plugins/hierarchical_reducer.py:76);"
+     "Codec.on_cross_node_reduce (/r/ddp_plugin/codecs/base.py:128);Int8Codec.reduce (/r/ddp_plugin/codecs/int8.py:188);"
+     "quantize_into (/r/ddp_plugin/codecs/int8.py:266)", "cross-node reduce (the codec's or the plain all-reduce): computing"),
+    ("ddp_plugin-comm", f"{COMM};HierarchicalReducer.reduce_to_shard (/r/ddp_plugin/plugins/hierarchical_reducer.py:76);"
+     "Codec.on_cross_node_reduce (/r/ddp_plugin/codecs/base.py:128);Int8Codec.reduce (/r/ddp_plugin/codecs/int8.py:230);"
+     "_Works.wait (/r/ddp_plugin/gradients/comm.py:244)", "cross-node reduce (the codec's or the plain all-reduce): waiting"),
+    ("ddp_plugin-comm", f"{COMM};HierarchicalReducer.reduce_to_shard (/r/ddp_plugin/plugins/hierarchical_reducer.py:75);"
+     "TracedCommunicator.reduce_scatter (/r/ddp_plugin/gradients/comm.py:142);"
+     f"all_to_all_single ({SITE}/torch/distributed/distributed_c10d.py:5140)", "in-node reduce-scatter: waiting"),
+    # The adds of the reduce-scatter are its computing (comm.py itself is not a wait; only its _Works.wait is).
+    ("ddp_plugin-comm", f"{COMM};HierarchicalReducer.reduce_to_shard (/r/ddp_plugin/plugins/hierarchical_reducer.py:75);"
+     "TracedCommunicator.reduce_scatter (/r/ddp_plugin/gradients/comm.py:144)", "in-node reduce-scatter: computing"),
+    ("ddp_plugin-comm", "Thread.run (/usr/lib/python3.11/threading.py:982);SideThread._run (/r/ddp_plugin/gradients/streams.py:93)",
+     "waiting for a bucket (idle)"),
+    # The benchmark's own profiler start and barriers are outside the window.
+    ("MainThread", f"{LOOP};Window.start (/r/benchmarks/cluster_worker.py:238);start_profiler (/r/benchmarks/cluster_worker.py:204)",
+     None),
+    ("MainThread", f"{LOOP};LightningModule.log ({SITE}/lightning/pytorch/core/module.py:400)",
+     "other: Lightning's loop, callbacks, the rest: computing"),
+])
+def test_profile_step_puts_each_sample_in_its_stage(profile_step, thread, stack, category) -> None:
+    name, frames = profile_step._frames(f"thread (123): {thread};{stack}")
+    assert name == thread
+    found = profile_step.classify(frames, thread)
+    assert (found is None) if category is None else found.startswith(category), found
+
+
+def test_profile_step_sums_a_ranks_file_per_thread_and_step(profile_step, tmp_path) -> None:
+    raw = tmp_path / "rank0.txt"
+    raw.write_text(f"thread (1): MainThread;{LOOP};Adam.step ({SITE}/torch/optim/adam.py:248) 30\n"
+                   f"thread (1): MainThread;{LOOP};Adam.step ({SITE}/torch/optim/adam.py:250) 10\n"
+                   f"thread (2): ddp_plugin-comm;Thread.run (/usr/lib/python3.11/threading.py:982);"
+                   "SideThread._run (/r/ddp_plugin/gradients/streams.py:93) 60\n")
+    split = profile_step.seconds_per_step([profile_step.read_profile(raw)], rate=100, steps=4)
+    assert split["MainThread"] == {"optimizer step: computing": pytest.approx(0.1)}
+    assert split["ddp_plugin-comm"] == {"waiting for a bucket (idle)": pytest.approx(0.15)}
