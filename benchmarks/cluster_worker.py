@@ -185,6 +185,10 @@ def _link_counters() -> dict[str, int]:
     return {"tx": s["tx"]["bytes"], "rx": s["rx"]["bytes"]}
 
 
+def _maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 PROFILE_ENV = "DDP_BENCH_PROFILE"
 """A folder: every rank samples its own Python stacks over the timed window (``py-spy record --idle --threads
 --format raw``, waits included, so a thread's samples sum to the window's wall time) into ``rank<r>.txt`` there
@@ -255,7 +259,7 @@ class Window:
         res: dict[str, Any] = {
             "rank": self.rank, "node": self.node, "local_rank": self.local_rank,
             "step_s": self.step_s, "window_s": self.window_s, "timed_steps": self.steps,
-            "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "maxrss_mb": _maxrss_mb(),
         }  # fmt: skip
         if self.counters:
             res["tx_bytes"] = self.counters["end"]["tx"] - self.counters["start"]["tx"]
@@ -362,9 +366,13 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
             means = getattr(trainer.strategy, "metric_means", None) or {}
             return trainer.global_step, dict(means)
 
+        def on_train_start(self, trainer, pl_module):
+            self.peak_rss_mb = [_maxrss_mb()]  # (after the strategy's setup: the link probe, for ours)
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             done = trainer.global_step  # optimizer steps finished, this one included
             self.all_losses.append(float(outputs["loss"]))
+            self.peak_rss_mb.append(_maxrss_mb())
             if done == args.warmup:
                 self.window = Window(args.steps)
                 self.window.start()
@@ -408,6 +416,7 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
     res = cb.window.result()
     res["losses"] = cb.window.losses
     res["all_losses"] = cb.all_losses
+    res["peak_rss_mb_by_step"] = cb.peak_rss_mb  # (at the start of training, then after each step)
     res["environment"] = type(trainer.strategy.cluster_environment).__name__
     res.update(cb.memory)
     if ours:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import linecache
+import re
 import shlex
 import statistics
 import sys
@@ -44,55 +46,64 @@ DEFAULT_OUT = HERE / "results" / "profile_1gbit.md"
 # else computing, copying included). A rule is (function names, path fragments): a frame matches when its
 # function's last dotted part is one of the names (or there are none) and its path holds one of the fragments (or
 # there are none).
-STAGES: list[tuple[str, tuple[tuple[str, ...], tuple[str, ...]]]] = [
-    ("Lightning's per-step SIGTERM broadcast", (("_broadcast_sigterm_tensor",), ())),
-    ("cross-node reduce (the codec's or the plain all-reduce)", (("on_cross_node_reduce",), ())),
-    ("in-node reduce-scatter", (("reduce_to_shard", "_padded"), ("/hierarchical_reducer.py",))),
-    ("in-node all-gather", (("gather_shard", "unpad", "_padded_target"), ("/hierarchical_reducer.py",))),
-    ("flat all-reduce of a bucket", (("on_bucket_ready",), ("/flat_reducer.py", "/mean_allreduce.py"))),
-    ("ZeRO: gather, release, shard", ((), ("/ddp_plugin/zero/",))),
-    ("end of backward: the last buckets", (("finish",), ("/ddp_plugin/gradients/engine.py",))),
-    ("backward hooks: bucket copies, launches", ((), ("/ddp_plugin/gradients/",))),
-    ("optimizer step", ((), ("/torch/optim/",))),
-    ("backward (autograd)", (("_engine_run_backward", "backward"), ("/torch/autograd/", "/torch/_tensor.py"))),
-    ("forward", ((), ("/torch/nn/modules/",))),
-    ("data loading", ((), ("/torch/utils/data/",))),
+STAGES: list[tuple[str, tuple[tuple[str, ...], tuple[str, ...], str]]] = [
+    ("Lightning's per-step SIGTERM broadcast", (("_broadcast_sigterm_tensor",), (), "")),
+    ("cross-node reduce (the codec, or the plain all-reduce)", (("on_cross_node_reduce",), (), "")),
+    # (the hierarchical reducer waits for the cross-node reduce's future in its own frame)
+    ("cross-node reduce (the codec, or the plain all-reduce)", (("reduce_to_shard",), (), "fut.wait()")),
+    ("in-node reduce-scatter", (("reduce_to_shard", "_padded"), ("/hierarchical_reducer.py",), "")),
+    ("in-node all-gather", (("gather_shard", "unpad", "_padded_target"), ("/hierarchical_reducer.py",), "")),
+    ("flat all-reduce of a bucket", (("on_bucket_ready",), ("/flat_reducer.py", "/mean_allreduce.py"), "")),
+    ("ZeRO: gather, release, shard", ((), ("/ddp_plugin/zero/",), "")),
+    ("end of backward: the last buckets", (("finish",), ("/ddp_plugin/gradients/engine.py",), "")),
+    ("backward hooks: bucket copies, launches", ((), ("/ddp_plugin/gradients/",), "")),
+    # (Lightning runs the forward and backward inside ``optimizer.step(closure)``: they go first)
+    ("backward (autograd)", (("_engine_run_backward", "backward"), ("/torch/autograd/", "/torch/_tensor.py"), "")),
+    ("forward", ((), ("/torch/nn/modules/",), "")),
+    ("optimizer step", ((), ("/torch/optim/",), "")),
+    ("data loading", ((), ("/torch/utils/data/",), "")),
 ]
 OTHER = "other: Lightning's loop, callbacks, the rest"
-WAITS = ("/threading.py", "/distributed_c10d.py", "/c10d_logger.py", "/ddp_plugin/health/watch.py", "/futures/",
-         "/ddp_plugin/gradients/comm.py:_Works")
+WAITS = ("/threading.py", "/distributed_c10d.py", "/c10d_logger.py", "/ddp_plugin/health/watch.py", "/futures/")
+WAIT_FUNCTIONS = ("_Works.wait",)
+"""Our own waits on several collectives at once."""
+WAIT_CALLS = re.compile(r"\.wait\(|\.value\(\)|\.result\(|\.join\(")
+"""A wait that is a C++ call in a Python frame of ours (a future's ``wait()``): read from the frame's source line."""
 IDLE = "waiting for a bucket (idle)"
 OUTSIDE = ("start_profiler", "stop_profiler", "_mark")
 """The benchmark's own frames around the window (its profiler starting and stopping, the barriers): not counted."""
 
 
-def _frames(stack: str) -> tuple[str, list[tuple[str, str]]]:
-    """``thread (TID): NAME;func (path:line);...`` -> (thread name, [(function, path), ...] outermost first)."""
+def _frames(stack: str) -> tuple[str, list[tuple[str, str, str]]]:
+    """``thread (TID): NAME;func (path:line);...`` -> (thread name, [(function, path, source line), ...] outermost
+    first); the source line read from the file (the same checkout the ranks ran)."""
     head, *rest = stack.split(";")
     thread = head.split(": ", 1)[1] if ": " in head else head
     frames = []
     for frame in rest:
         name, _, where = frame.rpartition(" (")
-        frames.append((name, where.rsplit(":", 1)[0]))
+        path, _, line = where.rstrip(")").rpartition(":")
+        source = linecache.getline(path, int(line)).strip() if line.isdigit() else ""
+        frames.append((name, path, source))
     return thread, frames
 
 
-def _matches(frame: tuple[str, str], rule: tuple[tuple[str, ...], tuple[str, ...]]) -> bool:
-    name, path = frame
-    names, paths = rule
-    return (not names or name.rsplit(".", 1)[-1] in names) and (not paths or any(p in path for p in paths))
+def _matches(frame: tuple[str, str, str], rule: tuple[tuple[str, ...], tuple[str, ...], str]) -> bool:
+    name, path, source = frame
+    names, paths, line = rule
+    return ((not names or name.rsplit(".", 1)[-1] in names) and (not paths or any(p in path for p in paths))
+            and (not line or line in source))
 
 
-def classify(frames: list[tuple[str, str]], thread: str) -> str | None:
+def classify(frames: list[tuple[str, str, str]], thread: str) -> str | None:
     """One sample's category, ``stage: waiting`` or ``stage: computing``; None outside the window."""
     if not frames or any(f[0].rsplit(".", 1)[-1] in OUTSIDE for f in frames):
         return None
-    name, path = frames[-1]
+    name, path, source = frames[-1]
     if thread != "MainThread" and name == "SideThread._run":
         return IDLE  # (its loop waiting on its queue: SimpleQueue.get has no Python frame)
     stage = next((stage for stage, rule in STAGES if any(_matches(f, rule) for f in frames)), OTHER)
-    waits = any(w in path for w in WAITS if ":" not in w) or any(
-        w.split(":")[0] in path and name.startswith(w.split(":")[1]) for w in WAITS if ":" in w)
+    waits = any(w in path for w in WAITS) or name in WAIT_FUNCTIONS or bool(WAIT_CALLS.search(source))
     return f"{stage}: {'waiting (a message, a peer, another thread)' if waits else 'computing'}"
 
 

@@ -316,10 +316,10 @@ COMM = ("Thread._bootstrap (/usr/lib/python3.11/threading.py:1002);Thread.run (/
     # The codec's arithmetic and its collectives: the cross-node stage, computing and waiting.
     ("ddp_plugin-comm", f"{COMM};HierarchicalReducer.reduce_to_shard (/r/ddp_plugin/plugins/hierarchical_reducer.py:76);"
      "Codec.on_cross_node_reduce (/r/ddp_plugin/codecs/base.py:128);Int8Codec.reduce (/r/ddp_plugin/codecs/int8.py:188);"
-     "quantize_into (/r/ddp_plugin/codecs/int8.py:266)", "cross-node reduce (the codec's or the plain all-reduce): computing"),
+     "quantize_into (/r/ddp_plugin/codecs/int8.py:266)", "cross-node reduce (the codec, or the plain all-reduce): computing"),
     ("ddp_plugin-comm", f"{COMM};HierarchicalReducer.reduce_to_shard (/r/ddp_plugin/plugins/hierarchical_reducer.py:76);"
      "Codec.on_cross_node_reduce (/r/ddp_plugin/codecs/base.py:128);Int8Codec.reduce (/r/ddp_plugin/codecs/int8.py:230);"
-     "_Works.wait (/r/ddp_plugin/gradients/comm.py:244)", "cross-node reduce (the codec's or the plain all-reduce): waiting"),
+     "_Works.wait (/r/ddp_plugin/gradients/comm.py:244)", "cross-node reduce (the codec, or the plain all-reduce): waiting"),
     ("ddp_plugin-comm", f"{COMM};HierarchicalReducer.reduce_to_shard (/r/ddp_plugin/plugins/hierarchical_reducer.py:75);"
      "TracedCommunicator.reduce_scatter (/r/ddp_plugin/gradients/comm.py:142);"
      f"all_to_all_single ({SITE}/torch/distributed/distributed_c10d.py:5140)", "in-node reduce-scatter: waiting"),
@@ -328,6 +328,9 @@ COMM = ("Thread._bootstrap (/usr/lib/python3.11/threading.py:1002);Thread.run (/
      "TracedCommunicator.reduce_scatter (/r/ddp_plugin/gradients/comm.py:144)", "in-node reduce-scatter: computing"),
     ("ddp_plugin-comm", "Thread.run (/usr/lib/python3.11/threading.py:982);SideThread._run (/r/ddp_plugin/gradients/streams.py:93)",
      "waiting for a bucket (idle)"),
+    # Lightning's forward and backward run inside optimizer.step(closure): they are not the optimizer's.
+    ("MainThread", f"{LOOP};Adam.step ({SITE}/torch/optim/adam.py:248);Closure.closure ({SITE}/lightning/pytorch/loops/optimization/automatic.py:131);"
+     f"_engine_run_backward ({SITE}/torch/autograd/graph.py:979)", "backward (autograd): computing"),
     # The benchmark's own profiler start and barriers are outside the window.
     ("MainThread", f"{LOOP};Window.start (/r/benchmarks/cluster_worker.py:238);start_profiler (/r/benchmarks/cluster_worker.py:204)",
      None),
@@ -339,6 +342,18 @@ def test_profile_step_puts_each_sample_in_its_stage(profile_step, thread, stack,
     assert name == thread
     found = profile_step.classify(frames, thread)
     assert (found is None) if category is None else found.startswith(category), found
+
+
+def test_profile_step_reads_a_wait_in_our_frame_from_its_source_line(profile_step, tmp_path) -> None:
+    """A future's ``wait()`` is C++: the sample's innermost Python frame is ours, and its source line says it waits
+    (the hierarchical reducer waiting for the cross-node reduce it launched)."""
+    source = tmp_path / "hierarchical_reducer.py"
+    source.write_text("def reduce_to_shard():\n    shard.add_(1)\n    fut.wait()\n")
+    stack = (f"thread (1): ddp_plugin-comm;{COMM};HierarchicalReducer.reduce_to_shard ({source}:%d)")
+    for line, category in [(3, "cross-node reduce (the codec, or the plain all-reduce): waiting"),
+                           (2, "in-node reduce-scatter: computing")]:
+        thread, frames = profile_step._frames(stack % line)
+        assert profile_step.classify(frames, thread).startswith(category)
 
 
 def test_profile_step_sums_a_ranks_file_per_thread_and_step(profile_step, tmp_path) -> None:
