@@ -361,13 +361,14 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
             self.all_losses: list[float] = []
             self.buckets: int | None = None
             self.memory: dict[str, Any] = {}
+            self.peak_rss_mb: list[float] = []
 
         def _ours_snapshot(self, trainer) -> tuple[int, dict[str, float]]:
             means = getattr(trainer.strategy, "metric_means", None) or {}
             return trainer.global_step, dict(means)
 
         def on_train_start(self, trainer, pl_module):
-            self.peak_rss_mb = [_maxrss_mb()]  # (after the strategy's setup: the link probe, for ours)
+            self.peak_rss_mb.append(_maxrss_mb())  # (after the strategy's setup: the link probe, for ours)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             done = trainer.global_step  # optimizer steps finished, this one included

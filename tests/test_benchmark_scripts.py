@@ -77,17 +77,21 @@ RELEASE_0_1_0 = "7dfb8a6e5de9cd22fcea0678b2e3822ce484a0b1"  # the last commit of
 HISTORY_AT = "27025604307f2a74ef015ef49719e02bd221a78e"  # a commit whose newest release heading is 0.1.0
 
 
-@pytest.fixture(scope="module")
-def regression():
-    """benchmarks/regression.py as a module (it imports benchmarks/cluster.py beside it); sys.path as before."""
+def benchmark_module(name: str):
+    """benchmarks/<name>.py as a module (it may import benchmarks/cluster.py beside it); sys.path as before."""
     import importlib
 
     saved = list(sys.path)
     try:
         sys.path.insert(0, str(ROOT / "benchmarks"))
-        return importlib.import_module("regression")
+        return importlib.import_module(name)
     finally:
         sys.path[:] = saved
+
+
+@pytest.fixture(scope="module")
+def regression():
+    return benchmark_module("regression")
 
 
 def _has_commit(commit: str) -> bool:
@@ -282,15 +286,7 @@ def test_regression_table_shows_a_failed_cell(regression) -> None:
 
 @pytest.fixture(scope="module")
 def profile_step():
-    """benchmarks/profile_step.py as a module; sys.path as before."""
-    import importlib
-
-    saved = list(sys.path)
-    try:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        return importlib.import_module("profile_step")
-    finally:
-        sys.path[:] = saved
+    return benchmark_module("profile_step")
 
 
 SITE = "/venv/lib/python3.11/site-packages"

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ddp_plugin.codecs.base import state_key
 from ddp_plugin.hookspecs import Bucket
 from ddp_plugin.gradients.planning import (
     FLAT,
@@ -101,12 +100,6 @@ def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, Codec
             bucket = _probe_bucket(x, key)
             return timed(lambda: reduce(x, group, bucket))
 
-        def forget(key: int) -> None:
-            states = getattr(getattr(reduce, "codec", None), "states", None)
-            if isinstance(states, dict):
-                states.pop(state_key(_probe_bucket(torch.empty(1), key)), None)
-
-        run.forget = forget  # type: ignore[attr-defined]
         return run
 
     # Every timed size gets a bucket key of its own: a codec keeps state per bucket (PowerSGD its layout, int8
@@ -127,7 +120,7 @@ def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, Codec
             return min(run(numel, key) for _ in range(repeats))
         finally:
             if codec:
-                getattr(run, "forget", lambda _: None)(key)
+                _drop_probe_states(candidates)
 
     def intra_reduce_scatter(numel: int, index: int) -> float:
         x = sample(numel)
@@ -191,6 +184,16 @@ def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, Codec
     )
     comm.release_scratch()
     return model, time.perf_counter() - started
+
+
+def _drop_probe_states(candidates: Mapping[str, CodecReduce | None]) -> None:
+    """Forget what the candidate codecs keep for the probe's buckets (``kind="probe"``, which
+    :func:`~ddp_plugin.codecs.base.state_key` keys ``"probe/<index>"``), never a gradient bucket's."""
+    for reduce in candidates.values():
+        states = getattr(getattr(reduce, "codec", None), "states", None)
+        if isinstance(states, dict):
+            for key in [k for k in states if isinstance(k, str) and k.startswith("probe/")]:
+                del states[key]
 
 
 def agree(obj: Any, topology: Topology) -> Any:
