@@ -7,7 +7,8 @@ node ``node`` of one torchrun job over every node (today's fail-fast run), which
 ``ckpt_every`` steps and, with ``"resume"``, resumes from the last one. Every optimizer step appends a JSON line to
 ``DIR/rec-<node><tag>.jsonl`` (the node's local rank 0): the time, the global step, the loss and the ``ft/``
 metrics. ``"devices"`` ranks per node, ``"batch"``, ``"dynamic_steps"``, ``"data_split"``, ``"compression"``, ``"hierarchical"``, ``"sync_fragments"`` and
-``"max_staleness"`` as the strategy's flags; with
+``"max_staleness"`` as the strategy's flags; with ``"group_nodes": G`` (and ``"group"``, ``"groups"``, ``"node_rank"``)
+replica group ``group`` spans G nodes, this one its node ``node_rank`` (one Lightning launch over them); with
 ``"gate"``, every rank writes ``GATE.<node>.<local rank>`` once set up and waits for ``GATE`` before its first step.
 """
 
@@ -77,12 +78,14 @@ def main() -> None:
                         spec.get("sleep", 0.05), spec.get("gate"), spec["node"])]
     ckpt_dir = os.path.join(spec["out"], "ckpt")
     if spec.get("lighthouse"):
-        options["fault_tolerance"] = {"replica_group": spec["node"], "replica_groups": spec["nodes"],
+        options["fault_tolerance"] = {"replica_group": spec.get("group", spec["node"]),
+                                      "replica_groups": spec.get("groups", spec["nodes"]),
                                       "lighthouse": spec["lighthouse"], "quorum_timeout": 60.0,
                                       "background_heal": spec.get("background_heal", True),
                                       "dynamic_steps": spec.get("dynamic_steps", False),
                                       "data_split": spec.get("data_split", "fixed")}
-        num_nodes = 1
+        num_nodes = spec.get("group_nodes", 1)
+        os.environ["NODE_RANK"] = str(spec.get("node_rank", 0))
     else:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=spec["ckpt_every"], save_last=True,
                                          save_top_k=0))

@@ -1,10 +1,12 @@
 """What a returning replica group's healing costs the live ones, on the simulated cluster: DiLoCo across groups of
-one node, the last node killed and started again, healing in the background (``background_heal=True``, the
+one node (or of ``--nodes-per-group`` nodes, a rank each: the last node killed, its group's other nodes ending by
+themselves), the last group started again, healing in the background (``background_heal=True``, the
 default) against inside its first quorum (``background_heal=False``, the live groups waiting), at model sizes
 whose heal moves tens of MB a rank.
 
     sudo python benchmarks/heal_stall.py                       # 3 nodes at 100 Mbit/s; writes benchmarks/results/heal_stall.md
     python benchmarks/heal_stall.py --widths 1600,2400 --rate 100mbit --repeats 2
+    python benchmarks/heal_stall.py --nodes 4 --nodes-per-group 2   # 2 groups of 2 nodes
 
 Per width (the MLP of ``benchmarks/ft_worker.py``, two hidden layers of that width: about 2 width^2 parameters) and
 way, one run of ``--steps`` steps (``sync_every=--sync-every``), the last node killed at ``--kill-at`` and started
@@ -44,15 +46,20 @@ from fault_tolerance import WORKER, kill_node, records, start_lighthouse, wait_a
 
 
 def run(cluster, args, width: int, background: bool, out: Path) -> dict:
-    n = cluster.nodes
+    n, per = cluster.nodes, args.nodes_per_group
+    groups = n // per
+    lost = list(range(n - per, n))  # the last group's nodes; the last of them is killed
     lighthouse, address = start_lighthouse(cluster, out)
 
     def launch(node: int, tag: str = "") -> subprocess.Popen:
+        group = node // per
         spec = {"sync_every": args.sync_every, "out": str(out), "node": node, "nodes": n, "steps": args.steps,
                 "lighthouse": address, "tag": tag, "sleep": args.step_sleep, "seed": 0, "gate": str(out / "gate"),
-                "width": width, "background_heal": background}
-        return cluster.popen(node, [sys.executable, str(WORKER), json.dumps(spec)],
-                             env=worker_env(cluster, node, (29700 if tag else 29600) + node),
+                "width": width, "background_heal": background, "group": group, "groups": groups,
+                "group_nodes": per, "node_rank": node % per}
+        env = worker_env(cluster, node, (29700 if tag else 29600) + group)
+        env["MASTER_ADDR"] = cluster.addresses[group * per]  # (the group's first node: its own rendezvous)
+        return cluster.popen(node, [sys.executable, str(WORKER), json.dumps(spec)], env=env,
                              stdout=open(out / f"log{node}{tag}.txt", "w"), stderr=subprocess.STDOUT)
 
     try:
@@ -63,18 +70,26 @@ def run(cluster, args, width: int, background: bool, out: Path) -> dict:
                 raise RuntimeError(f"a node did not start; see the logs in {out}")
             time.sleep(0.05)
         (out / "gate").touch()
-        last = n - 1
-        wait_for_step(out, last, args.kill_at, procs)
-        killed = kill_node(cluster, last, procs[last])
+        first = lost[0]  # (the group's records are its first node's)
+        wait_for_step(out, first, args.kill_at, procs)
+        killed = kill_node(cluster, lost[-1], procs[lost[-1]])
+        for node in lost[:-1]:  # the group's other nodes end by themselves, naming the lost rank
+            try:
+                procs[node].wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                print(f"node {node} did not end within 120 s of its group's loss: killed", flush=True)
+                kill_node(cluster, node, procs[node])
+        codes = [procs[node].returncode for node in lost]
         time.sleep(args.down)
         relaunched = time.time()
-        procs[last] = launch(last, "-back")
-        codes = wait_all(procs)
+        for node in lost:
+            procs[node] = launch(node, "-back")
+        codes = wait_all(procs) + codes
         live = records(out, 0)
         gaps = [(b["time"] - a["time"], a["time"], b["global_step"]) for a, b in zip(live, live[1:])]
         step = statistics.median(g for g, t, _ in gaps if t < killed)
-        back = records(out, last, "-back")
-        joined = next((r for r in back if r.get("ft/replicas", 0) == n), None)
+        back = records(out, first, "-back")
+        joined = next((r for r in back if r.get("ft/replicas", 0) == groups), None)
         until = (joined["time"] if joined else live[-1]["time"]) + args.after * step
         # A sync's step takes its pseudo-gradients across the link: what each step normally takes, a sync's (the
         # median of the syncs outside the heal's window, the run's first left out: every group but one heals in
@@ -101,6 +116,8 @@ def run(cluster, args, width: int, background: bool, out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--nodes-per-group", type=int, default=1, help="nodes a replica group spans (one launch"
+                        " over them, a rank a node); the last group loses its last node")
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--widths", default="1600,2400", help="the MLP's hidden width per size (comma-separated)")
     parser.add_argument("--steps", type=int, default=240)
@@ -116,13 +133,15 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep each run's directory (logs, records)")
     parser.add_argument("--out", default=str(HERE / "results" / "heal_stall.md"))
     args = parser.parse_args()
+    if args.nodes % args.nodes_per_group or args.nodes // args.nodes_per_group < 2:
+        parser.error(f"--nodes {args.nodes} must be at least 2 groups of --nodes-per-group {args.nodes_per_group}")
 
     from ddp_plugin.testing.simcluster import SimulatedCluster, available
 
     ok, why = available()
     if not ok:
         sys.exit(f"needs the simulated cluster: {why}")
-    rows = []
+    rows, per = [], args.nodes_per_group
     with SimulatedCluster(nodes=args.nodes, rate=args.rate, prefix="healbench") as cluster:
         for width in [int(w) for w in args.widths.split(",")]:
             for repeat in range(args.repeats):
@@ -141,14 +160,16 @@ def main() -> None:
     lines = [
         "# A returning group's healing: what it costs the live groups",
         "",
-        f"`python benchmarks/heal_stall.py --nodes {args.nodes} --rate {args.rate} --widths {args.widths} --steps"
-        f" {args.steps} --sync-every {args.sync_every} --kill-at {args.kill_at} --repeats {args.repeats}` on"
+        f"`python benchmarks/heal_stall.py --nodes {args.nodes} --nodes-per-group {per} --rate {args.rate} --widths"
+        f" {args.widths} --steps {args.steps} --sync-every {args.sync_every} --kill-at {args.kill_at} --down"
+        f" {args.down:g} --after {args.after} --step-sleep {args.step_sleep:g} --repeats {args.repeats}` on"
         f" {platform.node()} ({os.cpu_count()} cores; nothing else running), {time.strftime('%Y-%m-%d')}. DiLoCo"
-        f" (H={args.sync_every}) across {args.nodes} groups of one node, every link at {args.rate}; node"
-        f" {args.nodes - 1} killed at step {args.kill_at}, started again {args.down:g} s later. Window: the live"
-        f" node's steps from the relaunch to {args.after} steps past the returning node's join. Stall: the most any"
-        " step of the window took beyond what it usually takes (a sync's step: the median of the syncs outside the"
-        " window, the run's first left out; any other: the median step before the kill).",
+        f" (H={args.sync_every}) across {args.nodes // per} groups of {per} node{'s' * (per > 1)} (a rank a node),"
+        f" every link at {args.rate}; node {args.nodes - 1} killed at step {args.kill_at}"
+        f"{' (its group peers end by themselves)' if per > 1 else ''}, its group started again {args.down:g} s"
+        f" later. Window: node 0's steps from the relaunch to {args.after} steps past the returning group's join."
+        " Stall: the most any step of the window took beyond what it usually takes (a sync's step: the median of"
+        " the syncs outside the window, the run's first left out; any other: the median step before the kill).",
         "",
         "| run | repeat | parameters (M) | healed (MB a rank) | heal (s) | median step (s) | a sync's step (s) |"
         " longest step in the window (s) | stall: beyond its usual (s) | stall (x median step) | rejoin (s) |"
