@@ -162,6 +162,51 @@ def test_int8_zero_block_stays_zero():
     assert torch.equal(dequantize_int8(q, scales), torch.zeros(2, 16))
 
 
+def test_int8_codes_and_scales_are_their_definition_at_the_edges():
+    """q = round(x / s) within +-127 and s = max|row| / 127 (raised to the smallest normal float) on rows at every
+    magnitude: subnormal, near the float32 limits, zero, exactly +-127 times a power of two, one NaN or infinity
+    (whose scale must be non-finite, and its row dropped by the codec)."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(64, generator=g) * m for m in (1e-44, 1e-40, 1e-38, 1e-3, 1.0, 1e30, 1e36)]
+    rows += [torch.zeros(64), torch.linspace(-127, 127, 64) * 2.0 ** -20, torch.rand(64, generator=g) * 254 - 127]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        row = torch.randn(64, generator=g)
+        row[5] = bad
+        rows.append(row)
+    x = torch.stack(rows)
+    q, scales = quantize_int8(x)
+    expected = x.abs().max(dim=1).values.double() / 127
+    finite = torch.isfinite(scales)
+    assert finite.tolist() == [True] * 10 + [False] * 3
+    assert torch.equal(scales[finite], (x[finite].abs().max(dim=1).values / 127))
+    normal = finite & (scales >= torch.finfo(torch.float32).tiny)  # (a subnormal quotient keeps fewer bits)
+    assert normal.sum() == 6
+    assert (scales[normal].double() - expected[normal]).abs().le(expected[normal] * 2.0 ** -24).all()
+    s = scales[finite].clamp_min(torch.finfo(torch.float32).tiny)
+    reference = torch.div(x[finite], s[:, None]).round().clamp(-127, 127)
+    assert torch.equal(q[finite].float(), reference)
+    assert q[finite].abs().max() == 127
+
+
+def test_finite_checks_see_every_non_finite_value_in_every_dtype():
+    from ddp_plugin.gradients.finite import all_finite, finite_flag, zero_if_not_finite
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        for where in (0, 4095, 9999):
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                x = torch.randn(10000).to(dtype)
+                assert all_finite(x) and bool(finite_flag(x))
+                x[where] = bad
+                assert not all_finite(x) and not bool(finite_flag(x))
+                assert all_finite(x.view(100, 100)[:, ::3]) == bool(where % 100 % 3)  # (strided)
+                assert torch.equal(zero_if_not_finite(x), torch.zeros_like(x))
+    assert all_finite(torch.empty(0)) and all_finite(torch.arange(5))
+    z = torch.randn(8, dtype=torch.complex64)
+    assert all_finite(z)
+    z[3] = complex(float("nan"), 0.0)
+    assert not all_finite(z)
+
+
 def test_int8_mean_error_is_bounded_by_its_two_quantizations(ranks):
     data = inputs(1, 3000, seed=1)
     out = ranks.run(reduce_steps, "int8", {"block_size": 256, "error_feedback": False}, [(3000,)], data)[0][0][0]
