@@ -70,7 +70,7 @@ def wait(proc, out, timeout: float) -> int:
                                         (2, 2, 1, "backward", None, 0, {"pp": 2}),
                                         (2, 2, 5, "sync", "int8", 2, {"nodes": 2}),
                                         (2, 1, 5, "sync", "int8", 0, {"warmup": 5}),
-                                        (2, 2, 5, "sync", None, 0, {"pp": 2, "apart": True}),
+                                        (2, 2, 10, "sync", None, 0, {"pp": 2, "apart": True}),
                                         (2, 2, 6, "sync", "int8", 0, {"dynamic": True})],
                 ids=["3 groups of 1", "2 groups of 2, int8", "3 groups of 1, ZeRO 1, PowerSGD",
                      "DiLoCo, 3 groups of 1, int8, killed in a sync, started apart", "2 groups of 2, ZeRO 3, int8",
