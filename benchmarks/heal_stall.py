@@ -79,12 +79,12 @@ def run(cluster, args, width: int, background: bool, out: Path) -> dict:
             except subprocess.TimeoutExpired:
                 print(f"node {node} did not end within 120 s of its group's loss: killed", flush=True)
                 kill_node(cluster, node, procs[node])
-        codes = [procs[node].returncode for node in lost]
+        lost_codes = [procs[node].returncode for node in lost]
         time.sleep(args.down)
         relaunched = time.time()
         for node in lost:
             procs[node] = launch(node, "-back")
-        codes = wait_all(procs) + codes
+        codes = wait_all(procs) + lost_codes
         live = records(out, 0)
         gaps = [(b["time"] - a["time"], a["time"], b["global_step"]) for a, b in zip(live, live[1:])]
         step = statistics.median(g for g, t, _ in gaps if t < killed)

@@ -266,10 +266,10 @@ def quantize_into(x: Tensor, q: Tensor, scales: Tensor, y: Tensor, in_place: boo
 
     A row's largest magnitude is ``amax`` of ``|x|`` formed in ``y`` (CPU, a 128 x 1024 block on one thread:
     0.045 ms against 0.51 ms for ``vector_norm(x, inf, dim=1)``, which was four fifths of the whole quantization;
-    the same bits, NaN and infinity propagating alike). No clamp to +-127 is needed (nor taken: a pass over the values): a finite block's largest ``|x / s|`` is 127
-    to within two roundings (``s`` is ``max|x| / 127`` correctly rounded), which rounds to 127; where ``s`` is
-    raised to the smallest normal float, the quotients only shrink; a non-finite block's quotients are NaN or 0,
-    which a clamp leaves as they are."""
+    the same bits, NaN and infinity propagating alike). No clamp to +-127 is taken (a pass over the values for
+    nothing): a finite block's largest ``|x / s|`` is 127 to within two roundings (``s`` is ``max|x| / 127``
+    correctly rounded), which rounds to 127; where ``s`` is raised to the smallest normal float, the quotients only
+    shrink; a non-finite block's quotients are NaN or 0, which a clamp leaves as they are."""
     div_(torch.amax(torch.abs(x, out=y), dim=1, out=scales), INT8_MAX)  # NaN and inf propagate
     tiny = torch.finfo(torch.float32).tiny
     torch.div(x, scales.clamp_min(tiny).unsqueeze(1), out=y).round_()

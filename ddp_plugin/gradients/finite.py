@@ -16,9 +16,7 @@ import torch
 
 def all_finite(tensor: torch.Tensor) -> bool:
     """True when no value of ``tensor`` is NaN or infinite (integer tensors always are finite)."""
-    if tensor.numel() == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
-        return True
-    return bool(_finite(tensor))
+    return bool(finite_flag(tensor))
 
 
 def finite_flag(tensor: torch.Tensor) -> torch.Tensor:
@@ -27,10 +25,6 @@ def finite_flag(tensor: torch.Tensor) -> torch.Tensor:
     computed it, where a flag handed on to device operations (``masked_fill_``, ``torch.where``) does not."""
     if tensor.numel() == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
         return torch.ones((), dtype=torch.bool, device=tensor.device)
-    return _finite(tensor)
-
-
-def _finite(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_complex():
         return torch.isfinite(torch.linalg.vector_norm(tensor, float("inf")))
     low, high = torch.aminmax(tensor)
