@@ -45,6 +45,8 @@ TIMES_ENV = "DDP_PLUGIN_TEST_TIMES"
 module fixtures included, summed over the tests of the file as the workers ran them). `.ci/run` sets it."""
 _file_seconds: dict[str, float] = {}
 _file_tests: dict[str, int] = {}
+_file_cpu: dict[str, float] = {}
+_cpu_mark = [0.0]
 FIXTURE_SECONDS = 5.0
 """A fixture whose setup took at least this long gets a row of its own in the table."""
 
@@ -62,7 +64,21 @@ if os.environ.get(TIMES_ENV):
     os.environ[LAUNCHES_ENV] = _side_file("launches")
 
 
+def _machine_busy() -> tuple[float, float]:
+    """(CPU seconds the machine's cores have been busy since boot, by ``/proc/stat``; now, on the wall clock)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return 0.0, time.time()
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), time.time()
+
+
+_started = [(0.0, 0.0)]
+
+
 def pytest_configure(config) -> None:
+    _started[0] = _machine_busy()
     if not hasattr(config, "workerinput"):  # (the controller, before any worker runs a test: a fresh log)
         for kind in ("fixtures", "launches"):
             if _side_file(kind):
@@ -81,16 +97,41 @@ def pytest_fixture_setup(fixturedef, request):
                       f"\t{seconds:.3f}\n")
 
 
-def _launches() -> dict[str, list[int]]:
-    """``{file: [Pythons started, of them fresh interpreters]}`` from the zygote's log."""
-    counts: dict[str, list[int]] = {}
+def _launches() -> dict[str, list[float]]:
+    """``{file: [Pythons started, of them fresh interpreters, CPU seconds of the forked ones]}`` from the zygote's
+    log."""
+    counts: dict[str, list[float]] = {}
     path = _side_file("launches")
     for line in open(path).read().splitlines() if path and os.path.exists(path) else []:
-        test, _, forked = line.rpartition("\t")
-        row = counts.setdefault(test.split("::", 1)[0] or "(outside a test)", [0, 0])
-        row[0] += 1
-        row[1] += forked == "0"
+        test, kind, value = line.rsplit("\t", 2)
+        row = counts.setdefault(test.split("::", 1)[0] or "(outside a test)", [0, 0, 0.0])
+        if kind == "cpu":
+            row[2] += float(value)
+        else:
+            row[0] += 1
+            row[1] += value == "0"
     return counts
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU seconds, user and system, and those of its children it has waited for (the fresh
+    interpreters a test started; the zygote's forked children are counted by the zygote)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def pytest_runtest_logstart(nodeid, location) -> None:
+    _cpu_mark[0] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    now = _cpu_seconds()
+    outcome.get_result().user_properties.append(("cpu_s", now - _cpu_mark[0]))  # (to the controller with xdist)
+    _cpu_mark[0] = now
 
 
 def _fixture_rows() -> list[str]:
@@ -110,6 +151,7 @@ def _fixture_rows() -> list[str]:
 def pytest_runtest_logreport(report) -> None:
     path = report.nodeid.split("::", 1)[0]
     _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+    _file_cpu[path] = _file_cpu.get(path, 0.0) + sum(v for k, v in report.user_properties if k == "cpu_s")
     if report.when == "call" or (report.when == "setup" and report.skipped):
         _file_tests[path] = _file_tests.get(path, 0) + 1
 
@@ -121,11 +163,20 @@ def pytest_sessionfinish(session) -> None:
     total = sum(_file_seconds.values())
     rows = sorted(_file_seconds.items(), key=lambda item: -item[1])
     launches = _launches()
-    lines = ["| file | tests | seconds | share | Pythons through the zygote (fresh) |", "| --- | ---: | ---: | ---: | ---: |"]
-    lines += [f"| `{path}` | {_file_tests.get(path, 0)} | {seconds:.0f} | {seconds / total:.1%} |"
-              " {} ({}) |".format(*launches.get(path, [0, 0])) for path, seconds in rows]
+    cpu = {path: _file_cpu.get(path, 0.0) + launches.get(path, [0, 0, 0.0])[2] for path in _file_seconds}
+    lines = ["| file | tests | seconds | share | CPU seconds | Pythons through the zygote (fresh) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| `{path}` | {_file_tests.get(path, 0)} | {seconds:.0f} | {seconds / total:.1%} | {cpu[path]:.0f} |"
+              " {:.0f} ({:.0f}) |".format(*launches.get(path, [0, 0])[:2]) for path, seconds in rows]
     started = [sum(row[i] for row in launches.values()) for i in (0, 1)]
-    lines.append(f"| all | {sum(_file_tests.values())} | {total:.0f} | 100% | {started[0]} ({started[1]}) |")
+    lines.append(f"| all | {sum(_file_tests.values())} | {total:.0f} | 100% | {sum(cpu.values()):.0f} |"
+                 f" {started[0]:.0f} ({started[1]:.0f}) |")
+    (busy, now), (busy0, then) = _machine_busy(), _started[0]
+    lines += ["", f"CPU seconds: each file's tests in the pytest worker, the interpreters they started and waited"
+              " for, and every Python the zygote forked for them (a fresh interpreter's own children, ranks its"
+              " launcher did not wait for, are not counted). The machine's {} cores were busy {:.0f} s of {:.0f}"
+              " during the session ({:.0%}).".format(os.cpu_count(), busy - busy0, (now - then) * os.cpu_count(),
+                                                     (busy - busy0) / max((now - then) * os.cpu_count(), 1e-9))]
     lines += ["", f"Fixtures whose setups took {FIXTURE_SECONDS:.0f} s or more (a module fixture's launches are"
               " counted in its file's row above):", "", *_fixture_rows()]
     with open(target, "w") as out:

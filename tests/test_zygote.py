@@ -96,3 +96,14 @@ def test_a_child_ends_as_a_process_does_atexit_handlers_threads_and_uncaught_err
             assert "ValueError: broke" in proc.stderr and "Traceback" in proc.stderr
         if how == "message":
             assert proc.stderr.strip() == "message"
+
+
+def test_the_launch_log_counts_a_forked_childs_start_and_the_cpu_it_used(tmp_path):
+    from tests.zygote import LAUNCHES_ENV
+
+    path, log = tmp_path / "busy.py", tmp_path / "launches"
+    path.write_text("import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end:\n    pass\n")
+    run_python(path, env={LAUNCHES_ENV: str(log), "PYTEST_CURRENT_TEST": "tests/x.py::t (call)"})
+    lines = [line.split("\t") for line in log.read_text().splitlines()]
+    assert lines[0] == ["tests/x.py::t (call)", "launch", "1"], lines
+    assert lines[1][:2] == ["tests/x.py::t (call)", "cpu"] and 0.5 <= float(lines[1][2]) < 30, lines

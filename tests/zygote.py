@@ -41,8 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SOCKET_ENV = "DDP_TEST_ZYGOTE_SOCKET"
 LAUNCHES_ENV = "DDP_PLUGIN_TEST_LAUNCHES"
 """A path: where a caller's environment names one, the zygote appends a line per Python started through the shim
-(the test running, as pytest's ``PYTEST_CURRENT_TEST`` names it, and 1 if forked, 0 if a fresh interpreter), for
-the suite's time table (tests/conftest.py)."""
+(the test running, as pytest's ``PYTEST_CURRENT_TEST`` names it, ``launch``, and 1 if forked, 0 if a fresh
+interpreter) and one per forked child it reaps (the test, ``cpu``, and the child's user and system CPU seconds),
+for the suite's time table (tests/conftest.py)."""
 
 IMPORT_TIME_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "TORCH", "PYTORCH", "CUDA", "NCCL")
 """Variables an import may read (prefixes): a run that sets or changes one of them from the zygote's value gets a
@@ -149,12 +150,12 @@ def _changed(env: dict[str, str], base: dict[str, str]) -> list[str]:
                   and k not in ("PYTHONUNBUFFERED", SOCKET_ENV) and env.get(k) != base.get(k))
 
 
-def _count(env: dict[str, str], forked: bool) -> None:
+def _count(env: dict[str, str], kind: str, value: str) -> None:
     """A line in the launch log the caller's environment names (:data:`LAUNCHES_ENV`), if any."""
     if env.get(LAUNCHES_ENV):
         try:
             with open(env[LAUNCHES_ENV], "a") as log:
-                log.write(f"{env.get('PYTEST_CURRENT_TEST', '')}\t{int(forked)}\n")
+                log.write(f"{env.get('PYTEST_CURRENT_TEST', '')}\t{kind}\t{value}\n")
         except OSError:
             pass
 
@@ -186,7 +187,7 @@ def serve(path: str) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    children: dict[int, socket.socket] = {}
+    children: dict[int, tuple[socket.socket, dict[str, str]]] = {}
     print("ready", flush=True)
     try:
         while os.getppid() == parent:
@@ -199,13 +200,14 @@ def serve(path: str) -> None:
                     except BlockingIOError:
                         break
             while children:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
                 if pid == 0:
                     break
-                conn = children.pop(pid, None)
+                conn, env = children.pop(pid, (None, {}))
                 if conn is not None:
                     _answer(conn, -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
                     conn.close()
+                    _count(env, "cpu", f"{usage.ru_utime + usage.ru_stime:.3f}")
             if listener in ready:
                 conn, _ = listener.accept()
                 try:
@@ -215,7 +217,7 @@ def serve(path: str) -> None:
                     conn.close()
                     continue
                 fresh = len(fds) != 3 or _changed(request["env"], base_env) or request.get("namespaces") != here
-                _count(request["env"], not fresh)
+                _count(request["env"], "launch", str(int(not fresh)))
                 if fresh:
                     for fd in fds:
                         os.close(fd)
@@ -229,12 +231,13 @@ def serve(path: str) -> None:
                     listener.close()
                     os.close(wake_r)
                     os.close(wake_w)
-                    for other in children.values():
+                    for other, _ in children.values():
                         other.close()
                     _child(request, fds, conn)  # never returns: exits as a process does
                 for fd in fds:
                     os.close(fd)
-                children[pid] = conn
+                children[pid] = (conn, {k: v for k, v in request["env"].items()
+                                        if k in (LAUNCHES_ENV, "PYTEST_CURRENT_TEST")})
                 _answer(conn, pid)
     finally:
         if os.getpid() == zygote:
