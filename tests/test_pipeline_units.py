@@ -143,14 +143,21 @@ def test_the_split_by_time_gives_a_heavy_block_a_stage_of_its_own():
     example = ((torch.randn(256, 128),), {})
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     rng = torch.get_rng_state()
-    measured = []
+    for _ in range(5):
+        measured = []
 
-    def timer(owner, blocks, cuts):
-        measured.append(time_blocks(owner, blocks, example, torch.device("cpu"), cuts=cuts))
-        return measured[-1]
+        def timer(owner, blocks, cuts):
+            measured.append(time_blocks(owner, blocks, example, torch.device("cpu"), cuts=cuts))
+            return measured[-1]
 
-    plan = plan_stages(model, 2, "time", timer)
-    times = measured[0]  # (the plan's own measurement: a second one on a busy machine may differ)
+        plan = plan_stages(model, 2, "time", timer)
+        times = measured[0]  # (the plan's own measurement: a second one on a busy machine may differ)
+        # The two heavy blocks are the same computation: a timing that finds one 1.5x the other was spoiled by what
+        # else ran (6 busy processes on 2 cores: 96 ms against 54 for the same block; in CI, beside launches of up to
+        # 8 ranks, the plan once kept the split by parameters, within such a timing's noise). Timed again, up to 5
+        # times.
+        if max(times.blocks[2:]) < 1.5 * min(times.blocks[2:]):
+            break
     assert len(times.blocks) == 4 and all(t > 0 for t in times.blocks) and sorted(times.shares) == [0, 1, 2, 3]
     assert 0 <= times.noise, times
     # the heavy blocks measured as such (a busy machine blurs the rest)
