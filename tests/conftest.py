@@ -183,9 +183,9 @@ def pytest_sessionfinish(session) -> None:
         out.write("\n".join(lines) + "\n")
 
 
-SLOWEST_FIRST = ("test_fault_tolerance.py", "test_tensor_parallel.py", "test_adaptive.py", "test_default_paths.py",
-                 "test_compression_training.py", "test_pipeline_mesh.py", "test_cluster.py", "test_checkpoint.py",
-                 "test_meta_init.py", "test_reliability.py", "test_launch.py", "test_benchmark_scripts.py")
+SLOWEST_FIRST = ("test_fault_tolerance.py", "test_compression_training.py", "test_cluster.py", "test_default_paths.py",
+                 "test_tensor_parallel.py", "test_pipeline_mesh.py", "test_adaptive.py", "test_reliability.py",
+                 "test_checkpoint.py", "test_launch.py", "test_meta_init.py", "test_memory_budget.py")
 """The files that took longest in `.ci/run` (its seconds-per-file table, docs/testing.md), slowest first: collected
 first, so that under `--dist loadfile` the two workers start with them and end together (a long file started
 last would run alone at the end). Every other file keeps its place after them."""
