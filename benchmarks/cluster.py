@@ -91,7 +91,7 @@ CONTENDERS: dict[str, tuple[str, str, str | None]] = {
 # Each of ours with the other glibc setting (`release_cpu_memory`): on for the stage-0 paths, off for ZeRO-2/3.
 CONTENDERS.update({f"{name}_release": (f"{label}, `release_cpu_memory=True`", f"{worker}_release", rate)
                    for name, (label, worker, rate) in list(CONTENDERS.items())
-                   if name.startswith(("ours_hier", "ours_flat", "ours_diloco"))})
+                   if name.startswith(("ours_hier", "ours_flat", "ours_diloco", "ours_int8"))})
 CONTENDERS.update({f"{name}_keep_heap": (f"{label}, `release_cpu_memory=False`", f"{worker}_keep_heap", rate)
                    for name, (label, worker, rate) in list(CONTENDERS.items())
                    if name in ("ours_zero2", "ours_zero3", "ours_zero3_prefetch1")})

@@ -90,7 +90,7 @@ LIGHTNING_CONTENDERS = {
 # is on), to choose the default by measurement.
 LIGHTNING_CONTENDERS.update({f"{name}_release": {**kw, "release_cpu_memory": True}
                              for name, kw in list(LIGHTNING_CONTENDERS.items())
-                             if name.startswith(("ours_hier", "ours_flat", "ours_diloco"))})
+                             if name.startswith(("ours_hier", "ours_flat", "ours_diloco", "ours_int8"))})
 LIGHTNING_CONTENDERS.update({f"{name}_keep_heap": {**kw, "release_cpu_memory": False}
                              for name, kw in list(LIGHTNING_CONTENDERS.items())
                              if name in ("ours_zero2", "ours_zero3", "ours_zero3_prefetch1")})
