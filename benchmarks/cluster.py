@@ -212,6 +212,11 @@ def summarize(name: str, runs: list[dict[str, Any]], nodes: int) -> dict[str, An
     row["final_loss"] = statistics.mean(r["ranks"][0]["losses"][-1] for r in ok)
     row["peak_rss_mb"] = max(rank["maxrss_mb"] for r in ok for rank in r["ranks"])
     row["optimizer"] = first.get("optimizer", "sgd")
+    # The link probe's plan, rank 0's at the end of each run (every rank holds rank 0's): whether runs of one job
+    # routed and coded each bucket alike.
+    plans = [r["ranks"][0]["comm_plan"] for r in ok if r["ranks"][0].get("comm_plan")]
+    if plans:
+        row["plans"] = [{"version": p["version"], "decisions": p["decisions"]} for p in plans]
     # Memory per rank: per run the largest rank, then the mean over runs. Worker key -> row key; "_backward" is the
     # probe step's count after backward, the others are after the last timed optimizer step.
     for key, field in (("live_tensor_bytes", "live_tensor"), ("optimizer_state_bytes", "optimizer_state"),
@@ -277,6 +282,21 @@ def _library_revision() -> str:
     files = [str(HERE.parent / c) for c in changed if (HERE.parent / c).is_file()]
     content = "".join(git("hash-object", *files).split())[:12] if files else "deleted"
     return f"commit {commit} with uncommitted changes in {', '.join(changed)} (content {content})"
+
+
+def _plans_section(rows: list[dict[str, Any]]) -> list[str]:
+    """Each run's plan at its end, per contender that planned: per bucket the route and the codec, and whether the
+    run planned as the contender's first run did."""
+    lines = ["Each run's plan at its end (rank 0's, which every rank holds): per bucket, the route and the codec; the"
+             " version counts the plans the run made.", "",
+             "| contender | run | version | buckets (route / codec) | as run 1 |", "|---|---:|---:|---|---|"]
+    for r in rows:
+        plans = r.get("plans") or []
+        for i, plan in enumerate(plans, 1):
+            cells = ", ".join(f"{k} {route} / {codec}" for k, (route, codec) in sorted(plan["decisions"].items()))
+            same = plan["decisions"] == plans[0]["decisions"]
+            lines.append(f"| {r['label']} | {i} | {plan['version']} | {cells} | {'yes' if same else '**no**'} |")
+    return lines
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -453,6 +473,8 @@ def write_markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[st
         lines += ["", "## Memory against Lightning `ddp`", "", *_memory_section(ok, ref)]
     if png is not None:
         lines += ["", f"![step time and cross-node bytes]({png.name})"]
+    if any(r.get("plans") for r in ok):
+        lines += ["", "## The link probe's plans", "", *_plans_section(ok)]
     lines += ["", f"_Total benchmark wall time {wall_s:.0f} s._", ""]
     return "\n".join(lines)
 

@@ -361,3 +361,14 @@ def test_profile_step_sums_a_ranks_file_per_thread_and_step(profile_step, tmp_pa
     split = profile_step.seconds_per_step([profile_step.read_profile(raw)], rate=100, steps=4)
     assert split["MainThread"] == {"optimizer step: computing": pytest.approx(0.1)}
     assert split["ddp_plugin-comm"] == {"waiting for a bucket (idle)": pytest.approx(0.15)}
+
+
+def test_the_cluster_benchmark_shows_each_runs_plan_and_whether_it_is_the_first_runs():
+    cluster = benchmark_module("cluster")
+    plan = {"version": 1, "decisions": {"b0": ["hierarchical", "int8"], "b1": ["flat", "int8"]}}
+    other = {"version": 2, "decisions": {"b0": ["flat", "int8"], "b1": ["flat", "int8"]}}
+    lines = cluster._plans_section([{"label": "ours, int8", "plans": [plan, plan, other]}, {"label": "ddp"}])
+    rows = [line for line in lines if line.startswith("| ours, int8 |")]
+    assert len(rows) == 3 and not any(line.startswith("| ddp") for line in lines)
+    assert rows[0] == "| ours, int8 | 1 | 1 | b0 hierarchical / int8, b1 flat / int8 | yes |"
+    assert rows[1].endswith("| yes |") and rows[2] == "| ours, int8 | 3 | 2 | b0 flat / int8, b1 flat / int8 | **no** |"
