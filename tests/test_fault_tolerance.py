@@ -61,7 +61,7 @@ def wait(proc, out, timeout: float) -> int:
 
 @pytest.fixture(scope="module", params=[(3, 1, 1, "backward", None, 0), (2, 2, 1, "backward", "int8", 0),
                                         (3, 1, 1, "backward", "powersgd", 1), (3, 1, 5, "sync", "int8", 0, {"apart": True}),
-                                        (2, 2, 1, "backward", "int8", 3), (2, 2, 5, "sync", None, 2),
+                                        (2, 2, 1, "backward", "int8", 3), (2, 2, 10, "sync", None, 2),
                                         (2, 2, 1, "backward", "int8", 2, {"nodes": 2}),
                                         (2, 2, 6, "sync", "int8", 2, {"fragments": 3}),
                                         (3, 1, 10, "sync", None, 0, {"fragments": 2, "staleness": 2}),
