@@ -172,11 +172,12 @@ def pytest_sessionfinish(session) -> None:
     lines.append(f"| all | {sum(_file_tests.values())} | {total:.0f} | 100% | {sum(cpu.values()):.0f} |"
                  f" {started[0]:.0f} ({started[1]:.0f}) |")
     (busy, now), (busy0, then) = _machine_busy(), _started[0]
-    lines += ["", f"CPU seconds: each file's tests in the pytest worker, the interpreters they started and waited"
+    cores = os.cpu_count() or 1
+    used, offered = busy - busy0, max((now - then) * cores, 1e-9)
+    lines += ["", "CPU seconds: each file's tests in the pytest worker, the interpreters they started and waited"
               " for, and every Python the zygote forked for them (a fresh interpreter's own children, ranks its"
-              " launcher did not wait for, are not counted). The machine's {} cores were busy {:.0f} s of {:.0f}"
-              " during the session ({:.0%}).".format(os.cpu_count(), busy - busy0, (now - then) * os.cpu_count(),
-                                                     (busy - busy0) / max((now - then) * os.cpu_count(), 1e-9))]
+              f" launcher did not wait for, are not counted). The machine's {cores} cores were busy {used:.0f} s of"
+              f" {offered:.0f} during the session ({used / offered:.0%})."]
     lines += ["", f"Fixtures whose setups took {FIXTURE_SECONDS:.0f} s or more (a module fixture's launches are"
               " counted in its file's row above):", "", *_fixture_rows()]
     with open(target, "w") as out:
