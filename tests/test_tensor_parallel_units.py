@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.ranks import RankPool
 
 WORLD = 2
@@ -182,3 +183,13 @@ def test_a_codec_that_codes_a_stage_3_unit_as_a_whole_is_refused_with_tensor_par
             check_flags(2, 3, codec)
     for ok in [(2, 3, None), (2, 3, "bf16"), (2, 2, "int8"), (1, 3, "int8")]:
         check_flags(*ok)
+
+
+def test_a_codec_refused_at_stage_3_with_tensor_parallelism_is_refused_at_construction():
+    # (it was refused at setup only: the launch started every rank, then each failed; the default-paths matrix,
+    # which runs every codec at every stage with tensor parallelism, found it)
+    for codec in ("int8", "topk", "powersgd", "sparse", "auto"):
+        with pytest.raises(ValueError, match=rf"`compression='{codec}'` with `zero_stage=3` and `tensor_parallel_size=2`"):
+            HierarchicalZeroStrategy(tensor_parallel_size=2, zero_stage=3, compression=codec)
+    HierarchicalZeroStrategy(tensor_parallel_size=2, zero_stage=3, compression="bf16")
+    HierarchicalZeroStrategy(tensor_parallel_size="auto", zero_stage=3, compression="int8")  # (known at setup)

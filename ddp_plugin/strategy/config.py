@@ -259,6 +259,10 @@ def _check_tensor_parallel(c: dict[str, Any]) -> None:
             " consecutive ranks inside one node. Allowed values:"
             f" {', '.join(str(d) for d in range(1, per_node + 1) if per_node % d == 0)}."
         )
+    if tp != "auto":  # (``"auto"``: checked at setup, once the node's size gives it)
+        from ddp_plugin.parallel.tensor_parallel import check_flags
+
+        check_flags(tp, c["zero_stage"], c["compression"])
 
 
 def _check_outer_optimizer(value: Any) -> Any:
