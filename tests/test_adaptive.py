@@ -468,10 +468,12 @@ def test_the_probe_holds_one_sizes_codec_state_at_a_time(ranks):
 # ---------------------------------------------------------------------- training with a plan (2 x 2, loopback)
 
 
-def train(tmp_path, configs: dict[str, dict], steps: int = 8) -> dict[str, list[dict]]:
-    """Every configuration one after the other in the same 4 processes (2 simulated nodes x 2)."""
-    runs = [["--out", str(tmp_path / name), "--flags", json.dumps(flags), "--steps", str(steps)]
-            for name, flags in configs.items()]
+def train(tmp_path, configs: dict[str, dict], steps: int = 8, extra: dict[str, list[str]] | None = None
+          ) -> dict[str, list[dict]]:
+    """Every configuration one after the other in the same 4 processes (2 simulated nodes x 2); ``extra``: more
+    arguments of the worker per configuration."""
+    runs = [["--out", str(tmp_path / name), "--flags", json.dumps(flags), "--steps", str(steps),
+             *(extra or {}).get(name, [])] for name, flags in configs.items()]
     for name in configs:
         (tmp_path / name).mkdir()
     run_python(WORKERS / "adaptive_run.py", "--runs", json.dumps(runs), timeout=900)
@@ -487,7 +489,22 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
         "zero2": {"compression": "auto", "zero_stage": 2, "bucket_size_mb": 0.25},
         "diloco": {"compression": "auto", "sync_every": 3, "shard_scope": "node", "bucket_size_mb": 0.25},
         "fixed": {"hierarchical": True, "compression": "int8"},
-    })
+        "diloco_zero2_replanned": {"compression": "auto", "sync_every": 3, "zero_stage": 2, "shard_scope": "node",
+                                   "bucket_size_mb": 0.25},
+    }, extra={"diloco_zero2_replanned": ["--replan-at", "4"]})
+
+
+def test_a_replan_with_a_sync_mode_decides_its_cross_node_stage_again(runs):
+    # The first probe times both routes and the plan keeps one for the fit (the sync mode's); a re-plan probed that
+    # route's stages only, and the sync mode's cross-node stage then had no codec to choose from (a ValueError on
+    # every rank, found by the default-paths matrix: DiLoCo, ZeRO 2, "auto", when a slowdown made it re-plan).
+    results = runs["diloco_zero2_replanned"]
+    plan = results[0]["plan"]
+    assert [version for version, _, _ in plan["history"]][-1] >= 2 and any(
+        step == 4 for version, step, _ in plan["history"] if version >= 2), plan["history"]
+    assert all(r["plan"]["history"] == plan["history"] for r in results)
+    assert all(b["codec"] in plan["codecs"] for b in plan["buckets"].values())
+    assert all(r["params_finite"] for r in results)
 
 
 @pytest.mark.parametrize("name", ["auto", "route_only", "zero2", "diloco"])

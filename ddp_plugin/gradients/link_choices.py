@@ -69,6 +69,7 @@ class LinkChoices:
         mode fixes it), and make the planner; buckets are planned once the engine has built them."""
         config, module = self.config, self.module
         names = self.candidates
+        probed = routes  # (a re-plan probes these again: a sync mode's or a sharder's stages are among them)
         model, seconds = self.probe(routes)
         total = sum(local_tensor(p).numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         if config.bucket_size_mb == "auto":
@@ -93,7 +94,7 @@ class LinkChoices:
             sizes = [cap] * (total // cap) + ([total % cap] if total % cap else [])
             routes = (model.best_route(sizes, routes, names),)
         plan = CommPlan(model, routes, names, bucket_size_mb, seconds, bucket_reason=why)
-        self.planner = AdaptivePlanner(plan, lambda: self.probe(self.planner.plan.routes))
+        self.planner = AdaptivePlanner(plan, lambda: self.probe(probed))
         return HIERARCHICAL in routes, bucket_size_mb
 
 

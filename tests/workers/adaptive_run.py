@@ -5,7 +5,8 @@ plan (every version's decisions, the last one's per-bucket times) and the logged
     torchrun ... tests/workers/adaptive_run.py --out DIR --num-nodes 2 --devices 2 \\
         --slow-at 6 --slow-rate 20mbit                                                      # a simulated cluster
 
-``--slow-at STEP``: on a simulated cluster node, local rank 0 caps its node's link at ``--slow-rate`` before that
+``--replan-at STEP``: every rank re-plans (probes again) after that optimizer step. ``--slow-at STEP``: on a
+simulated cluster node, local rank 0 caps its node's link at ``--slow-rate`` before that
 optimizer step (``tc`` in the node's namespace), as another job starting to share the link would.
 """
 
@@ -38,6 +39,17 @@ class SlowDown(L.Callback):
             set_link_rate(os.environ["GLOO_SOCKET_IFNAME"], self.rate)
 
 
+class Replan(L.Callback):
+    """Re-plan after optimizer step ``at`` on every rank (collective), as a slowdown the planner saw would."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at:
+            trainer.strategy.fit.session.planner.replan(f"step {self.at}: asked for by the test")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -49,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--slow-at", type=int, default=None)
     parser.add_argument("--slow-rate", default="20mbit")
+    parser.add_argument("--replan-at", type=int, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -59,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy, max_steps=args.steps,
         logger=CSVLogger(args.out, name="csv", version=0), log_every_n_steps=1,
-        callbacks=[SlowDown(args.slow_at, args.slow_rate)] if args.slow_at is not None else [],
+        callbacks=([SlowDown(args.slow_at, args.slow_rate)] if args.slow_at is not None else [])
+        + ([Replan(args.replan_at)] if args.replan_at is not None else []),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     model = TinyModule(mlp(args.width, args.width, 1, layers=args.layers), optimizer="adam", lr=1e-3)
