@@ -9,7 +9,8 @@ import time
 import pytest
 
 from ddp_plugin.testing.simcluster import SimulatedCluster
-from tests.support import ROOT
+from tests.support import FULL_MATRIX_ENV, ROOT
+from tests.zygote import interpreter, start_in_namespaces
 
 # Every Python the tests start (ranks, workers, the zygote and so its forked children, whose stderr is the caller's
 # by then) prints each thread's stack when native code crashes, so a rank that dies of a signal in CI says where.
@@ -18,8 +19,11 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two simulated nodes (network namespaces) joined by a 1 Gbit/s link, torn down after the module."""
-    with SimulatedCluster(nodes=2, rate="1gbit") as c:
+    """Two simulated nodes (network namespaces) joined by a 1 Gbit/s link, torn down after the module; a zygote in
+    each node forks the ranks its launches start (tests/zygote.py)."""
+    with SimulatedCluster(nodes=2, rate="1gbit", python=interpreter()) as c:
+        start_in_namespaces(lambda node, argv, **kwargs: c.popen(node, argv, env=c.launch_env(node), **kwargs),
+                            c.nodes)
         yield c
 
 
@@ -77,7 +81,15 @@ def _machine_busy() -> tuple[float, float]:
 _started = [(0.0, 0.0)]
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--full-matrix", action="store_true",
+                     help="run every combination of the matrices the suite covers pairwise (tests/support.py: "
+                          "FULL_MATRIX_ENV; docs/testing.md)")
+
+
 def pytest_configure(config) -> None:
+    if config.getoption("full_matrix"):  # (read by the test modules as they are collected, in every worker)
+        os.environ[FULL_MATRIX_ENV] = "1"
     _started[0] = _machine_busy()
     if not hasattr(config, "workerinput"):  # (the controller, before any worker runs a test: a fresh log)
         for kind in ("fixtures", "launches"):

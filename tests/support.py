@@ -18,6 +18,16 @@ from tests.zygote import interpreter  # noqa: F401 (the tests start their Python
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "workers"
 
+FULL_MATRIX_ENV = "DDP_PLUGIN_FULL_MATRIX"
+"""Set to 1 (or ``pytest --full-matrix``): the matrices the suite covers pairwise (every pair of two factors' values
+in some case, :func:`ddp_plugin.testing.pairwise.covering_pairs`) run every combination instead."""
+
+
+def matrix(pairwise: list, full: list) -> list:
+    """The cases a matrix test runs: ``full`` with ``--full-matrix``, else ``pairwise``."""
+    return full if os.environ.get(FULL_MATRIX_ENV, "0") == "1" else pairwise
+
+
 _cluster_ok, _cluster_reason = available()
 needs_cluster = pytest.mark.skipif(not _cluster_ok, reason=_cluster_reason)
 

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from ddp_plugin.testing.processes import alive
-from tests.support import ROOT, run_python
-from tests.zygote import interpreter
+from tests.support import ROOT, needs_cluster, run_python
+from tests.zygote import _fork_plan, _plugin_folders, interpreter
 
 REPORT = """
 import json, os, sys, lightning
@@ -50,10 +50,81 @@ def test_a_script_is_forked_from_the_zygote_with_the_callers_argv_folder_environ
 
 
 def test_a_run_that_changes_what_an_import_reads_gets_a_fresh_interpreter(script):
-    seen, _ = report(script, env={"OMP_NUM_THREADS": "1"})
+    seen, _ = report(script, env={"MKL_NUM_THREADS": "1"})
     assert seen["parent"] == os.getpid() and seen["executable"] == sys.executable
     seen, _ = report(script, env={"PYTHONPATH": str(ROOT)})
     assert seen["parent"] == os.getpid()
+
+
+def test_torchruns_worker_variables_are_applied_in_a_forked_child(tmp_path):
+    # torchrun gives its workers OMP_NUM_THREADS=1 and TORCHELASTIC_* (read at run time): each worker was a fresh
+    # interpreter before
+    script = tmp_path / "threads.py"
+    script.write_text(REPORT.replace('"executable": sys.executable}', '"executable": sys.executable, "threads": '
+                                     '__import__("torch").get_num_threads(), "run": os.environ["TORCHELASTIC_RUN_ID"]}'))
+    proc = run_python(script, env={"OMP_NUM_THREADS": "3", "TORCHELASTIC_RUN_ID": "r", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen["parent"] != os.getpid() and (seen["threads"], seen["run"]) == (3, "r")
+    assert _fork_plan({"OMP_NUM_THREADS": "0"}, {}) is None and _fork_plan({"OMP_NUM_THREADS": "x"}, {}) is None
+
+
+@needs_cluster
+def test_a_run_inside_a_simulated_node_is_forked_from_a_zygote_in_that_node(cluster, tmp_path):
+    # (the cluster's launches were fresh interpreters: torchrun and every rank, 2 nodes x 3 Pythons a launch)
+    script = tmp_path / "node.py"
+    script.write_text(REPORT.replace('"executable": sys.executable}', '"executable": sys.executable, "net": '
+                                     'os.stat("/proc/self/ns/net").st_ino}'))
+    for node in range(cluster.nodes):
+        proc = cluster.popen(node, [interpreter(), str(script)], env=cluster.launch_env(node),
+                             stdout=subprocess.PIPE, text=True)
+        out, _ = proc.communicate(timeout=120)
+        seen = json.loads(out.splitlines()[-1])
+        assert proc.returncode == 0 and seen["parent"] != os.getpid()  # forked by the zygote, not exec'd by the shim
+        assert seen["executable"] == interpreter()  # so torchrun's workers are forked there too
+        assert seen["net"] == os.stat(f"/run/netns/{cluster.node_namespace(node)}").st_ino != os.stat(
+            "/proc/self/ns/net").st_ino
+
+
+def plugin_folder(folder, module: str, entry_points: bool = True):
+    folder.mkdir()
+    (folder / f"{module}.py").write_text("codec = 'found'\n")
+    info = folder / f"{module}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+    if entry_points:
+        (info / "entry_points.txt").write_text(f"[ddp_plugin]\nfound = {module}:codec\n")
+    return folder
+
+
+def test_a_run_that_only_adds_plugin_distributions_to_the_path_is_forked_and_finds_their_entry_points(tmp_path):
+    # (the codec tests put an installed example codec on PYTHONPATH: a fresh interpreter per rank, before)
+    folder = plugin_folder(tmp_path / "site", "zygote_test_plugin")
+    script = tmp_path / "find.py"
+    script.write_text(REPORT.replace('"executable": sys.executable}', '"executable": sys.executable, "path1": sys.path[1], '
+                                     '"found": [(p.name, p.load()) for p in __import__("importlib.metadata").metadata'
+                                     '.entry_points(group="ddp_plugin")]}'))
+    proc = run_python(script, pythonpath=[folder])
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen["parent"] != os.getpid() and seen["executable"] == interpreter()  # forked
+    assert seen["path1"] == str(folder)  # where a fresh interpreter puts PYTHONPATH's folders
+    assert seen["found"] == [["found", "found"]]
+
+
+def test_only_folders_of_plugin_distributions_that_shadow_nothing_are_added_to_a_forked_childs_path(tmp_path):
+    # A folder whose modules no entry point names may be read at import (a package probed for, as Lightning probes
+    # mpi4py), and one that shadows what the zygote imported would give the child the zygote's module: a fresh
+    # interpreter for both (end to end: test_a_run_that_changes_what_an_import_reads_gets_a_fresh_interpreter).
+    base = {"PYTHONPATH": "/x"}
+    plugins = plugin_folder(tmp_path / "plugins", "zygote_test_plugin")
+    assert _plugin_folders({"PYTHONPATH": f"{plugins}{os.pathsep}/x"}, base) == [str(plugins)]
+    assert _plugin_folders({"PYTHONPATH": f"{plugins}"}, base) is None  # it dropped the zygote's own folder
+    assert _fork_plan({"PYTHONPATH": f"{plugins}{os.pathsep}/x", "MKL_NUM_THREADS": "1"}, base) is None
+    assert _fork_plan({"PYTHONPATH": f"{plugins}{os.pathsep}/x", "OMP_NUM_THREADS": "1"}, base) == {
+        "threads": 1, "folders": [str(plugins)]}
+    bare = plugin_folder(tmp_path / "bare", "zygote_test_bare", entry_points=False)
+    assert _plugin_folders({"PYTHONPATH": f"{bare}{os.pathsep}/x"}, base) is None
+    shadow = plugin_folder(tmp_path / "shadow", "pluggy")
+    assert _plugin_folders({"PYTHONPATH": f"{shadow}{os.pathsep}/x"}, base) is None
 
 
 def test_a_child_killed_by_a_signal_is_seen_dead_of_it_by_the_caller(tmp_path):

@@ -14,9 +14,10 @@ the child's status (or dies of its signal). It is also ``sys.executable`` inside
 Lightning's launcher starts for the other ranks (it re-executes ``sys.executable`` with the command line) are
 forked from the zygote too. Every rank still is its own process, with its own process id, memory and sockets;
 the collectives are the real ones. What does not look like a script or module run (``-c``, an interpreter flag
-other than torchrun's ``-u``), a run whose environment changes what an import reads (``PYTHONPATH``, thread
-counts, torch's settings), a caller in another network or mount namespace (the simulated cluster's nodes), or a
-zygote that is not there: the shim ``exec``s the real interpreter instead, as before.
+other than torchrun's ``-u``), a run whose environment changes what an import reads (``PYTHONPATH``, unless it
+only puts folders of plugin distributions in front: :func:`_plugin_folders`; thread counts, torch's settings), a
+caller in another network or mount namespace (the simulated cluster's nodes), or a zygote that is not there: the
+shim ``exec``s the real interpreter instead, as before.
 
 ``DDP_TEST_ZYGOTE=0`` turns it off for a whole run (``DDP_TEST_ZYGOTE=0 pytest``).
 """
@@ -107,6 +108,8 @@ def forkable(args):
 path = os.environ.get({socket_env!r})
 if not path or not forkable(ARGS):
     exec_real()
+if os.path.exists(path + "@net" + str(namespaces()["net"])):  # a zygote inside this network namespace
+    path += "@net" + str(namespaces()["net"])
 try:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
@@ -150,6 +153,69 @@ def _changed(env: dict[str, str], base: dict[str, str]) -> list[str]:
                   and k not in ("PYTHONUNBUFFERED", SOCKET_ENV) and env.get(k) != base.get(k))
 
 
+RUNTIME_ENV = ("TORCHELASTIC_", "TORCH_NCCL_")
+"""Prefixes of :data:`IMPORT_TIME_ENV` that only run time reads: torchrun's variables for its workers (read by
+``torch.distributed.elastic`` and Lightning's environment detection when asked, ``TORCH_NCCL_*`` when an NCCL
+group is made). A change in them needs no fresh interpreter."""
+
+
+def _fork_plan(env: dict[str, str], base: dict[str, str]) -> dict | None:
+    """What a forked child must apply for a caller whose environment differs from the zygote's in what an import
+    reads, or ``None`` where only a fresh interpreter would do. Applied in the child: ``OMP_NUM_THREADS`` (a
+    positive count, as torchrun sets 1 for its workers) through ``torch.set_num_threads``, the zygote having run no
+    parallel region, and ``PYTHONPATH`` folders of plugin distributions (:func:`_plugin_folders`)."""
+    changed = [k for k in _changed(env, base) if not k.startswith(RUNTIME_ENV)]
+    plan: dict = {"threads": None, "folders": []}
+    if "OMP_NUM_THREADS" in changed:
+        value = env.get("OMP_NUM_THREADS", "")
+        if not value.isdigit() or int(value) < 1:
+            return None
+        plan["threads"] = int(value)
+        changed.remove("OMP_NUM_THREADS")
+    if "PYTHONPATH" in changed:
+        folders = _plugin_folders(env, base)
+        if folders is None:
+            return None
+        plan["folders"] = folders
+        changed.remove("PYTHONPATH")
+    return None if changed else plan
+
+
+def _plugin_folders(env: dict[str, str], base: dict[str, str]) -> list[str] | None:
+    """The folders a caller's ``PYTHONPATH`` puts in front of the zygote's, where each holds plugin distributions
+    only: a ``*.dist-info`` with entry points and the top-level modules they name, none of which the zygote has
+    imported or could import from its own path. The library finds entry points when it is asked (not at import),
+    so a child with these folders in front of its ``sys.path`` finds what a fresh interpreter would. ``None``
+    otherwise: the caller gets a fresh interpreter."""
+    import importlib.util
+
+    old = base.get("PYTHONPATH", "")
+    new = env.get("PYTHONPATH", "")
+    if old and not new.endswith(os.pathsep + old):
+        return None
+    folders = [f for f in (new[: -len(old) - 1] if old else new).split(os.pathsep) if f]
+    for folder in folders:
+        try:
+            entries = os.listdir(folder)
+        except OSError:
+            return None
+        named: set[str] = set()
+        for entry in entries:
+            points = os.path.join(folder, entry, "entry_points.txt")
+            if entry.endswith(".dist-info") and os.path.isfile(points):
+                with open(points) as text:
+                    named |= {line.split("=", 1)[1].strip().split(":")[0].split(".")[0]
+                              for line in text if "=" in line}
+        modules = {entry.split(".")[0] for entry in entries if not entry.endswith(".dist-info")
+                   and entry != "__pycache__"}
+        if not named or not modules <= named:
+            return None
+        for name in modules:
+            if name in sys.modules or importlib.util.find_spec(name) is not None:
+                return None  # it would shadow, or be shadowed by, what the zygote has
+    return folders
+
+
 def _count(env: dict[str, str], kind: str, value: str) -> None:
     """A line in the launch log the caller's environment names (:data:`LAUNCHES_ENV`), if any."""
     if env.get(LAUNCHES_ENV):
@@ -167,8 +233,9 @@ def _answer(conn: socket.socket, number: int) -> None:
         pass
 
 
-def serve(path: str) -> None:
-    """Import, then fork a child per request until the parent (the pytest worker) is gone."""
+def serve(path: str, compared: tuple[str, ...] = ("net", "mnt", "pid", "user", "ipc", "uts")) -> None:
+    """Import, then fork a child per request until the parent (the pytest worker) is gone; a caller in another of
+    the ``compared`` namespaces than the zygote's gets a fresh interpreter."""
     import gc
     import importlib
     gc.disable()  # as the gc module's documentation advises for fork without exec: no holes in shared pages,
@@ -216,7 +283,9 @@ def serve(path: str) -> None:
                 except (OSError, ValueError, struct.error):
                     conn.close()
                     continue
-                fresh = len(fds) != 3 or _changed(request["env"], base_env) or request.get("namespaces") != here
+                plan = _fork_plan(request["env"], base_env)
+                theirs = request.get("namespaces") or {}
+                fresh = len(fds) != 3 or plan is None or any(theirs.get(k) != here[k] for k in compared)
                 _count(request["env"], "launch", str(int(not fresh)))
                 if fresh:
                     for fd in fds:
@@ -233,7 +302,7 @@ def serve(path: str) -> None:
                     os.close(wake_w)
                     for other, _ in children.values():
                         other.close()
-                    _child(request, fds, conn)  # never returns: exits as a process does
+                    _child(request, fds, conn, plan)  # never returns: exits as a process does
                 for fd in fds:
                     os.close(fd)
                 children[pid] = (conn, {k: v for k, v in request["env"].items()
@@ -252,8 +321,9 @@ def serve(path: str) -> None:
                 pass
 
 
-def _child(request: dict, fds: list[int], conn: socket.socket) -> None:
+def _child(request: dict, fds: list[int], conn: socket.socket, plan: dict) -> None:
     import gc
+    import importlib
     import random
     import runpy
 
@@ -292,6 +362,12 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> None:
         sys.argv = list(args)
         sys.path[0] = os.path.dirname(os.path.realpath(args[0]))
         runner = lambda: runpy.run_path(args[0], run_name="__main__")  # noqa: E731
+    sys.path[1:1] = plan["folders"]  # where a fresh interpreter puts PYTHONPATH's folders: after the script's own
+    importlib.invalidate_caches()
+    if plan["threads"] is not None:
+        import torch
+
+        torch.set_num_threads(plan["threads"])
     try:
         runner()
         code = 0
@@ -364,5 +440,24 @@ def interpreter() -> str:
     return str(_started["shim"])
 
 
+def start_in_namespaces(popen, count: int) -> None:
+    """Start a zygote inside each of ``count`` network namespaces (the simulated cluster's nodes), so that what
+    this worker's shim starts there is forked from a zygote there. ``popen(i, argv, **kwargs)`` starts ``argv`` in
+    namespace ``i`` (:meth:`SimulatedCluster.popen`, which ends them with the cluster). Each binds this worker's
+    socket path with ``@net<inode of its namespace>`` added, where the shim looks first; ``ip netns exec`` gives
+    each process it starts a mount namespace of its own (the node's ``/sys``), so these compare all namespaces but
+    the mount one. A zygote that does not start leaves its node's launches to fresh interpreters, as before."""
+    if interpreter() == sys.executable:
+        return
+    for node in range(count):
+        proc = popen(node, [sys.executable, "-m", "tests.zygote", os.environ[SOCKET_ENV], "--in-namespace"],
+                     cwd=ROOT, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        if proc.stdout.readline().strip() != b"ready":
+            proc.kill()
+
+
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    if sys.argv[2:] == ["--in-namespace"]:
+        serve(f"{sys.argv[1]}@net{namespaces()['net']}", compared=("net", "pid", "user", "ipc", "uts"))
+    else:
+        serve(sys.argv[1])

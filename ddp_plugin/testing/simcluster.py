@@ -233,12 +233,15 @@ class SimulatedCluster:
             uncapped link (veth then runs at memory speed, tens of Gbit/s).
         prefix: start of the namespace names (``<prefix>-<pid>x<n>-node0`` ...). Stale namespaces with this
             prefix whose owning process has died are removed when a cluster starts.
+        python: the interpreter :meth:`launch` runs torchrun with (default: this process's, ``sys.executable``;
+            the test suite passes its zygote's shim, which forks the ranks from a zygote inside the namespace).
 
     Use it as a context manager; teardown kills every process left in the namespaces and deletes them, also
     on exceptions and Ctrl-C, and at interpreter exit for a cluster that was never closed.
     """
 
-    def __init__(self, nodes: int = 2, rate: str | None = "1gbit", prefix: str = "ddpsim") -> None:
+    def __init__(self, nodes: int = 2, rate: str | None = "1gbit", prefix: str = "ddpsim",
+                 python: str | None = None) -> None:
         if nodes < 2 or nodes > 200:
             raise ValueError(f"nodes={nodes}: a simulated cluster has between 2 and 200 nodes.")
         if not re.fullmatch(r"[a-z][a-z0-9]{0,15}", prefix):
@@ -250,6 +253,7 @@ class SimulatedCluster:
         self.rate = rate
         self.rate_bits = parse_rate(rate) if rate is not None else None
         self.prefix = prefix
+        self.python = python or sys.executable
         self._tag = f"{prefix}-{os.getpid()}x{next(_sequence)}"
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(nodes)]
         self.interfaces = [f"sim{i}" for i in range(nodes)]
@@ -412,7 +416,7 @@ class SimulatedCluster:
             for node in range(self.nodes):
                 out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # files: no pipe can fill and block
                 logs.append((out, err))
-                command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}",
+                command = [self.python, "-m", "torch.distributed.run", f"--nnodes={self.nodes}",
                            f"--node_rank={node}", f"--nproc_per_node={nproc_per_node}",
                            f"--master_addr={self.addresses[0]}", f"--master_port={port}", "--max_restarts=0", *argv]
                 procs.append(self.popen(node, command, env=self.launch_env(node, env), stdout=out, stderr=err))

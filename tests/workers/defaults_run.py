@@ -4,8 +4,9 @@ default, on the layouts users run, a few steps each, one fit after the other in 
     python tests/workers/defaults_run.py --out result.jsonl [--cases one_node/int8,2x2/powersgd] [--steps 12]
 
 4 CPU ranks: one node of 4, 2 simulated nodes x 2 (``devices_per_node=2``; ``hierarchical`` left at ``None``, so
-the link probe chooses the route), the same with ZeRO stages 1-3, and tensor or pipeline parallelism of 2 with
-data parallelism of 2 across the nodes. The model is the tiny tied GPT of the tensor-parallel tests
+the link probe chooses the route), the same with DiLoCo (``sync_every=4``), and tensor or pipeline parallelism of
+2 with data parallelism of 2 across the nodes, each at ZeRO stages 0-3 (with DiLoCo the shards stay inside a node,
+``shard_scope="node"``: global ones are refused with a sync mode). The model is the tiny tied GPT of the tensor-parallel tests
 (``ddp_plugin.testing.gpt``). 12 steps: PowerSGD's 10 uncompressed warm-up steps, then compressed ones.
 
 Rank 0 appends one JSON line per case to ``--out`` as soon as the case is done: a case the strategy refuses at
@@ -24,9 +25,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
+from ddp_plugin.parallel.tensor_parallel import LOSSLESS_AT_STAGE_3
 from ddp_plugin.testing.gpt import GPTModule, token_dataset
 from ddp_plugin.testing.processes import run_cases
 from ddp_plugin.testing.ranks import replicas_identical
+from ddp_plugin.testing.pairwise import covering_pairs
 
 CODECS: dict[str, str | None] = {
     "none": None, "fp16": "fp16", "bf16": "bf16", "int8": "int8", "topk": "topk", "powersgd": "powersgd", "sparse": "sparse",
@@ -36,14 +39,43 @@ CODECS: dict[str, str | None] = {
 LAYOUTS: dict[str, dict] = {
     "one_node": {},
     "2x2": {"devices_per_node": 2},
-    "2x2_zero1": {"devices_per_node": 2, "zero_stage": 1},
-    "2x2_zero2": {"devices_per_node": 2, "zero_stage": 2},
-    "2x2_zero3": {"devices_per_node": 2, "zero_stage": 3},
     "tp2_dp2": {"devices_per_node": 2, "tensor_parallel_size": 2},
     "pp2_dp2": {"devices_per_node": 2, "pipeline_parallel_size": 2},
     "2x2_diloco": {"devices_per_node": 2, "sync_every": 4},  # (the codec codes the pseudo-gradients)
 }
-CASES = [f"{layout}/{codec}" for layout in LAYOUTS for codec in CODECS]
+STAGES = (0, 1, 2, 3)
+FACTORS = {"layout": list(LAYOUTS), "stage": list(STAGES), "codec": list(CODECS)}
+
+
+def case_name(layout: str, stage: int, codec: str) -> str:
+    return f"{layout}{f'_zero{stage}' if stage else ''}/{codec}"
+
+
+def case_flags(case: str) -> dict:
+    where, codec = case.split("/")
+    layout, _, stage = where.partition("_zero")
+    flags = {**LAYOUTS[layout], "zero_stage": int(stage or 0), "compression": CODECS[codec]}
+    if flags["zero_stage"] and flags.get("sync_every", 1) > 1:
+        flags["shard_scope"] = "node"  # (a sync mode keeps a node a whole replica: global shards are refused)
+    return flags
+
+
+
+
+def allowed(case: dict) -> bool:
+    """What the strategy accepts: with tensor parallelism a stage 3 unit takes the codecs that cast each element
+    alone (``LOSSLESS_AT_STAGE_3``); the others are refused at construction (tests/test_default_paths.py)."""
+    return not (case["layout"] == "tp2_dp2" and case["stage"] == 3 and CODECS[case["codec"]] not in LOSSLESS_AT_STAGE_3)
+
+
+ALL_CASES = [case_name(layout, stage, codec) for layout in LAYOUTS for stage in STAGES for codec in CODECS
+             if allowed({"layout": layout, "stage": stage, "codec": codec})]
+"""The full matrix (``pytest --full-matrix``): every codec at every ZeRO stage on every layout the strategy accepts."""
+GUARDS = [("2x2", 0, "powersgd")]
+"""Cases that guard a fixed bug, in the suite whatever the covering picks: PowerSGD on 2 x 2 with the default
+``hierarchical`` crashed in the link probe (the probe's second bucket size met the first one's layout)."""
+CASES = [case_name(*row) for row in covering_pairs(FACTORS, allowed, required=GUARDS)]
+"""What the suite runs: every pair of a codec, a stage and a layout in some case (ddp_plugin.testing.pairwise)."""
 
 
 class Losses(L.Callback):
@@ -56,8 +88,7 @@ class Losses(L.Callback):
 
 
 def run(case: str, steps: int) -> dict:
-    layout, codec = case.split("/")
-    flags = {**LAYOUTS[layout], "compression": CODECS[codec]}
+    flags = case_flags(case)
     try:
         strategy = HierarchicalZeroStrategy(**flags)
     except ValueError as err:  # refused at construction, naming the flag: what a user would read
