@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +15,8 @@ import pytest
 
 from ddp_plugin.testing.processes import alive
 from tests.support import ROOT, needs_cluster, run_python
-from tests.zygote import _fork_plan, _plugin_folders, interpreter
+from ddp_plugin.testing.simcluster import SimulatedCluster
+from tests.zygote import SOCKET_ENV, _fork_plan, _plugin_folders, interpreter, start_in_namespaces
 
 REPORT = """
 import json, os, sys, lightning
@@ -69,20 +71,30 @@ def test_torchruns_worker_variables_are_applied_in_a_forked_child(tmp_path):
 
 
 @needs_cluster
-def test_a_run_inside_a_simulated_node_is_forked_from_a_zygote_in_that_node(cluster, tmp_path):
+def test_a_run_inside_a_simulated_node_is_forked_from_a_zygote_in_that_node(tmp_path):
     # (the cluster's launches were fresh interpreters: torchrun and every rank, 2 nodes x 3 Pythons a launch)
     script = tmp_path / "node.py"
     script.write_text(REPORT.replace('"executable": sys.executable}', '"executable": sys.executable, "net": '
                                      'os.stat("/proc/self/ns/net").st_ino}'))
-    for node in range(cluster.nodes):
-        proc = cluster.popen(node, [interpreter(), str(script)], env=cluster.launch_env(node),
-                             stdout=subprocess.PIPE, text=True)
-        out, _ = proc.communicate(timeout=120)
-        seen = json.loads(out.splitlines()[-1])
-        assert proc.returncode == 0 and seen["parent"] != os.getpid()  # forked by the zygote, not exec'd by the shim
-        assert seen["executable"] == interpreter()  # so torchrun's workers are forked there too
-        assert seen["net"] == os.stat(f"/run/netns/{cluster.node_namespace(node)}").st_ino != os.stat(
-            "/proc/self/ns/net").st_ino
+    with SimulatedCluster(nodes=2, rate=None, prefix="ddpzygote", python=interpreter()) as cluster:
+        # A socket left by the zygote of a cluster closed before, whose namespace had the same inode (the kernel
+        # reuses them): a new zygote could not bind there, and the shim's connection was refused (in the suite
+        # every launch of tests/test_cluster.py after tests/test_adaptive.py's cluster on one worker was fresh).
+        for node in range(cluster.nodes):
+            stale = socket.socket(socket.AF_UNIX)
+            stale.bind(f"{os.environ[SOCKET_ENV]}@net{os.stat(f'/run/netns/{cluster.node_namespace(node)}').st_ino}")
+            stale.close()
+        start_in_namespaces(lambda node, argv, **kwargs: cluster.popen(node, argv, env=cluster.launch_env(node),
+                                                                       **kwargs), cluster.nodes)
+        for node in range(cluster.nodes):
+            proc = cluster.popen(node, [interpreter(), str(script)], env=cluster.launch_env(node),
+                                 stdout=subprocess.PIPE, text=True)
+            out, _ = proc.communicate(timeout=120)
+            seen = json.loads(out.splitlines()[-1])
+            assert proc.returncode == 0 and seen["parent"] != os.getpid()  # forked by a zygote, not exec'd by the shim
+            assert seen["executable"] == interpreter()  # so torchrun's workers are forked there too
+            assert seen["net"] == os.stat(f"/run/netns/{cluster.node_namespace(node)}").st_ino != os.stat(
+                "/proc/self/ns/net").st_ino
 
 
 def plugin_folder(folder, module: str, entry_points: bool = True):

@@ -247,6 +247,10 @@ def serve(path: str, compared: tuple[str, ...] = ("net", "mnt", "pid", "user", "
     base_env = dict(os.environ)
     here = namespaces()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:  # (a zygote killed with its cluster leaves its socket: a later namespace may have the same inode)
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
     listener.bind(path)
     listener.listen(64)
     wake_r, wake_w = os.pipe()
