@@ -80,10 +80,13 @@ def test_a_run_inside_a_simulated_node_is_forked_from_a_zygote_in_that_node(tmp_
         # A socket left by the zygote of a cluster closed before, whose namespace had the same inode (the kernel
         # reuses them): a new zygote could not bind there, and the shim's connection was refused (in the suite
         # every launch of tests/test_cluster.py after tests/test_adaptive.py's cluster on one worker was fresh).
+        # (one may be there already: an earlier cluster's on this worker, in the suite)
         for node in range(cluster.nodes):
-            stale = socket.socket(socket.AF_UNIX)
-            stale.bind(f"{os.environ[SOCKET_ENV]}@net{os.stat(f'/run/netns/{cluster.node_namespace(node)}').st_ino}")
-            stale.close()
+            path = f"{os.environ[SOCKET_ENV]}@net{os.stat(f'/run/netns/{cluster.node_namespace(node)}').st_ino}"
+            if not os.path.exists(path):
+                stale = socket.socket(socket.AF_UNIX)
+                stale.bind(path)
+                stale.close()
         start_in_namespaces(lambda node, argv, **kwargs: cluster.popen(node, argv, env=cluster.launch_env(node),
                                                                        **kwargs), cluster.nodes)
         for node in range(cluster.nodes):
