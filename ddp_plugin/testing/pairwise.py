@@ -25,7 +25,7 @@ def covering_pairs(factors: Mapping[str, Sequence], allowed: Callable[[dict], bo
             if allowed is None or allowed(dict(zip(names, row)))]
 
     def pairs(row: tuple) -> set[tuple]:
-        return {(i, row[i], j, row[j]) for i, j in itertools.combinations(range(len(row)), 2)}
+        return pairs_covered((row,))
 
     uncovered = set().union(*map(pairs, rows)) if rows else set()
     chosen: list[tuple] = []

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddp_plugin import HierarchicalZeroStrategy
-from ddp_plugin.parallel.tensor_parallel import LOSSLESS_AT_STAGE_3
+from ddp_plugin.parallel.tensor_parallel import check_flags
 from ddp_plugin.testing.gpt import GPTModule, token_dataset
 from ddp_plugin.testing.processes import run_cases
 from ddp_plugin.testing.ranks import replicas_identical
@@ -63,9 +63,13 @@ def case_flags(case: str) -> dict:
 
 
 def allowed(case: dict) -> bool:
-    """What the strategy accepts: with tensor parallelism a stage 3 unit takes the codecs that cast each element
-    alone (``LOSSLESS_AT_STAGE_3``); the others are refused at construction (tests/test_default_paths.py)."""
-    return not (case["layout"] == "tp2_dp2" and case["stage"] == 3 and CODECS[case["codec"]] not in LOSSLESS_AT_STAGE_3)
+    """What the strategy accepts: the tensor-parallel flag check's own rule (a stage 3 unit takes only the codecs
+    that cast each element alone); the others are refused at construction (tests/test_default_paths.py)."""
+    try:
+        check_flags(LAYOUTS[case["layout"]].get("tensor_parallel_size", 1), case["stage"], CODECS[case["codec"]])
+    except ValueError:
+        return False
+    return True
 
 
 ALL_CASES = [case_name(layout, stage, codec) for layout in LAYOUTS for stage in STAGES for codec in CODECS
