@@ -275,10 +275,10 @@ def serve(path: str, compared: tuple[str, ...] = ("net", "mnt", "pid", "user", "
                 if pid == 0:
                     break
                 conn, env = children.pop(pid, (None, {}))
-                if conn is not None:
+                if conn is not None:  # counted before the answer: the shim exits on it, and its caller reads the log
+                    _count(env, "cpu", f"{usage.ru_utime + usage.ru_stime:.3f}")
                     _answer(conn, -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
                     conn.close()
-                    _count(env, "cpu", f"{usage.ru_utime + usage.ru_stime:.3f}")
             if listener in ready:
                 conn, _ = listener.accept()
                 try:
