@@ -10,15 +10,6 @@ benchmark: 677 MB peak RSS per rank at stage 3 with 53 MB of live tensors, again
 own that ``free`` unmaps at once (462 MB), for the price of fresh page faults when a buffer is allocated again.
 
 This is process-wide: it applies to every allocation of 1 MiB or more in the process, the user's included.
-
-A fit that probes its links (``hierarchical=None``, ``compression="auto"``, ``bucket_size_mb="auto"``) at stages
-0-1 gets the threshold fixed the other way, at glibc's ceiling of 32 MiB (:func:`keep_freed_buffers`): the probe
-frees buffers of up to 16 MiB before the first step, which moved the dynamic threshold there before training
-allocated anything, and the trials that follow switch buckets between routes of different buffer sizes; the
-heap then kept holes a fit with its route fixed never made (int8 with ``hierarchical=None`` on the 2x2
-benchmark: 644-660 MB peak RSS a rank against 596-612 with the route fixed; fixed at the ceiling, 607-619). The
-ceiling is where the dynamic threshold ends anyway once a buffer of 32 MiB has been freed: fixed there, the heap
-no longer depends on the order of what was freed first.
 """
 
 from __future__ import annotations
@@ -32,22 +23,10 @@ log = logging.getLogger(__name__)
 
 M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
 THRESHOLD_BYTES = 1 << 20
-CEILING_BYTES = 32 << 20
-"""glibc's largest mmap threshold on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX``), where its dynamic one ends."""
 
 
 def release_freed_buffers(threshold_bytes: int = THRESHOLD_BYTES) -> bool:
     """Fix glibc's mmap threshold at ``threshold_bytes``; False (and nothing done) off Linux/glibc."""
-    return _fix_mmap_threshold(threshold_bytes)
-
-
-def keep_freed_buffers() -> bool:
-    """Fix glibc's mmap threshold at its ceiling (:data:`CEILING_BYTES`): buffers below 32 MiB come from the heap
-    and return to it, whatever was freed before; False (and nothing done) off Linux/glibc."""
-    return _fix_mmap_threshold(CEILING_BYTES)
-
-
-def _fix_mmap_threshold(threshold_bytes: int) -> bool:
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:

@@ -98,11 +98,6 @@ class LinkChoices:
         return HIERARCHICAL in routes, bucket_size_mb
 
 
-def probes(config: StrategyConfig, topology: Topology) -> bool:
-    """Whether a fit with ``config``'s flags on ``topology`` probes its links at setup."""
-    return topology.world_size > 1 and (config.adaptive or len(plan_routes(config.hierarchical, topology)) > 1)
-
-
 def plan_routes(hierarchical: bool | None, topology: Topology) -> tuple[str, ...]:
     """The routes a plan chooses between: the flag's when set, both where the layout allows a choice (several
     nodes of several ranks) and ``hierarchical`` is ``None``, else the flat one."""

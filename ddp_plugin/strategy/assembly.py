@@ -19,7 +19,7 @@ from ddp_plugin import fault_tolerance
 from ddp_plugin.checkpoints import pretrained
 
 from ddp_plugin.gradients import cpu_memory
-from ddp_plugin.gradients.link_choices import probes
+
 from ddp_plugin.parallel import activation_checkpointing
 from ddp_plugin.parallel.materialize import Deferred, has_meta_tensors
 from ddp_plugin.parallel.materialize import materialize as allocate
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
     from torch.nn import Module
 
-    from ddp_plugin.hookspecs import Topology
     from ddp_plugin.strategy.config import StrategyConfig
     from ddp_plugin.parallel.pipeline import PipelineRunner
     from ddp_plugin.strategy.process_groups import ProcessGroups
@@ -84,18 +83,6 @@ def materialize(model: Module, module: Any, groups: ProcessGroups, config: Strat
     return materialized, deferred
 
 
-def heap_setting(config: StrategyConfig, topology: Topology, device: torch.device) -> str | None:
-    """glibc's mmap threshold for the fit (:mod:`ddp_plugin.gradients.cpu_memory`): ``"release"`` (1 MiB) with
-    ``release_cpu_memory=True`` or, unset, at stages 2-3; ``"keep"`` (its 32 MiB ceiling), unset, where stages 0-1
-    probe the links; ``None`` (glibc's own, dynamic) otherwise and off CPU."""
-    release = config.release_cpu_memory
-    if device.type != "cpu" or release is False:
-        return None
-    if release or config.zero_stage >= 2:
-        return "release"
-    return "keep" if probes(config, topology) else None
-
-
 def start_session(config: StrategyConfig, model: Module, groups: ProcessGroups, device: torch.device,
                   hierarchical: bool, measure_memory: Callable[[], dict[str, int]], runner: PipelineRunner | None,
                   ties: Iterable[Tie] = (), deferred: Deferred | None = None,
@@ -104,11 +91,10 @@ def start_session(config: StrategyConfig, model: Module, groups: ProcessGroups, 
     """The fit's session over the set-up model: its plugins (reducer, codec, sharder, sync mode), the gradient
     engine, and the pipeline runner's sends counted in its traffic (the tied sums through its codec, if any). With
     ``fault_tolerance``, this rank's place among the replica groups, healing ``module`` and ``optimizers()``."""
-    setting = heap_setting(config, groups.topology, device)
-    if setting == "release" and cpu_memory.release_freed_buffers():
+    release = config.release_cpu_memory
+    wanted = config.zero_stage >= 2 if release is None else release
+    if wanted and device.type == "cpu" and cpu_memory.release_freed_buffers():
         log.info("ddp_plugin: glibc's mmap threshold fixed at 1 MiB (release_cpu_memory)")
-    elif setting == "keep" and cpu_memory.keep_freed_buffers():  # (before the link probe frees anything)
-        log.info("ddp_plugin: glibc's mmap threshold fixed at 32 MiB (a fit that probes its links)")
     ties = list(ties)
     plugins, builtins = [deferred] if deferred is not None else [], {}
     if config.fault_tolerance is not None:

@@ -23,7 +23,7 @@ from ddp_plugin.gradients.engine import GradientEngine
 from ddp_plugin.hookspecs import local_tensor
 from ddp_plugin.gradients.plugin_manager import build_plugin_manager, cross_node_codec, transport
 from ddp_plugin.gradients.topology import Layout
-from ddp_plugin.gradients.link_choices import LinkChoices, options_for, plan_routes, probes
+from ddp_plugin.gradients.link_choices import LinkChoices, options_for, plan_routes
 from ddp_plugin.gradients.planning import CommPlan
 from ddp_plugin.plugins.adaptive import AdaptivePlanner, own_hooks
 
@@ -75,7 +75,7 @@ class FitSession:
             config.timeout.total_seconds() if config.timeout is not None else None))
         bucket_size_mb = config.bucket_size_mb
         routes = plan_routes(config.hierarchical, topology)
-        if probes(config, topology):
+        if topology.world_size > 1 and (config.adaptive or len(routes) > 1):
             hierarchical, bucket_size_mb = self.choices.make_plan(routes)
         self.planner: AdaptivePlanner | None = self.choices.planner
         self.hierarchical = self.choices.hierarchical = hierarchical
