@@ -21,11 +21,11 @@ VARIANTS = [f"{stage}:{tie}" for tie in ("replicated", "vocab") for stage in STA
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     ref = tmp_path_factory.mktemp("ddp")
-    run_python(WORKERS / "tp_run.py", "--out", ref, "--devices", "2", "--reference")
+    run_python(WORKERS / "tp_run.py", "--out", ref, "--devices", "2", "--reference", "--norms")
     out = tmp_path_factory.mktemp("tp")
     tp2 = ["--devices", "4", "--devices-per-node", "2", "--tp", "2"]
     run_python(WORKERS / "tp_run.py", "--out", out, *tp2, "--variants", ",".join(VARIANTS), "--save-at", "10",
-               timeout=600)
+               "--norms", timeout=600)
     # Resumed on another layout and stage and back: TP 2 x DP 2 at stage 3 -> plain data parallelism on 2 ranks at
     # stage 0 (saving again at step 15) -> TP 2 x DP 2 at stage 2.
     run_python(WORKERS / "tp_run.py", "--out", out, "--devices", "2", "--tp", "1", "--variants", "0:vocab",

@@ -40,14 +40,18 @@ CLIP = 0.3  # the gradient norm stays between 0.3 and 1.3 over the 20 steps: cli
 class ReplicaCheck(L.Callback):
     """After every optimizer step: the largest difference of each rank's local parameters from data-parallel
     rank 0's (the replicas of a shard) and, for parameters not split by tensor parallelism, from global rank 0's
-    (every rank holds them). Also the reference's gradient norms before clipping, to show that clipping binds."""
+    (every rank holds them). With ``norms``, also the gradient norms before clipping at every step (the
+    reference's show that clipping binds; ours that ``grad_norm()`` and ``full_gradients()`` give them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, norms: bool = False) -> None:
+        self.norms = norms
         self.max_replica_diff = 0.0
         self.grad_norms: list[float] = []
         self.full_grad_norms: list[float] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not self.norms:
+            return
         # The global gradient norm before clipping (Lightning clips after this hook): the reference's from its
         # whole gradients; ours from `strategy.grad_norm()` and from the whole gradients `full_gradients()` shows.
         strategy = trainer.strategy
@@ -67,12 +71,16 @@ class ReplicaCheck(L.Callback):
         strategy = trainer.strategy
         dp_group = strategy.device_mesh.get_group("data_parallel")
         with strategy.full_parameters():
-            for p in pl_module.parameters():
-                mine = local_tensor(p).detach().clone()
-                split = local_tensor(p) is not p
-                group = dp_group if split else None
-                every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(every, mine, group=group)
+            # One all-gather per group, of every parameter it replicates (the split ones' shards over the
+            # data-parallel ranks, the others over the world), flattened: the same values as one per parameter.
+            for split, group in ((True, dp_group), (False, None)):
+                mine = [local_tensor(p).detach().reshape(-1) for p in pl_module.parameters()
+                        if (local_tensor(p) is not p) == split]
+                if not mine:
+                    continue
+                flat = torch.cat(mine)
+                every = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(every, flat, group=group)
                 diff = max(float((t - every[0]).abs().max()) for t in every)
                 self.max_replica_diff = max(self.max_replica_diff, diff)
 
@@ -97,7 +105,7 @@ class NanAt(L.Callback):
 
 def run(out: str, devices: int, devices_per_node: int | None, tp: int, stage: int, tie: str, retie: bool,
         reference: bool, tag: str, save_at: int = 0, resume: str | None = None, flags: dict | None = None,
-        uneven: bool = False, nan_at: int = -1) -> None:
+        uneven: bool = False, nan_at: int = -1, norms: bool = False) -> None:
     L.seed_everything(1234, verbose=False)
     model = GPTModule(tie=tie, retie=retie)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -108,7 +116,7 @@ def run(out: str, devices: int, devices_per_node: int | None, tp: int, stage: in
                                             zero_stage=stage, bucket_size_mb=1 / 256,
                                             auto_wrap_policy=["Block"] if stage == 3 else None,
                                             **{"hierarchical": True, **(flags or {})})
-    check = ReplicaCheck()
+    check = ReplicaCheck(norms)
     callbacks: list[L.Callback] = [check]
     if nan_at >= 0:
         callbacks.append(NanAt(nan_at))
@@ -164,12 +172,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tag", default="", help="appended to the output files' names")
     parser.add_argument("--flags", default="{}", help="more strategy flags, as JSON")
     parser.add_argument("--nan-at", type=int, default=-1, help="a NaN gradient on global rank 1 at this step")
+    parser.add_argument("--norms", action="store_true", help="record the gradient norms before clipping every step")
     parser.add_argument("--uneven", action="store_true",
                         help="2 data-parallel ranks reading 3 and 5 of each step's 8 samples")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.reference:
-        run(args.out, args.devices, None, 1, 0, "replicated", True, True, "reference")
+        run(args.out, args.devices, None, 1, 0, "replicated", True, True, "reference", norms=args.norms)
         return
     for variant in args.variants.split(","):
         stage, tie, *rest = variant.split(":") + ([] if ":" in variant else ["replicated"])
@@ -178,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         if codecs:
             flags["compression"] = codecs[0]
         run(args.out, args.devices, args.devices_per_node, args.tp, int(stage), tie, "noretie" not in rest, False,
-            variant.replace(":", "-") + args.tag, args.save_at, args.resume, flags, args.uneven, args.nan_at)
+            variant.replace(":", "-") + args.tag, args.save_at, args.resume, flags, args.uneven, args.nan_at,
+            args.norms)
 
 
 if __name__ == "__main__":
