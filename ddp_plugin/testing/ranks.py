@@ -13,7 +13,8 @@ parameters", checked the same way everywhere.
 - :func:`identical_on_all_ranks`, :func:`all_ranks_equal`: whether those are the same bits on every rank.
 - :func:`local_parameters`, :func:`replicas_identical`: the same for a mesh's data-parallel replicas, which hold
   the same pipeline stage and tensor-parallel shard (a rank's local shards, whole at ZeRO stage 3).
-- :func:`max_rank_difference`: the largest elementwise difference of a tensor between any rank and rank 0.
+- :func:`max_rank_difference`: the largest elementwise difference of a tensor between any rank and rank 0;
+  :func:`max_group_difference`: of several tensors over a process group's ranks, in one all-gather.
 
 The strategy functions take a Lightning strategy (``trainer.strategy``) and are collectives: call them on every
 rank. Nothing here imports pytest.
@@ -43,6 +44,7 @@ __all__ = [
     "gather_parameters",
     "identical_on_all_ranks",
     "local_parameters",
+    "max_group_difference",
     "max_rank_difference",
     "replicas_identical",
 ]
@@ -143,6 +145,16 @@ def replicas_identical(strategy: Any, module: nn.Module, mine: Tensor | None = N
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     return all_ranks_equal(torch.stack(every))
+
+
+def max_group_difference(tensors: Iterable[Tensor], group: dist.ProcessGroup | None = None) -> float:
+    """The largest ``|t on rank r - t on the group's first rank|`` over ``tensors`` (flattened together: one
+    all-gather, whatever their number) and the ranks of ``group`` (``None``: the world); 0.0 without tensors. Every
+    rank of the group calls it with tensors of the same sizes."""
+    mine = torch.cat([t.detach().reshape(-1) for t in tensors] or [torch.zeros(0)])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return max((float((t - every[0]).abs().max()) for t in every), default=0.0) if mine.numel() else 0.0
 
 
 def max_rank_difference(strategy: Any, tensor: Tensor) -> float:

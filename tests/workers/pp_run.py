@@ -29,6 +29,7 @@ from ddp_plugin.testing.callbacks import SaveAt
 from ddp_plugin.testing.data import rank_loader
 from ddp_plugin.testing.gpt import GPTModule, token_dataset
 from ddp_plugin.testing.processes import run_each
+from ddp_plugin.testing.ranks import max_group_difference
 
 GLOBAL_BATCH = 8
 STEPS = 20
@@ -60,21 +61,16 @@ class Checks(L.Callback):
             return
         groups = strategy.fit.groups
         dp_group = groups.topology.world_group
-        def spread(tensors: list[torch.Tensor], group) -> float:
-            # the largest difference of this group's ranks' copies from its first rank's (one all-gather)
-            mine = torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
-            every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(every, mine, group=group)
-            return max((float((t - every[0]).abs().max()) for t in every), default=0.0) if mine.numel() else 0.0
-
         with strategy.full_parameters():
             params = list(pl_module.parameters())
             split = [local_tensor(p) for p in params if local_tensor(p) is not p]
             plain = [p for p in params if local_tensor(p) is p]
-            self.max_replica_diff = max(self.max_replica_diff, spread(split, dp_group), spread(plain, groups.bookkeeping))
+            self.max_replica_diff = max(self.max_replica_diff, max_group_difference(split, dp_group),
+                                        max_group_difference(plain, groups.bookkeeping))
             for tie in strategy.fit.pipeline.ties if strategy.fit.pipeline is not None else ():
                 if tie.param is not None:
-                    self.max_tie_diff = max(self.max_tie_diff, spread([local_tensor(tie.param)], tie.group))
+                    self.max_tie_diff = max(self.max_tie_diff,
+                                            max_group_difference([local_tensor(tie.param)], tie.group))
 
 
 class GPTWithValidation(GPTModule):

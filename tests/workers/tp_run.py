@@ -19,7 +19,6 @@ import os
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 from torch.distributed.tensor import DTensor
 
@@ -30,6 +29,7 @@ from ddp_plugin.testing.callbacks import SaveAt
 from ddp_plugin.testing.data import rank_loader
 from ddp_plugin.testing.gpt import GPTModule, token_dataset
 from ddp_plugin.testing.processes import run_each
+from ddp_plugin.testing.ranks import max_group_difference
 
 GLOBAL_BATCH = 8
 STEPS = 20
@@ -71,18 +71,13 @@ class ReplicaCheck(L.Callback):
         strategy = trainer.strategy
         dp_group = strategy.device_mesh.get_group("data_parallel")
         with strategy.full_parameters():
-            # One all-gather per group, of every parameter it replicates (the split ones' shards over the
-            # data-parallel ranks, the others over the world), flattened: the same values as one per parameter.
-            for split, group in ((True, dp_group), (False, None)):
-                mine = [local_tensor(p).detach().reshape(-1) for p in pl_module.parameters()
-                        if (local_tensor(p) is not p) == split]
-                if not mine:
-                    continue
-                flat = torch.cat(mine)
-                every = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(every, flat, group=group)
-                diff = max(float((t - every[0]).abs().max()) for t in every)
-                self.max_replica_diff = max(self.max_replica_diff, diff)
+            # One all-gather per group, of every parameter it replicates: the split ones' shards over the
+            # data-parallel ranks, the others over the world.
+            params = list(pl_module.parameters())
+            split = [local_tensor(p) for p in params if local_tensor(p) is not p]
+            plain = [p for p in params if local_tensor(p) is p]
+            self.max_replica_diff = max(self.max_replica_diff, max_group_difference(split, dp_group),
+                                        max_group_difference(plain))
 
 
 class NanAt(L.Callback):
