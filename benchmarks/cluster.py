@@ -214,9 +214,12 @@ def summarize(name: str, runs: list[dict[str, Any]], nodes: int) -> dict[str, An
     row["optimizer"] = first.get("optimizer", "sgd")
     # The link probe's plan, rank 0's at the end of each run (every rank holds rank 0's): whether runs of one job
     # routed and coded each bucket alike.
-    plans = [r["ranks"][0]["comm_plan"] for r in ok if r["ranks"][0].get("comm_plan")]
+    # Each run's peak RSS beside its plan: a close call's trial times the runner-up for a few steps, and its memory.
+    plans = [(r["ranks"][0]["comm_plan"], max(rank["maxrss_mb"] for rank in r["ranks"])) for r in ok
+             if r["ranks"][0].get("comm_plan")]
     if plans:
-        row["plans"] = [{"version": p["version"], "decisions": p["decisions"]} for p in plans]
+        row["plans"] = [{"version": p["version"], "decisions": p["decisions"], "reasons": p.get("reasons", []),
+                         "peak_rss_mb": rss} for p, rss in plans]
     # Memory per rank: per run the largest rank, then the mean over runs. Worker key -> row key; "_backward" is the
     # probe step's count after backward, the others are after the last timed optimizer step.
     for key, field in (("live_tensor_bytes", "live_tensor"), ("optimizer_state_bytes", "optimizer_state"),
@@ -288,14 +291,19 @@ def _plans_section(rows: list[dict[str, Any]]) -> list[str]:
     """Each run's plan at its end, per contender that planned: per bucket the route and the codec, and whether the
     run planned as the contender's first run did."""
     lines = ["Each run's plan at its end (rank 0's, which every rank holds): per bucket, the route and the codec; the"
-             " version counts the plans the run made.", "",
-             "| contender | run | version | buckets (route / codec) | as run 1 |", "|---|---:|---:|---|---|"]
+             " version counts the plans the run made; the close calls it settled by timing both options (trials), and"
+             " the run's peak RSS (max over ranks).", "",
+             "| contender | run | version | buckets (route / codec) | as run 1 | close calls tried | peak RSS MB |",
+             "|---|---:|---:|---|---|---|---:|"]
     for r in rows:
         plans = r.get("plans") or []
         for i, plan in enumerate(plans, 1):
             cells = ", ".join(f"{k} {route} / {codec}" for k, (route, codec) in sorted(plan["decisions"].items()))
             same = plan["decisions"] == plans[0]["decisions"]
-            lines.append(f"| {r['label']} | {i} | {plan['version']} | {cells} | {'yes' if same else '**no**'} |")
+            tried = _cell("; ".join(plan.get("reasons") or []) or "none", 400)
+            rss = plan.get("peak_rss_mb")
+            lines.append(f"| {r['label']} | {i} | {plan['version']} | {cells} | {'yes' if same else '**no**'} | {tried}"
+                         f" | {_fmt(rss, '.0f')} |")
     return lines
 
 
