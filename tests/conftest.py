@@ -196,9 +196,9 @@ def pytest_sessionfinish(session) -> None:
         out.write("\n".join(lines) + "\n")
 
 
-SLOWEST_FIRST = ("test_fault_tolerance.py", "test_compression_training.py", "test_cluster.py", "test_default_paths.py",
-                 "test_tensor_parallel.py", "test_pipeline_mesh.py", "test_adaptive.py", "test_reliability.py",
-                 "test_checkpoint.py", "test_launch.py", "test_meta_init.py", "test_memory_budget.py")
+SLOWEST_FIRST = ("test_fault_tolerance.py", "test_tensor_parallel.py", "test_pipeline_mesh.py", "test_meta_init.py",
+                 "test_compression_training.py", "test_adaptive.py", "test_checkpoint.py", "test_default_paths.py",
+                 "test_reliability.py", "test_zero.py", "test_memory_budget.py", "test_mesh_faults.py")
 """The files that took longest in `.ci/run` (its seconds-per-file table, docs/testing.md), slowest first: collected
 first, so that under `--dist loadfile` the two workers start with them and end together (a long file started
 last would run alone at the end). Every other file keeps its place after them."""
