@@ -116,7 +116,7 @@ def test_a_runner_up_that_holds_more_is_not_tried(mb_per_s):
 def test_the_lighter_route_of_one_codec_is_taken_untried_when_the_heavier_leads_by_less_than_the_trial_margin(
         in_node_mb_per_s, chosen):
     # Slow in-node stages put flat + int8 ahead: by 32 % (in-node 500 MB/s): hierarchical + int8, untried (the
-    # probe predicted flat + int8 ahead in 5 runs at 1 Gbit/s; training measured it 37-58 % slower in each); by 80 %
+    # probe put flat + int8 ahead at 1 Gbit/s, training measured it 29 and 58 % slower in two trials); by 80 %
     # (300 MB/s): flat + int8, a clear call.
     model = dataclasses.replace(model_of(125.0), reduce_scatter=link(0.5, in_node_mb_per_s),
                                 all_gather=link(0.5, in_node_mb_per_s))

@@ -83,9 +83,9 @@ def holds_more(option: tuple[str, str], than: tuple[str, str]) -> bool:
     untried (:meth:`CommPlan.plan_buckets`), and a close call is never settled by trying the heavier
     (:meth:`CommPlan.contested`): a trial raises the fit's peak for good (the allocator keeps what it frees), and
     the probe, which codes without backward beside it, predicts the heavier one too fast. Measured with int8 at 1
-    Gbit/s on 2 x 2 (the cluster benchmark): where the probe put flat + int8 ahead, the trials measured hierarchical
-    + int8 37-58 % faster in training (in 5 of 5 such runs, one 265 %), and those runs peaked at 654-707 MB a rank
-    against 605-632 MB for the runs without a trial."""
+    Gbit/s on 2 x 2 (the cluster benchmark): every trial of the two settled for hierarchical + int8 (9 runs; in the
+    2 whose trial times were recorded flat + int8 stepped 29 and 58 % slower), and those runs peaked at 654-707 MB
+    a rank against 605-632 MB for the runs without a trial."""
     return option[1] == than[1] != NO_CODEC and option[0] == FLAT and than[0] == HIERARCHICAL
 
 
@@ -321,10 +321,10 @@ class CommPlan:
             if (route, codec) in alike:
                 route, codec = min(alike, key=lambda option: preferred(option, self.codecs))
                 seconds = self.model.route_seconds(route, codec, nbytes)
-            lighter = [(r, c) for t, r, c in ranked if holds_more((route, codec), (r, c)) and t <= seconds * (1 + TRIAL_MARGIN)]
+            lighter = [(t, r, c) for t, r, c in ranked
+                       if holds_more((route, codec), (r, c)) and t <= seconds * (1 + TRIAL_MARGIN)]
             if lighter:
-                route, codec = lighter[0]
-                seconds = self.model.route_seconds(route, codec, nbytes)
+                seconds, route, codec = lighter[0]
             self.buckets[key] = BucketPlan(key, nbytes, route, codec, seconds * 1e3)
 
     def contested(self, margin: float = TRIAL_MARGIN) -> dict[str, list[tuple[str, str]]]:
