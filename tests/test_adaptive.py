@@ -446,10 +446,11 @@ def test_close_calls_are_settled_by_the_data_parallel_ranks_that_hold_the_bucket
 # ---------------------------------------------------------------------- the link probe
 
 
-def probe_with(rank, world, names):
+def probe_with(rank, world, names, max_bytes=None):
     """The link probe of 2 nodes x 2 over both routes, timing the codecs ``names`` alone (as ``compression=``
     one of them sets it up: no plain mean among the candidates), each a fresh instance; returns every call each
-    codec got, as (bucket kind, key, values), and whether the probe fitted a model."""
+    codec got, as (bucket kind, key, values), and whether the probe fitted a model. ``max_bytes``: the probe's
+    (a list: each rank's own)."""
     from ddp_plugin.gradients.link_probe import probe, probe_codecs
     from ddp_plugin.gradients.topology import Layout, build_topology
 
@@ -468,7 +469,7 @@ def probe_with(rank, world, names):
 
     codecs = probe_codecs(names, names[0] if len(names) == 1 else "auto", {}, comm, {})
     model, _ = probe(topology, comm, {n: recorded(n, r) for n, r in codecs.items()}, (FLAT, HIERARCHICAL),
-                     torch.device("cpu"), reps=2)
+                     torch.device("cpu"), reps=2, max_bytes=None if max_bytes is None else max_bytes[rank])
     return calls, sorted(model.cross), live, {n: len(c.codec.states) for n, c in codecs.items()}
 
 
@@ -488,6 +489,25 @@ def test_the_probe_times_every_size_on_a_codec_state_of_its_own_after_a_warm_up(
             assert all(len(s) == 1 for s in sizes.values()), (name, sizes)  # one size per key: its own state
             assert min(counts.values()) >= 2, (name, counts)  # an untimed first call, then the timed ones
             assert len(counts) >= 6  # three sizes per route, at least
+
+
+def test_the_probe_times_no_size_beyond_the_largest_ranks_gradients(ranks):
+    """A model of 0.1 MB was probed at 16 KiB, 4 and 16 MiB, coding 16 MiB with every candidate (0.55-1.35 s of a
+    2 x 2 fit's setup on 2 cores); no bucket of it holds more than its gradients. Each rank's cap is its own (a
+    pipeline stage holds fewer parameters than another), the probe's sizes every rank's: the largest rank's cap.
+    (A cap that is not a whole number of the probe's size unit left the pilot growing forever: the rounded size
+    never reached the cap.)"""
+    from ddp_plugin.gradients.planning import MIN_PROBE_BYTES
+
+    caps = [70_001, 106_753, 90_000, 20_000]  # bytes, rank by rank; not multiples of the size unit
+    for calls, fitted, _, _ in ranks.run(probe_with, ("int8",), caps):
+        assert fitted == [("inter", "int8"), ("world", "int8")]
+        sizes = sorted({numel * 4 for _, _, numel in calls["int8"]})
+        assert max(sizes) <= max(caps), sizes
+        assert max(sizes) > max(caps) * 0.9, sizes  # (grown to it: the latency's 16 KiB is not the bandwidth's)
+        assert len(sizes) >= 2 and min(sizes) < max(sizes), sizes
+    for calls, _, _, _ in ranks.run(probe_with, ("int8",), [1_000] * WORLD):  # a tiny model: at least 64 KiB
+        assert max(numel * 4 for _, _, numel in calls["int8"]) == MIN_PROBE_BYTES
 
 
 def test_the_probe_holds_one_sizes_codec_state_at_a_time(ranks):

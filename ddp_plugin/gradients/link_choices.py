@@ -46,7 +46,12 @@ class LinkChoices:
                               setup, self.codec_options)
         with health.diagnosed("the link probe"):
             # Global rank 0's figures for every rank: one decides, all agree.
-            return agree(probe(self.topology, self.comm, codecs, routes, self.device), self.topology)
+            return agree(probe(self.topology, self.comm, codecs, routes, self.device,
+                               max_bytes=self.gradient_bytes()), self.topology)
+
+    def gradient_bytes(self) -> int:
+        """This rank's bytes of trainable parameters (local shards of split ones): the most a bucket can hold."""
+        return sum(local_tensor(p).numel() * p.element_size() for p in self.module.parameters() if p.requires_grad)
 
     def installed_candidates(self) -> list[str]:
         """``compression="auto"``'s candidates that are installed codecs (not built in)."""
@@ -71,7 +76,7 @@ class LinkChoices:
         names = self.candidates
         probed = routes  # (a re-plan probes these again: a sync mode's or a sharder's stages are among them)
         model, seconds = self.probe(routes)
-        total = sum(local_tensor(p).numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        total = self.gradient_bytes()
         if config.bucket_size_mb == "auto":
             from ddp_plugin.gradients.engine import FIRST_BUCKET_BYTES, pack
 

@@ -22,6 +22,7 @@ from ddp_plugin.gradients.planning import (
     HIERARCHICAL,
     LARGE_SECONDS,
     MAX_PROBE_BYTES,
+    MIN_PROBE_BYTES,
     NO_CODEC,
     PILOT_BYTES,
     TINY_BYTES,
@@ -54,10 +55,15 @@ def _probe_bucket(tensor: torch.Tensor, index: int) -> Bucket:
 
 
 def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, CodecReduce | None],
-          routes: Sequence[str], device: torch.device, reps: int = 3) -> tuple[CostModel, float]:
+          routes: Sequence[str], device: torch.device, reps: int = 3, max_bytes: int | None = None
+          ) -> tuple[CostModel, float]:
     """Time the stages of ``routes`` with every candidate codec (name -> reduce, ``None``: the plain mean) and fit
     a :class:`CostModel`; returns it with the probe's wall time. Collective over every rank of the data-parallel
     world; runs on the topology's side groups (the training thread's).
+
+    ``max_bytes``: the most any stage will be handed in training (the model's gradient bytes: no bucket holds
+    more), the largest of the ranks' taken; the probe times no larger size than that (nor than
+    :data:`MAX_PROBE_BYTES`, nor less than :data:`MIN_PROBE_BYTES`).
 
     A codec is timed in its steady state: every size on a bucket key of its own (``kind="probe"``, so its state
     never meets another size's or a gradient bucket's), after one untimed call that makes that state."""
@@ -68,6 +74,13 @@ def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, Codec
     unit = k * m * 64
     gen = torch.Generator().manual_seed(1234)
     flag = torch.zeros(1, device=device)
+    largest = MAX_PROBE_BYTES
+    if max_bytes is not None:
+        # Every rank must time the same sizes (each is a collective): the largest rank's gradients decide (a
+        # pipeline stage or a tensor-parallel shard holds less than another).
+        most = torch.tensor([float(max_bytes)], dtype=torch.float64, device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=world)
+        largest = int(min(MAX_PROBE_BYTES, max(most.item(), MIN_PROBE_BYTES)))
 
     def barrier() -> None:
         dist.all_reduce(flag, group=world)
@@ -157,16 +170,16 @@ def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, Codec
     pilot_stage = "world" if FLAT in routes else "inter"
     pilot_name = NO_CODEC if NO_CODEC in candidates else next(iter(candidates))
     pilot_run, pilot_codec = cross_stage(pilot_stage, pilot_name), candidates[pilot_name] is not None
-    numel = _numel_for(PILOT_BYTES, unit)
+    numel = _numel_for(min(PILOT_BYTES, largest), unit)
     if not pilot_codec:  # (a codec warms up at every size, in `steady`)
         pilot_run(numel, next(keys))  # warm-up: first-call allocations, lazy connections
     while True:
         took = torch.tensor([steady(pilot_run, numel, 1, pilot_codec)], dtype=torch.float64, device=device)
         dist.all_reduce(took, op=dist.ReduceOp.MAX, group=world)
-        if took.item() >= LARGE_SECONDS / 2 or numel * 4 >= MAX_PROBE_BYTES:
+        grown = _numel_for(int(min(numel * 4 * min(LARGE_SECONDS / max(took.item(), 1e-6), 8.0), largest)), unit)
+        if took.item() >= LARGE_SECONDS / 2 or grown <= numel:  # (long enough, or as large as it may be)
             break
-        numel = _numel_for(int(min(numel * 4 * min(LARGE_SECONDS / max(took.item(), 1e-6), 8.0), MAX_PROBE_BYTES)),
-                           unit)
+        numel = grown
     # Three sizes: a tiny one for the latency (what every bucket pays, the call's own overhead included), and a
     # quarter of the pilot's and the pilot's for the bandwidth.
     sizes = (_numel_for(TINY_BYTES, unit), max(unit, numel // 4 // unit * unit), numel)

@@ -44,6 +44,12 @@ Mbit/s link as on a 10 Gbit/s one (under 2 s for two routes and two codecs), and
 not the latency or a link's burst allowance, dominates (at 20 Mbit/s, sizes of 32 and 256 KiB, within a
 128 KiB token bucket's burst, had measured the link 4x faster than training then saw it)."""
 MAX_PROBE_BYTES = 16 * 2**20
+MIN_PROBE_BYTES = 64 * 2**10
+"""The probe's largest size is the model's gradient bytes where they are fewer than :data:`MAX_PROBE_BYTES`
+(no bucket holds more, so no prediction reaches beyond them), but never below this: four times the latency size,
+so that the bandwidth has a line to be fitted through. A 0.1 MB model's probe then times 16, 16 and 64 KiB
+instead of 16 KiB, 4 and 16 MiB (on 4 CPU ranks of 2 cores, 0.55-1.35 s of a fit's setup, and coding 16 MiB with
+every candidate codec)."""
 TINY_BYTES = 16 * 2**10
 """The probe's latency size: a message this small costs what any collective costs, whatever its size."""
 BUCKET_CAPS_MIB = (1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
