@@ -126,12 +126,15 @@ def _launches() -> dict[str, list[float]]:
 
 
 def _cpu_seconds() -> float:
-    """This process's CPU seconds, user and system, and those of its children it has waited for (the fresh
-    interpreters a test started; the zygote's forked children are counted by the zygote)."""
+    """This process's CPU seconds, user and system, those of its children it has waited for (the fresh
+    interpreters a test started; the zygote's forked children are counted by the zygote), and those of the ranks of
+    the rank pools it closed (the fork server's children, each rank's own as it reported them)."""
     import resource
 
+    from ddp_plugin.testing.ranks import pool_cpu_seconds
+
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + pool_cpu_seconds()
 
 
 def pytest_runtest_logstart(nodeid, location) -> None:
