@@ -27,7 +27,9 @@ def resumed(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("from-v1")
     for name in ("0-vocab-sharded-step10.ckpt", "3-vocab-sharded-step10.ckpt"):
         shutil.copytree(V1 / name, out / name)  # (read only, but a copy keeps the repository's untouched)
-    tp2 = ["--out", out, "--devices", "4", "--devices-per-node", "2", "--tp", "2"]
+    # (the schedule the checkpoints were written with: 20 steps in epochs of 5, not tp_run's default)
+    schedule = ["--steps", "20", "--epoch", "5"]
+    tp2 = ["--out", out, "--devices", "4", "--devices-per-node", "2", "--tp", "2", *schedule]
     run_python(WORKERS / "tp_run.py", *runs_argument([
         # the same layout and stage, and the stage-3 checkpoint into stage 2
         # (saving at step 15 in today's layout)
@@ -38,7 +40,7 @@ def resumed(tmp_path_factory) -> dict:
     ]), timeout=600)
     # and into the unsplit model on plain data parallelism (every block read and put together)
     run_python(WORKERS / "tp_run.py", "--out", out, "--devices", "2", "--tp", "1", "--variants", "0:vocab",
-               "--resume", out / "3-vocab-sharded-step10.ckpt", "--tag=-tp1-v1")
+               "--resume", out / "3-vocab-sharded-step10.ckpt", "--tag=-tp1-v1", *schedule)
     found = {tag: torch.load(out / f"{tag}.pt") for tag in ("0-vocab-v1", "2-vocab-v1", "0-vocab-tp1-v1")}
     return {**found, "v2": out / "0-vocab-v1-step15.ckpt"}
 

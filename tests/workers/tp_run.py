@@ -4,7 +4,7 @@ shares) ever were apart, and what the run looked like.
 
     python tests/workers/tp_run.py --out DIR --devices 2 --reference          # Lightning ddp, 2 ranks
     python tests/workers/tp_run.py --out DIR --devices 4 --devices-per-node 2 --tp 2 --variants 0,1,2,3
-    python tests/workers/tp_run.py ... --variants 0:vocab --save-at 10     # also writes DIR/0-vocab-step10.ckpt
+    python tests/workers/tp_run.py ... --variants 0:vocab --save-at 6      # also writes DIR/0-vocab-step6.ckpt
     python tests/workers/tp_run.py ... --tp 1 --variants 0:vocab --resume CKPT --tag resumed
 
 Every run sees the same global batch per step: data-parallel rank r of N gets samples r, r + N, ... in order
@@ -32,9 +32,9 @@ from ddp_plugin.testing.processes import run_each
 from ddp_plugin.testing.ranks import max_group_difference
 
 GLOBAL_BATCH = 8
-STEPS = 20
-EPOCH = 5  # steps per epoch: checkpoints are saved at an epoch's end
-CLIP = 0.3  # the gradient norm stays between 0.3 and 1.3 over the 20 steps: clipping binds on every one
+STEPS = 12
+EPOCH = 3  # steps per epoch: checkpoints are saved at an epoch's end (steps 6 and 9)
+CLIP = 0.3  # the gradient norm stays between 0.3 and 1.3 over the steps: clipping binds on every one
 
 
 class ReplicaCheck(L.Callback):
@@ -100,7 +100,7 @@ class NanAt(L.Callback):
 
 def run(out: str, devices: int, devices_per_node: int | None, tp: int, stage: int, tie: str, retie: bool,
         reference: bool, tag: str, save_at: int = 0, resume: str | None = None, flags: dict | None = None,
-        uneven: bool = False, nan_at: int = -1, norms: bool = False) -> None:
+        uneven: bool = False, nan_at: int = -1, norms: bool = False, steps: int = STEPS, epoch: int = EPOCH) -> None:
     L.seed_everything(1234, verbose=False)
     model = GPTModule(tie=tie, retie=retie)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -117,10 +117,10 @@ def run(out: str, devices: int, devices_per_node: int | None, tp: int, stage: in
         callbacks.append(NanAt(nan_at))
     if save_at:
         callbacks.append(SaveAt(save_at, os.path.join(out, f"{tag}-step{save_at}.ckpt")))
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS,
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps,
                         gradient_clip_val=CLIP, callbacks=callbacks, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
-    data = token_dataset(GLOBAL_BATCH * EPOCH)
+    data = token_dataset(GLOBAL_BATCH * epoch)
 
     class Data(L.LightningDataModule):
         def train_dataloader(self):
@@ -170,10 +170,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--norms", action="store_true", help="record the gradient norms before clipping every step")
     parser.add_argument("--uneven", action="store_true",
                         help="2 data-parallel ranks reading 3 and 5 of each step's 8 samples")
+    parser.add_argument("--steps", type=int, default=STEPS, help="optimizer steps")
+    parser.add_argument("--epoch", type=int, default=EPOCH, help="steps per epoch (the dataset's size)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    schedule = {"steps": args.steps, "epoch": args.epoch}
     if args.reference:
-        run(args.out, args.devices, None, 1, 0, "replicated", True, True, "reference", norms=args.norms)
+        run(args.out, args.devices, None, 1, 0, "replicated", True, True, "reference", norms=args.norms, **schedule)
         return
     for variant in args.variants.split(","):
         stage, tie, *rest = variant.split(":") + ([] if ":" in variant else ["replicated"])
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
             flags["compression"] = codecs[0]
         run(args.out, args.devices, args.devices_per_node, args.tp, int(stage), tie, "noretie" not in rest, False,
             variant.replace(":", "-") + args.tag, args.save_at, args.resume, flags, args.uneven, args.nan_at,
-            args.norms)
+            args.norms, **schedule)
 
 
 if __name__ == "__main__":
