@@ -10,6 +10,7 @@ import torch
 
 from ddp_plugin.testing.processes import runs_argument
 from tests.support import WORKERS, relative_difference, run_python
+from tests.workers.pp_run import EPOCH, STEPS
 
 # Microbatching and the split change rounding only (a sum over microbatches instead of one mean); a real bug (a
 # tied gradient not summed, a stage's norm missing from clipping, an unscaled microbatch) moves parameters by 1e-2
@@ -33,44 +34,44 @@ def runs(tmp_path_factory) -> dict:
         ["--out", out, "--devices", "2", "--reference", "--scheduler", "--tag=-sched"],
     ]))
     run_python(WORKERS / "pp_run.py", *runs_argument([
-        ["--out", out, *P2, "--variants", ",".join(VARIANTS), "--save-at", "10", STAGE_3_UNITS],
+        ["--out", out, *P2, "--variants", ",".join(VARIANTS), "--save-at", "6", STAGE_3_UNITS],
         ["--out", out, *P2, "--variants", "interleaved_1f1b:1", "--accumulate", "2", "--tag=-acc"],
         # resumed on another ZeRO stage and schedule
-        ["--out", out, *P2, "--variants", "1f1b:2", "--resume", out / "gpipe-1-step10.ckpt", "--tag=-resumed"],
+        ["--out", out, *P2, "--variants", "1f1b:2", "--resume", out / "gpipe-1-step6.ckpt", "--tag=-resumed"],
         # data-parallel ranks reading 3 and 5 of each step's 8 samples (one microbatch: gpipe allows M < P)
         ["--out", out, *P2, "--variants", "gpipe", "--uneven", "--tag=-sample",
          "--flags={\"weighting\": \"sample\", \"pipeline_microbatches\": 1}"],
         ["--out", out, *P2, "--variants", "gpipe", "--uneven", "--tag=-rank", "--flags={\"pipeline_microbatches\": 1}"],
         ["--out", out, *P2, "--variants", "1f1b", "--nan-at", "5", "--tag=-nan", "--flags={\"skip_nonfinite\": true}"],
         # the blocks in an nn.ModuleDict keyed by layer id (torchtitan's models), saved for a resume below
-        ["--out", out, *P2, "--variants", "1f1b", "--blocks", "dict", "--save-at", "10", "--tag=-dict"],
+        ["--out", out, *P2, "--variants", "1f1b", "--blocks", "dict", "--save-at", "6", "--tag=-dict"],
         ["--out", out, *P2, "--variants", "1f1b:1", "--scheduler", "--tag=-sched"],
         # stages named by the user: one block on the first, three on the last
         ["--out", out, *P2, "--variants", "1f1b", "--tag=-named", "--flags={\"pipeline_split\": [[\"tok\","
          " \"pos\", \"blocks.0\"], [\"model.blocks.1\", \"blocks.2\", \"blocks.3\", \"ln_f\", \"head\"]]}"],
-        ["--out", out, *P2, "--variants", "1f1b:3", "--save-at", "10", "--tag=-cut", CUT],
-        ["--out", out, *P2, "--variants", "1f1b", "--resume", out / "gpipe-1-step10.ckpt", "--tag=-into-cut", CUT],
+        ["--out", out, *P2, "--variants", "1f1b:3", "--save-at", "6", "--tag=-cut", CUT],
+        ["--out", out, *P2, "--variants", "1f1b", "--resume", out / "gpipe-1-step6.ckpt", "--tag=-into-cut", CUT],
         # checkpoint="sharded": each rank writes its stage's part, keyed by the unsplit model's names
-        ["--out", out, *P2, "--variants", "1f1b:1", "--save-at", "10", "--tag=-sharded", SHARDED],
-        ["--out", out, *P2, "--variants", "gpipe:3", "--resume", out / "1f1b-1-sharded-step10.ckpt",
+        ["--out", out, *P2, "--variants", "1f1b:1", "--save-at", "6", "--tag=-sharded", SHARDED],
+        ["--out", out, *P2, "--variants", "gpipe:3", "--resume", out / "1f1b-1-sharded-step6.ckpt",
          "--tag=-sharded-resumed", "--flags={\"checkpoint\": \"sharded\", \"auto_wrap_policy\": [\"Block\"]}"],
-        ["--out", out, *P2, "--variants", "gpipe:1", "--resume", out / "1f1b-3-step10.ckpt", "--tag=-from-3"],
+        ["--out", out, *P2, "--variants", "gpipe:1", "--resume", out / "1f1b-3-step6.ckpt", "--tag=-from-3"],
         # a P 2 x D 2 checkpoint resumed on 4 stages of one rank
-        ["--out", out, "--devices", "4", "--pp", "4", "--variants", "1f1b", "--resume", out / "1f1b-step10.ckpt",
+        ["--out", out, "--devices", "4", "--pp", "4", "--variants", "1f1b", "--resume", out / "1f1b-step6.ckpt",
          "--tag=-p4", "--flags={\"pipeline_microbatches\": 4}"],
     ]), timeout=600)
     # Resumed without pipeline stages: ours on 2 ranks, and Lightning ddp itself.
     run_python(WORKERS / "pp_run.py", *runs_argument([
-        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b", "--resume", out / "1f1b-step10.ckpt",
+        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b", "--resume", out / "1f1b-step6.ckpt",
          "--tag=-p1"],
-        ["--out", out, "--devices", "2", "--reference", "--resume", out / "interleaved_1f1b-2-step10.ckpt",
+        ["--out", out, "--devices", "2", "--reference", "--resume", out / "interleaved_1f1b-2-step6.ckpt",
          "--tag=-resumed"],
         ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b:1", "--resume",
-         out / "1f1b-1-sharded-step10.ckpt", "--tag=-sharded-p1", SHARDED],
+         out / "1f1b-1-sharded-step6.ckpt", "--tag=-sharded-p1", SHARDED],
         # the ModuleDict model's checkpoint resumed into the ModuleList one: the same names
-        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b", "--resume", out / "1f1b-dict-step10.ckpt",
+        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b", "--resume", out / "1f1b-dict-step6.ckpt",
          "--tag=-dict-p1"],
-        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b", "--resume", out / "1f1b-3-cut-step10.ckpt",
+        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b", "--resume", out / "1f1b-3-cut-step6.ckpt",
          "--tag=-cut-p1"],
     ]))
     names = ["reference", "reference-acc", "reference-sched", *VARIANTS, "interleaved_1f1b:1-acc", "1f1b:2-resumed",
@@ -84,7 +85,8 @@ def runs(tmp_path_factory) -> dict:
 
 def test_clipping_binds_and_training_moves_parameters(runs):
     reference = runs["reference"]
-    assert sum(n > 0.3 for n in reference["grad_norms"]) >= 18, reference["grad_norms"]  # pp_run.CLIP
+    assert len(reference["grad_norms"]) == STEPS
+    assert sum(n > 0.3 for n in reference["grad_norms"]) >= STEPS - 2, reference["grad_norms"]  # pp_run.CLIP
     assert relative_difference(reference["initial"], reference["state"]) > 1000 * RTOL
 
 
@@ -166,7 +168,7 @@ def test_resumes_on_another_layout_as_if_uninterrupted(runs, variant):
 def test_master_checkpoint_is_the_unsplit_models(runs, variant):
     from ddp_plugin.testing.gpt import GPTModule
 
-    checkpoint = torch.load(runs["checkpoints"] / f"{variant}-step10.ckpt", weights_only=False)
+    checkpoint = torch.load(runs["checkpoints"] / f"{variant}-step6.ckpt", weights_only=False)
     state = checkpoint["state_dict"]
     assert state["model.head.weight"].untyped_storage().data_ptr() == \
         state["model.tok.weight"].untyped_storage().data_ptr()  # the tied weight once
@@ -201,10 +203,10 @@ def test_lr_scheduler_and_checkpoint_callback(runs, tmp_path):
     from ddp_plugin.testing.gpt import GPTModule
 
     ours, reference = runs["1f1b:1-sched"], runs["reference-sched"]
-    assert ours["lr"] == reference["lr"] < 1e-2 / 2**5  # stepped every 3 optimizer steps
+    assert ours["lr"] == reference["lr"] == pytest.approx(1e-2 / 2 ** (STEPS // 3))  # halved every 3 steps
     assert relative_difference(ours["state"], reference["state"]) <= RTOL
     saved = sorted((runs["checkpoints"] / "1f1b-1-sched-callback").glob("*.ckpt"))
-    assert [p.name for p in saved] == ["epoch=1-step=10.ckpt", "epoch=3-step=20.ckpt"]
+    assert [p.name for p in saved] == [f"epoch=1-step={2 * EPOCH}.ckpt", f"epoch=3-step={4 * EPOCH}.ckpt"]
     model = GPTModule(layers=4)
     model.load_state_dict(torch.load(saved[-1], weights_only=False)["state_dict"], strict=True)
     for name, value in model.state_dict().items():
@@ -216,13 +218,13 @@ def test_sharded_checkpoint_consolidates_to_the_unsplit_models(runs, tmp_path):
     from ddp_plugin.testing.gpt import GPTModule
 
     out = tmp_path / "whole.ckpt"
-    consolidate(runs["checkpoints"] / "1f1b-1-sharded-step10.ckpt", out)
+    consolidate(runs["checkpoints"] / "1f1b-1-sharded-step6.ckpt", out)
     checkpoint = torch.load(out, weights_only=False)
     model = GPTModule(layers=4)
     model.load_state_dict(checkpoint["state_dict"], strict=True)
     optimizer = model.configure_optimizers()
     optimizer.load_state_dict(checkpoint["optimizer_states"][0])
     assert len(optimizer.state) == len(list(model.parameters()))
-    master = torch.load(runs["checkpoints"] / "1f1b-step10.ckpt", weights_only=False)  # same training, stage 0
+    master = torch.load(runs["checkpoints"] / "1f1b-step6.ckpt", weights_only=False)  # same training, stage 0
     for name, value in master["state_dict"].items():
         torch.testing.assert_close(checkpoint["state_dict"][name], value, rtol=RTOL, atol=1e-6, msg=name)

@@ -13,12 +13,13 @@ import torch
 from ddp_plugin.testing.processes import runs_argument
 from tests.support import WORKERS, relative_difference, run_python
 from tests.test_pipeline import RTOL
+from tests.workers.pp_run import STEPS
 
 SYNC = "--flags={\"sync_every\": 4}"
 # the tied embedding's copies summed through the codec, 1/D per data-parallel rank: at ZeRO stages 0 and 1 each
 # rank's 1/D of the reduced gradient, at stages 2 and 3 its shard (at stage 3 in a bucket of its own in its unit)
 TIE_CODECS = ["1f1b:0:int8", "1f1b:0:powersgd", "1f1b:0:fp16", "1f1b:1:int8", "1f1b:2:int8", "1f1b:3:int8",
-              "1f1b:3:powersgd"]  # DiLoCo's outer Nesterov every 4 steps; the checkpoint at 10 is between syncs
+              "1f1b:3:powersgd"]  # DiLoCo's outer Nesterov every 4 steps; the checkpoint at 6 is between syncs
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +64,9 @@ def runs(tmp_path_factory) -> dict:
          "--tag=-hier"],
         # the same sync mode over 2 stages, each on 2 nodes x 2; saved between syncs and resumed
         ["--out", out, "--devices", "8", "--devices-per-node", "2", "--pp", "2", "--variants", "1f1b",
-         "--tag=-sync-pp", "--save-at", "10", SYNC],
+         "--tag=-sync-pp", "--save-at", "6", SYNC],
         ["--out", out, "--devices", "8", "--devices-per-node", "2", "--pp", "2", "--variants", "1f1b",
-         "--tag=-sync-pp-resumed", "--resume", out / "1f1b-sync-pp-step10.ckpt", SYNC],
+         "--tag=-sync-pp-resumed", "--resume", out / "1f1b-sync-pp-step6.ckpt", SYNC],
     ]), timeout=600)
     names = ["reference", "reference-l2", "reference-l8", "1f1b-p4", "gpipe-p4", "interleaved_1f1b-p4",
              *(f"{v}-nodes" for v in TIE_CODECS), "1f1b:2-nodes", "1f1b:0:int8-nodes-bf16", "1f1b:0:int8-nodes-int8act", "1f1b-time", "1f1b-t2", "gpipe:2-t2", "interleaved_1f1b:3-t2", "1f1b-sync", "1f1b-sync-pp", "1f1b-sync-pp-resumed", "1f1b-hier", "gpipe:2:int8-hier"]
@@ -118,14 +119,14 @@ def test_the_tied_gradient_crosses_between_the_stages_once_per_step_at_every_zer
     # stage, every step: at stages 0 and 1 its half of the reduced mean, at stages 2 and 3 its shard (at stage 3
     # the tie has a bucket of its own in its unit). Before, at stages 1-3 every rank summed the whole gradient
     # before the sync: 2x these elements.
-    assert runs[f"{variant}-nodes"]["tied_elements"] == [20 * 32 * 16 // 2] * 4
+    assert runs[f"{variant}-nodes"]["tied_elements"] == [STEPS * 32 * 16 // 2] * 4
 
 
 def test_activations_cross_between_nodes_in_bf16(runs):
     # Each rank of stage 0 sends its 4 windows' activations (8 tokens x 16 wide) every step, and each rank of stage
     # 1 their gradients back: 2 bytes a value instead of 4; the tied sum (int8) is the same bytes in both runs.
     fp32, bf16 = runs["1f1b:0:int8-nodes"], runs["1f1b:0:int8-nodes-bf16"]
-    halved = 20 * (8 // 2) * 8 * 16 * 2 / 1e6  # steps x windows x tokens x width x the 2 bytes saved
+    halved = STEPS * (8 // 2) * 8 * 16 * 2 / 1e6  # steps x windows x tokens x width x the 2 bytes saved
     for rank in range(4):
         assert fp32["cross_node_MB"][rank] - bf16["cross_node_MB"][rank] == pytest.approx(halved, rel=1e-6), rank
     assert bf16["max_tie_diff"] == 0.0 and bf16["max_replica_diff"] == 0.0
@@ -139,7 +140,7 @@ def test_activations_cross_between_nodes_in_int8_with_a_scale_per_row(runs):
     # The same windows as above: a row of 16 values crosses as 16 int8 and a 4-byte scale, 20 bytes instead of 64,
     # both ways (the gradients packed by the receiving stage's backward).
     fp32, int8 = runs["1f1b:0:int8-nodes"], runs["1f1b:0:int8-nodes-int8act"]
-    saved = 20 * (8 // 2) * 8 * (16 * 4 - (16 + 4)) / 1e6  # steps x windows x rows x the bytes saved per row
+    saved = STEPS * (8 // 2) * 8 * (16 * 4 - (16 + 4)) / 1e6  # steps x windows x rows x the bytes saved per row
     for rank in range(4):
         assert fp32["cross_node_MB"][rank] - int8["cross_node_MB"][rank] == pytest.approx(saved, rel=1e-6), rank
     assert int8["max_tie_diff"] == 0.0 and int8["max_replica_diff"] == 0.0

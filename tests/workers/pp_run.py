@@ -32,8 +32,8 @@ from ddp_plugin.testing.processes import run_each
 from ddp_plugin.testing.ranks import max_group_difference
 
 GLOBAL_BATCH = 8
-STEPS = 20
-EPOCH = 5  # steps per epoch: checkpoints are saved at an epoch's end
+STEPS = 12
+EPOCH = 3  # steps per epoch: checkpoints are saved at an epoch's end (step 6), Lightning's every 2 epochs
 CLIP = 0.3  # binds on every step (see tp_run)
 
 
@@ -136,7 +136,7 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
         callbacks.append(NanAt(nan_at))
     if scheduler:  # and Lightning's own checkpoint callback
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(os.path.join(out, f"{tag}-callback"), save_top_k=-1,
-                                                             every_n_train_steps=10))
+                                                             every_n_train_steps=2 * EPOCH))
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS,
                         gradient_clip_val=CLIP, callbacks=callbacks, logger=False, enable_checkpointing=scheduler,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
