@@ -19,7 +19,11 @@ CONVERGENCE = ROOT / "benchmarks" / "convergence.py"
 
 
 def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True, check=False,
+    # (forked from the worker's zygote, torch and Lightning imported: a fresh interpreter spent 3-5 s of CPU on
+    # imports to print a usage line)
+    from tests.support import interpreter
+
+    return subprocess.run([interpreter(), str(script), *args], cwd=ROOT, capture_output=True, text=True, check=False,
                           timeout=600)
 
 
