@@ -1,7 +1,7 @@
 """Worker for the C3 tests: trains one character-level model on real text under every codec, one after the
 other in the same processes, and writes what each run reached.
 
-    python tests/workers/compression_run.py --out result.json [--configs none,fp16,...] [--steps 150]
+    python tests/workers/compression_run.py --out result.json [--configs none,fp16,...] [--steps 100]
 
 The text is the source of the standard library's ``argparse`` module (about 100k characters; no download).
 4 CPU ranks as 2 simulated nodes x 2 (``devices_per_node=2``), so the hierarchical reducer runs and each codec
@@ -124,7 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
     torch.set_num_threads(1)
     ids, vocab = corpus()
