@@ -1,21 +1,28 @@
-"""ZeRO stages 1-3: C1 and C2 for every stage x shard scope x hierarchical on/off, on 2 ranks (one node) and on
-4 ranks (2 simulated nodes x 2), with accumulation, clipping by the global norm, an LR scheduler, a frozen
+"""ZeRO stages 1-3: C1 and C2 for every stage on 2 ranks (one node), and on 4 ranks (2 simulated nodes x 2) for
+every pair of a stage, a shard scope and hierarchical on/off (every combination with ``--full-matrix``), with accumulation, clipping by the global norm, an LR scheduler, a frozen
 layer, a tied weight and a branch only some ranks use; bf16-mixed; bad input."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 import torch
 
-from tests.support import WORKERS, run_python
+from ddp_plugin.testing.pairwise import covering_pairs, pairs_covered
+from tests.support import WORKERS, matrix, run_python
 
 CONFIGS = ["plain", "everything"]  # "everything": AdamW, accumulation 3, clipping 0.05, StepLR
 ATOL = 1e-5  # as at stage 0 (tests/test_equivalence.py); measured: below 2e-7 for every variant
 # (label, devices, devices_per_node, variants): within a launch the variants run one after the other.
 ONE_NODE = ["1:global:auto", "2:global:auto", "3:global:auto"]  # one node: the scopes coincide, nothing to split
-TWO_NODES = [f"{stage}:{scope}:{hier}" for stage in (1, 2, 3) for scope in ("global", "node") for hier in ("on", "off")]
+TWO_NODE_FACTORS = {"stage": (1, 2, 3), "scope": ("global", "node"), "hier": ("on", "off")}
+ALL_TWO_NODES = [":".join(map(str, row)) for row in itertools.product(*TWO_NODE_FACTORS.values())]
+TWO_NODES = matrix([":".join(map(str, row)) for row in covering_pairs(
+    TWO_NODE_FACTORS, required=[(1, "global", "on"), (1, "global", "off")])], ALL_TWO_NODES)
+"""2 nodes x 2: every pair of a stage, a shard scope and a route in some variant (6 of the 12; each variant trains
+both configurations), the route's two values at stage 1 among them; ``pytest --full-matrix`` runs all 12."""
 LAUNCHES = [("2 ranks", 2, None, ONE_NODE), ("2 nodes x 2", 4, 2, TWO_NODES)]
 CASES = [(label, v) for label, _, _, variants in LAUNCHES for v in variants]
 
@@ -50,6 +57,14 @@ def test_c2_sharded_training_equals_single_process(results, launch, variant, con
     run, ref = results[(launch, variant)][config], results["reference"][config]
     torch.testing.assert_close(run["history"], ref["history"], atol=ATOL, rtol=0)
     assert (ref["history"][-1] - ref["history"][0]).abs().max() > 1e-2
+
+
+def test_the_two_node_variants_cover_every_pair_of_stage_scope_and_route():
+    def rows(variants):
+        return [tuple(v.split(":")) for v in variants]
+
+    assert pairs_covered(rows(TWO_NODES)) == pairs_covered(rows(ALL_TWO_NODES))
+    assert len(ALL_TWO_NODES) == 12 and set(TWO_NODES) <= set(ALL_TWO_NODES)
 
 
 def test_variants_ran_the_reducer_they_name(results):
