@@ -34,44 +34,44 @@ def runs(tmp_path_factory) -> dict:
         ["--out", out, "--devices", "2", "--reference", "--scheduler", "--tag=-sched"],
     ]))
     run_python(WORKERS / "pp_run.py", *runs_argument([
-        ["--out", out, *P2, "--variants", ",".join(VARIANTS), "--save-at", "6", STAGE_3_UNITS],
+        ["--out", out, *P2, "--variants", ",".join(VARIANTS), "--save-at", "4", STAGE_3_UNITS],
         ["--out", out, *P2, "--variants", "interleaved_1f1b:1", "--accumulate", "2", "--tag=-acc"],
         # resumed on another ZeRO stage and schedule
-        ["--out", out, *P2, "--variants", "1f1b:2", "--resume", out / "gpipe-1-step6.ckpt", "--tag=-resumed"],
+        ["--out", out, *P2, "--variants", "1f1b:2", "--resume", out / "gpipe-1-step4.ckpt", "--tag=-resumed"],
         # data-parallel ranks reading 3 and 5 of each step's 8 samples (one microbatch: gpipe allows M < P)
         ["--out", out, *P2, "--variants", "gpipe", "--uneven", "--tag=-sample",
          "--flags={\"weighting\": \"sample\", \"pipeline_microbatches\": 1}"],
         ["--out", out, *P2, "--variants", "gpipe", "--uneven", "--tag=-rank", "--flags={\"pipeline_microbatches\": 1}"],
         ["--out", out, *P2, "--variants", "1f1b", "--nan-at", "5", "--tag=-nan", "--flags={\"skip_nonfinite\": true}"],
         # the blocks in an nn.ModuleDict keyed by layer id (torchtitan's models), saved for a resume below
-        ["--out", out, *P2, "--variants", "1f1b", "--blocks", "dict", "--save-at", "6", "--tag=-dict"],
+        ["--out", out, *P2, "--variants", "1f1b", "--blocks", "dict", "--save-at", "4", "--tag=-dict"],
         ["--out", out, *P2, "--variants", "1f1b:1", "--scheduler", "--tag=-sched"],
         # stages named by the user: one block on the first, three on the last
         ["--out", out, *P2, "--variants", "1f1b", "--tag=-named", "--flags={\"pipeline_split\": [[\"tok\","
          " \"pos\", \"blocks.0\"], [\"model.blocks.1\", \"blocks.2\", \"blocks.3\", \"ln_f\", \"head\"]]}"],
-        ["--out", out, *P2, "--variants", "1f1b:3", "--save-at", "6", "--tag=-cut", CUT],
-        ["--out", out, *P2, "--variants", "1f1b", "--resume", out / "gpipe-1-step6.ckpt", "--tag=-into-cut", CUT],
+        ["--out", out, *P2, "--variants", "1f1b:3", "--save-at", "4", "--tag=-cut", CUT],
+        ["--out", out, *P2, "--variants", "1f1b", "--resume", out / "gpipe-1-step4.ckpt", "--tag=-into-cut", CUT],
         # checkpoint="sharded": each rank writes its stage's part, keyed by the unsplit model's names
-        ["--out", out, *P2, "--variants", "1f1b:1", "--save-at", "6", "--tag=-sharded", SHARDED],
-        ["--out", out, *P2, "--variants", "gpipe:3", "--resume", out / "1f1b-1-sharded-step6.ckpt",
+        ["--out", out, *P2, "--variants", "1f1b:1", "--save-at", "4", "--tag=-sharded", SHARDED],
+        ["--out", out, *P2, "--variants", "gpipe:3", "--resume", out / "1f1b-1-sharded-step4.ckpt",
          "--tag=-sharded-resumed", "--flags={\"checkpoint\": \"sharded\", \"auto_wrap_policy\": [\"Block\"]}"],
-        ["--out", out, *P2, "--variants", "gpipe:1", "--resume", out / "1f1b-3-step6.ckpt", "--tag=-from-3"],
+        ["--out", out, *P2, "--variants", "gpipe:1", "--resume", out / "1f1b-3-step4.ckpt", "--tag=-from-3"],
         # a P 2 x D 2 checkpoint resumed on 4 stages of one rank
-        ["--out", out, "--devices", "4", "--pp", "4", "--variants", "1f1b", "--resume", out / "1f1b-step6.ckpt",
+        ["--out", out, "--devices", "4", "--pp", "4", "--variants", "1f1b", "--resume", out / "1f1b-step4.ckpt",
          "--tag=-p4", "--flags={\"pipeline_microbatches\": 4}"],
     ]), timeout=600)
     # Resumed without pipeline stages: ours on 2 ranks, and Lightning ddp itself.
     run_python(WORKERS / "pp_run.py", *runs_argument([
-        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b", "--resume", out / "1f1b-step6.ckpt",
+        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b", "--resume", out / "1f1b-step4.ckpt",
          "--tag=-p1"],
-        ["--out", out, "--devices", "2", "--reference", "--resume", out / "interleaved_1f1b-2-step6.ckpt",
+        ["--out", out, "--devices", "2", "--reference", "--resume", out / "interleaved_1f1b-2-step4.ckpt",
          "--tag=-resumed"],
         ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b:1", "--resume",
-         out / "1f1b-1-sharded-step6.ckpt", "--tag=-sharded-p1", SHARDED],
+         out / "1f1b-1-sharded-step4.ckpt", "--tag=-sharded-p1", SHARDED],
         # the ModuleDict model's checkpoint resumed into the ModuleList one: the same names
-        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b", "--resume", out / "1f1b-dict-step6.ckpt",
+        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b", "--resume", out / "1f1b-dict-step4.ckpt",
          "--tag=-dict-p1"],
-        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b", "--resume", out / "1f1b-3-cut-step6.ckpt",
+        ["--out", out, "--devices", "2", "--pp", "1", "--variants", "1f1b", "--resume", out / "1f1b-3-cut-step4.ckpt",
          "--tag=-cut-p1"],
     ]))
     names = ["reference", "reference-acc", "reference-sched", *VARIANTS, "interleaved_1f1b:1-acc", "1f1b:2-resumed",
@@ -98,10 +98,10 @@ def test_equals_ddp_on_the_whole_model(runs, variant):
 def test_zero_stage_3_gathers_each_unit_once_a_step_over_the_microbatches(runs):
     # Each microbatch runs the stage's forward and backward: a unit gathered again for each would be gathered 2M
     # times a step (4 here); held from the first forward to the step's end, once. The worker's checks gather every
-    # unit once more a step (`full_parameters()`), and validation's forward-only passes add about 0.2 a step:
-    # 2.2 gathers per unit and step measured, 5.3 before units were held.
+    # unit once more a step (`full_parameters()`), and validation's forward-only passes (after steps 4 and 8) add
+    # about 0.6 a step: 2.6 gathers per unit and step measured (2.2 over 20 steps), 5.3 before units were held.
     run = runs["1f1b:3"]
-    assert run["units"] and run["unit_gathers"] <= 2.5 * run["units"], (run["unit_gathers"], run["units"])
+    assert run["units"] and run["unit_gathers"] <= 3 * run["units"], (run["unit_gathers"], run["units"])
 
 
 def test_blocks_in_a_module_dict_keyed_by_layer_id_split_and_train_as_a_module_list(runs):
@@ -126,7 +126,7 @@ def test_a_block_cut_between_two_stages_trains_and_resumes_as_ddp(runs):
     assert relative_difference(run["state"], runs["reference"]["state"]) <= RTOL
     assert run["max_replica_diff"] == 0.0 and run["max_tie_diff"] == 0.0
     assert run["losses"] == pytest.approx(runs["reference"]["losses"], rel=1e-3)
-    assert run["units"] == 2 and run["unit_gathers"] <= 2.5 * run["units"]  # (rank 0: blocks 0 and 1's part)
+    assert run["units"] == 2 and run["unit_gathers"] <= 3 * run["units"]  # (rank 0: blocks 0 and 1's part)
     assert relative_difference(runs["1f1b-cut-p1"]["state"], runs["reference"]["state"]) <= RTOL
     assert relative_difference(runs["1f1b-into-cut"]["state"], runs["reference"]["state"]) <= RTOL
 
@@ -168,7 +168,7 @@ def test_resumes_on_another_layout_as_if_uninterrupted(runs, variant):
 def test_master_checkpoint_is_the_unsplit_models(runs, variant):
     from ddp_plugin.testing.gpt import GPTModule
 
-    checkpoint = torch.load(runs["checkpoints"] / f"{variant}-step6.ckpt", weights_only=False)
+    checkpoint = torch.load(runs["checkpoints"] / f"{variant}-step4.ckpt", weights_only=False)
     state = checkpoint["state_dict"]
     assert state["model.head.weight"].untyped_storage().data_ptr() == \
         state["model.tok.weight"].untyped_storage().data_ptr()  # the tied weight once
@@ -218,13 +218,13 @@ def test_sharded_checkpoint_consolidates_to_the_unsplit_models(runs, tmp_path):
     from ddp_plugin.testing.gpt import GPTModule
 
     out = tmp_path / "whole.ckpt"
-    consolidate(runs["checkpoints"] / "1f1b-1-sharded-step6.ckpt", out)
+    consolidate(runs["checkpoints"] / "1f1b-1-sharded-step4.ckpt", out)
     checkpoint = torch.load(out, weights_only=False)
     model = GPTModule(layers=4)
     model.load_state_dict(checkpoint["state_dict"], strict=True)
     optimizer = model.configure_optimizers()
     optimizer.load_state_dict(checkpoint["optimizer_states"][0])
     assert len(optimizer.state) == len(list(model.parameters()))
-    master = torch.load(runs["checkpoints"] / "1f1b-step6.ckpt", weights_only=False)  # same training, stage 0
+    master = torch.load(runs["checkpoints"] / "1f1b-step4.ckpt", weights_only=False)  # same training, stage 0
     for name, value in master["state_dict"].items():
         torch.testing.assert_close(checkpoint["state_dict"][name], value, rtol=RTOL, atol=1e-6, msg=name)

@@ -32,8 +32,8 @@ from ddp_plugin.testing.processes import run_each
 from ddp_plugin.testing.ranks import max_group_difference
 
 GLOBAL_BATCH = 8
-STEPS = 12
-EPOCH = 3  # steps per epoch: checkpoints are saved at an epoch's end (step 6), Lightning's every 2 epochs
+STEPS = 8
+EPOCH = 2  # steps per epoch: checkpoints are saved at an epoch's end (step 4), Lightning's every 2 epochs
 CLIP = 0.3  # binds on every step (see tp_run)
 
 

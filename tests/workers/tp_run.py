@@ -32,8 +32,8 @@ from ddp_plugin.testing.processes import run_each
 from ddp_plugin.testing.ranks import max_group_difference
 
 GLOBAL_BATCH = 8
-STEPS = 12
-EPOCH = 3  # steps per epoch: checkpoints are saved at an epoch's end (steps 6 and 9)
+STEPS = 8
+EPOCH = 2  # steps per epoch: checkpoints are saved at an epoch's end (steps 4 and 6)
 CLIP = 0.3  # the gradient norm stays between 0.3 and 1.3 over the steps: clipping binds on every one
 
 
