@@ -66,7 +66,7 @@ DEVICES = {"cpu": "cpu", "gpu": "cuda:0"}
 RESUMED = ["resume:2x2", "resume:2x2_zero3", "resume:pp2_tp2"]
 
 CONVERGED = ["converge:pp2_tp2", "converge:2x2_zero3"]
-CONVERGE_STEPS = 48
+CONVERGE_STEPS = 32
 
 
 class Record(L.Callback):
