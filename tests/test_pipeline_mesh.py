@@ -109,6 +109,8 @@ def test_the_tied_gradient_goes_through_the_codec_and_its_copies_stay_bit_identi
     # sent per step in the pipeline benchmark); now through the codec, as a bucket of kind "tied_gradient".
     run = runs[f"{variant}-nodes"]
     assert "tied_gradient/0" in run["codec_keys"], run["codec_keys"]
+    # and it compressed (PowerSGD from step 3; measured over the steps: int8 3.9, fp16 2.0, PowerSGD 2.03)
+    assert run["compression_ratio"] > 1.5, run["compression_ratio"]
     assert run["max_tie_diff"] == 0.0 and run["max_replica_diff"] == 0.0
     assert run["losses"][-1] < run["losses"][0] - 0.1
 

@@ -189,6 +189,7 @@ def run(out: str, devices: int, devices_per_node: int | None, tag: str, flags: d
             # stage 3: units gathered per step (the metric's mean), and the units there are to gather
             "unit_gathers": getattr(strategy, "metric_means", {}).get("zero/unit_gathers"),
             "units": _units(strategy),
+            "compression_ratio": getattr(strategy, "metric_means", {}).get("comm/compression_ratio"),
             "hierarchical": getattr(trainer.strategy, "uses_hierarchical_reducer", False),
             # the codec's per-bucket state (error feedback, PowerSGD's matrices) by key: "tied_gradient/<i>" where
             # the sum of a tie's copies went through it
@@ -256,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
             flags["zero_stage"] = int(rest[0])
         if len(rest) > 1:
             flags["compression"] = rest[1]
+            if rest[1] == "powersgd":  # (compressed from step 3: its default start_iter is 10, beyond STEPS)
+                flags.setdefault("compression_options", {"start_iter": 2})
         run(args.out, args.devices, args.devices_per_node, variant.replace(":", "-") + args.tag, flags, False,
             args.layers, args.accumulate, args.save_at, args.resume, **extra)
 
