@@ -6,18 +6,21 @@ the group killed inside a sync."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import signal
 import socket
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from ddp_plugin.testing.processes import clean_env
+from ddp_plugin.testing.processes import clean_env, signal_group_quietly
 from ddp_plugin.testing.ranks import free_port
 from tests.support import ROOT, WORKERS, interpreter
 
@@ -35,6 +38,29 @@ LONG_STEPS = 90
 """The runs with several faults in a row (two groups lost, a lighthouse away or killed) and holds between them."""
 
 
+LAUNCHED: list[subprocess.Popen] = []
+"""Every group launched (each in a session of its own: its launching rank and the ranks it starts), for
+:func:`kill_launched`."""
+_JOB = threading.local()
+"""The groups a background job (:func:`owned`) launched in this thread."""
+
+
+def kill_launched() -> None:
+    """SIGKILL every launched group's processes. A test that fails leaves its other groups running (held at a step,
+    or waiting in a quorum for the group that failed): without this they would spend the cores the rest of the
+    suite runs on until their own timeouts, minutes later."""
+    while LAUNCHED:
+        proc = LAUNCHED.pop()
+        signal_group_quietly(proc.pid)
+        proc.wait()
+
+
+@pytest.fixture(autouse=True)
+def _nothing_launched_outlives_its_test():
+    yield
+    kill_launched()  # (a test that passed waited for its groups: only the failed ones' are left)
+
+
 def launch(out, group: int, groups: int, lighthouse: str, devices: int, sync_every: int, *extra: str,
            tag: str = ""):
     env = clean_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"})
@@ -43,8 +69,11 @@ def launch(out, group: int, groups: int, lighthouse: str, devices: int, sync_eve
         [interpreter(), str(WORKERS / "ft_run.py"), "--out", str(out), "--group", str(group), "--groups",
          str(groups), "--lighthouse", lighthouse, "--devices", str(devices), "--steps", str(STEPS),
          "--step-sleep", "0.2", "--sync-every", str(sync_every), f"--tag={tag}", *extra],
-        env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     proc.log = log
+    LAUNCHED.append(proc)
+    if hasattr(_JOB, "procs"):
+        _JOB.procs.append(proc)
     return proc
 
 
@@ -61,37 +90,43 @@ def wait(proc, out, timeout: float) -> int:
     return code
 
 
-@pytest.fixture(scope="module", params=[(3, 1, 1, "backward", None, 0), (2, 2, 1, "backward", "int8", 0),
-                                        (3, 1, 1, "backward", "powersgd", 1), (3, 1, 5, "sync", "int8", 0, {"apart": True}),
-                                        (2, 2, 1, "backward", "int8", 3), (2, 2, 10, "sync", None, 2),
-                                        (2, 2, 1, "backward", "int8", 2, {"nodes": 2}),
-                                        (2, 2, 8, "sync", "int8", 2, {"fragments": 4}),
-                                        (3, 1, 10, "sync", None, 0, {"fragments": 2, "staleness": 2}),
-                                        (2, 2, 1, "backward", "int8", 0, {"tp": 2}),
-                                        (2, 2, 5, "sync", None, 0, {"tp": 2, "apart": True}),
-                                        (2, 2, 1, "backward", None, 0, {"pp": 2}),
-                                        (2, 2, 5, "sync", "int8", 2, {"nodes": 2}),
-                                        (2, 1, 5, "sync", "int8", 0, {"warmup": 5}),
-                                        (2, 2, 10, "sync", None, 0, {"pp": 2, "apart": True}),
-                                        (2, 2, 8, "sync", "int8", 0, {"dynamic": True})],
-                ids=["3 groups of 1", "2 groups of 2, int8", "3 groups of 1, ZeRO 1, PowerSGD",
-                     "DiLoCo, 3 groups of 1, int8, killed in a sync, started apart", "2 groups of 2, ZeRO 3, int8",
-                     "DiLoCo, 2 groups of 2, ZeRO 2, killed in a sync", "2 groups of 2 nodes x 1, ZeRO 2, int8",
-                     "streaming DiLoCo, 2 groups of 2, ZeRO 2, int8, killed in a sync",
-                     "streaming DiLoCo with staleness 2, 3 groups of 1, killed in a sync",
-                     "2 groups of 2, tensor parallel, int8", "DiLoCo, 2 groups of 2, tensor parallel, killed in a sync, started apart",
-                     "2 groups of 2, pipeline stages", "DiLoCo, 2 groups of 2 nodes x 1, ZeRO 2, int8, killed in a sync",
-                     "DiLoCo after 5 warm-up steps, 2 groups of 1, int8, killed in a sync",
-                     "DiLoCo, 2 groups of 2 pipeline stages, killed in a sync, started apart",
-                     "DiLoCo with dynamic steps, 2 groups of 2, int8, killed in a sync"])
-def run(request, tmp_path_factory):
+LAYOUTS = [(3, 1, 1, "backward", None, 0), (2, 2, 1, "backward", "int8", 0),
+           (3, 1, 1, "backward", "powersgd", 1), (3, 1, 5, "sync", "int8", 0, {"apart": True}),
+           (2, 2, 1, "backward", "int8", 3), (2, 2, 10, "sync", None, 2),
+           (2, 2, 1, "backward", "int8", 2, {"nodes": 2}),
+           (2, 2, 8, "sync", "int8", 2, {"fragments": 4}),
+           (3, 1, 10, "sync", None, 0, {"fragments": 2, "staleness": 2}),
+           (2, 2, 1, "backward", "int8", 0, {"tp": 2}),
+           (2, 2, 5, "sync", None, 0, {"tp": 2, "apart": True}),
+           (2, 2, 1, "backward", None, 0, {"pp": 2}),
+           (2, 2, 5, "sync", "int8", 2, {"nodes": 2}),
+           (2, 1, 5, "sync", "int8", 0, {"warmup": 5}),
+           (2, 2, 10, "sync", None, 0, {"pp": 2, "apart": True}),
+           (2, 2, 8, "sync", "int8", 0, {"dynamic": True})]
+LAYOUT_IDS = ["3 groups of 1", "2 groups of 2, int8", "3 groups of 1, ZeRO 1, PowerSGD",
+              "DiLoCo, 3 groups of 1, int8, killed in a sync, started apart", "2 groups of 2, ZeRO 3, int8",
+              "DiLoCo, 2 groups of 2, ZeRO 2, killed in a sync", "2 groups of 2 nodes x 1, ZeRO 2, int8",
+              "streaming DiLoCo, 2 groups of 2, ZeRO 2, int8, killed in a sync",
+              "streaming DiLoCo with staleness 2, 3 groups of 1, killed in a sync",
+              "2 groups of 2, tensor parallel, int8", "DiLoCo, 2 groups of 2, tensor parallel, killed in a sync, started apart",
+              "2 groups of 2, pipeline stages", "DiLoCo, 2 groups of 2 nodes x 1, ZeRO 2, int8, killed in a sync",
+              "DiLoCo after 5 warm-up steps, 2 groups of 1, int8, killed in a sync",
+              "DiLoCo, 2 groups of 2 pipeline stages, killed in a sync, started apart",
+              "DiLoCo with dynamic steps, 2 groups of 2, int8, killed in a sync"]
+AT_ONCE = 2
+"""Layouts run side by side: each sleeps most of its time (steps of 0.05-0.2 s, so that a download fits between
+two syncs; held until the returning group is set up), using less than half a core on average."""
+
+
+def run_layout(param, out) -> dict:
+    """One layout (groups, ranks a group, sync period, where the last group dies, codec, ZeRO stage, more): its
+    groups started at once, the last killed at KILL_AT and started again; every record read back."""
     from torchft._torchft import LighthouseServer
 
-    groups, devices, sync_every, kill_in, codec, zero, *more = request.param
+    groups, devices, sync_every, kill_in, codec, zero, *more = param
     more = more[0] if more else {}
     nodes, fragments, staleness = more.get("nodes", 1), more.get("fragments", 1), more.get("staleness", 0)
     tp, pp, warmup = more.get("tp", 1), more.get("pp", 1), more.get("warmup", 0)
-    out = tmp_path_factory.mktemp("ft")
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
     try:
         address = lighthouse.address()
@@ -110,9 +145,11 @@ def run(request, tmp_path_factory):
             ["--seed", "0"] if sync_every > 1 and not more.get("apart") else []) + (
             # (the synchronous route heals inside a quorum: no download has to fit between two syncs)
             ["--step-sleep", "0.05"] if sync_every == 1 else [])
+        alone = out / "alone"
         procs = [launch(out, g, groups, address, devices, sync_every, "--gate", str(gate), *coded,
                         *(["--kill-at", str(KILL_AT), "--kill-in", kill_in] if g == last else
-                          ["--hold", f"{HOLD_AT}:{back_ready}.0"]))
+                          ["--hold", f"{HOLD_AT}:{back_ready}.0",
+                           "--mark-alone", f"{KILL_AT + sync_every + 1}:{alone}"]))
                  for g in range(groups)]
         ready = [out / f"gate.{g}.{r}" for g in range(groups) for r in range(devices)]
         deadline = time.time() + 600
@@ -122,7 +159,8 @@ def run(request, tmp_path_factory):
         gate.touch()
         assert wait(procs[last], out, 600) == -9
         killed_at = time.time()
-        time.sleep(2)  # the live groups step without it for a while (however fast it would start again), to HOLD_AT
+        # The live groups step without it, past the sync it died in (however fast it would start again), to HOLD_AT.
+        wait_for(*[out / f"alone.{g}" for g in range(last)], procs=procs[:last])
         back = launch(out, last, groups, address, devices, sync_every, "--announce", str(back_ready), *coded,
                       tag="-back")
         for proc in procs[:last]:
@@ -146,6 +184,11 @@ def run(request, tmp_path_factory):
             "sync_every": sync_every,
             "fragments": fragments, "staleness": staleness, "warmup": warmup, "codec": codec, "zero": zero,
             "killed_at": killed_at, **found}
+
+
+@pytest.fixture(scope="module", params=range(len(LAYOUTS)), ids=LAYOUT_IDS)
+def run(request, background):
+    return background[("layout", request.param)].result()
 
 
 def test_every_group_ends_at_the_same_step_with_the_same_parameters_bit_for_bit(run):
@@ -325,12 +368,9 @@ def launch_gated(out, groups: int, address: str, sync_every: int, extra) -> list
     return procs
 
 
-@pytest.mark.parametrize("sync_every", [1, 5], ids=["synchronous", "DiLoCo"])
-def test_two_groups_lost_at_once_one_killed_in_its_healing_and_the_lighthouse_away(sync_every, tmp_path):
-    """4 groups of 1 rank: groups 2 and 3 die in the backward of step 10; group 2 returns; group 3 returns, is
-    killed once it has received its peer's state (inside its healing), and returns again; then the lighthouse stops
-    answering for a while, less than ``quorum_timeout`` (stopped: SIGSTOP, then SIGCONT). Every group ends at the same step with the same parameters bit for bit."""
-    out, port = tmp_path, free_port()
+def two_groups_lost(sync_every: int, out) -> None:
+    """The scenario of :func:`test_two_groups_lost_at_once_one_killed_in_its_healing_and_the_lighthouse_away`, asserting as it goes."""
+    port = free_port()
     groups = 4
     lighthouse = start_lighthouse(port, out)
     address = f"http://127.0.0.1:{port}"
@@ -382,11 +422,9 @@ def test_two_groups_lost_at_once_one_killed_in_its_healing_and_the_lighthouse_aw
         assert len(found[name]["steps"]) < LONG_STEPS - KILL_AT  # it did not start over
 
 
-@pytest.mark.parametrize("sync_every", [1, 5], ids=["synchronous", "DiLoCo"])
-def test_the_lighthouse_killed_and_started_again_mid_run(sync_every, tmp_path):
-    """3 groups of 1 rank; the lighthouse is killed (SIGKILL) and started again on the same port; then a group is
-    killed and returns, healing through the new lighthouse. The groups go on, and end equal bit for bit."""
-    out, port = tmp_path, free_port()
+def lighthouse_killed(sync_every: int, out) -> None:
+    """The scenario of :func:`test_the_lighthouse_killed_and_started_again_mid_run`, asserting as it goes."""
+    port = free_port()
     groups = 3
     lighthouse = start_lighthouse(port, out, min_replicas=2)
     address = f"http://127.0.0.1:{port}"
@@ -419,6 +457,60 @@ def test_the_lighthouse_killed_and_started_again_mid_run(sync_every, tmp_path):
             assert torch.equal(run["params"][key], value), (name, key)
         assert run["steps"][-1]["ft/replicas"] == groups, name
     assert found["2-back"]["steps"][-1]["ft/heals"] >= 1
+
+
+SCENARIOS = {"test_two_groups_lost_at_once_one_killed_in_its_healing_and_the_lighthouse_away": two_groups_lost,
+             "test_the_lighthouse_killed_and_started_again_mid_run": lighthouse_killed}
+"""The tests whose scenario runs as a background job: ``(job name, sync_every)``."""
+
+
+def owned(job, *args):
+    """Run ``job(*args)`` in this thread; if it fails, SIGKILL the groups it launched (the other jobs' go on)."""
+    _JOB.procs = []
+    try:
+        return job(*args)
+    except BaseException:
+        for proc in _JOB.procs:
+            signal_group_quietly(proc.pid)
+        raise
+    finally:
+        del _JOB.procs
+
+
+@pytest.fixture(scope="module")
+def background(request, tmp_path_factory) -> dict:
+    """The fault layouts (:func:`run_layout`) and the long scenarios the selected tests need, :data:`AT_ONCE` at a
+    time, each with its own lighthouse, folder and ports: a future per job, whose result or failure is its tests'
+    alone. Every job has ended when this returns (nothing runs beside the tests)."""
+    jobs = {}
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "run" in params:
+            jobs[("layout", params["run"])] = functools.partial(run_layout, LAYOUTS[params["run"]])
+        elif item.originalname in SCENARIOS:
+            job = SCENARIOS[item.originalname]
+            jobs[(job.__name__, params["sync_every"])] = functools.partial(job, params["sync_every"])
+    # (the long scenarios first, each beside the layouts)
+    order = sorted(jobs, key=lambda key: key[0] == "layout")
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        return {key: pool.submit(owned, jobs[key], tmp_path_factory.mktemp("ft")) for key in order}
+
+
+@pytest.mark.parametrize("sync_every", [1, 5], ids=["synchronous", "DiLoCo"])
+def test_two_groups_lost_at_once_one_killed_in_its_healing_and_the_lighthouse_away(sync_every, background):
+    """4 groups of 1 rank: groups 2 and 3 die in the backward of step 10; group 2 returns; group 3 returns, is
+    killed once it has received its peer's state (inside its healing), and returns again; then the lighthouse stops
+    answering for a while, less than ``quorum_timeout`` (stopped: SIGSTOP, then SIGCONT). Every group ends at the same step with the same parameters bit for bit."""
+    background[("two_groups_lost", sync_every)].result()  # (run in the background: :func:`two_groups_lost`)
+
+
+@pytest.mark.parametrize("sync_every", [1, 5], ids=["synchronous", "DiLoCo"])
+def test_the_lighthouse_killed_and_started_again_mid_run(sync_every, background):
+    """3 groups of 1 rank; the lighthouse is killed (SIGKILL) and started again on the same port; then a group is
+    killed and returns, healing through the new lighthouse. The groups go on, and end equal bit for bit."""
+    background[("lighthouse_killed", sync_every)].result()  # (run in the background: :func:`lighthouse_killed`)
 
 
 @pytest.mark.parametrize("codec", ["fp16", "bf16", "topk", "sparse"])

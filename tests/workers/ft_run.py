@@ -67,6 +67,9 @@ class Record(L.Callback):
         # (step, files): at the first step from `step` on, wait until every file exists
         self.holds = [(int(step), files.split(",")) for step, files in (h.split(":", 1) for h in args.hold)]
         self.announce = args.announce
+        self.groups = args.groups
+        step, _, path = (args.mark_alone or "").partition(":")
+        self.alone = (int(step), path) if path else None
         self.wait_start = args.wait_start
         self.steps: list[dict] = []
         self.epochs: list[dict] = []
@@ -114,6 +117,10 @@ class Record(L.Callback):
         replicas = members.replicas.metrics() if members is not None else {}
         comm = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("comm/", "sync/"))}
         self.steps.append({"time": time.time(), "global_step": trainer.global_step, **replicas, **comm})
+        if (self.alone is not None and trainer.global_rank == 0 and trainer.global_step >= self.alone[0]
+                and replicas.get("ft/replicas", self.groups) < self.groups):
+            open(f"{self.alone[1]}.{self.group}", "w").close()
+            self.alone = None
         if self.kill_in == "end" and self.kill_at is not None and trainer.global_step >= self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # every rank of the group: the node is gone
         while self.holds and trainer.global_step >= self.holds[0][0]:
@@ -165,6 +172,8 @@ def main() -> None:
     parser.add_argument("--tag", default="")
     parser.add_argument("--hold", action="append", default=[], help="STEP:FILE[,FILE]: at the first step from"
                         " STEP on, wait until every FILE exists")
+    parser.add_argument("--mark-alone", default=None, help="STEP:FILE: write FILE.<group> (global rank 0) at the end"
+                        " of the first step from STEP on made without every group in the quorum")
     parser.add_argument("--announce", default=None, help="write ANNOUNCE.<rank> once set up")
     parser.add_argument("--wait-start", default=None, help="once set up (after --announce), wait for this file"
                         " before the first step")
