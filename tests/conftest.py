@@ -199,12 +199,16 @@ def pytest_sessionfinish(session) -> None:
         out.write("\n".join(lines) + "\n")
 
 
-SLOWEST_FIRST = ("test_fault_tolerance.py", "test_tensor_parallel.py", "test_pipeline_mesh.py", "test_meta_init.py",
-                 "test_compression_training.py", "test_adaptive.py", "test_checkpoint.py", "test_default_paths.py",
-                 "test_reliability.py", "test_zero.py", "test_memory_budget.py", "test_mesh_faults.py")
-"""The files that took longest in `.ci/run` (its seconds-per-file table, docs/testing.md), slowest first: collected
-first, so that under `--dist loadfile` the two workers start with them and end together (a long file started
-last would run alone at the end). Every other file keeps its place after them."""
+SLOWEST_FIRST = ("test_fault_tolerance.py", "test_tensor_parallel.py", "test_checkpoint.py", "test_default_paths.py",
+                 "test_meta_init.py", "test_adaptive.py", "test_pipeline_mesh.py", "test_compression_training.py",
+                 "test_launch.py", "test_memory_cap.py", "test_zero.py", "test_cluster.py", "test_reliability.py",
+                 "test_memory_budget.py", "test_mesh_faults.py", "test_health.py")
+"""The files that took longest in `.ci/run` (its seconds-per-file table, docs/testing.md), collected first, in this
+order: under `--dist loadfile --no-loadscope-reorder` the two workers take them in turn, each holding one file
+queued behind the one it runs. The fault-tolerance file runs first (300 s, mostly its groups' sleeps; the checkpoint
+file, also mostly waits, queued behind it); the other worker meanwhile runs the files that compute the most, and
+the files that wait on timeouts (reliability, the mesh's faults, health) come after them, beside the short files
+that follow in their usual order, so that a long file is never left to run alone at the end."""
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
