@@ -21,7 +21,7 @@ TWO_NODE_FACTORS = {"stage": (1, 2, 3), "scope": ("global", "node"), "hier": ("o
 ALL_TWO_NODES = [":".join(map(str, row)) for row in itertools.product(*TWO_NODE_FACTORS.values())]
 TWO_NODES = matrix([":".join(map(str, row)) for row in covering_pairs(
     TWO_NODE_FACTORS, required=[(1, "global", "on"), (1, "global", "off")])], ALL_TWO_NODES)
-"""2 nodes x 2: every pair of a stage, a shard scope and a route in some variant (6 of the 12; each variant trains
+"""2 nodes x 2: every pair of a stage, a shard scope and a route in some variant (7 of the 12; each variant trains
 both configurations), the route's two values at stage 1 among them; ``pytest --full-matrix`` runs all 12."""
 LAUNCHES = [("2 ranks", 2, None, ONE_NODE), ("2 nodes x 2", 4, 2, TWO_NODES)]
 CASES = [(label, v) for label, _, _, variants in LAUNCHES for v in variants]
