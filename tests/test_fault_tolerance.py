@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_plugin.testing.processes import clean_env, signal_group_quietly
+from ddp_plugin.testing.processes import clean_env, kill_identified, signal_group_quietly
 from ddp_plugin.testing.ranks import free_port
 from tests.support import ROOT, WORKERS, interpreter
 
@@ -45,13 +45,20 @@ _JOB = threading.local()
 """The groups a background job (:func:`owned`) launched in this thread."""
 
 
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a launched group: its launching process's session, and every rank that wrote its identity (the
+    ranks forked by the zygote are not in that session)."""
+    kill_identified(proc.procs)
+    signal_group_quietly(proc.pid)
+
+
 def kill_launched() -> None:
     """SIGKILL every launched group's processes. A test that fails leaves its other groups running (held at a step,
     or waiting in a quorum for the group that failed): without this they would spend the cores the rest of the
     suite runs on until their own timeouts, minutes later."""
     while LAUNCHED:
         proc = LAUNCHED.pop()
-        signal_group_quietly(proc.pid)
+        kill_group(proc)
         proc.wait()
 
 
@@ -71,6 +78,7 @@ def launch(out, group: int, groups: int, lighthouse: str, devices: int, sync_eve
          "--step-sleep", "0.2", "--sync-every", str(sync_every), f"--tag={tag}", *extra],
         env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     proc.log = log
+    proc.procs = out / f"procs{group}{tag}"  # (each rank's identity file: ft_run.py writes them)
     LAUNCHED.append(proc)
     if hasattr(_JOB, "procs"):
         _JOB.procs.append(proc)
@@ -471,7 +479,7 @@ def owned(job, *args):
         return job(*args)
     except BaseException:
         for proc in _JOB.procs:
-            signal_group_quietly(proc.pid)
+            kill_group(proc)
         raise
     finally:
         del _JOB.procs

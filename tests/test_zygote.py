@@ -193,3 +193,40 @@ def test_the_launch_log_counts_a_forked_childs_start_and_the_cpu_it_used(tmp_pat
     lines = [line.split("\t") for line in log.read_text().splitlines()]
     assert lines[0] == ["tests/x.py::t (call)", "launch", "1"], lines
     assert lines[1][:2] == ["tests/x.py::t (call)", "cpu"] and 0.5 <= float(lines[1][2]) < 30, lines
+
+
+def test_a_rank_forked_by_the_zygote_outside_its_launchers_session_is_killed_by_its_identity_file(tmp_path):
+    # A launcher started in a session of its own starts a "rank" through the shim: the rank is the zygote's child,
+    # outside that session, so killing the session leaves it running; its identity file reaches it. A file whose
+    # process has ended (or whose id another process took since: another start time) is passed over.
+    from ddp_plugin.testing.processes import kill_identified, signal_group_quietly
+
+    folder = tmp_path / "procs"
+    rank = ("import sys, time; from ddp_plugin.testing.processes import write_identity_file;"
+            f" write_identity_file({str(folder)!r}); time.sleep(600)")
+    (tmp_path / "rank.py").write_text(rank)
+    launcher = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, {str(tmp_path / 'rank.py')!r}]);"
+                " time.sleep(600)")
+    (tmp_path / "launcher.py").write_text(launcher)
+    (folder).mkdir()
+    (folder / "proc-1").write_text("1 0")  # (init's id with another start time: not killed)
+    proc = subprocess.Popen([interpreter(), str(tmp_path / "launcher.py")], start_new_session=True, cwd=ROOT)
+    try:
+        deadline = time.time() + 300
+        while len(list(folder.glob("proc-*"))) < 2 or any(p.stat().st_size == 0 for p in folder.glob("proc-*")):
+            assert time.time() < deadline and proc.poll() is None, "the rank did not start"
+            time.sleep(0.1)
+        pid = next(int(p.name[5:]) for p in folder.glob("proc-*") if p.name != "proc-1")
+        signal_group_quietly(proc.pid)
+        proc.wait()
+        time.sleep(1)
+        assert alive(pid)  # (the zygote forked it: outside the launcher's session)
+        kill_identified(folder)
+        deadline = time.time() + 60
+        while alive(pid):
+            assert time.time() < deadline, "not killed"
+            time.sleep(0.1)
+        assert alive(1)
+    finally:
+        signal_group_quietly(proc.pid)
+        kill_identified(folder)

@@ -35,6 +35,7 @@ __all__ = [
     "clean_env",
     "end_run",
     "inject_fault",
+    "kill_identified",
     "kill_quietly",
     "pid_files",
     "print_line",
@@ -44,6 +45,7 @@ __all__ = [
     "runs_argument",
     "signal_group_quietly",
     "stopped",
+    "write_identity_file",
     "write_pid_file",
 ]
 
@@ -120,6 +122,38 @@ def signal_group_quietly(pgid: int, sig: int = signal.SIGKILL) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (``/proc/<pid>/stat``'s 22nd field, clock ticks since boot), or None if there
+    is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def write_identity_file(folder: str | os.PathLike) -> None:
+    """Write this process's id and start time to ``folder/proc-<pid>`` (made if missing), for
+    :func:`kill_identified`. Linux only."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"proc-{os.getpid()}"), "w") as f:
+        f.write(f"{os.getpid()} {_start_time(os.getpid())}")
+
+
+def kill_identified(folder: str | os.PathLike, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to every process that wrote an identity file into ``folder`` and still runs: the same id and
+    the same start time, so never a process that took an ended one's id since. A process started outside a
+    launcher's session (a rank forked by the test suite's zygote) is reached this way where ``end_run``'s process
+    group is not."""
+    for path in Path(folder).glob("proc-*"):
+        try:
+            pid, started = path.read_text().split()
+        except (OSError, ValueError):
+            continue
+        if _start_time(int(pid)) == started:
+            kill_quietly(int(pid), sig)
 
 
 def end_run(proc: subprocess.Popen, folder: str | os.PathLike | None = None, also: Iterable[int] = (),

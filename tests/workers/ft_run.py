@@ -42,6 +42,7 @@ from ddp_plugin.hookspecs import is_tensor_parallel_shard, local_tensor
 from ddp_plugin.testing.data import sine_dataset
 from ddp_plugin.testing.gpt import GPTModule, token_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
+from ddp_plugin.testing.processes import write_identity_file
 
 FEATURES, HIDDEN, BATCH = 8, 16, 4
 
@@ -184,6 +185,7 @@ def main() -> None:
     parser.add_argument("--gate", default=None, help="wait for this file before the first step (after writing"
                         " GATE.<group>.<rank>)")
     args = parser.parse_args()
+    write_identity_file(os.path.join(args.out, f"procs{args.group}{args.tag}"))  # (every rank: see its test's kill)
 
     if args.kill_in == "heal":
         # (the state received from a live peer, before it is loaded: inside the quorum, or in the background)
