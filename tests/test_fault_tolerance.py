@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_plugin.testing.processes import clean_env, kill_identified, signal_group_quietly
+from ddp_plugin.testing.processes import clean_env, end_run
 from ddp_plugin.testing.ranks import free_port
 from tests.support import ROOT, WORKERS, interpreter
 
@@ -45,21 +45,14 @@ _JOB = threading.local()
 """The groups a background job (:func:`owned`) launched in this thread."""
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL a launched group: its launching process's session, and every rank that wrote its identity (the
-    ranks forked by the zygote are not in that session)."""
-    kill_identified(proc.procs)
-    signal_group_quietly(proc.pid)
-
-
 def kill_launched() -> None:
-    """SIGKILL every launched group's processes. A test that fails leaves its other groups running (held at a step,
-    or waiting in a quorum for the group that failed): without this they would spend the cores the rest of the
-    suite runs on until their own timeouts, minutes later."""
+    """SIGKILL every launched group's processes: its launching process's session, and every rank that wrote its
+    identity (the ranks forked by the zygote are not in that session). A test that fails leaves its other groups
+    running (held at a step, or waiting in a quorum for the group that failed): without this they would spend the
+    cores the rest of the suite runs on until their own timeouts, minutes later."""
     while LAUNCHED:
         proc = LAUNCHED.pop()
-        kill_group(proc)
-        proc.wait()
+        end_run(proc, proc.procs)
 
 
 @pytest.fixture(autouse=True)
@@ -479,7 +472,7 @@ def owned(job, *args):
         return job(*args)
     except BaseException:
         for proc in _JOB.procs:
-            kill_group(proc)
+            end_run(proc, proc.procs)
         raise
     finally:
         del _JOB.procs

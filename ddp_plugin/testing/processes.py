@@ -88,14 +88,20 @@ def pid_files(folder: str | os.PathLike) -> dict[int, int]:
     return out
 
 
+def _stat_field(pid: int, field: int) -> str | None:
+    """Field ``field`` (numbered from 1, as in proc(5)) of ``/proc/<pid>/stat``, or None if there is no such
+    process. Fields are counted after the command's closing bracket (the name may hold spaces and brackets)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[field - 3]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
 def process_state(pid: int) -> str | None:
     """The state letter of ``/proc/<pid>/stat`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie, ...), or None if there
     is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
+    return _stat_field(pid, 3)
 
 
 def alive(pid: int) -> bool:
@@ -125,13 +131,8 @@ def signal_group_quietly(pgid: int, sig: int = signal.SIGKILL) -> None:
 
 
 def _start_time(pid: int) -> str | None:
-    """When process ``pid`` started (``/proc/<pid>/stat``'s 22nd field, clock ticks since boot), or None if there
-    is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
+    """When process ``pid`` started (clock ticks since boot), or None if there is no such process."""
+    return _stat_field(pid, 22)
 
 
 def write_identity_file(folder: str | os.PathLike) -> None:
@@ -145,8 +146,8 @@ def write_identity_file(folder: str | os.PathLike) -> None:
 def kill_identified(folder: str | os.PathLike, sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` to every process that wrote an identity file into ``folder`` and still runs: the same id and
     the same start time, so never a process that took an ended one's id since. A process started outside a
-    launcher's session (a rank forked by the test suite's zygote) is reached this way where ``end_run``'s process
-    group is not."""
+    launcher's session (a rank forked by the test suite's zygote) is reached this way where a process group is
+    not."""
     for path in Path(folder).glob("proc-*"):
         try:
             pid, started = path.read_text().split()
@@ -158,12 +159,15 @@ def kill_identified(folder: str | os.PathLike, sig: int = signal.SIGKILL) -> Non
 
 def end_run(proc: subprocess.Popen, folder: str | os.PathLike | None = None, also: Iterable[int] = (),
             timeout: float | None = None) -> None:
-    """Leave nothing of a run behind: SIGKILL every process named in ``folder``'s ``pid-<rank>`` files and in
-    ``also`` (a stopped process dies of SIGKILL too), then the process group of ``proc`` (started with
-    ``start_new_session=True``: the launcher and every rank it started), and reap ``proc``."""
+    """Leave nothing of a run behind: SIGKILL every process named in ``folder``'s ``pid-<rank>`` files, every one
+    that wrote an identity file there and still runs (:func:`kill_identified`) and those in ``also`` (a stopped
+    process dies of SIGKILL too), then the process group of ``proc`` (started with ``start_new_session=True``: the
+    launcher and every rank it started), and reap ``proc``."""
     pids = set(also) | (set(pid_files(folder).values()) if folder is not None else set())
     for pid in pids:
         kill_quietly(pid)
+    if folder is not None:
+        kill_identified(folder)
     signal_group_quietly(proc.pid)
     proc.wait(timeout=timeout)
 
