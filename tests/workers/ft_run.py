@@ -9,7 +9,7 @@ as a node lost mid-run.
         [--compression int8]
         [--zero-stage 2] [--devices-per-node 2]
         [--step-sleep 0.05] [--dynamic-steps]
-        [--hold 40:FILE[,FILE]] [--tag TAG] [--seed N]
+        [--hold 40:FILE[,FILE] [--mark-held FILE]] [--wait-held FILE[,FILE]] [--tag TAG] [--seed N]
         [--data-split quorum --samples 48 --shuffle]
         [--announce FILE] [--wait-start FILE] [--mark-sync FILE] [--hold-retry FILE]
 
@@ -72,6 +72,8 @@ class Record(L.Callback):
         step, _, path = (args.mark_alone or "").partition(":")
         self.alone = (int(step), path) if path else None
         self.wait_start = args.wait_start
+        self.wait_held = args.wait_held.split(",") if args.wait_held else []
+        self.mark_held = args.mark_held
         self.steps: list[dict] = []
         self.epochs: list[dict] = []
         self.sync: dict | None = None
@@ -82,6 +84,8 @@ class Record(L.Callback):
                             "indices": list(sampler), "global_step": trainer.global_step})
 
     def on_train_start(self, trainer, pl_module) -> None:
+        while not all(os.path.exists(f) for f in self.wait_held):
+            time.sleep(0.05)
         if self.announce is not None:
             open(f"{self.announce}.{trainer.global_rank}", "w").close()
         while self.wait_start is not None and not os.path.exists(self.wait_start):
@@ -126,6 +130,9 @@ class Record(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)  # every rank of the group: the node is gone
         while self.holds and trainer.global_step >= self.holds[0][0]:
             # (so that a group started again joins while this one still trains, however slowly it starts)
+            if self.mark_held is not None and trainer.global_rank == 0:
+                open(f"{self.mark_held}.{self.group}", "w").close()
+                self.mark_held = None
             while not all(os.path.exists(f) for f in self.holds[0][1]):
                 time.sleep(0.05)
             self.holds.pop(0)
@@ -175,6 +182,10 @@ def main() -> None:
                         " STEP on, wait until every FILE exists")
     parser.add_argument("--mark-alone", default=None, help="STEP:FILE: write FILE.<group> (global rank 0) at the end"
                         " of the first step from STEP on made without every group in the quorum")
+    parser.add_argument("--mark-held", default=None, help="write MARK_HELD.<group> (global rank 0) as the group"
+                        " reaches its first --hold")
+    parser.add_argument("--wait-held", default=None, help="FILE[,FILE]: once set up (before --announce), wait until"
+                        " every FILE exists")
     parser.add_argument("--announce", default=None, help="write ANNOUNCE.<rank> once set up")
     parser.add_argument("--wait-start", default=None, help="once set up (after --announce), wait for this file"
                         " before the first step")
