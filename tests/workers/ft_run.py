@@ -56,6 +56,12 @@ class Model(TinyModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+def wait_until_written(*paths: str) -> None:
+    """Until every file of ``paths`` exists (written by the test, or by another group)."""
+    while not all(os.path.exists(p) for p in paths):
+        time.sleep(0.05)
+
+
 def kill_instead(replicas: ReplicaGroups, *_args) -> None:
     replicas.manager.wait_quorum()  # (in the quorum: the live groups are about to reduce with it)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -71,7 +77,7 @@ class Record(L.Callback):
         self.groups = args.groups
         step, _, path = (args.mark_alone or "").partition(":")
         self.alone = (int(step), path) if path else None
-        self.wait_start = args.wait_start
+        self.wait_start = [args.wait_start] if args.wait_start is not None else []
         self.wait_held = args.wait_held.split(",") if args.wait_held else []
         self.mark_held = args.mark_held
         self.steps: list[dict] = []
@@ -84,18 +90,15 @@ class Record(L.Callback):
                             "indices": list(sampler), "global_step": trainer.global_step})
 
     def on_train_start(self, trainer, pl_module) -> None:
-        while not all(os.path.exists(f) for f in self.wait_held):
-            time.sleep(0.05)
+        wait_until_written(*self.wait_held)
         if self.announce is not None:
             open(f"{self.announce}.{trainer.global_rank}", "w").close()
-        while self.wait_start is not None and not os.path.exists(self.wait_start):
-            time.sleep(0.05)
+        wait_until_written(*self.wait_start)
         if self.gate is None:
             return
         # Every group set up before any trains (the launches of a loaded machine start far apart).
         open(f"{self.gate}.{self.group}.{trainer.global_rank}", "w").close()
-        while not os.path.exists(self.gate):
-            time.sleep(0.05)
+        wait_until_written(self.gate)
 
     def on_train_end(self, trainer, pl_module) -> None:
         sync = trainer.strategy.fit.session.plugin_manager.get_plugin("outer_sync")
@@ -133,8 +136,7 @@ class Record(L.Callback):
             if self.mark_held is not None and trainer.global_rank == 0:
                 open(f"{self.mark_held}.{self.group}", "w").close()
                 self.mark_held = None
-            while not all(os.path.exists(f) for f in self.holds[0][1]):
-                time.sleep(0.05)
+            wait_until_written(*self.holds[0][1])
             self.holds.pop(0)
         time.sleep(self.sleep)
 
@@ -214,8 +216,7 @@ def main() -> None:
         def hold_then_start(self, *args_, **kwargs):
             if self.uncommitted and not held and not self._started:  # (the first retry of a sync that failed)
                 held.append(True)
-                while not os.path.exists(args.hold_retry):
-                    time.sleep(0.05)
+                wait_until_written(args.hold_retry)
             start_step(self, *args_, **kwargs)
 
         ReplicaGroups.start_step = hold_then_start
