@@ -274,7 +274,8 @@ def run_worker_in_tmpfs(mountpoint, options: str, *args, timeout: float = 300) -
     # Then, still in the namespace, what is left in the tmpfs.
     then_list = ("import os, subprocess, sys; rc = subprocess.call(sys.argv[2:]);"
                  " print('leftovers:', sorted(os.listdir(sys.argv[1])), flush=True); sys.exit(rc)")
-    argv = in_tmpfs(mountpoint, options, [sys.executable, "-c", then_list, mountpoint, sys.executable,
+    # (the worker and its ranks forked by the zygote, which joins them to the namespace: tests/zygote.py)
+    argv = in_tmpfs(mountpoint, options, [sys.executable, "-c", then_list, mountpoint, interpreter(),
                                           WORKERS / "checkpoint_run.py", *map(str, args)])
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,

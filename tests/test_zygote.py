@@ -184,6 +184,31 @@ def test_a_child_ends_as_a_process_does_atexit_handlers_threads_and_uncaught_err
             assert proc.stderr.strip() == "message"
 
 
+def test_a_caller_in_a_mount_namespace_of_its_own_is_forked_into_it_and_sees_its_mounts(tmp_path):
+    # The filesystem faults mount a tmpfs in a mount namespace of their own (tests/filesystems.py); their workers
+    # and ranks were fresh interpreters (5 of them, some 20 CPU seconds a test), the zygote being outside it.
+    from tests.filesystems import in_tmpfs, tmpfs_unavailable
+
+    reason = tmpfs_unavailable()
+    if reason:
+        pytest.skip(reason)
+    if os.geteuid() != 0:
+        pytest.skip("the namespace is made with a user namespace of its own here: a fresh interpreter, as before")
+    mounted, script = tmp_path / "mounted", tmp_path / "mounts.py"
+    mounted.mkdir()
+    script.write_text(REPORT.replace('"var":', '"mounts": open("/proc/self/mounts").read(), "ns": os.stat('
+                                     '"/proc/self/ns/mnt").st_ino, "listed": os.listdir(sys.argv[1]), "var":'))
+    (mounted / "outside").write_text("")  # hidden under the tmpfs inside the namespace
+    argv = in_tmpfs(mounted, "size=64k", [interpreter(), script, mounted])
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen["executable"] == interpreter() and seen["parent"] != os.getpid()  # forked by the zygote
+    assert seen["ns"] != os.stat("/proc/self/ns/mnt").st_ino  # in the caller's namespace, not the zygote's
+    assert f"tmpfs {mounted} tmpfs" in seen["mounts"] and seen["listed"] == []
+    assert seen["cwd"] == str(tmp_path)
+
+
 def test_the_launch_log_counts_a_forked_childs_start_and_the_cpu_it_used(tmp_path):
     from tests.zygote import LAUNCHES_ENV
 

@@ -16,8 +16,9 @@ forked from the zygote too. Every rank still is its own process, with its own pr
 the collectives are the real ones. What does not look like a script or module run (``-c``, an interpreter flag
 other than torchrun's ``-u``), a run whose environment changes what an import reads (``PYTHONPATH``, unless it
 only puts folders of plugin distributions in front: :func:`_plugin_folders`; thread counts, torch's settings), a
-caller in another network or mount namespace (the simulated cluster's nodes), or a zygote that is not there: the
-shim ``exec``s the real interpreter instead, as before.
+caller in another network, user or other namespace (the simulated cluster's nodes), or a zygote that is not
+there: the shim ``exec``s the real interpreter instead, as before. A caller in a mount namespace of its own (a
+filesystem fault's tmpfs, tests/filesystems.py), the other namespaces the zygote's, gets a child that joins it.
 
 ``DDP_TEST_ZYGOTE=0`` turns it off for a whole run (``DDP_TEST_ZYGOTE=0 pytest``).
 """
@@ -117,7 +118,11 @@ except OSError:
     exec_real()
 request = json.dumps({{"argv": ARGS, "env": dict(os.environ), "cwd": os.getcwd(),
                       "executable": os.path.abspath(sys.argv[0]), "namespaces": namespaces()}}).encode()
-socket.send_fds(conn, [struct.pack("!Q", len(request))], [0, 1, 2])
+try:  # (its mount namespace: a caller in one of its own, with the zygote's other namespaces, is forked into it)
+    fds = [0, 1, 2, os.open("/proc/self/ns/mnt", os.O_RDONLY)]
+except OSError:
+    fds = [0, 1, 2]
+socket.send_fds(conn, [struct.pack("!Q", len(request))], fds)
 conn.sendall(request)
 answer = receive(conn, 8)
 child = struct.unpack("!q", answer)[0] if answer else 0
@@ -282,14 +287,19 @@ def serve(path: str, compared: tuple[str, ...] = ("net", "mnt", "pid", "user", "
             if listener in ready:
                 conn, _ = listener.accept()
                 try:
-                    header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+                    header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 4)
                     request = json.loads(receive(conn, _HEADER.unpack(header)[0]) or b"")
                 except (OSError, ValueError, struct.error):
                     conn.close()
                     continue
                 plan = _fork_plan(request["env"], base_env)
                 theirs = request.get("namespaces") or {}
-                fresh = len(fds) != 3 or plan is None or any(theirs.get(k) != here[k] for k in compared)
+                # (a caller in a mount namespace of its own, e.g. with a tmpfs mounted for a filesystem fault, gets
+                # a child that joins that namespace: see _join_mount_namespace)
+                joins = "mnt" in compared and theirs.get("mnt") != here["mnt"] and len(fds) == 4
+                fresh = len(fds) not in (3, 4) or plan is None or any(
+                    theirs.get(k) != here[k] for k in compared if not (k == "mnt" and joins))
+                plan = plan and {**plan, "join_mnt": joins}
                 _count(request["env"], "launch", str(int(not fresh)))
                 if fresh:
                     for fd in fds:
@@ -334,7 +344,11 @@ def _child(request: dict, fds: list[int], conn: socket.socket, plan: dict) -> No
     gc.enable()
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for number, fd in enumerate(fds):
+    if plan["join_mnt"]:
+        _join_mount_namespace(fds[3])
+    for fd in fds[3:]:
+        os.close(fd)
+    for number, fd in enumerate(fds[:3]):
         os.dup2(fd, number)
         os.close(fd)
     os.chdir(request["cwd"])
@@ -381,6 +395,19 @@ def _child(request: dict, fds: list[int], conn: socket.socket, plan: dict) -> No
         sys.excepthook(*sys.exc_info())
         code = 1
     _exit(code)
+
+
+def _join_mount_namespace(fd: int) -> None:
+    """Move this child (one thread, just forked) into the caller's mount namespace (``setns``, which needs the
+    capabilities that made it: the caller shares the zygote's user namespace), so that it sees the mounts the
+    caller sees; its folder is set again after (``setns`` moves it to the namespace's root)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, 0x00020000) != 0:  # CLONE_NEWNS
+        error = ctypes.get_errno()
+        os.write(2, f"tests.zygote: could not join the caller's mount namespace: {os.strerror(error)}\n".encode())
+        os._exit(1)
 
 
 def _exit_code(stop: SystemExit) -> int:
