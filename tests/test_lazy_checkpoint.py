@@ -11,14 +11,13 @@ import os
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.device_mesh import init_device_mesh
 
 from ddp_plugin.checkpoints import sharded_checkpoint
 from ddp_plugin.checkpoints.sharded_checkpoint import META_FILE, OPTIM_KEY, SHAPES_KEY, StoredTensor
+from ddp_plugin.testing.ranks import RankPool
 
 W = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)  # written as 2 blocks of rows (the second in pieces)
 V = -torch.arange(4 * 10, dtype=torch.float32).reshape(4, 10)  # written as 2 blocks of columns
@@ -40,9 +39,8 @@ def write(path: str) -> None:
     torch.save({SHAPES_KEY: shapes, OPTIM_KEY: [], "epoch": 3}, os.path.join(path, META_FILE))
 
 
-def rank_main(rank: int, path: str, init: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
-    mesh = init_device_mesh("cpu", (4,))
+def rank_main(rank: int, world_size: int, path: str) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
     checkpoint = sharded_checkpoint.load(path, lazy=True)
     state = checkpoint["state_dict"]
     assert checkpoint["epoch"] == 3 and set(state) == {"w", "v", "b"}
@@ -56,6 +54,15 @@ def rank_main(rank: int, path: str, init: str) -> None:
         return original(flat, p)
 
     sharded_checkpoint._read = recording
+    try:
+        read_each(rank, mesh, state, read)
+    finally:
+        sharded_checkpoint._read = original
+    assert torch.equal(state["w"].load(), W) and torch.equal(state["v"].load(), V)
+    assert torch.equal(sharded_checkpoint.materialized({"x": [state["b"]]})["x"][0], B)
+
+
+def read_each(rank: int, mesh, state: dict, read: list[list[str]]) -> None:
     for name, whole, placement in (("w", W, Shard(0)), ("v", V, Shard(1)), ("w", W, Replicate()),
                                    ("v", V, Shard(0)), ("b", B, Shard(0))):
         like = distribute_tensor(torch.empty_like(whole), mesh, [placement], src_data_rank=None)
@@ -70,16 +77,13 @@ def rank_main(rank: int, path: str, init: str) -> None:
         if name == "v" and placement == Shard(1):  # columns of 10 split 3, 3, 3, 1: block 0:5 or 5:10 or both
             wanted = [["model/v@1:0"], ["model/v@1:0", "model/v@1:5"], ["model/v@1:5"], ["model/v@1:5"]][rank]
             assert keys == wanted, (rank, keys)
-    sharded_checkpoint._read = original
-    assert torch.equal(state["w"].load(), W) and torch.equal(state["v"].load(), V)
-    assert torch.equal(sharded_checkpoint.materialized({"x": [state["b"]]})["x"][0], B)
-    dist.destroy_process_group()
 
 
 def test_each_rank_reads_only_the_blocks_it_holds(tmp_path):
     path = str(tmp_path / "ckpt")
     write(path)
-    mp.spawn(rank_main, args=(path, f"file://{tmp_path / 'rendezvous'}"), nprocs=4, join=True)
+    with RankPool(4) as pool:  # (forked from a fork server that imported torch once, not 4 spawned interpreters)
+        pool.run(rank_main, path)
 
 
 def test_an_eager_load_assembles_the_same_tensors(tmp_path):
