@@ -198,6 +198,7 @@ def main() -> None:
     parser.add_argument("--gate", default=None, help="wait for this file before the first step (after writing"
                         " GATE.<group>.<rank>)")
     args = parser.parse_args()
+    torch.set_num_threads(1)
     write_identity_file(os.path.join(args.out, f"procs{args.group}{args.tag}"))  # (every rank: see its test's kill)
 
     if args.kill_in == "heal":
