@@ -519,26 +519,27 @@ def run_side_by_side(jobs: dict, heavy: set) -> dict:
     future per key holding the job's result or failure."""
     futures = {key: Future() for key in jobs}
     pending = list(jobs)
-    running_heavy = [0]
+    running_heavy = 0
     turn = threading.Condition()
 
     def serve() -> None:
+        nonlocal running_heavy
         while True:
             with turn:
-                while (key := next((k for k in pending if k not in heavy or running_heavy[0] < SCENARIOS_AT_ONCE),
+                while (key := next((k for k in pending if k not in heavy or running_heavy < SCENARIOS_AT_ONCE),
                                    None)) is None:
                     if not pending:
                         return
                     turn.wait()
                 pending.remove(key)
-                running_heavy[0] += key in heavy
+                running_heavy += key in heavy
             futures[key].set_running_or_notify_cancel()
             try:
                 futures[key].set_result(jobs[key]())
             except BaseException as err:  # noqa: BLE001 - the job's tests raise it
                 futures[key].set_exception(err)
             with turn:
-                running_heavy[0] -= key in heavy
+                running_heavy -= key in heavy
                 turn.notify_all()
 
     threads = [threading.Thread(target=serve, name=f"fault-job-{i}") for i in range(AT_ONCE)]
@@ -700,7 +701,9 @@ def test_a_group_returning_after_its_peers_ended_does_not_try_to_heal_from_them(
             *common, *(["--kill-at", "6", "--kill-in", "end"] if g == 1 else [])])
         assert wait(procs[1], tmp_path, 600) == -9
         assert wait(procs[0], tmp_path, 600) == 0
+        deadline = time.time() + 60
         while beating_groups(lighthouse.address(), 10.0):  # (until the lighthouse hears group 0 no more)
+            assert time.time() < deadline, "the lighthouse still heard a group a minute after every group ended"
             time.sleep(0.1)
         procs[1] = launch(tmp_path, 1, 2, lighthouse.address(), 1, 5, *common, tag="-back")
         assert wait(procs[1], tmp_path, 600) == 0
