@@ -184,6 +184,27 @@ def test_a_child_ends_as_a_process_does_atexit_handlers_threads_and_uncaught_err
             assert proc.stderr.strip() == "message"
 
 
+def test_a_childs_own_finalizers_run_at_its_exit_and_not_those_its_zygotes_imports_registered(tmp_path):
+    # torch.library's finalizers (one per operator library) deregister kernels at exit, writing to the pages the
+    # zygote shares: a forked child skips them, as multiprocessing's do; what the script itself registers runs.
+    path = tmp_path / "finalizers.py"
+    path.write_text(
+        "import os, weakref, torch.library\n"
+        "class Thing:\n"
+        "    pass\n"
+        "thing = Thing()\n"
+        "weakref.finalize(thing, print, 'own finalizer ran', flush=True)\n"
+        "inherited = [f for f in weakref.finalize._registry if f.atexit]\n"
+        "print('inherited at exit', sum(f.peek()[1] is torch.library._del_library for f in inherited), flush=True)\n"
+        "print('parent', os.getppid(), flush=True)\n"
+    )
+    proc = subprocess.run([interpreter(), str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "inherited at exit 0" and lines[-1] == "own finalizer ran", lines
+    assert lines[1] != f"parent {os.getpid()}"  # (forked by the zygote)
+
+
 def test_a_caller_in_a_mount_namespace_of_its_own_is_forked_into_it_and_sees_its_mounts(tmp_path):
     # The filesystem faults mount a tmpfs in a mount namespace of their own (tests/filesystems.py); their workers
     # and ranks were fresh interpreters (5 of them, some 20 CPU seconds a test), the zygote being outside it.

@@ -116,6 +116,8 @@ class FitSession:
         self.skipped_steps = 0
         self.metric_sums: dict[str, float] = {}
         self.metric_steps = 0
+        self.last_metrics: dict[str, float] = {}
+        """The metrics of the last optimizer step (or skipped step), whether or not the Trainer logged that step."""
         self._sample_weight: tuple[Any, Tensor, int, int] | None = None
         setup = {"topology": topology, "buckets": self.engine.buckets, "hook": hook, "options": self.options,
                  "module": module, "comm": self.comm}
@@ -331,6 +333,7 @@ class FitSession:
         for name, value in metrics.items():
             self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value
         self.metric_steps += 1
+        self.last_metrics = metrics
         module = self.module
         if module._current_fx_name is not None and (self.config.progress_bar_metrics or _logs_this_step(module)):
             # Through LightningModule.log, so every logger and `log_every_n_steps` apply as to the user's metrics;
