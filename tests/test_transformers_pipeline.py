@@ -65,3 +65,23 @@ def test_built_on_meta_it_starts_from_the_models_own_initialization_and_trains(r
         assert all(math.isfinite(x) for x in losses), (rank, losses)
         assert abs(losses[0] - math.log(64)) < 0.3, (rank, losses)  # (uniform predictions from a small init)
         assert min(losses[-2:]) < losses[0], (rank, losses)
+
+
+FIND_WITHOUT_MODELS = """
+import sys
+import lightning.pytorch
+from torch import nn
+from ddp_plugin.parallel.stages.transformers import find
+before = "transformers" in sys.modules, "transformers.modeling_utils" in sys.modules
+print(before, find(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))), "transformers.modeling_utils" in sys.modules)
+"""
+
+
+def test_finding_a_stage_description_imports_no_transformers_models_where_none_was_built(tmp_path):
+    # Lightning imports `transformers` (torchmetrics does) wherever it is installed; a pipeline split of a model that
+    # holds none of its models must not import their base (`transformers.PreTrainedModel` on that lazy module did).
+    pytest.importorskip("transformers")
+    script = tmp_path / "find.py"
+    script.write_text(FIND_WITHOUT_MODELS)
+    out = run_python(script).stdout.splitlines()[-1]
+    assert out == "(True, False) None False", out

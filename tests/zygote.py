@@ -59,7 +59,10 @@ PRELOAD = (
     "lightning.pytorch", "lightning.fabric", "lightning.pytorch.cli", "ddp_plugin", "ddp_plugin.testing.callbacks",
     "ddp_plugin.testing.data", "ddp_plugin.testing.models", "ddp_plugin.testing.gpt", "ddp_plugin.testing.ranks",
     "ddp_plugin.testing.processes", "ddp_plugin.parallel.tensor_parallel", "ddp_plugin.sync", "torch.distributed.run",
+    "torch.distributed.pipelining",
 )
+OPTIONAL_PRELOAD = ("torchft", "torchft.checkpointing")
+"""Imported where installed (an extra): each fault worker imported torchft itself, 0.13 s of CPU a child."""
 
 _HEADER = struct.Struct("!Q")
 
@@ -247,6 +250,11 @@ def serve(path: str, compared: tuple[str, ...] = ("net", "mnt", "pid", "user", "
     gc.disable()  # as the gc module's documentation advises for fork without exec: no holes in shared pages,
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in OPTIONAL_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
     gc.freeze()  # and no collection in a child writing to them (a child's exit took 1-2 s of copy-on-write without)
     # The finalizers those imports registered (torch.library's, one per operator library) do not run at a child's
     # exit, as in multiprocessing's forked children: each deregisters its library's kernels, writing to pages the
