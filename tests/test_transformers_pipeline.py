@@ -69,7 +69,7 @@ def test_built_on_meta_it_starts_from_the_models_own_initialization_and_trains(r
 
 FIND_WITHOUT_MODELS = """
 import sys
-import lightning.pytorch
+import transformers  # (as Lightning's own import does, through torchmetrics, where transformers is installed)
 from torch import nn
 from ddp_plugin.parallel.stages.transformers import find
 before = "transformers" in sys.modules, "transformers.modeling_utils" in sys.modules
@@ -78,8 +78,8 @@ print(before, find(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))), "transforme
 
 
 def test_finding_a_stage_description_imports_no_transformers_models_where_none_was_built(tmp_path):
-    # Lightning imports `transformers` (torchmetrics does) wherever it is installed; a pipeline split of a model that
-    # holds none of its models must not import their base (`transformers.PreTrainedModel` on that lazy module did).
+    # Lightning imports `transformers` (torchmetrics does) wherever it is installed, a lazy module; a pipeline split of
+    # a model that holds none of its models must not import their base (`transformers.PreTrainedModel` on it did).
     pytest.importorskip("transformers")
     script = tmp_path / "find.py"
     script.write_text(FIND_WITHOUT_MODELS)

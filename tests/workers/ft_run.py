@@ -124,7 +124,7 @@ class Record(L.Callback):
         members = session.plugin_manager.get_plugin("replica_groups") if session is not None else None
         replicas = members.replicas.metrics() if members is not None else {}
         # (the step's own metrics from the session: logging a dozen through Lightning every step was two fifths of
-        # this worker's CPU)
+        # this worker's sampled time)
         last = session.last_metrics if session is not None else {}
         comm = {k: float(v) for k, v in last.items() if k.startswith(("comm/", "sync/"))}
         self.steps.append({"time": time.time(), "global_step": trainer.global_step, **replicas, **comm})
