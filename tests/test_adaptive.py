@@ -16,8 +16,8 @@ from torch import nn
 from ddp_plugin import Bucket, HierarchicalZeroStrategy
 from ddp_plugin.codecs import BUILTIN_CODECS
 from ddp_plugin.gradients.comm import TracedCommunicator
-from ddp_plugin.gradients.planning import (BUCKET_BAND, FLAT, HIERARCHICAL, BucketPlan, CommPlan, CostModel, Fit,
-                                          holds_more)
+from ddp_plugin.gradients.planning import (BUCKET_BAND, FLAT, HIERARCHICAL, PREDICTION_BAND, BucketPlan, CommPlan,
+                                          CostModel, Fit, holds_more)
 from ddp_plugin.gradients.plugin_manager import build_plugin_manager
 from ddp_plugin.plugins.adaptive import TRIAL_STEPS, AdaptivePlanner
 from ddp_plugin.testing.ranks import RankPool
@@ -86,30 +86,67 @@ def test_bucket_size_balances_latency_against_the_last_transfer():
 
 
 def test_close_calls_are_left_to_measurement_and_clear_ones_are_not():
-    # 400 MB/s: hierarchical + int8 is predicted 20 % faster than hierarchical without a codec.
-    plan = CommPlan(model_of(400.0), (FLAT, HIERARCHICAL), ("none", "int8"), 25.0, 0.0)
+    # 300 MB/s: hierarchical + int8 is predicted 27 % faster than hierarchical without a codec (beyond the
+    # prediction band, within the trial margin).
+    plan = CommPlan(model_of(300.0), (FLAT, HIERARCHICAL), ("none", "int8"), 25.0, 0.0)
     plan.plan_buckets({"0": 25 * 2**20})
-    assert plan.contested(margin=0.3) == {"0": [(HIERARCHICAL, "int8"), (HIERARCHICAL, "none")]}
-    assert plan.contested(margin=0.15) == {}
+    assert plan.contested(margin=0.5) == {"0": [(HIERARCHICAL, "int8"), (HIERARCHICAL, "none")]}
+    assert plan.contested(margin=0.3) == {}
     one_option = CommPlan(model_of(125.0), (FLAT,), ("none",), 25.0, 0.0)
     one_option.plan_buckets({"0": 25 * 2**20})
     assert one_option.contested() == {}
 
 
-@pytest.mark.parametrize("mb_per_s", [400.0, 125.0])
+@pytest.mark.parametrize("mb_per_s", [300.0, 125.0])
 def test_a_runner_up_that_holds_more_is_not_tried(mb_per_s):
     # Flat + int8 codes the whole bucket on every rank (its residual, its codes), hierarchical + int8 the share the
-    # in-node reduce-scatter leaves: predicted 18 % (400 MB/s) and 28 % (1 Gbit/s) slower, it is not the runner-up
+    # in-node reduce-scatter leaves: predicted 20 % (300 MB/s) and 28 % (1 Gbit/s) slower, it is not the runner-up
     # a trial would time (a trial of it raised int8's peak RSS 40-70 MB a rank for the fit, then lost). At 1 Gbit/s
     # no other option is close: no trial.
     plan = CommPlan(model_of(mb_per_s), (FLAT, HIERARCHICAL), ("none", "int8"), 25.0, 0.0)
     plan.plan_buckets({"0": 25 * 2**20})
     assert plan.decisions()["0"] == (HIERARCHICAL, "int8")
-    assert (FLAT, "int8") not in plan.contested(margin=0.3).get("0", [])
+    assert (FLAT, "int8") not in plan.contested().get("0", [])
     if mb_per_s == 125.0:
-        assert plan.contested(margin=0.3) == {}
+        assert plan.contested() == {}
     assert holds_more((FLAT, "int8"), (HIERARCHICAL, "int8")) and not holds_more((HIERARCHICAL, "int8"), (FLAT, "int8"))
     assert not holds_more((FLAT, "none"), (HIERARCHICAL, "none")) and not holds_more((FLAT, "int8"), (HIERARCHICAL, "none"))
+
+
+def ten_gbit_runs() -> list[CostModel]:
+    """The cost models of four probes of one job's links (2 x 2 at 10 Gbit/s, 2026-12-05: each stage's latency and
+    bandwidth as the plan logged them), which ranked the routes and codecs differently."""
+    runs = [  # world/none, world/int8, inter/none, inter/int8, reduce-scatter, all-gather: (ms, MB/s)
+        [(2.76, 453.5), (6.95, 435.8), (1.78, 459.4), (3.26, 525.1), (0.90, 1086.1), (0.77, 1356.1)],
+        [(3.19, 574.2), (7.51, 456.5), (0.85, 476.0), (3.01, 456.5), (0.86, 1306.7), (0.50, 1855.8)],
+        [(4.13, 428.2), (8.16, 554.0), (1.39, 488.9), (6.03, 462.4), (0.93, 1680.9), (1.76, 2033.0)],
+        [(3.43, 701.9), (5.39, 474.8), (1.17, 524.6), (2.71, 593.2), (1.03, 1562.8), (0.82, 1725.1)],
+    ]
+    return [CostModel(2, 2, {("world", "none"): link(*r[0]), ("world", "int8"): link(*r[1]),
+                             ("inter", "none"): link(*r[2]), ("inter", "int8"): link(*r[3])},
+                      reduce_scatter=link(*r[4]), all_gather=link(*r[5])) for r in runs]
+
+
+def test_four_probes_of_one_link_plan_alike():
+    # The bucket sizes the benchmark's MLP packs at 25 MiB. With CLOSE_S alone the third probe planned bucket 1
+    # hierarchical without a codec and bucket 2 flat + int8, both predicted faster than flat without a codec by
+    # less than the probes differ; the others all flat without a codec. A close call tried in training is between
+    # flat without a codec and an option predicted beyond the band.
+    for model in ten_gbit_runs():
+        plan = CommPlan(model, (FLAT, HIERARCHICAL), ("none", "int8"), 25.0, 0.0)
+        plan.plan_buckets({"0": 50_000, "1": 25_190_000, "2": 21_120_000})
+        assert plan.decisions() == {key: (FLAT, "none") for key in "012"}
+        for chosen, runner_up in plan.contested().values():
+            assert chosen == (FLAT, "none")
+            assert plan.model.route_seconds(*runner_up, 21_120_000) > (1 + PREDICTION_BAND) * plan.buckets["2"].predicted_ms / 1e3
+
+
+def test_an_option_predicted_faster_within_the_band_goes_by_the_fixed_rule_and_one_beyond_it_does_not():
+    model = CostModel(2, 2, {("world", "none"): Fit(0, 1.0), ("world", "int8"): Fit(0, 1 / (1 + PREDICTION_BAND) + 1e-3)})
+    assert model.choose(10**6, [FLAT])[:2] == (FLAT, "none")  # int8 predicted ~ 25 % faster: not told apart
+    assert model.choose_codec("world", 10**6)[0] == "none"
+    faster = CostModel(2, 2, {("world", "none"): Fit(0, 1.0), ("world", "int8"): Fit(0, 0.7)})
+    assert faster.choose(10**6, [FLAT])[:2] == (FLAT, "int8") and faster.choose_codec("world", 10**6)[0] == "int8"
 
 
 @pytest.mark.parametrize(("in_node_mb_per_s", "chosen"), [(500.0, (HIERARCHICAL, "int8")), (300.0, (FLAT, "int8"))])
@@ -201,10 +238,19 @@ def test_a_close_call_goes_to_the_option_measured_faster_beyond_the_spread():
 
 
 def test_noisy_trial_steps_widen_the_band_the_fixed_rule_holds():
-    # Flat 20 % faster by the medians, but its own steps 40 % apart (30 % at most is taken): not told apart.
+    # Flat 20 % faster by the medians, but its own steps 40 % apart: not told apart.
     decisions, _ = settled_alone({"0": FLAT_INT8}, HIER_INT8,
                                  {FLAT_INT8: [0.010, 0.014, 0.010], HIER_INT8: [0.0125, 0.0125, 0.0126]})
     assert decisions == {"0": HIER_INT8}
+
+
+def test_a_trial_whose_steps_spread_wider_than_the_difference_keeps_no_codec_however_wide_the_spread():
+    # A run at 10 Gbit/s: int8 measured 47 % faster, no codec's steps 74 % apart. Capped at 30 %, the band let the
+    # noise take int8 (three other runs of the job kept no codec).
+    flat, flat_int8 = (FLAT, "none"), FLAT_INT8
+    decisions, reasons = settled_alone({"0": flat}, flat_int8,
+                                       {flat: [0.0551, 0.0560, 0.0958], flat_int8: [0.0375, 0.0400, 0.0380]})
+    assert decisions == {"0": flat} and "fixed rule" in reasons[0] and "74 %" in reasons[0], reasons
 
 
 def test_the_buckets_of_one_close_call_settle_together():
@@ -251,6 +297,23 @@ def test_bucket_sizes_that_cost_alike_go_to_the_one_nearest_the_default():
         assert model.choose_bucket_bytes(lambda cap: [cap], sum(layers)) == 25 * 2**20
     model = Priced({**{c * 2**20: 1.0 for c in BUCKET_CAPS_MIB}, 4 * 2**20: 0.7})
     assert model.choose_bucket_bytes(lambda cap: [cap], sum(layers)) == 4 * 2**20
+
+
+def test_two_probes_of_one_slow_link_give_one_bucket_size():
+    # Two runs of one job at 100 Mbit/s, each capacity's predicted ms as the plans logged them (the benchmark's
+    # MLP: 4 MiB layers, so 1-4 MiB pack alike). "The nearest 25 MiB within 25 % of the least" took 16 MiB in one
+    # and 32 in the other (32 MiB at 1.270 and 1.244 times the least); the default costs 1.33-1.35 times it.
+    from ddp_plugin.gradients.planning import BUCKET_CAPS_MIB
+
+    def priced(ms: tuple[float, ...]) -> Priced:  # (64-256 MiB: one bucket each, the same cost)
+        return Priced({c * 2**20: seconds / 1e3 for c, seconds in zip(BUCKET_CAPS_MIB, ms + ms[-1:] * 2)})
+
+    runs = [(1269.8, 1269.8, 1269.8, 1339.9, 1411.3, 1718.7, 1613.0, 2348.0),
+            (1127.7, 1127.7, 1127.7, 1182.3, 1231.9, 1494.5, 1403.0, 2037.8)]
+    assert {priced(ms).choose_bucket_bytes(lambda cap: [cap], 46 * 2**20) for ms in runs} == {4 * 2**20}
+    # At 10 Gbit/s (and 1 Gbit/s) the default costs 1.11-1.19 times the least: kept.
+    ten_gbit = (168.7, 168.7, 168.7, 147.6, 137.6, 159.8, 150.6, 212.6)
+    assert priced(ten_gbit).choose_bucket_bytes(lambda cap: [cap], 46 * 2**20) == 25 * 2**20
 
 
 class Priced(CostModel):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ddp_plugin import health
 from ddp_plugin.hookspecs import Options, local_tensor
 from ddp_plugin.gradients.link_probe import agree, probe, probe_codecs
-from ddp_plugin.gradients.planning import BUCKET_BAND, FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel, nearest_default
+from ddp_plugin.gradients.planning import BUCKET_BAND, FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel, capacity_of
 from ddp_plugin.plugins.adaptive import AdaptivePlanner, candidate_names
 
 if TYPE_CHECKING:
@@ -87,9 +87,10 @@ class LinkChoices:
                         for group in pack(reversed(named), cap, FIRST_BUCKET_BYTES)]
 
             costs = model.bucket_costs(buckets_for, total, routes, names)
-            bucket_size_mb = nearest_default(costs) / 2**20
+            bucket_size_mb = capacity_of(costs) / 2**20
             why = ", ".join(f"{cap / 2**20:.4g} MiB {seconds * 1e3:.1f} ms" for cap, seconds in costs.items())
-            why = f"{bucket_size_mb:.4g} MiB (predicted: {why}; the nearest 25 MiB within {BUCKET_BAND:.0%} of the least)"
+            why = (f"{bucket_size_mb:.4g} MiB (predicted: {why}; 25 MiB unless another is cheaper by more than"
+                   f" {BUCKET_BAND:.0%}, then the cheapest)")
         else:
             bucket_size_mb, why = float(config.bucket_size_mb), ""
         if len(routes) > 1 and (config.zero_stage or config.sync_every > 1):

@@ -55,19 +55,28 @@ TINY_BYTES = 16 * 2**10
 BUCKET_CAPS_MIB = (1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
 """The bucket capacities ``bucket_size_mb="auto"`` weighs, with the one the sqrt rule gives."""
 BUCKET_BAND = 0.25
-"""``bucket_size_mb="auto"`` takes, of the capacities predicted to cost within this share of the least, the one
-nearest the default 25 MiB (DDP's): a difference the probe's noise can make does not move the buckets between two
-runs of one job (with 10 %, two runs of one job at 1 Gbit/s took 32 and 16 MiB; there 25 MiB is costed 15-19 %
-above 16 MiB, by how the layers pack, run after run)."""
+"""``bucket_size_mb="auto"`` keeps the default 25 MiB (DDP's) unless another capacity is predicted to cost less by
+more than this share; then it takes the cheapest. One comparison, against the default, and not the capacity at the
+band's edge: with "the one nearest 25 MiB within 25 % of the least", two runs of one job at 100 Mbit/s took 32 and
+16 MiB, the 32 MiB buckets costed 1.244 and 1.270 times the least (a ratio the layers' packing fixes near 1.25, with
+the probe's noise either side of the band's edge); the default costed 1.33-1.35 times it there, 1.11-1.16 at 10
+Gbit/s, 1.15-1.19 at 1 Gbit/s, and the cheapest capacity leads the next by 5 % or more at 100 Mbit/s."""
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-CODEC_MARGIN = 0.05
-"""A codec is chosen over no codec only when it is predicted this much faster: a lossy codec that saves nothing
-measurable is not worth its rounding."""
+PREDICTION_BAND = 0.25
+"""Options predicted within this share of the fastest (or :data:`CLOSE_S` of it) are not told apart, and the fixed
+rule (:func:`preferred`) takes one of them: the probe's fits of one link move this much between runs of one job
+(at 10 Gbit/s on 2 x 2, four runs: the flat all-reduce's bandwidth 428-702 MB/s, int8's over the world 436-554, the
+cross-node stage's latency 0.85-1.78 ms), enough to rank flat against hierarchical without a codec, or int8 against
+no codec, either way; with a band of :data:`CLOSE_S` alone one run in four planned hierarchical without a codec for
+two buckets, the others flat. A codec that is predicted faster by less than this is not worth its rounding
+either. A clear call stays one: at 1 Gbit/s int8 is predicted 2-3x faster than no codec, at 100 Mbit/s 3-4x."""
 
-TRIAL_BAND = (0.05, 0.3)
+TRIAL_BAND = 0.05
 """A close call settled by measurement (:meth:`CommPlan.contested`) goes to the option measured faster only where
-it was faster by more than the measurement's own spread, taken at least 5 % and at most 30 %; within that the two
-are not told apart and :func:`preferred` decides, so that two runs of one job plan alike."""
+it was faster by more than the measurement's own spread (each option's slowest timed step over its fastest, the
+larger of the two), taken at least this; within that the two are not told apart and :func:`preferred` decides, so
+that two runs of one job plan alike. The spread is not capped: capped at 30 %, a trial whose steps were 74 % apart
+took flat + int8 at 10 Gbit/s for measuring 47 % faster, where three other runs of the job kept no codec."""
 
 
 def preferred(option: tuple[str, str], codecs: Sequence[str] = ()) -> tuple[bool, bool, int, str]:
@@ -103,6 +112,12 @@ CLOSE_S = 5e-3
 fixed rule (:func:`preferred`) takes one of them at once: a small bucket's time is the latencies, which the probe
 measures milliseconds apart from run to run (int8's over the world: 6.5, 7.8 and 10.3 ms in three runs), and which
 timing in training cannot settle either (a 50 KB bucket measured 40-80 ms a step, against 5 ms predicted)."""
+
+def alike(seconds: float, fastest: float) -> bool:
+    """Whether an option predicted to take ``seconds`` is not told apart from the ``fastest``: within
+    :data:`PREDICTION_BAND` of it, or :data:`CLOSE_S`."""
+    return seconds - fastest <= max(CLOSE_S, PREDICTION_BAND * fastest)
+
 
 CodecReduce = Callable[[torch.Tensor, dist.ProcessGroup, Bucket], Any]
 """A candidate codec as the probe runs it: reduce ``tensor`` over ``group`` for ``bucket`` (returns a future or
@@ -170,16 +185,12 @@ class CostModel:
 
     def choose(self, nbytes: int, routes: Sequence[str] | None = None, codecs: Sequence[str] | None = None
                ) -> tuple[str, str, float]:
-        """The cheapest ``(route, codec, seconds)`` for a bucket of ``nbytes``; ties go to the earlier route and
-        codec in the given orders (flat before hierarchical, no codec first), and a codec must beat no codec by
-        :data:`CODEC_MARGIN`."""
-        options = [(self.route_seconds(r, c, nbytes), i, j, r, c)
-                   for i, r in enumerate(routes or self.routes)
-                   for j, c in enumerate(codecs or self.codecs) if (("world" if r == FLAT else "inter"), c) in self.cross]
-        seconds, _, _, route, codec = min(options)
-        plain = [o for o in options if o[4] == NO_CODEC]
-        if codec != NO_CODEC and plain and min(plain)[0] * (1 - CODEC_MARGIN) <= seconds:
-            seconds, _, _, route, codec = min(plain)
+        """The ``(route, codec, seconds)`` for a bucket of ``nbytes``: of the options predicted :func:`alike` the
+        cheapest, the one the fixed rule prefers (:func:`preferred`, the codecs in the order of ``codecs``)."""
+        codecs = codecs or self.codecs
+        ranked = self.ranked(nbytes, routes, codecs)
+        seconds, route, codec = min((o for o in ranked if alike(o[0], ranked[0][0])),
+                                    key=lambda o: preferred(o[1:], codecs))
         return route, codec, seconds
 
     def ranked(self, nbytes: int, routes: Sequence[str] | None = None, codecs: Sequence[str] | None = None
@@ -189,13 +200,13 @@ class CostModel:
                       for c in (codecs or self.codecs) if (("world" if r == FLAT else "inter"), c) in self.cross)
 
     def choose_codec(self, stage: str, nbytes: int, codecs: Sequence[str] | None = None) -> tuple[str, float]:
-        """The cheapest codec for a cross-node stage alone (a sharder's or a sync mode's, whose route is theirs)."""
-        options = [(self.stage_seconds(stage, c, nbytes), j, c)
-                   for j, c in enumerate(codecs or self.codecs) if (stage, c) in self.cross]
-        seconds, _, codec = min(options)
-        plain = [o for o in options if o[2] == NO_CODEC]
-        if codec != NO_CODEC and plain and plain[0][0] * (1 - CODEC_MARGIN) <= seconds:
-            seconds, _, codec = plain[0]
+        """The codec for a cross-node stage alone (a sharder's or a sync mode's, whose route is theirs): of those
+        predicted :func:`alike` the cheapest, no codec first, then the first in ``codecs``."""
+        codecs = codecs or self.codecs
+        options = [(self.stage_seconds(stage, c, nbytes), c) for c in codecs if (stage, c) in self.cross]
+        least = min(t for t, _ in options)
+        seconds, codec = min((o for o in options if alike(o[0], least)),
+                             key=lambda o: (o[1] != NO_CODEC, list(codecs).index(o[1])))
         return codec, seconds
 
     def best_route(self, sizes: Sequence[int], routes: Sequence[str] | None = None,
@@ -212,9 +223,9 @@ class CostModel:
         engine would pack them: ``buckets_for(cap)``, bytes in launch order) cost least: every bucket's predicted
         time (its own route and codec) plus the last one's again, which no backward overlaps. Packing matters: a
         capacity just below a layer's size puts each layer and each bias in buckets of their own, twice the
-        latencies of one just above it. Of the capacities within :data:`BUCKET_BAND` of the least cost, the one
-        nearest the default 25 MiB (the larger of two as near)."""
-        return nearest_default(self.bucket_costs(buckets_for, total_bytes, routes, codecs))
+        latencies of one just above it. The default 25 MiB unless another is cheaper by more than
+        :data:`BUCKET_BAND`, then the cheapest (:func:`capacity_of`)."""
+        return capacity_of(self.bucket_costs(buckets_for, total_bytes, routes, codecs))
 
     def bucket_costs(self, buckets_for: Callable[[int], Sequence[int]], total_bytes: int,
                      routes: Sequence[str] | None = None, codecs: Sequence[str] | None = None) -> dict[int, float]:
@@ -252,12 +263,15 @@ class CostModel:
         return out
 
 
-def nearest_default(costs: Mapping[int, float]) -> int:
-    """Of the capacities in ``costs`` (capacity -> predicted seconds) within :data:`BUCKET_BAND` of the least, the
-    one nearest the default 25 MiB (the larger of two as near)."""
+def capacity_of(costs: Mapping[int, float]) -> int:
+    """Of the capacities in ``costs`` (capacity -> predicted seconds): the default 25 MiB, unless another is
+    predicted to cost less by more than :data:`BUCKET_BAND`; then the cheapest (of capacities that pack alike, and
+    so cost the same, the one nearest the default; the larger of two as near)."""
     least = min(costs.values())
-    near = [cap for cap in costs if costs[cap] <= least * (1 + BUCKET_BAND)]
-    return min(near, key=lambda c: (abs(math.log(c / DEFAULT_BUCKET_BYTES)), -c))
+    if costs.get(DEFAULT_BUCKET_BYTES, math.inf) <= least * (1 + BUCKET_BAND):
+        return DEFAULT_BUCKET_BYTES
+    cheapest = [cap for cap in costs if costs[cap] <= least * (1 + 1e-9)]
+    return min(cheapest, key=lambda c: (abs(math.log(c / DEFAULT_BUCKET_BYTES)), -c))
 
 
 @dataclass
@@ -317,40 +331,33 @@ class CommPlan:
     """With ``bucket_size_mb="auto"``: each capacity's predicted seconds, and the band the one taken is in."""
 
     def plan_buckets(self, sizes: Mapping[str, int]) -> None:
-        """Decide every bucket of ``sizes`` (key -> bytes) from the model: the fastest option, or of those within
-        :data:`CLOSE_S` of it the one the fixed rule prefers; then, where that one :func:`holds_more` than an
-        option predicted within :data:`TRIAL_MARGIN` of it, the lighter one."""
+        """Decide every bucket of ``sizes`` (key -> bytes) from the model: of the options predicted :func:`alike`
+        the fastest, the one the fixed rule prefers (:meth:`CostModel.choose`); then, where that one
+        :func:`holds_more` than an option predicted within :data:`TRIAL_MARGIN` of it, the lighter one."""
         for key, nbytes in sizes.items():
             route, codec, seconds = self.model.choose(nbytes, self.routes, self.codecs)
-            ranked = self.model.ranked(nbytes, self.routes, self.codecs)
-            alike = [(r, c) for t, r, c in ranked if t - seconds <= CLOSE_S]
-            if (route, codec) in alike:
-                route, codec = min(alike, key=lambda option: preferred(option, self.codecs))
-                seconds = self.model.route_seconds(route, codec, nbytes)
-            lighter = [(t, r, c) for t, r, c in ranked
+            lighter = [(t, r, c) for t, r, c in self.model.ranked(nbytes, self.routes, self.codecs)
                        if holds_more((route, codec), (r, c)) and t <= seconds * (1 + TRIAL_MARGIN)]
             if lighter:
                 seconds, route, codec = lighter[0]
             self.buckets[key] = BucketPlan(key, nbytes, route, codec, seconds * 1e3)
 
     def contested(self, margin: float = TRIAL_MARGIN) -> dict[str, list[tuple[str, str]]]:
-        """The buckets whose chosen ``(route, codec)`` is predicted less than ``margin`` faster than the next best
-        (but more than :data:`CLOSE_S`, where the fixed rule has chosen): key -> [chosen, runner-up], to be settled
-        by timing both while training (the probe runs without backward beside it; training does not, and a close
-        call can go either way there). The runner-up is the fastest of the others that does not :func:`hold more
-        <holds_more>` than the chosen option."""
+        """The buckets whose chosen ``(route, codec)`` and the next best are predicted less than ``margin`` apart,
+        but not :func:`alike` (where the fixed rule has chosen): key -> [chosen, runner-up], to be settled by
+        timing both while training (the probe runs without backward beside it; training does not, and a close
+        call can go either way there). The runner-up is the fastest of the others that is not alike the chosen
+        option and does not :func:`hold more <holds_more>` than it."""
         out = {}
         for key, b in self.buckets.items():
             if b.route not in (FLAT, HIERARCHICAL):
                 continue
-            options = [(r, c) for _, r, c in self.model.ranked(b.nbytes, self.routes, self.codecs)
-                       if (r, c) != (b.route, b.codec) and not holds_more((r, c), (b.route, b.codec))]
-            if not options:
-                continue
             chosen = self.model.route_seconds(b.route, b.codec, b.nbytes)
-            runner_up = self.model.route_seconds(*options[0], b.nbytes)
-            if abs(runner_up - chosen) > CLOSE_S and runner_up <= chosen * (1 + margin):
-                out[key] = [(b.route, b.codec), options[0]]
+            options = [(t, (r, c)) for t, r, c in self.model.ranked(b.nbytes, self.routes, self.codecs)
+                       if (r, c) != (b.route, b.codec) and not holds_more((r, c), (b.route, b.codec))
+                       and not alike(max(t, chosen), min(t, chosen))]
+            if options and options[0][0] <= chosen * (1 + margin):
+                out[key] = [(b.route, b.codec), options[0][1]]
         return out
 
     def plan_stage(self, key: str, stage: str, nbytes: int) -> BucketPlan:

@@ -317,7 +317,7 @@ class AdaptivePlanner(HierarchicalReducer):
         """Each pair of options' timed steps, the seconds of its buckets summed over the data-parallel ranks of this
         rank's pipeline stage and tensor-parallel position, the ones that hold those buckets (one all-reduce: every
         one of them the same figures): the pair's buckets take the option whose median step was faster by more
-        than the steps' spread (each option's slowest over its fastest step, the larger, within
+        than the steps' spread (each option's slowest over its fastest step, the larger, at least
         :data:`~ddp_plugin.gradients.planning.TRIAL_BAND`), else the one the fixed rule prefers (collective over
         those ranks)."""
         totals = torch.tensor(self._trial_times, dtype=torch.float64, device=self._topology.device)
@@ -330,7 +330,7 @@ class AdaptivePlanner(HierarchicalReducer):
             first = sorted(row[i] for row in steps[1::2])
             second = sorted(row[i] for row in steps[0::2])
             spread = max((t[-1] - t[0]) / t[0] if t[0] > 0 else 0.0 for t in (first, second))
-            band = min(max(TRIAL_BAND[0], spread), TRIAL_BAND[1])
+            band = max(TRIAL_BAND, spread)
             a, b = statistics.median(first), statistics.median(second)
             option = pair[1] if b * (1 + band) < a else pair[0]
             why = ("measured faster beyond the band" if option == pair[1] or a * (1 + band) < b
