@@ -86,7 +86,7 @@ class LinkChoices:
                 return [sum(local_tensor(p).numel() * p.element_size() for _, p in group)
                         for group in pack(reversed(named), cap, FIRST_BUCKET_BYTES)]
 
-            costs = model.bucket_costs(buckets_for, total, routes, names)
+            costs = model.bucket_costs(buckets_for, routes, names)
             bucket_size_mb = capacity_of(costs) / 2**20
             why = ", ".join(f"{cap / 2**20:.4g} MiB {seconds * 1e3:.1f} ms" for cap, seconds in costs.items())
             why = (f"{bucket_size_mb:.4g} MiB (predicted: {why}; 25 MiB unless another is cheaper by more than"

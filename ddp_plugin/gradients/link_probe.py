@@ -189,8 +189,11 @@ def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, Codec
         if not codec:
             run(sizes[1], next(keys))  # warm-up of the stage's group (a codec warms up per size, in `steady`)
         for i, numel in enumerate(sizes):
-            # The fastest of a few: noise only ever adds time. The large size, where it matters less, twice.
-            times.append(steady(run, numel, reps if i < 2 else max(reps - 1, 1), codec))
+            # The fastest of a few: noise only ever adds time. The large size, where it matters less, one time
+            # fewer; the latency size, a few ms a call, three times as often: the fastest of 3 put the flat
+            # all-reduce's latency at 2.6-6.2 ms in six runs of one job at 100 Mbit/s, and with it what
+            # `bucket_size_mb="auto"` weighs (11 bias buckets' latencies against 3 larger buckets').
+            times.append(steady(run, numel, 3 * reps if i == 0 else reps if i == 1 else max(reps - 1, 1), codec))
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)
     measured = slowest.tolist()

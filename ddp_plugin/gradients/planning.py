@@ -8,8 +8,8 @@
   the slowest rank's (one all-reduce), so every rank ends with the same numbers.
 - :class:`CostModel` turns them into a latency + bytes / bandwidth line per stage and predicts a route's time
   for a bucket of any size; :meth:`CostModel.choose` is the cheapest (route, codec) for a bucket, and
-  :meth:`CostModel.bucket_bytes` the bucket size that balances per-bucket latency against the last bucket's
-  transfer, which nothing overlaps (sqrt(S * latency * bandwidth), the classic pipelining chunk).
+  :meth:`CostModel.choose_bucket_bytes` the bucket size that balances per-bucket latency against the last bucket's
+  transfer, which nothing overlaps, as the model's layers pack.
 - :class:`CommPlan` is what was measured and decided, kept as ``strategy.comm_plan``: global rank 0 decides
   and broadcasts it, so no two ranks can plan differently.
 
@@ -35,7 +35,6 @@ NO_CODEC = "none"
 DEFAULT_CANDIDATES = (None, "int8")
 """``compression="auto"``'s candidates unless ``compression_options["candidates"]`` lists others: PowerSGD and
 top-k change convergence, so they are chosen only when listed."""
-MIN_BUCKET_BYTES, MAX_BUCKET_BYTES = 2**20, 256 * 2**20
 PILOT_BYTES = 2**20
 LARGE_SECONDS = 0.08
 """The probe's larger size is grown from a pilot transfer of 1 MiB until the slowest stage (the plain mean over
@@ -53,7 +52,10 @@ every candidate codec)."""
 TINY_BYTES = 16 * 2**10
 """The probe's latency size: a message this small costs what any collective costs, whatever its size."""
 BUCKET_CAPS_MIB = (1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
-"""The bucket capacities ``bucket_size_mb="auto"`` weighs, with the one the sqrt rule gives."""
+"""The bucket capacities ``bucket_size_mb="auto"`` weighs: a fixed list, so that two runs of one job can take the same
+one (the sqrt rule's capacity, sqrt(S a / b) for a latency a and a per-byte cost b, was weighed too until
+2026-12-05: a figure of the probe's noise, 6.4-13.8 MiB at 10 and 1 Gbit/s in 10 runs, and the cheapest in 5 of
+them, by how its buckets packed)."""
 BUCKET_BAND = 0.25
 """``bucket_size_mb="auto"`` keeps the default 25 MiB (DDP's) unless another capacity is predicted to cost less by
 more than this share; then it takes the cheapest. One comparison, against the default, and not the capacity at the
@@ -217,20 +219,20 @@ class CostModel:
         totals = [(sum(self.choose(n, [r], codecs)[2] for n in sizes), i, r) for i, r in enumerate(routes)]
         return min(totals)[2]
 
-    def choose_bucket_bytes(self, buckets_for: Callable[[int], Sequence[int]], total_bytes: int,
+    def choose_bucket_bytes(self, buckets_for: Callable[[int], Sequence[int]],
                             routes: Sequence[str] | None = None, codecs: Sequence[str] | None = None) -> int:
-        """The bucket capacity, among :data:`BUCKET_CAPS_MIB` and :meth:`bucket_bytes`'s, whose buckets (as the
+        """The bucket capacity, among :data:`BUCKET_CAPS_MIB`, whose buckets (as the
         engine would pack them: ``buckets_for(cap)``, bytes in launch order) cost least: every bucket's predicted
         time (its own route and codec) plus the last one's again, which no backward overlaps. Packing matters: a
         capacity just below a layer's size puts each layer and each bias in buckets of their own, twice the
         latencies of one just above it. The default 25 MiB unless another is cheaper by more than
         :data:`BUCKET_BAND`, then the cheapest (:func:`capacity_of`)."""
-        return capacity_of(self.bucket_costs(buckets_for, total_bytes, routes, codecs))
+        return capacity_of(self.bucket_costs(buckets_for, routes, codecs))
 
-    def bucket_costs(self, buckets_for: Callable[[int], Sequence[int]], total_bytes: int,
+    def bucket_costs(self, buckets_for: Callable[[int], Sequence[int]],
                      routes: Sequence[str] | None = None, codecs: Sequence[str] | None = None) -> dict[int, float]:
         """Each capacity :meth:`choose_bucket_bytes` weighs -> the predicted seconds of its buckets."""
-        caps = sorted({*(int(c * 2**20) for c in BUCKET_CAPS_MIB), self.bucket_bytes(total_bytes, routes, codecs)})
+        caps = [int(c * 2**20) for c in BUCKET_CAPS_MIB]
 
         def cost(cap: int) -> float:
             sizes = [s for s in buckets_for(cap) if s > 0]
@@ -239,21 +241,6 @@ class CostModel:
             return sum(self.choose(s, routes, codecs)[2] for s in sizes) + self.choose(sizes[-1], routes, codecs)[2]
 
         return {cap: cost(cap) for cap in caps}
-
-    def bucket_bytes(self, total_bytes: int, routes: Sequence[str] | None = None,
-                     codecs: Sequence[str] | None = None) -> int:
-        """The bucket size for ``total_bytes`` of gradients: per bucket a latency a, per byte b (the best route
-        and codec at the default 25 MiB); B buckets' latencies, S a / B, against the last bucket's transfer,
-        B b, which no backward overlaps; minimum at B = sqrt(S a / b), within 1-256 MiB."""
-        probe = 25 * 2**20
-        route, codec, _ = self.choose(probe, routes, codecs)
-        # The route's line through two sizes gives its own latency and per-byte cost.
-        small, large = probe // 16, probe
-        t_small, t_large = self.route_seconds(route, codec, small), self.route_seconds(route, codec, large)
-        per_byte = max((t_large - t_small) / (large - small), 1e-15)
-        latency = max(t_small - per_byte * small, 0.0)
-        best = math.sqrt(max(total_bytes, 1) * latency / per_byte)
-        return int(min(max(best, MIN_BUCKET_BYTES), MAX_BUCKET_BYTES))
 
     def describe(self) -> dict[str, dict[str, float]]:
         out = {f"{stage}/{codec}": fit.describe() for (stage, codec), fit in self.cross.items()}
