@@ -219,7 +219,7 @@ def summarize(name: str, runs: list[dict[str, Any]], nodes: int) -> dict[str, An
              if r["ranks"][0].get("comm_plan")]
     if plans:
         row["plans"] = [{"version": p["version"], "decisions": p["decisions"], "reasons": p.get("reasons", []),
-                         "peak_rss_mb": rss} for p, rss in plans]
+                         "links": p.get("links", {}), "peak_rss_mb": rss} for p, rss in plans]
     # Memory per rank: per run the largest rank, then the mean over runs. Worker key -> row key; "_backward" is the
     # probe step's count after backward, the others are after the last timed optimizer step.
     for key, field in (("live_tensor_bytes", "live_tensor"), ("optimizer_state_bytes", "optimizer_state"),
@@ -292,9 +292,9 @@ def _plans_section(rows: list[dict[str, Any]]) -> list[str]:
     run planned as the contender's first run did."""
     lines = ["Each run's plan at its end (rank 0's, which every rank holds): per bucket, the route and the codec; the"
              " version counts the plans the run made; the close calls it settled by timing both options (trials), and"
-             " the run's peak RSS (max over ranks).", "",
-             "| contender | run | version | buckets (route / codec) | as run 1 | close calls tried | peak RSS MB |",
-             "|---|---:|---:|---|---|---|---:|"]
+             " the run's peak RSS (max over ranks); the probe's fits of each stage (latency ms / MB/s).", "",
+             "| contender | run | version | buckets (route / codec) | as run 1 | close calls tried | peak RSS MB | probe |",
+             "|---|---:|---:|---|---|---|---:|---|"]
     for r in rows:
         plans = r.get("plans") or []
         for i, plan in enumerate(plans, 1):
@@ -302,8 +302,10 @@ def _plans_section(rows: list[dict[str, Any]]) -> list[str]:
             same = plan["decisions"] == plans[0]["decisions"]
             tried = _cell("; ".join(plan.get("reasons") or []) or "none", 400)
             rss = plan.get("peak_rss_mb")
+            links = ", ".join(f"{name} {fit['latency_ms']:.2f} / {fit['MB_per_s']:.0f}"
+                              for name, fit in plan.get("links", {}).items())
             lines.append(f"| {r['label']} | {i} | {plan['version']} | {cells} | {'yes' if same else '**no**'} | {tried}"
-                         f" | {_fmt(rss, '.0f')} |")
+                         f" | {_fmt(rss, '.0f')} | {links or '-'} |")
     return lines
 
 

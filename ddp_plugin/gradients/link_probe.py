@@ -184,16 +184,29 @@ def probe(topology: Topology, comm: Communicator, candidates: Mapping[str, Codec
     # quarter of the pilot's and the pilot's for the bandwidth.
     sizes = (_numel_for(TINY_BYTES, unit), max(unit, numel // 4 // unit * unit), numel)
 
-    times: list[float] = []
-    for _, run, codec in stages:
-        if not codec:
-            run(sizes[1], next(keys))  # warm-up of the stage's group (a codec warms up per size, in `steady`)
+    # The fastest of a few: noise only ever adds time. The large size, where it matters less, one time fewer; the
+    # latency size, a few ms a call, three times as often: the fastest of 3 put the flat all-reduce's latency at
+    # 2.6-6.2 ms in six runs of one job at 100 Mbit/s, and with it what `bucket_size_mb="auto"` weighs (11 bias
+    # buckets' latencies against 3 larger buckets').
+    counts = (3 * reps, reps, max(reps - 1, 1))
+    best: dict[tuple[int, int], float] = {}
+    # The stages without a codec (the routes' plain all-reduce, the in-node stages) in turns, one call each: a
+    # stretch of a slow machine then slows every route alike instead of the one timed during it (timed stage after
+    # stage, four runs of one job at 10 Gbit/s predicted the hierarchical route 0.91-1.47x the flat one's time).
+    plain = [index for index, (_, _, codec) in enumerate(stages) if not codec]
+    for index in plain:
+        stages[index][1](sizes[1], next(keys))  # warm-up of the stage's group
+    for turn in range(max(counts)):
         for i, numel in enumerate(sizes):
-            # The fastest of a few: noise only ever adds time. The large size, where it matters less, one time
-            # fewer; the latency size, a few ms a call, three times as often: the fastest of 3 put the flat
-            # all-reduce's latency at 2.6-6.2 ms in six runs of one job at 100 Mbit/s, and with it what
-            # `bucket_size_mb="auto"` weighs (11 bias buckets' latencies against 3 larger buckets').
-            times.append(steady(run, numel, 3 * reps if i == 0 else reps if i == 1 else max(reps - 1, 1), codec))
+            if turn < counts[i]:
+                for index in plain:
+                    took = stages[index][1](numel, next(keys))
+                    best[index, i] = min(best.get((index, i), took), took)
+    for index, (_, run, codec) in enumerate(stages):
+        if codec:  # (a codec's state per size is made, timed and dropped in `steady`: one size's state at a time)
+            for i, numel in enumerate(sizes):
+                best[index, i] = steady(run, numel, counts[i], codec)
+    times = [best[index, i] for index in range(len(stages)) for i in range(len(sizes))]
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)
     measured = slowest.tolist()
