@@ -369,13 +369,16 @@ def test_profile_step_sums_a_ranks_file_per_thread_and_step(profile_step, tmp_pa
 
 def test_the_cluster_benchmark_shows_each_runs_plan_and_whether_it_is_the_first_runs():
     cluster = benchmark_module("cluster")
-    plan = {"version": 1, "decisions": {"b0": ["hierarchical", "int8"], "b1": ["flat", "int8"]}, "peak_rss_mb": 612.4}
+    plan = {"version": 1, "decisions": {"b0": ["hierarchical", "int8"], "b1": ["flat", "int8"]}, "peak_rss_mb": 612.4,
+            "links": {"world/int8": {"latency_ms": 5.534, "MB_per_s": 218.2}}}
     other = {"version": 2, "decisions": {"b0": ["flat", "int8"], "b1": ["flat", "int8"]}, "peak_rss_mb": 700.0,
              "reasons": ["flat+int8 9.0 ms against hierarchical+int8 20.0 ms a rank and step (buckets b0): flat+int8"]}
     lines = cluster._plans_section([{"label": "ours, int8", "plans": [plan, plan, other]}, {"label": "ddp"}])
     rows = [line for line in lines if line.startswith("| ours, int8 |")]
     assert len(rows) == 3 and not any(line.startswith("| ddp") for line in lines)
-    assert rows[0] == "| ours, int8 | 1 | 1 | b0 hierarchical / int8, b1 flat / int8 | yes | none | 612 |"
-    assert rows[1].endswith("| yes | none | 612 |")
+    # (the probe's fits: latency ms / MB/s per stage, "-" for a plan recorded without them)
+    assert rows[0] == ("| ours, int8 | 1 | 1 | b0 hierarchical / int8, b1 flat / int8 | yes | none | 612"
+                       " | world/int8 5.53 / 218 |")
+    assert rows[1].endswith("| yes | none | 612 | world/int8 5.53 / 218 |")
     assert rows[2] == ("| ours, int8 | 3 | 2 | b0 flat / int8, b1 flat / int8 | **no** | flat+int8 9.0 ms against"
-                       " hierarchical+int8 20.0 ms a rank and step (buckets b0): flat+int8 | 700 |")
+                       " hierarchical+int8 20.0 ms a rank and step (buckets b0): flat+int8 | 700 | - |")

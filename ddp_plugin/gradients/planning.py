@@ -61,8 +61,9 @@ BUCKET_BAND = 0.25
 more than this share; then it takes the cheapest. One comparison, against the default, and not the capacity at the
 band's edge: with "the one nearest 25 MiB within 25 % of the least", two runs of one job at 100 Mbit/s took 32 and
 16 MiB, the 32 MiB buckets costed 1.244 and 1.270 times the least (a ratio the layers' packing fixes near 1.25, with
-the probe's noise either side of the band's edge); the default costed 1.33-1.35 times it there, 1.11-1.16 at 10
-Gbit/s, 1.15-1.19 at 1 Gbit/s, and the cheapest capacity leads the next by 5 % or more at 100 Mbit/s."""
+the probe's noise either side of the band's edge). With this rule (and the latency timed 9 times) the default
+costed 1.17-1.19 times the cheapest at 10 and 1 Gbit/s in 9 runs (kept), 1.31-1.37 at 100 Mbit/s in 6 (4 MiB taken,
+8 MiB 1.05-1.06 times it)."""
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 PREDICTION_BAND = 0.25
 """Options predicted within this share of the fastest (or :data:`CLOSE_S` of it) are not told apart, and the fixed
@@ -114,6 +115,7 @@ CLOSE_S = 5e-3
 fixed rule (:func:`preferred`) takes one of them at once: a small bucket's time is the latencies, which the probe
 measures milliseconds apart from run to run (int8's over the world: 6.5, 7.8 and 10.3 ms in three runs), and which
 timing in training cannot settle either (a 50 KB bucket measured 40-80 ms a step, against 5 ms predicted)."""
+
 
 def alike(seconds: float, fastest: float) -> bool:
     """Whether an option predicted to take ``seconds`` is not told apart from the ``fastest``: within
