@@ -129,6 +129,25 @@ def test_four_probes_of_one_link_plan_alike():
             assert plan.model.route_seconds(*runner_up, 21_120_000) > (1 + PREDICTION_BAND) * plan.buckets["2"].predicted_ms / 1e3
 
 
+def test_a_heavier_option_predicted_fastest_does_not_set_the_band():
+    # Three runs of one job at 10 Gbit/s (cluster.py, AdamW, 2026-12-05), the probe's fits as each plan logged them:
+    # flat + int8 predicted fastest (the probe codes without backward beside it), the band measured from it, and
+    # each run left a different option within it: hierarchical without a codec, flat without, hierarchical + int8.
+    runs = [  # world/none, world/int8, inter/none, inter/int8, reduce-scatter, all-gather: (ms, MB/s)
+        [(2.20, 372), (5.77, 537), (0.82, 592), (3.14, 534), (0.79, 1271), (0.74, 1297)],
+        [(2.16, 402), (4.98, 480), (0.96, 559), (3.57, 381), (0.86, 1047), (0.69, 1534)],
+        [(1.69, 424), (4.45, 587), (0.73, 591), (2.84, 673), (0.80, 1019), (0.75, 2302)],
+    ]
+    for r in runs:
+        model = CostModel(2, 2, {("world", "none"): link(*r[0]), ("world", "int8"): link(*r[1]),
+                                 ("inter", "none"): link(*r[2]), ("inter", "int8"): link(*r[3])},
+                          reduce_scatter=link(*r[4]), all_gather=link(*r[5]))
+        assert model.ranked(25_190_000)[0][1:] == FLAT_INT8
+        plan = CommPlan(model, (FLAT, HIERARCHICAL), ("none", "int8"), 25.0, 0.0)
+        plan.plan_buckets({"0": 50_000, "1": 25_190_000, "2": 21_120_000})
+        assert plan.decisions() == {key: (FLAT, "none") for key in "012"}, r
+
+
 def test_an_option_predicted_faster_within_the_band_goes_by_the_fixed_rule_and_one_beyond_it_does_not():
     model = CostModel(2, 2, {("world", "none"): Fit(0, 1.0), ("world", "int8"): Fit(0, 1 / (1 + PREDICTION_BAND) + 1e-3)})
     assert model.choose(10**6, [FLAT])[:2] == (FLAT, "none")  # int8 predicted ~ 25 % faster: not told apart
@@ -145,7 +164,8 @@ def test_the_lighter_route_of_one_codec_is_taken_untried_when_the_heavier_leads_
     # (300 MB/s): flat + int8, a clear call.
     model = dataclasses.replace(model_of(125.0), reduce_scatter=link(0.5, in_node_mb_per_s),
                                 all_gather=link(0.5, in_node_mb_per_s))
-    assert model.choose(25 * 2**20)[:2] == (FLAT, "int8")
+    assert model.ranked(25 * 2**20)[0][1:] == (FLAT, "int8")
+    assert model.choose(25 * 2**20)[:2] == chosen
     plan = CommPlan(model, (FLAT, HIERARCHICAL), ("none", "int8"), 25.0, 0.0)
     plan.plan_buckets({"0": 25 * 2**20})
     assert plan.decisions()["0"] == chosen

@@ -98,7 +98,7 @@ def holds_more(option: tuple[str, str], than: tuple[str, str]) -> bool:
     hierarchical one. The flat route codes the whole bucket on every rank (an error-feedback residual of the
     bucket's size, its codes sent and received), the hierarchical route the 1/k share the in-node reduce-scatter
     leaves it. Of two such options predicted within :data:`TRIAL_MARGIN` of each other the lighter is taken,
-    untried (:meth:`CommPlan.plan_buckets`), and a close call is never settled by trying the heavier
+    untried (:meth:`CostModel.choose`), and a close call is never settled by trying the heavier
     (:meth:`CommPlan.contested`): a trial raises the fit's peak for good (the allocator keeps what it frees), and
     the probe, which codes without backward beside it, predicts the heavier one too fast. Measured with int8 at 1
     Gbit/s on 2 x 2 (the cluster benchmark): every trial of the two settled for hierarchical + int8 (9 runs; in the
@@ -190,9 +190,14 @@ class CostModel:
     def choose(self, nbytes: int, routes: Sequence[str] | None = None, codecs: Sequence[str] | None = None
                ) -> tuple[str, str, float]:
         """The ``(route, codec, seconds)`` for a bucket of ``nbytes``: of the options predicted :func:`alike` the
-        cheapest, the one the fixed rule prefers (:func:`preferred`, the codecs in the order of ``codecs``)."""
+        cheapest, the one the fixed rule prefers (:func:`preferred`, the codecs in the order of ``codecs``). An
+        option that :func:`holds_more` than one predicted within :data:`TRIAL_MARGIN` of it is not weighed (the
+        probe predicts it too fast), nor made the cheapest the others are measured against: at 10 Gbit/s flat +
+        int8, predicted fastest, put the band where each of three runs of one job left a different option."""
         codecs = codecs or self.codecs
         ranked = self.ranked(nbytes, routes, codecs)
+        ranked = [o for o in ranked
+                  if not any(holds_more(o[1:], p[1:]) and p[0] <= o[0] * (1 + TRIAL_MARGIN) for p in ranked)]
         seconds, route, codec = min((o for o in ranked if alike(o[0], ranked[0][0])),
                                     key=lambda o: preferred(o[1:], codecs))
         return route, codec, seconds
@@ -320,15 +325,11 @@ class CommPlan:
     """With ``bucket_size_mb="auto"``: each capacity's predicted seconds, and the band the one taken is in."""
 
     def plan_buckets(self, sizes: Mapping[str, int]) -> None:
-        """Decide every bucket of ``sizes`` (key -> bytes) from the model: of the options predicted :func:`alike`
-        the fastest, the one the fixed rule prefers (:meth:`CostModel.choose`); then, where that one
-        :func:`holds_more` than an option predicted within :data:`TRIAL_MARGIN` of it, the lighter one."""
+        """Decide every bucket of ``sizes`` (key -> bytes) from the model (:meth:`CostModel.choose`): of the options
+        predicted :func:`alike` the fastest, the one the fixed rule prefers (the heavier route of one codec left out
+        unless it leads by more than :data:`TRIAL_MARGIN`)."""
         for key, nbytes in sizes.items():
             route, codec, seconds = self.model.choose(nbytes, self.routes, self.codecs)
-            lighter = [(t, r, c) for t, r, c in self.model.ranked(nbytes, self.routes, self.codecs)
-                       if holds_more((route, codec), (r, c)) and t <= seconds * (1 + TRIAL_MARGIN)]
-            if lighter:
-                seconds, route, codec = lighter[0]
             self.buckets[key] = BucketPlan(key, nbytes, route, codec, seconds * 1e3)
 
     def contested(self, margin: float = TRIAL_MARGIN) -> dict[str, list[tuple[str, str]]]:
