@@ -27,6 +27,15 @@ def cluster():
         yield c
 
 
+@pytest.fixture(scope="session")
+def heap_env(tmp_path_factory) -> dict[str, str]:
+    """The environment that preloads the heap tracker (``ddp_plugin.testing.heap``), compiled once per worker:
+    the runs given it are forked from one zygote started with it (``tests.zygote.start_preloaded``)."""
+    from ddp_plugin.testing import heap
+
+    return heap.preload_env(heap.build(tmp_path_factory.getbasetemp()), env={})
+
+
 @pytest.fixture(scope="module")
 def onebit_install(tmp_path_factory):
     """The example codec package (examples/onebit_codec), ``pip install --no-deps --target`` from a copy (so no

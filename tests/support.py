@@ -13,7 +13,7 @@ import pytest
 
 from ddp_plugin.testing.processes import clean_env
 from ddp_plugin.testing.simcluster import available
-from tests.zygote import interpreter  # noqa: F401 (the tests start their Python with it)
+from tests.zygote import interpreter, start_preloaded  # (the tests start their Python with it)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "workers"
@@ -44,6 +44,7 @@ def run_python(*args: str | os.PathLike, timeout: float = 300, env: dict[str, st
     paths = [*map(str, pythonpath), full_env.get("PYTHONPATH", "")]
     if pythonpath:
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    start_preloaded(full_env)  # (a run with the heap tracker preloaded: forked from a zygote that has it)
     try:
         proc = subprocess.run([executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                               env=full_env, cwd=cwd or ROOT)

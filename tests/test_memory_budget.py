@@ -84,14 +84,11 @@ def budget(setting: str, m: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict:
-    folder = tmp_path_factory.mktemp("memory")
-    lib = heap.build(folder)
-    out = folder / "memory.json"
-    env = heap.preload_env(lib, env={})
+def measured(tmp_path_factory, heap_env) -> dict:
+    out = tmp_path_factory.mktemp("memory") / "memory.json"
     run_python(WORKERS / "memory_run.py", "--out", out, "--runs", ",".join(SETTINGS), "--devices", str(WORLD),
                "--devices-per-node", str(PER_NODE), "--width", "768", "--layers", "4", "--bucket-mb", "4",
-               env=env, timeout=900)
+               env=heap_env, timeout=900)
     return json.loads(out.read_text())
 
 

@@ -79,15 +79,15 @@ def test_zero_stage_3_allocates_and_initializes_unit_by_unit(runs, case):
 
 @pytest.mark.skipif(heap.compiler() is None, reason="the heap tracker is compiled with cc or gcc")
 @pytest.mark.parametrize("flags", [{}, {"tensor_parallel_size": 2, "devices_per_node": 2}], ids=["dp4", "tp2_dp2"])
-def test_zero_stage_3_setup_never_holds_the_whole_model(tmp_path, flags):
+def test_zero_stage_3_setup_never_holds_the_whole_model(tmp_path, heap_env, flags):
     # A GPT of 24 MB built on meta, ZeRO-3 over 4 ranks (units: its blocks): the heap a rank holds at most from
     # `trainer.fit` to the first batch (materialized, sharded, optimizer made). Before, each rank materialized
     # the whole model, then sharded it, with the gradient buckets beside it: 53.5 MB (2.2x the model). Now a
     # rank holds its quarter, one unit whole at a time, and a bucket: 13.5 MB (dp4), 10.8 MB (tp2_dp2).
     out = tmp_path / "zero3.json"
-    env = heap.preload_env(heap.build(tmp_path), env={})
     run_python(WORKERS / "zero3_setup_run.py", "--out", out,
-               "--flags", json.dumps({"zero_stage": 3, "auto_wrap_policy": ["Block"], **flags}), env=env, timeout=600)
+               "--flags", json.dumps({"zero_stage": 3, "auto_wrap_policy": ["Block"], **flags}), env=heap_env,
+               timeout=600)
     for rank, r in enumerate(json.loads(out.read_text())):
         assert r["steps"] == 2 and r["finite"] and r["replicas_identical"], (rank, r)
         assert r["units_initialized"] == 9, (rank, r)  # 8 blocks and the root unit

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from ddp_plugin.testing import heap
 from ddp_plugin.testing.processes import alive
 from tests.support import ROOT, needs_cluster, run_python
 from ddp_plugin.testing.simcluster import SimulatedCluster
@@ -68,6 +69,32 @@ def test_torchruns_worker_variables_are_applied_in_a_forked_child(tmp_path):
     seen = json.loads(proc.stdout.splitlines()[-1])
     assert seen["parent"] != os.getpid() and (seen["threads"], seen["run"]) == (3, "r")
     assert _fork_plan({"OMP_NUM_THREADS": "0"}, {}) is None and _fork_plan({"OMP_NUM_THREADS": "x"}, {}) is None
+
+
+PRELOADED = """
+import json, os, subprocess, sys
+from ddp_plugin.testing.heap import Heap
+heap = Heap.attach()
+seen = {"parent": os.getppid(), "live": heap.live if heap else None, "executable": sys.executable}
+if len(sys.argv) == 1:  # and a process it starts as a launcher starts its ranks
+    seen["rank"] = json.loads(subprocess.run([sys.executable, __file__, "rank"], capture_output=True, text=True,
+                                             check=True).stdout)
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(heap.compiler() is None, reason="the heap tracker is compiled with cc or gcc")
+def test_a_run_that_preloads_a_library_is_forked_from_a_zygote_started_with_it(tmp_path, heap_env):
+    # The memory tests preload the heap tracker (LD_PRELOAD): each of their runs and its ranks was a fresh
+    # interpreter (3 launches of 5 Pythons, about 100 CPU seconds of imports).
+    script = tmp_path / "preloaded.py"
+    script.write_text(PRELOADED)
+    seen = json.loads(run_python(script, env=heap_env).stdout.splitlines()[-1])
+    assert seen["parent"] != os.getpid() and seen["executable"] == interpreter()  # forked, not exec'd
+    assert seen["rank"]["parent"] == seen["parent"]  # the same zygote forked the launcher's rank
+    assert seen["live"] > 0 and seen["rank"]["live"] > 0  # with the tracker counting in each
+    plain = json.loads(run_python(script).stdout.splitlines()[-1])
+    assert plain["parent"] not in (os.getpid(), seen["parent"]) and plain["live"] is None  # the worker's zygote
 
 
 @needs_cluster
