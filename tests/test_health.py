@@ -16,6 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from ddp_plugin import health
+from ddp_plugin.health.store import POLL_S
 from ddp_plugin.testing.ranks import RankPool
 
 WORLD = 3
@@ -401,3 +402,22 @@ def test_the_store_host_waits_at_exit_until_the_others_have_read_the_cause(pool)
     assert 1.4 < waited < 20, waited
     assert named.startswith("rank 1: gradient synchronization failed because rank 2 failed with ValueError: the"
                             " user's step broke"), named
+
+
+def test_of_ranks_seen_ending_in_one_look_rank_0_the_stores_host_is_named(monkeypatch):
+    # Found by CI (tests/test_mesh_faults.py, pp2_dp2, rank 0 killed): its pipeline peer, rank 1, lost the store with
+    # it and exited within the same look (POLL_S) of rank 3's heartbeat, which named "ranks 0, 1". A rank 0 that
+    # outlives another's failure keeps the store up until the others have read the cause (linger_as_store_host).
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    diagnosis = health.Diagnosis()
+    diagnosis.ended_at = {0: 10.0, 1: 10.0 + POLL_S / 2}
+    assert diagnosis.first_ended([0, 1]) == [0]
+    diagnosis.ended_at = {1: 10.0, 0: 10.0 + 2 * POLL_S}  # rank 1 seen first, looks apart
+    assert diagnosis.first_ended([0, 1]) == [1]
+    diagnosis.ended_at = {1: 10.0, 2: 10.0}  # without rank 0, both: the look cannot tell them apart
+    assert diagnosis.first_ended([1, 2]) == [1, 2]
+    diagnosis.ended_at = {}  # none seen (the heartbeat had stopped): rank 0, the store's host
+    assert diagnosis.first_ended([0, 2]) == [0]
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # torchrun's agent hosts the store: no tiebreak
+    diagnosis.ended_at = {0: 10.0, 1: 10.0}
+    assert diagnosis.first_ended([0, 1]) == [0, 1]

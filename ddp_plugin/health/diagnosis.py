@@ -77,12 +77,15 @@ class Diagnosis:
     def first_ended(self, ranks: list[int]) -> list[int]:
         """Of ``ranks``, whose processes on this machine have ended, the ones that ended first: the cause, the others
         having given up after it. As this rank's heartbeat saw them end (it looks every ``POLL_S`` until the store is
-        lost, so one it did not see ended later); where it saw none, rank 0 if it is among them (under Lightning's
-        launcher it hosts the store, which the others then lost)."""
+        lost, so one it did not see ended later). Where it saw none, or several in one look with rank 0 among them,
+        rank 0 if it is among them, when it hosts the store (Lightning's launcher): the others lost the store with it
+        and may give up within a look, while a rank 0 that outlives another's failure keeps the store up until the
+        other ranks have read the cause (:func:`~ddp_plugin.health.linger.linger_as_store_host`)."""
         seen = [self.ended_at[r] for r in ranks if r in self.ended_at]
-        if seen:
-            return [r for r in ranks if r in self.ended_at and self.ended_at[r] < min(seen) + POLL_S]
-        return [0] if 0 in ranks else ranks
+        if not seen:
+            return [0] if 0 in ranks else ranks
+        first = [r for r in ranks if r in self.ended_at and self.ended_at[r] < min(seen) + POLL_S]
+        return [0] if 0 in first and on_store.rank_0_hosts_store() else first
 
     def ended_peers(self, me: int, settle_s: float = 1.0) -> list[int]:
         """The peers of this machine whose processes have ended (as read by this rank's heartbeat). A killed process

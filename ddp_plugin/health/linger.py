@@ -4,7 +4,6 @@ the other ranks have read the cause from it."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch.distributed as dist
@@ -21,8 +20,7 @@ def linger_as_store_host(timeout_s: float = LINGER_S) -> None:
     store up until every other rank has read the cause from it (its diagnosis is done, it reported its own error,
     or its process on this machine has ended), at most ``timeout_s``. A rank that diagnosed after the host had
     exited would find only the processes that ended, rank 0 first, and could not quote a raising rank's error."""
-    if (not dist.is_initialized() or dist.get_rank() != 0
-            or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):  # (torchrun's agent hosts it)
+    if not dist.is_initialized() or dist.get_rank() != 0 or not on_store.rank_0_hosts_store():
         return
     world = dist.get_world_size()
 

@@ -39,6 +39,11 @@ WATCH_STALL_S = 5.0
 LINGER_S = 5.0
 
 
+def rank_0_hosts_store() -> bool:
+    """Whether global rank 0 hosts the rendezvous store (Lightning's launcher), not torchrun's agent."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
 def connect(probe: bool = False) -> dist.Store:
     """A client of its own to the rendezvous store (MASTER_ADDR:MASTER_PORT, which every launcher Lightning
     supports sets); the default group's client is not shared with the heartbeat's thread. Falls back to the
