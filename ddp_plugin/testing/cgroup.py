@@ -59,8 +59,12 @@ def unavailable() -> str | None:
     if _own_memory_cgroup() is None:
         return "no memory cgroup controller for this process (/proc/self/cgroup)"
     name = f"probe_{os.getpid()}"
-    code = (f"from ddp_plugin.testing.cgroup import MemoryCap; cap = MemoryCap.join({1 << 30}, {name!r});"
-            " print(cap.peak_bytes >= 0)")
+    # (this module alone, by its path: the package's import of torch and Lightning cost the probe 4 s, and each
+    # pytest worker probes as it collects tests/test_memory_cap.py)
+    code = ("import importlib.util, sys;"
+            f" spec = importlib.util.spec_from_file_location('ddp_plugin_cgroup_probe', {__file__!r});"
+            " module = sys.modules[spec.name] = importlib.util.module_from_spec(spec); spec.loader.exec_module(module);"
+            f" cap = module.MemoryCap.join({1 << 30}, {name!r}); print(cap.peak_bytes >= 0)")
     try:
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     finally:
