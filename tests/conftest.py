@@ -210,20 +210,19 @@ def pytest_sessionfinish(session) -> None:
 
 SLOWEST_FIRST = ("test_fault_tolerance.py", "test_tensor_parallel.py", "test_checkpoint.py", "test_default_paths.py",
                  "test_meta_init.py", "test_pipeline_mesh.py", "test_compression_training.py", "test_adaptive.py",
-                 "test_reliability.py", "test_memory_cap.py", "test_zero.py", "test_mesh_faults.py", "test_cluster.py",
-                 "test_pipeline.py", "test_health.py", "test_memory_budget.py", "test_launch.py", "test_zygote.py",
+                 "test_reliability.py", "test_memory_cap.py", "test_mesh_faults.py", "test_zero.py", "test_cluster.py",
+                 "test_health.py", "test_launch.py", "test_memory_budget.py", "test_pipeline.py", "test_zygote.py",
                  "test_sync.py", "test_equivalence.py", "test_activation_checkpointing.py", "test_checkpoint_io.py")
 """The files that took longest in `.ci/run` (its seconds-per-file table, docs/testing.md), collected first, in this
 order: under `--dist loadfile --no-loadscope-reorder` each worker takes the next file of the list as it finishes
-one. The fault-tolerance file runs first (about 230 s, mostly its groups' sleeps) while the other worker runs the
-files that compute the most; after them, each file that waits on timeouts (reliability, the mesh's faults, health)
-comes after files that compute, so that one worker waits while the other computes (sampled every 2 s over a run:
-reliability beside the mesh's faults, the mesh's faults beside reliability, health beside the simulated cluster
-left a core idle for about 30 s), and the short files follow in their usual order, so that a long file is never
-left to run alone at the end (`test_zygote.py`, 20 s, came last, alone for 16 s). The adaptive file starts once the
-fault file's background jobs (its first 120-160 s, three at a time) are over, beside the reliability file's waits: its
-link-slowdown test reads step times, and beside them a re-plan from the machine's load came before the slowdown,
-twice in a row."""
+one. The fault-tolerance file runs first (about 230-300 s, mostly its groups' sleeps) while the other worker runs
+the files that compute the most; after them, the files that wait on timeouts (reliability, the mesh's faults,
+health) alternate with files that compute, so that one worker waits while the other computes (they came last, one
+beside the other, and the cores were two-thirds idle for 110 s), then the files of 15-25 s, and the short files
+follow in their usual order, so that a long file is never left to run alone at the end (`test_zygote.py`, 20 s,
+came last, alone for 16 s of a run sampled every 2 s). The adaptive file starts once the fault file's background
+jobs (its first 120-190 s, three at a time) are over: its link-slowdown test reads step times, and beside them a
+re-plan from the machine's load came before the slowdown, twice in a row."""
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

@@ -714,7 +714,8 @@ def test_a_tied_weights_codec_is_agreed_by_the_stages_that_plan_apart(tmp_path):
 @needs_cluster
 def test_the_plan_follows_a_link_that_slows_down_within_a_few_steps(cluster, tmp_path):
     slow_at, steps = 12, 22
-    for attempt in range(2):
+    attempts = 3
+    for attempt in range(attempts):
         out = tmp_path / str(attempt)
         out.mkdir()
         cluster.set_rate("10gbit")
@@ -737,8 +738,9 @@ def test_the_plan_follows_a_link_that_slows_down_within_a_few_steps(cluster, tmp
         assert replans, history
         # A re-plan before the link changed answered this machine's load (another test's heavy I/O beside this
         # one, seen once in CI), and then kept the next plan from coming for 10 steps, past the slowdown: the
-        # latency this test measures cannot be read from such a run. Run once more; twice in a row fails.
-        if replans[0] > slow_at or attempt == 1:
+        # latency this test measures cannot be read from such a run. Run again; three times in a row fails (twice
+        # in a row was seen in CI, with the other worker's 4-rank runs beside it).
+        if replans[0] > slow_at or attempt == attempts - 1:
             break
     # Detected within a few steps of the slowdown: close calls settled (steps 2-7), 1 warm-up + 3 baseline steps
     # happened before it, then 3 departing steps, and the agreement on them comes back after the next step.
