@@ -77,10 +77,11 @@ class Diagnosis:
     def first_ended(self, ranks: list[int]) -> list[int]:
         """Of ``ranks``, whose processes on this machine have ended, the ones that ended first: the cause, the others
         having given up after it. As this rank's heartbeat saw them end (it looks every ``POLL_S`` until the store is
-        lost, so one it did not see ended later). Where it saw none, or several in one look with rank 0 among them,
-        rank 0 if it is among them, when it hosts the store (Lightning's launcher): the others lost the store with it
-        and may give up within a look, while a rank 0 that outlives another's failure keeps the store up until the
-        other ranks have read the cause (:func:`~ddp_plugin.health.linger.linger_as_store_host`)."""
+        lost, so one it did not see ended later). Where it saw none, rank 0 if it is among them (under Lightning's
+        launcher it hosts the store, which the others then lost). Where it saw rank 0 end in the same look as others
+        and rank 0 hosts the store, rank 0 alone: the others lost the store with it and may give up within a look,
+        while a rank 0 that outlives another's failure keeps the store up until the other ranks have read the cause
+        (:func:`~ddp_plugin.health.linger.linger_as_store_host`)."""
         seen = [self.ended_at[r] for r in ranks if r in self.ended_at]
         if not seen:
             return [0] if 0 in ranks else ranks
