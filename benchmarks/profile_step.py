@@ -56,7 +56,7 @@ STAGES: list[tuple[str, tuple[tuple[str, ...], tuple[str, ...], str]]] = [
     ("flat all-reduce of a bucket", (("on_bucket_ready",), ("/flat_reducer.py", "/mean_allreduce.py"), "")),
     ("ZeRO: gather, release, shard", ((), ("/ddp_plugin/zero/",), "")),
     ("end of backward: the last buckets", (("finish",), ("/ddp_plugin/gradients/engine.py",), "")),
-    ("backward hooks: bucket copies, launches", ((), ("/ddp_plugin/gradients/",), "")),
+    ("backward hooks: bucket copies, launches", ((), ("/ddp_plugin/gradients/", "/ddp_plugin/runtime/"), "")),
     # (Lightning runs the forward and backward inside ``optimizer.step(closure)``: they go first)
     ("backward (autograd)", (("_engine_run_backward", "backward"), ("/torch/autograd/", "/torch/_tensor.py"), "")),
     ("forward", ((), ("/torch/nn/modules/",), "")),

@@ -1,7 +1,7 @@
 """``ddp_plugin.plugin_manager``, the path 0.1.0 documented (``available_codecs()``): the module is
-:mod:`ddp_plugin.gradients.plugin_manager`, re-exported here for code that imports it."""
+:mod:`ddp_plugin.strategy.plugin_manager`, re-exported here for code that imports it."""
 
-from ddp_plugin.gradients.plugin_manager import (
+from ddp_plugin.strategy.plugin_manager import (
     available_codecs,
     build_plugin_manager,
     check_plugins,

@@ -29,13 +29,15 @@ implementation may run collectives in it (through the :class:`~ddp_plugin.hooksp
 ``on_setup``, which counts their traffic); one that says "local" must not.
 
 Built-in implementers named below: the engine's reducers (``FlatReducer``, ``HierarchicalReducer``, under
-a link plan ``AdaptivePlanner``, the hierarchical reducer that follows the plan, and with ``fault_tolerance``
-``ReplicaGroupReducer``, whose cross stage runs over the live replica groups through torchft: its all-reduce,
-or with a built-in codec ``on_cross_node_reduce`` on torchft's process group), the default cross-node mean
+a link plan ``AdaptivePlanner``, the hierarchical reducer that follows the plan, and with ``fault_tolerance`` the
+hierarchical reducer with the cross stage ``ReplicaGroupCrossStage``, which runs over the live replica groups
+through torchft: its all-reduce, or with a built-in codec ``on_cross_node_reduce`` on torchft's process group),
+the default cross-node mean
 (``MeanAllReduce``), the codecs (``ddp_plugin.codecs``) and, with ``compression="auto"``, ``AutoCodec`` (it answers
 ``on_cross_node_reduce`` first and calls the codec the plan names, alone, through hooks of its own), the ZeRO sharder (``ddp_plugin.zero.ZeroSharder``), the sync modes
-(``ddp_plugin.sync.OuterSync``; with ``fault_tolerance`` ``ReplicaGroupSync``, whose pseudo-gradients cross
-replica groups the same way), the traffic accounting (``TrafficAccounting``) and the initializer of a model built
+(``ddp_plugin.sync.OuterSync``; with ``fault_tolerance`` its transport ``ReplicaGroupTransport``, whose
+pseudo-gradients cross replica groups the same way, and which hands over a group's place in the schedule), the
+traffic accounting (``TrafficAccounting``) and the initializer of a model built
 on the meta device (``ddp_plugin.parallel.materialize.Deferred``).
 
 Ranks: the bucket hooks' collectives (``on_bucket_ready``, ``on_cross_node_reduce``) span data-parallel ranks

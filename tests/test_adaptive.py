@@ -15,10 +15,10 @@ from torch import nn
 
 from ddp_plugin import Bucket, HierarchicalZeroStrategy
 from ddp_plugin.codecs import BUILTIN_CODECS
-from ddp_plugin.gradients.comm import TracedCommunicator
+from ddp_plugin.runtime.comm import TracedCommunicator
 from ddp_plugin.gradients.planning import (BUCKET_BAND, BUCKET_CAPS_MIB, FLAT, HIERARCHICAL, PREDICTION_BAND, BucketPlan,
                                           CommPlan, CostModel, Fit, holds_more)
-from ddp_plugin.gradients.plugin_manager import build_plugin_manager
+from ddp_plugin.strategy.plugin_manager import build_plugin_manager
 from ddp_plugin.plugins.adaptive import TRIAL_STEPS, AdaptivePlanner
 from ddp_plugin.testing.ranks import RankPool
 from tests.support import WORKERS, needs_cluster, run_python
@@ -424,7 +424,7 @@ def auto_codec_switch(rank, world, data):
 def route_switch(rank, world, first, second, data):
     """2 nodes x 2: bucket 0 takes ``first`` = (route, codec) on step 1 and ``second`` on step 2, through the plugins
     a plan sets up (reducer, auto codec, int8)."""
-    from ddp_plugin.gradients.topology import Layout, build_topology
+    from ddp_plugin.runtime.topology import Layout, build_topology
 
     topology = build_topology(Layout(world, 2), torch.device("cpu"))
     model = CostModel(2, 2, {(s, c): Fit(0, 1e-9) for s in ("world", "inter") for c in ("none", "int8")},
@@ -474,7 +474,7 @@ def settle_trials_per_position(rank, world, dimension, seconds):
     it settled."""
     import time
 
-    from ddp_plugin.gradients.topology import Layout, build_topology
+    from ddp_plugin.runtime.topology import Layout, build_topology
 
     layout = Layout(world, 2, **{f"{dimension}_parallel_size": 2})
     topology = build_topology(layout, torch.device("cpu"))
@@ -515,8 +515,8 @@ def probe_with(rank, world, names, max_bytes=None):
     one of them sets it up: no plain mean among the candidates), each a fresh instance; returns every call each
     codec got, as (bucket kind, key, values), and whether the probe fitted a model. ``max_bytes``: the probe's
     (a list: each rank's own)."""
-    from ddp_plugin.gradients.link_probe import probe, probe_codecs
-    from ddp_plugin.gradients.topology import Layout, build_topology
+    from ddp_plugin.strategy.link_probe import probe, probe_codecs
+    from ddp_plugin.runtime.topology import Layout, build_topology
 
     topology = build_topology(Layout(world, 2), torch.device("cpu"))
     comm = TracedCommunicator(2)

@@ -297,7 +297,7 @@ SITE = "/venv/lib/python3.11/site-packages"
 LOOP = (f"Trainer.fit ({SITE}/lightning/pytorch/trainer/trainer.py:584);"
         f"_TrainingEpochLoop.advance ({SITE}/lightning/pytorch/loops/training_epoch_loop.py:300)")
 COMM = ("Thread._bootstrap (/usr/lib/python3.11/threading.py:1002);Thread.run (/usr/lib/python3.11/threading.py:982);"
-        "SideThread._run (/r/ddp_plugin/gradients/streams.py:103);GradientEngine._reduce (/r/ddp_plugin/gradients/engine.py:306)")
+        "SideThread._run (/r/ddp_plugin/runtime/streams.py:103);GradientEngine._reduce (/r/ddp_plugin/gradients/engine.py:306)")
 
 
 @pytest.mark.parametrize(("thread", "stack", "category"), [
@@ -319,14 +319,14 @@ COMM = ("Thread._bootstrap (/usr/lib/python3.11/threading.py:1002);Thread.run (/
      "quantize_into (/r/ddp_plugin/codecs/int8.py:266)", "cross-node reduce (the codec, or the plain all-reduce): computing"),
     ("ddp_plugin-comm", f"{COMM};HierarchicalReducer.reduce_to_shard (/r/ddp_plugin/plugins/hierarchical_reducer.py:76);"
      "Codec.on_cross_node_reduce (/r/ddp_plugin/codecs/base.py:128);Int8Codec.reduce (/r/ddp_plugin/codecs/int8.py:230);"
-     "_Works.wait (/r/ddp_plugin/gradients/comm.py:244)", "cross-node reduce (the codec, or the plain all-reduce): waiting"),
+     "_Works.wait (/r/ddp_plugin/runtime/comm.py:244)", "cross-node reduce (the codec, or the plain all-reduce): waiting"),
     ("ddp_plugin-comm", f"{COMM};HierarchicalReducer.reduce_to_shard (/r/ddp_plugin/plugins/hierarchical_reducer.py:75);"
-     "TracedCommunicator.reduce_scatter (/r/ddp_plugin/gradients/comm.py:142);"
+     "TracedCommunicator.reduce_scatter (/r/ddp_plugin/runtime/comm.py:142);"
      f"all_to_all_single ({SITE}/torch/distributed/distributed_c10d.py:5140)", "in-node reduce-scatter: waiting"),
     # The adds of the reduce-scatter are its computing (comm.py itself is not a wait; only its _Works.wait is).
     ("ddp_plugin-comm", f"{COMM};HierarchicalReducer.reduce_to_shard (/r/ddp_plugin/plugins/hierarchical_reducer.py:75);"
-     "TracedCommunicator.reduce_scatter (/r/ddp_plugin/gradients/comm.py:144)", "in-node reduce-scatter: computing"),
-    ("ddp_plugin-comm", "Thread.run (/usr/lib/python3.11/threading.py:982);SideThread._run (/r/ddp_plugin/gradients/streams.py:93)",
+     "TracedCommunicator.reduce_scatter (/r/ddp_plugin/runtime/comm.py:144)", "in-node reduce-scatter: computing"),
+    ("ddp_plugin-comm", "Thread.run (/usr/lib/python3.11/threading.py:982);SideThread._run (/r/ddp_plugin/runtime/streams.py:93)",
      "waiting for a bucket (idle)"),
     # Lightning's forward and backward run inside optimizer.step(closure): they are not the optimizer's.
     ("MainThread", f"{LOOP};Adam.step ({SITE}/torch/optim/adam.py:248);Closure.closure ({SITE}/lightning/pytorch/loops/optimization/automatic.py:131);"
@@ -361,7 +361,7 @@ def test_profile_step_sums_a_ranks_file_per_thread_and_step(profile_step, tmp_pa
     raw.write_text(f"thread (1): MainThread;{LOOP};Adam.step ({SITE}/torch/optim/adam.py:248) 30\n"
                    f"thread (1): MainThread;{LOOP};Adam.step ({SITE}/torch/optim/adam.py:250) 10\n"
                    f"thread (2): ddp_plugin-comm;Thread.run (/usr/lib/python3.11/threading.py:982);"
-                   "SideThread._run (/r/ddp_plugin/gradients/streams.py:93) 60\n")
+                   "SideThread._run (/r/ddp_plugin/runtime/streams.py:93) 60\n")
     split = profile_step.seconds_per_step([profile_step.read_profile(raw)], rate=100, steps=4)
     assert split["MainThread"] == {"optimizer step: computing": pytest.approx(0.1)}
     assert split["ddp_plugin-comm"] == {"waiting for a bucket (idle)": pytest.approx(0.15)}

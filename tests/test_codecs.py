@@ -12,8 +12,8 @@ from torch import nn
 from ddp_plugin import Bucket, HierarchicalZeroStrategy
 from ddp_plugin.codecs import BUILTIN_CODECS, dequantize_int8, matrix_segments, quantize_int8
 from ddp_plugin.codecs.int8 import ROW_BLOCK_VALUES
-from ddp_plugin.gradients.comm import TracedCommunicator
-from ddp_plugin.gradients.plugin_manager import available_codecs, build_plugin_manager
+from ddp_plugin.runtime.comm import TracedCommunicator
+from ddp_plugin.strategy.plugin_manager import available_codecs, build_plugin_manager
 from ddp_plugin.testing.ranks import RankPool
 
 WORLD = 4
@@ -189,7 +189,7 @@ def test_int8_codes_and_scales_are_their_definition_at_the_edges():
 
 
 def test_finite_checks_see_every_non_finite_value_in_every_dtype():
-    from ddp_plugin.gradients.finite import all_finite, finite_flag, zero_if_not_finite
+    from ddp_plugin.runtime.finite import all_finite, finite_flag, zero_if_not_finite
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         for where in (0, 4095, 9999):

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import ddp_plugin.gradients.comm as comm_module
-from ddp_plugin.gradients.comm import TracedCommunicator
+import ddp_plugin.runtime.comm as comm_module
+from ddp_plugin.runtime.comm import TracedCommunicator
 from ddp_plugin.testing.ranks import RankPool
 
 WORLD = 4

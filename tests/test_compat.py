@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_plugin.testing.ranks import free_port
-from ddp_plugin.gradients.topology import set_collective_timeout
+from ddp_plugin.runtime.topology import set_collective_timeout
 
 
 @pytest.fixture

@@ -19,10 +19,10 @@ import json
 import pytest
 import torch
 
-from ddp_plugin.gradients.comm import TracedCommunicator
+from ddp_plugin.runtime.comm import TracedCommunicator
 from ddp_plugin.hookspecs import Options
 from tests.support import WORKERS, run_python
-from ddp_plugin.gradients.plugin_manager import available_codecs, installed_codecs
+from ddp_plugin.strategy.plugin_manager import available_codecs, installed_codecs
 
 STEPS = 100
 TOLERANCE = {"fp16": 0.005, "bf16": 0.005, "int8": 0.01, "powersgd": 0.06, "topk": 0.15, "sparse": 0.13,
@@ -107,7 +107,7 @@ def test_installed_example_codec_checks_its_options(onebit_install, monkeypatch)
 def test_the_link_probe_times_an_installed_codec_on_an_instance_training_never_sees(onebit_install, monkeypatch):
     # The registered object is the one training sets up; the probe (at setup, and again on every re-plan during
     # the fit) must neither set it up again (the example's on_setup empties its residuals) nor leave state in it.
-    from ddp_plugin.gradients.link_probe import probe_codecs
+    from ddp_plugin.strategy.link_probe import probe_codecs
 
     monkeypatch.syspath_prepend(str(onebit_install))
     registered = importlib.import_module("onebit_codec").codec

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 
 PROBE = """
 import sys, torch
-from ddp_plugin.gradients import cpu_memory
+from ddp_plugin.runtime import cpu_memory
 from ddp_plugin.testing.memory import rss_bytes
 
 def rss_mb():

@@ -1,6 +1,7 @@
-"""The house's shape, read from the source as a newcomer reads it (no processes, no torch): no module imports
-another that imports it back (type-checking imports included: a circle there is a circle for the reader), and
-torchft's private attributes are touched in one module only."""
+"""The house's shape, read from the source as a newcomer reads it (no processes, no torch): the packages in layers,
+each importing only those below it (:data:`LAYERS`: type-checking and deferred imports included), no module
+importing another that imports it back (a circle there is a circle for the reader), and torchft's private
+attributes touched in one module only."""
 
 from __future__ import annotations
 
@@ -110,6 +111,75 @@ def test_torchfts_private_attributes_are_used_in_its_adapter_only():
     assert users == {adapter.relative_to(ROOT).as_posix()}
 
 
+LIGHTNING_PRIVATE = {"_batches_that_stepped", "_combined_loader", "_data_source", "_device_mesh", "_trainer",
+                     "_current_fx_name", "_logger_connector", "_optimizer", "_on_before_batch_transfer",
+                     "_apply_batch_transfer_handler"}
+"""The private attributes of Lightning's objects that ddp_plugin uses (on objects other than its own ``self``)."""
+
+
+def lightning_privates(path: Path) -> list[str]:
+    """What ``path`` touches of Lightning's private names: names imported from a ``lightning`` module that start
+    with ``_``, and :data:`LIGHTNING_PRIVATE` attributes read or set (``getattr`` by name included) on other
+    objects than ``self``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lightning":
+            found += [f"import {a.name}" for a in node.names if a.name.startswith("_")]
+        elif (isinstance(node, ast.Attribute) and node.attr in LIGHTNING_PRIVATE
+              and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+            found.append(f".{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr")
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in LIGHTNING_PRIVATE):
+            found.append(f"{node.func.id} {node.args[1].value}")
+    return found
+
+
+def test_lightnings_private_names_are_used_in_its_adapter_only(tmp_path):
+    adapter = PACKAGE / "runtime" / "lightning_adapter.py"
+    users = {path.relative_to(ROOT).as_posix(): lightning_privates(path) for path in PACKAGE.rglob("*.py")}
+    assert {name: found for name, found in users.items() if found} == {
+        adapter.relative_to(ROOT).as_posix(): users[adapter.relative_to(ROOT).as_posix()]}
+    sample = tmp_path / "sample.py"
+    sample.write_text("from lightning.fabric.utilities.types import _PATH\n"
+                      "def f(trainer, o):\n    trainer.fit_loop._combined_loader = None\n"
+                      "    return getattr(o, '_optimizer', o), self._trainer\n")
+    assert lightning_privates(sample) == ["import _PATH", "._combined_loader", "getattr _optimizer"]
+
+
+def test_fault_tolerance_extends_other_packages_through_their_protocols_not_by_subclassing():
+    """No class in ``fault_tolerance/`` subclasses a class another package of ddp_plugin defines, and no module of
+    it touches a private name another package defines (an attribute set as ``self._x`` or a method ``_x`` there)
+    on an object other than its own ``self``: it implements the protocols the plugins own (the reducers'
+    ``CrossStage``, the sync's ``SyncTransport``) and the hook contract."""
+    others_classes: set[str] = set()
+    others_private: set[str] = set()
+    for name, path in modules().items():
+        if name.startswith(("ddp_plugin.fault_tolerance", "ddp_plugin.testing")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                others_classes.add(node.name)
+                for inner in ast.walk(node):
+                    if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)) and inner.name.startswith("_") \
+                            and not inner.name.startswith("__"):
+                        others_private.add(inner.name)
+                    elif (isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name)
+                          and inner.value.id == "self" and inner.attr.startswith("_") and not inner.attr.startswith("__")):
+                        others_private.add(inner.attr)
+    assert {"OuterSync", "HierarchicalReducer"} <= others_classes and {"_padded", "_topology"} <= others_private
+    subclassing, touching = [], []
+    for path in (PACKAGE / "fault_tolerance").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                subclassing += [f"{path.stem}.{node.name}({ast.unparse(b)})" for b in node.bases
+                                if ast.unparse(b).split(".")[-1] in others_classes]
+            elif (isinstance(node, ast.Attribute) and node.attr in others_private
+                  and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                touching.append(f"{path.stem}: {ast.unparse(node)}")
+    assert subclassing == []
+    assert touching == []
+
+
 MODULE_LINES = 400
 
 
@@ -170,26 +240,93 @@ def test_the_package_top_holds_the_layers_folders():
         assert all(isinstance(node, (ast.Expr, ast.ImportFrom, ast.Assign)) for node in tree.body), name
 
 
-def runtime_imports(path: Path, known: dict[str, Path]) -> set[str]:
-    """The package's modules ``path`` imports when it runs (top level, ``if TYPE_CHECKING:`` left out)."""
+LAYERS = [
+    ("ddp_plugin.hookspecs", "ddp_plugin.health"),
+    ("ddp_plugin.runtime",),
+    ("ddp_plugin.gradients",),
+    ("ddp_plugin.codecs",),
+    ("ddp_plugin.checkpoints",),
+    ("ddp_plugin.parallel",),
+    ("ddp_plugin.plugins",),
+    ("ddp_plugin.zero",),
+    ("ddp_plugin.sync",),
+    ("ddp_plugin.fault_tolerance",),
+    ("ddp_plugin.strategy",),
+]
+"""The packages bottom to top: a module imports from its own package and from packages of earlier rows only
+(docs/design.md, "Where things live"). The contract and the failure diagnosis import none; the runtime (the
+communicator, topology, streams, clocks, checks) is what every layer may use; the engine and the cost model; the
+codecs; checkpoint files; model parallelism's mechanics; the plugins (reducers, ZeRO, sync modes); fault
+tolerance, whose plugins extend those through the hook contract and the protocols the plugins own; and on top the
+strategy with the assembly of a fit's plugins. The test helpers (``ddp_plugin.testing``) and the package's top
+(``ddp_plugin``, its re-exports) sit above them all."""
+
+ABOVE_ALL = ("ddp_plugin.testing", "ddp_plugin", *(f"ddp_plugin.{name}" for name in sorted(RELEASED_PATHS)))
+
+
+def package_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def every_import(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package's modules that module ``name`` imports anywhere: at the top, under ``if TYPE_CHECKING:`` and
+    inside functions (an import deferred into a function is still a dependency a reader must know of)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return {m for m in found if m in known} - {name}
+
+
+def layer_violations(graph: dict[str, set[str]], layers: list[tuple[str, ...]], above_all: tuple[str, ...]
+                     ) -> list[str]:
+    """Each import of a module from a package of the same or a later row than its own's (``a -> b``), a package
+    in no row included."""
+    row = {package: i for i, packages in enumerate(layers) for package in packages}
+    top = len(layers)
+    row.update({package: top for package in above_all})
+    found = []
+    for name, targets in sorted(graph.items()):
+        mine = package_of(name) if name != "ddp_plugin" else "ddp_plugin"
+        if mine not in row:
+            found.append(f"{name}: its package {mine} is in no row of LAYERS")
             continue
-        for inner in ast.walk(node):
-            if isinstance(inner, ast.ImportFrom) and inner.module and inner.level == 0:
-                found.update(f"{inner.module}.{a.name}" if f"{inner.module}.{a.name}" in known else inner.module
-                             for a in inner.names)
-            elif isinstance(inner, ast.Import):
-                found.update(a.name for a in inner.names)
-    return {m for m in found if m in known}
+        for target in sorted(targets):
+            theirs = package_of(target)
+            if theirs != mine and row.get(theirs, top + 1) >= row[mine] and mine not in above_all:
+                found.append(f"{name} -> {target}")
+    return found
 
 
-def test_no_layer_below_the_strategy_imports_it_when_it_runs():
-    """The Lightning side (``ddp_plugin.strategy``) sits on top: the gradient path, its plugins, checkpoints,
-    parallelism, fault tolerance and health never import it when they run (types only)."""
+def test_packages_import_only_the_layers_below_them():
     known = modules()
-    upward = {name: sorted(m for m in runtime_imports(path, known) if m.startswith("ddp_plugin.strategy"))
-              for name, path in known.items()
-              if not name.startswith(("ddp_plugin.strategy", "ddp_plugin.testing")) and name != "ddp_plugin"}
-    assert {name: found for name, found in upward.items() if found} == {}
+    graph = {name: every_import(name, path, known) for name, path in known.items()}
+    assert "ddp_plugin.strategy.plugin_manager" in graph["ddp_plugin.strategy.session"]  # (the reading sees imports)
+    assert layer_violations(graph, LAYERS, ABOVE_ALL) == []
+    packages = {package_of(name) for name in known if name != "ddp_plugin"}
+    assert packages == {p for row in LAYERS for p in row} | set(ABOVE_ALL) - {"ddp_plugin"}
+
+
+def test_the_package_graph_has_no_cycle():
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        graph.setdefault(package_of(name), set()).update(
+            package_of(m) for m in every_import(name, path, known) if package_of(m) != package_of(name))
+    graph = {p: {q for q in targets if q in graph} for p, targets in graph.items()}
+    assert circles(graph) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"ddp_plugin.runtime.comm": {"ddp_plugin.gradients.engine"}, "ddp_plugin.gradients.engine": set(),
+             "ddp_plugin.sync.plugin": {"ddp_plugin.runtime.comm", "ddp_plugin.sync.parts"}}
+    layers = [("ddp_plugin.runtime",), ("ddp_plugin.gradients",), ("ddp_plugin.sync",)]
+    assert layer_violations(graph, layers, ()) == ["ddp_plugin.runtime.comm -> ddp_plugin.gradients.engine"]

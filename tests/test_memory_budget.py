@@ -17,7 +17,7 @@ import json
 import pytest
 
 from ddp_plugin.codecs.int8 import ROW_BLOCK_VALUES
-from ddp_plugin.gradients.comm import RS_PIECE_BYTES
+from ddp_plugin.runtime.comm import RS_PIECE_BYTES
 from ddp_plugin.sync.plugin import WINDOW_BYTES
 from ddp_plugin.testing import heap
 from tests.support import WORKERS, run_python

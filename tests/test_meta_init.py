@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ddp_plugin import HierarchicalZeroStrategy
-from ddp_plugin.parallel.materialize import has_meta_tensors, materialize, unallocated
+from ddp_plugin.parallel.materialize import has_meta_tensors, materialize
+from ddp_plugin.runtime.storage import unallocated
 from ddp_plugin.testing import heap
 from tests.support import WORKERS, run_python
 from tests.workers.meta_init_run import CONVERGED, DEVICES, LAYOUTS, ONE_DEVICE, RESUMED

@@ -14,7 +14,7 @@ from ddp_plugin.parallel.ties import find_ties
 from ddp_plugin.parallel.stage_module import CARRIER, Int8Rows, _packed, pack_rows, unpack_rows
 from ddp_plugin.parallel.stages import StageBlocks, check_module, plan_stages, split_module
 from ddp_plugin.testing.gpt import GPTModule
-from ddp_plugin.gradients.topology import Layout
+from ddp_plugin.runtime.topology import Layout
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -50,7 +50,7 @@ def test_a_layout_that_cannot_split_into_stages_names_the_allowed_sizes():
 
 
 def test_the_stages_nodes_decide_which_boundaries_narrow_their_activations():
-    from ddp_plugin.parallel.components import stage_nodes
+    from ddp_plugin.strategy.components import stage_nodes
 
     assert stage_nodes(Layout(8, 4, 1, 2)) == [0, 1]  # a stage per node: the boundary crosses the link
     assert stage_nodes(Layout(4, 4, 1, 4)) == [0, 0, 0, 0]  # 4 stages on one node: none does

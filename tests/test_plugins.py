@@ -11,7 +11,7 @@ import pytest
 
 from tests.support import WORKERS, run_python
 from ddp_plugin import HierarchicalZeroStrategy, hookimpl
-from ddp_plugin.gradients.plugin_manager import build_plugin_manager, installed_codecs
+from ddp_plugin.strategy.plugin_manager import build_plugin_manager, installed_codecs
 
 PLUGIN_SOURCE = '''
 import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""The library's side threads (ddp_plugin.gradients.streams.SideThread): work runs in order; once an item failed the
+"""The library's side threads (ddp_plugin.runtime.streams.SideThread): work runs in order; once an item failed the
 items after it are not run (their collectives would pair with the wrong collectives of a peer); and after a
 failed fit nothing waits for a thread stuck in a collective with a rank that is gone."""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from ddp_plugin.gradients.streams import SideThread
+from ddp_plugin.runtime.streams import SideThread
 
 
 def test_work_runs_in_order_on_one_thread_and_close_waits_for_it():

@@ -93,7 +93,7 @@ def test_a_done_callback_that_runs_after_the_sync_point_still_counts_the_step():
     import torch
 
     from ddp_plugin import Bucket
-    from ddp_plugin.gradients.comm import TracedCommunicator
+    from ddp_plugin.runtime.comm import TracedCommunicator
     from ddp_plugin.plugins.traffic import TrafficAccounting
 
     plugin = TrafficAccounting()

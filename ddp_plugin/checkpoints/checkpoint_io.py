@@ -41,10 +41,10 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from typing_extensions import override
 
+from ddp_plugin.runtime.lightning_adapter import PATH
 from ddp_plugin import health
 from ddp_plugin.hookspecs import DeferredStorage, DeferredTensor
 
@@ -55,13 +55,13 @@ _LEGACY_HEADER = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=_PICKLE
 _NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
-def is_local_path(path: _PATH) -> bool:
+def is_local_path(path: PATH) -> bool:
     """Whether ``path`` is on a local (or mounted) filesystem: no URL scheme, or ``file://``."""
     text = str(path)
     return "://" not in text or text.startswith("file://")
 
 
-def local_path(path: _PATH) -> str:
+def local_path(path: PATH) -> str:
     """A local ``path`` as the operating system names it (without ``file://``)."""
     return str(path).removeprefix("file://")
 
@@ -262,7 +262,7 @@ def stream_save(obj: Any, f: IO[bytes]) -> None:
         raise
 
 
-def atomic_write(path: _PATH, write: Callable[[IO[bytes]], None]) -> None:
+def atomic_write(path: PATH, write: Callable[[IO[bytes]], None]) -> None:
     """``write(file)`` into a temporary file beside ``path``, fsync, rename over ``path``, fsync the directory.
     An ``OSError`` (also one torch's zip writer buries under "unexpected pos") is raised naming ``path``, and for a
     full disk the free space."""
@@ -328,7 +328,7 @@ def _free_space(directory: Path) -> str:
     return f"{free} B"
 
 
-def atomic_torch_save(obj: Any, path: _PATH) -> None:
+def atomic_torch_save(obj: Any, path: PATH) -> None:
     """``torch.save(obj, path)``, atomically; ``obj`` may hold :class:`DeferredTensor`\\ s, whose producers all run
     even when the write fails (:func:`stream_save` runs those it did not reach; here those of a file that could
     not even be created)."""
@@ -347,7 +347,7 @@ def atomic_torch_save(obj: Any, path: _PATH) -> None:
         raise
 
 
-def not_a_checkpoint(path: _PATH, err: BaseException) -> ValueError | None:
+def not_a_checkpoint(path: PATH, err: BaseException) -> ValueError | None:
     """For a local ``path`` ``torch.load`` failed on (``err``): a clear error if it is no checkpoint at all (empty,
     random bytes, cut short by an interrupted copy, another kind of file or directory), else ``None`` (then
     ``err`` stands: e.g. a real checkpoint that ``weights_only`` refuses)."""
@@ -391,7 +391,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     writing, and every other rank must call :func:`produce_all` on the same checkpoint meanwhile."""
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None or not is_local_path(path):
             return super().save_checkpoint(materialize(checkpoint), path, storage_options=storage_options)
         atomic_torch_save(checkpoint, path)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ddp_plugin.gradients.checks import check_options
+from ddp_plugin.runtime.checks import check_options
 from ddp_plugin.hookspecs import completed_future, hookimpl
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class Codec:
 
     @classmethod
     def check_values(cls, options: dict[str, Any]) -> None:
-        """Raise for a bad option value (``ddp_plugin.gradients.checks`` with ``context=cls.context()``)."""
+        """Raise for a bad option value (``ddp_plugin.runtime.checks`` with ``context=cls.context()``)."""
 
     @classmethod
     def context(cls) -> str:

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ddp_plugin.gradients.checks import check_bool, check_int
+from ddp_plugin.runtime.checks import check_bool, check_int
 from ddp_plugin.codecs.base import BucketState, Codec
-from ddp_plugin.gradients.finite import zero_if_not_finite, zero_unless
+from ddp_plugin.runtime.finite import zero_if_not_finite, zero_unless
 from ddp_plugin.hookspecs import completed_future
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def finite_or_zero(residual: Tensor) -> Tensor:
     """A non-finite gradient (an fp16 loss-scale overflow the optimizer will skip) must not poison every later
     step through the residual: drop the residual then (zeroed in place; returned). The non-finite values
     themselves still reach the output, so the overflow check after backward sees them. On an accelerator the
-    host does not wait to learn which it was (:func:`~ddp_plugin.gradients.finite.zero_if_not_finite`)."""
+    host does not wait to learn which it was (:func:`~ddp_plugin.runtime.finite.zero_if_not_finite`)."""
     return zero_if_not_finite(residual)
 
 

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ddp_plugin.gradients.checks import check_bool, check_int, check_number
+from ddp_plugin.runtime.checks import check_bool, check_int, check_number
 from ddp_plugin.codecs.base import BucketState, Codec
 from ddp_plugin.codecs.int8 import finite_or_zero
-from ddp_plugin.gradients.finite import finite_flag
+from ddp_plugin.runtime.finite import finite_flag
 from ddp_plugin.hookspecs import completed_future, local_tensor
 
 if TYPE_CHECKING:

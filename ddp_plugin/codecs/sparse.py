@@ -22,7 +22,7 @@ import torch
 
 from ddp_plugin.codecs.base import BucketState, Codec
 from ddp_plugin.codecs.int8 import finite_or_zero
-from ddp_plugin.gradients.checks import check_bool, check_int, check_number, invalid
+from ddp_plugin.runtime.checks import check_bool, check_int, check_number, invalid
 from ddp_plugin.hookspecs import completed_future
 
 INDEX_OFFSET = 2**15

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ddp_plugin.gradients.checks import check_bool, check_number
+from ddp_plugin.runtime.checks import check_bool, check_number
 from ddp_plugin.codecs.base import BucketState, Codec
 from ddp_plugin.codecs.int8 import finite_or_zero
 from ddp_plugin.hookspecs import completed_future

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ddp_plugin.fault_tolerance.options import FaultTolerance
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
     from torch.optim import Optimizer
 
+    from ddp_plugin.fault_tolerance.plugins import ReplicaGroupPlugins
     from ddp_plugin.hookspecs import Topology
     from ddp_plugin.parallel.ties import Tie
 
@@ -35,14 +36,12 @@ __all__ = ["FaultTolerance", "fit_plugins"]
 
 
 def fit_plugins(options: FaultTolerance, module: pl.LightningModule, optimizers: Callable[[], list[Optimizer]],
-                topology: Topology, device: torch.device, ranks_per_node: int, timeout: timedelta | None,
-                per_step: bool, ties: Iterable[Tie] = (), sync_mode: bool = False
-                ) -> tuple[list[object], dict[str, Any]]:
+                topology: Topology, device: torch.device, timeout: timedelta | None,
+                per_step: bool, ties: Iterable[Tie] = (), sync_mode: bool = False) -> ReplicaGroupPlugins:
     """This rank's torchft Manager, as the fit's plugins: the member plugin (healing ``module``, ``optimizers()``
-    and the fit loop), and the stand-ins for the built-in reducer, sync mode and ZeRO cross stage
-    (``build_plugin_manager``'s names). ``per_step``: a quorum per optimizer step (the synchronous route, or a
-    sync mode's warm-up steps); ``sync_mode``: a sync mode runs (a returning group may then heal in the
-    background)."""
+    and the fit loop), the reducer's and the sharder's cross stage, and the sync mode's transport.
+    ``per_step``: a quorum per optimizer step (the synchronous route, or a sync mode's warm-up steps);
+    ``sync_mode``: a sync mode runs (a returning group may then heal in the background)."""
     if importlib.util.find_spec("torchft") is None:
         raise ImportError("`fault_tolerance` runs on torchft: `pip install ddp_plugin[torchft]` (or `pip install"
                           " torchft`).")
@@ -54,5 +53,4 @@ def fit_plugins(options: FaultTolerance, module: pl.LightningModule, optimizers:
     size = topology.world_size * topology.tensor_parallel_size * topology.pipeline_parallel_size
     replicas = ReplicaGroups(options, rank, size, device, timeout, per_step=per_step, sync_mode=sync_mode)
     replicas.ties = list(ties)
-    return replica_group_plugins(replicas, ReplicaGroupMember(replicas, module, optimizers, topology,
-                                                              ranks_per_node, timeout))
+    return replica_group_plugins(replicas, ReplicaGroupMember(replicas, module, optimizers, topology), sync_mode)

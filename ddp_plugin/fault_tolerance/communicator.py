@@ -17,34 +17,33 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
-from ddp_plugin.gradients.comm import TracedCommunicator, _nbytes
-
 if TYPE_CHECKING:
-    from datetime import timedelta
-
     from torch import Tensor
+
+    from ddp_plugin.runtime.comm import TracedCommunicator
 
 log = logging.getLogger(__name__)
 
 
-class ReplicaGroupCommunicator(TracedCommunicator):
-    """:class:`~ddp_plugin.gradients.comm.TracedCommunicator` whose collectives on ``cross`` (torchft's process group,
-    ``manager``'s) run on it as torchft's own do: counted as cross-node bytes, failures reported to ``manager``."""
+class ReplicaGroupCommunicator:
+    """The strategy's communicator ``inner`` (a :class:`~ddp_plugin.runtime.comm.TracedCommunicator`), whose
+    collectives on ``cross`` (torchft's process group, ``manager``'s) run on that group as torchft's own do:
+    counted as cross-node bytes, failures reported to ``manager``. Every other collective is ``inner``'s."""
 
-    def __init__(self, ranks_per_node: int, timeout: timedelta | None, cross: Any, manager: Any) -> None:
-        super().__init__(ranks_per_node, timeout)
+    def __init__(self, inner: TracedCommunicator, cross: Any, manager: Any) -> None:
+        self.inner = inner
         self.cross = cross
         self.manager = manager
 
     def count_allreduce(self, tensors: list[Tensor]) -> None:
         """Count what torchft's own all-reduce of ``tensors`` (issued through its Manager) sends from this rank."""
-        self._add(0, _ring_bytes(self.cross.size(), tensors))
+        self.inner.count_bytes(0, _ring_bytes(self.cross.size(), tensors))
 
     def _issue(self, start: Any, output: Tensor, sends: float, async_op: bool) -> Any:
         n = self.cross.size()
         work = _Guarded(None, output, self.manager) if n == 1 or self.manager.errored() else None
         if work is None:
-            self._add(0, sends)
+            self.inner.count_bytes(0, sends)
             try:
                 work = _Guarded(start(), output, self.manager)
             except Exception as err:  # noqa: BLE001 - torchft's rule: a failed collective fails the step
@@ -56,7 +55,7 @@ class ReplicaGroupCommunicator(TracedCommunicator):
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, piece_bytes=None):
         if group is not self.cross:
-            return super().all_reduce(tensor, op, group, async_op, piece_bytes)
+            return self.inner.all_reduce(tensor, op, group, async_op, piece_bytes)
         opts = AllreduceOptions()
         opts.reduceOp = op
         return self._issue(lambda: self.cross.allreduce([tensor], opts), tensor,
@@ -64,7 +63,7 @@ class ReplicaGroupCommunicator(TracedCommunicator):
 
     def all_gather(self, output, input, group=None, async_op=False):  # noqa: A002
         if group is not self.cross:
-            return super().all_gather(output, input, group, async_op)
+            return self.inner.all_gather(output, input, group, async_op)
         n = self.cross.size()
         chunks = list(output.view(-1).split(input.numel()))
         return self._issue(lambda: self.cross.allgather([chunks], [input.reshape(-1)], AllgatherOptions()),
@@ -72,7 +71,7 @@ class ReplicaGroupCommunicator(TracedCommunicator):
 
     def all_to_all(self, output, input, group=None, async_op=False):  # noqa: A002
         if group is not self.cross:
-            return super().all_to_all(output, input, group, async_op)
+            return self.inner.all_to_all(output, input, group, async_op)
         n = self.cross.size()
         return self._issue(lambda: self.cross.alltoall_base(output, input, [], [], AllToAllOptions()), output,
                            (n - 1) / n * _nbytes(input), async_op)
@@ -80,12 +79,39 @@ class ReplicaGroupCommunicator(TracedCommunicator):
     def broadcast(self, tensor, src, group=None, async_op=False):
         if group is self.cross:
             raise NotImplementedError("broadcast across replica groups (no built-in codec runs one)")
-        return super().broadcast(tensor, src, group, async_op)
+        return self.inner.broadcast(tensor, src, group, async_op)
 
     def reduce_scatter(self, output, input, group=None):  # noqa: A002
         if group is self.cross:
             raise NotImplementedError("reduce_scatter across replica groups (torchft's gloo group has none)")
-        return super().reduce_scatter(output, input, group)
+        return self.inner.reduce_scatter(output, input, group)
+
+    # (the rest of the contract, and the strategy's extras, are the inner communicator's)
+
+    def new_group(self, ranks=None, backend=None):
+        return self.inner.new_group(ranks, backend)
+
+    def bytes_sent_by_this_thread(self) -> int:
+        return self.inner.bytes_sent_by_this_thread()
+
+    def scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return self.inner.scratch(numel, dtype, device)
+
+    def release_scratch(self) -> None:
+        self.inner.release_scratch()
+
+    def take_traffic(self) -> Any:
+        return self.inner.take_traffic()
+
+    def count_sends(self, group: Any, sends: list[tuple[int, float]]) -> None:
+        self.inner.count_sends(group, sends)
+
+    def count_bytes(self, intra: float, cross: float) -> None:
+        self.inner.count_bytes(intra, cross)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _ring_bytes(n: int, tensors: list[Tensor]) -> float:

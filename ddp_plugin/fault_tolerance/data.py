@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import Callback
 
+from ddp_plugin.runtime import lightning_adapter
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -66,7 +68,7 @@ class QuorumDataSplit(Callback):
         self.state.data_groups = groups
         # (Lightning's fit loop builds the training dataloader again at the next epoch's start when it has none,
         # asking the strategy's distributed_sampler_kwargs: as for `reload_dataloaders_every_n_epochs`)
-        trainer.fit_loop._combined_loader = None
+        lightning_adapter.reload_train_dataloader(trainer)
 
 
 def attach(trainer: pl.Trainer, options: FaultTolerance | None, state: Any) -> None:

@@ -2,7 +2,7 @@
 schedulers' state, the precision plugin's (a loss scaler's scale), and where the fit is (Lightning's step
 counters), so that its next optimizer step is its peers'. Every other plugin hands over its own through the hooks
 ``on_member_state``/``on_load_member_state``: a sync mode the global copy, the outer optimizer and the schedule's
-position (:class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`), a codec the state every rank shares, the
+position (:class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupTransport`), a codec the state every rank shares, the
 ZeRO sharder this rank's shards of the parameters (the same group rank of a peer holds the same shards, every group
 having the same layout), which the module's state then leaves out (``covers``).
 
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ddp_plugin.gradients.comm import broadcast_coalesced
+from ddp_plugin.runtime import lightning_adapter
+from ddp_plugin.runtime.comm import broadcast_coalesced
 from ddp_plugin.hookspecs import is_tensor_parallel_shard, local_tensor
 
 if TYPE_CHECKING:
@@ -37,11 +38,11 @@ def fit_state(module: pl.LightningModule, optimizers: list[Optimizer], skip: Col
     loop = trainer.fit_loop.epoch_loop
     return {
         "module": module_state(module, skip),
-        "optimizers": [optimizer_state(getattr(o, "_optimizer", o)) for o in optimizers],
+        "optimizers": [optimizer_state(lightning_adapter.unwrapped(o)) for o in optimizers],
         "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "precision": trainer.precision_plugin.state_dict(),
         "optimizer_steps": loop.automatic_optimization.optim_progress.optimizer.step.total.completed,
-        "batches_that_stepped": loop._batches_that_stepped,
+        "batches_that_stepped": lightning_adapter.batches_that_stepped(trainer),
         "epochs": trainer.fit_loop.epoch_progress.state_dict(),
     }
 
@@ -51,7 +52,7 @@ def load_fit_state(module: pl.LightningModule, optimizers: list[Optimizer], stat
     """On the returning group's ranks, inside the optimizer step (Lightning counted it ready, not completed)."""
     load_module_state(module, state["module"], skip)
     for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
-        load_optimizer_state(getattr(optimizer, "_optimizer", optimizer), saved)
+        load_optimizer_state(lightning_adapter.unwrapped(optimizer), saved)
     load_position(module.trainer, state, in_step=True)
 
 
@@ -66,7 +67,7 @@ def load_position(trainer: pl.Trainer, state: dict[str, Any], in_step: bool) -> 
     loop = trainer.fit_loop.epoch_loop
     total = loop.automatic_optimization.optim_progress.optimizer.step.total
     total.completed, total.ready = state["optimizer_steps"], state["optimizer_steps"] + int(in_step)
-    loop._batches_that_stepped = state["batches_that_stepped"]
+    lightning_adapter.set_batches_that_stepped(trainer, state["batches_that_stepped"])
     if "epochs" in state:
         trainer.fit_loop.epoch_progress.load_state_dict(state["epochs"])
 
@@ -90,7 +91,7 @@ def unify_group(module: pl.LightningModule, optimizers: list[Optimizer], skip: C
     taken from the group's tensor-parallel rank 0, over ``tensor_parallel_group``. With pipeline stages each
     stage's ranks do the above, and the copies of a parameter several stages hold (``ties``: a tied embedding and
     head) take the first stage's, with their optimizer state and the step's gradient."""
-    optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
+    optimizers = [lightning_adapter.unwrapped(o) for o in optimizers]
     whole = [v for v in module.state_dict(keep_vars=True).values() if id(v) not in skip]
     take_from_first(whole, optimizers, group)
     if tensor_parallel_group is not None:
@@ -185,9 +186,9 @@ def synced_fit_state(module: pl.LightningModule, optimizers: list[Optimizer]) ->
         "schedulers": [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs],
         "precision": copy.deepcopy(trainer.precision_plugin.state_dict()),
         "optimizer_steps": loop.automatic_optimization.optim_progress.optimizer.step.total.completed,
-        "batches_that_stepped": loop._batches_that_stepped,
+        "batches_that_stepped": lightning_adapter.batches_that_stepped(trainer),
         "epochs": copy.deepcopy(trainer.fit_loop.epoch_progress.state_dict()),
-        "groups": [[{k: v for k, v in group.items() if k != "params"} for group in getattr(o, "_optimizer", o).param_groups]
+        "groups": [[{k: v for k, v in group.items() if k != "params"} for group in lightning_adapter.unwrapped(o).param_groups]
                    for o in optimizers],
         "buffers": {name: local_tensor(b).detach().clone() for name, b in module.named_buffers()},
     }
@@ -209,7 +210,7 @@ def load_synced_fit_state(module: pl.LightningModule, optimizers: list[Optimizer
     load_module_state(module, state["module"], skip)
     fit = state["fit"]
     for optimizer, groups in zip(optimizers, fit["groups"], strict=True):
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = lightning_adapter.unwrapped(optimizer)
         optimizer.state.clear()
         for group, hyper in zip(optimizer.param_groups, groups, strict=True):
             group.update(hyper)
@@ -222,7 +223,7 @@ def advance_fit(module: pl.LightningModule, steps: int) -> None:
     trainer = module.trainer
     loop = trainer.fit_loop.epoch_loop
     total = loop.automatic_optimization.optim_progress.optimizer.step.total
-    base = loop._batches_that_stepped
+    base = lightning_adapter.batches_that_stepped(trainer)
     for config in trainer.lr_scheduler_configs:
         if config.interval == "step" and not config.reduce_on_plateau:
             for i in range(steps):
@@ -230,12 +231,12 @@ def advance_fit(module: pl.LightningModule, steps: int) -> None:
                     config.scheduler.step()
     total.completed += steps
     total.ready += steps
-    loop._batches_that_stepped += steps
+    lightning_adapter.set_batches_that_stepped(trainer, base + steps)
 
 
 def unify_tie(sync: Any, tie: Tie) -> None:
     """With pipeline stages, at a sync mode's first committed sync (``sync``: the
-    :class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`): the global copy and outer state of a tied
+    :class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupTransport`): the global copy and outer state of a tied
     parameter's copy (the embedding's on the first stage, the head's on the last), taken from the first stage's
     (torchft may heal each group rank from another group at that first quorum). Each stage holds its copy elsewhere in its buckets, so the ranks of a node cut it into other parts on each stage: each rank
     puts its elements into buffers of the whole parameter, the node's ranks of the stage sum them (every

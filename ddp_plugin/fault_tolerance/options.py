@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ddp_plugin.gradients.checks import check_int, check_positive_number, invalid
+from ddp_plugin.runtime.checks import check_int, check_positive_number, invalid
 
 REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
 REPLICA_GROUPS_ENV = "NUM_REPLICA_GROUPS"

@@ -1,17 +1,17 @@
 """The plugins of a ``fit`` with replica groups, on the hook contract: :class:`ReplicaGroupMember` answers the hooks
 of members that come and go (the transport, each step's quorum and commit, the fit's own state a returning group
-receives, its replicas made one), and :func:`replica_group_plugins` gives it with the plugins that stand in for
-the built-in reducer, sync mode and ZeRO cross stage (their steps between groups go through torchft). Every other
-plugin hands over and loads its own state (``on_member_state``): the ZeRO sharder its shards, the codec its shared
-state, the sync mode its global copy."""
+receives, its replicas made one), and :func:`replica_group_plugins` gives it with the implementations of the
+protocols the built-in plugins own for their steps between members (:class:`ReplicaGroupPlugins`): the reducer's
+and the ZeRO sharder's cross stage, the sync mode's transport (through torchft). Every other plugin hands over and
+loads its own state (``on_member_state``): the ZeRO sharder its shards, the codec its shared state, the sync mode
+its global copy."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
-
-import time
 
 from ddp_plugin.fault_tolerance.healing import (
     advance_fit,
@@ -22,8 +22,8 @@ from ddp_plugin.fault_tolerance.healing import (
     synced_fit_state,
     unify_group,
 )
-from ddp_plugin.fault_tolerance.reducer import ReplicaGroupReducer
-from ddp_plugin.fault_tolerance.sync import ReplicaGroupSync
+from ddp_plugin.fault_tolerance.reducer import ReplicaGroupCrossStage
+from ddp_plugin.fault_tolerance.sync import ReplicaGroupTransport
 from ddp_plugin.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from ddp_plugin.fault_tolerance.communicator import ReplicaGroupCommunicator
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
     from ddp_plugin.hookspecs import Communicator, Options, Topology
+    from ddp_plugin.plugins.cross_stage import CrossStage
+    from ddp_plugin.sync.transport import SyncTransport
 
 NAME = "replica_groups"
 """The name :class:`ReplicaGroupMember` is registered under (``plugin_manager.get_plugin(NAME)``)."""
@@ -46,17 +48,15 @@ class ReplicaGroupMember:
 
     ``module`` and ``optimizers()``: what the fit itself hands a returning group (the module less what other
     plugins' state covers, the optimizers, the schedulers, the loss scaler and the loop's counters), handed over
-    and loaded after every other plugin's part (``trylast``); ``ranks_per_node`` and ``timeout``: the transport's."""
+    and loaded after every other plugin's part (``trylast``)."""
 
     def __init__(self, replicas: ReplicaGroups, module: pl.LightningModule, optimizers: Callable[[], list[Optimizer]],
-                 topology: Topology, ranks_per_node: int, timeout: timedelta | None) -> None:
+                 topology: Topology) -> None:
         self.__name__ = NAME  # (the name pluggy registers it under)
         self.replicas = replicas
         self.module = module
         self.optimizers = optimizers
         self.topology = topology
-        self.ranks_per_node = ranks_per_node
-        self.timeout = timeout
         self._started = False
         self._synced: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None
@@ -68,7 +68,7 @@ class ReplicaGroupMember:
     @hookimpl
     def on_transport(self, comm: Communicator) -> ReplicaGroupCommunicator:
         # The strategy's collectives as `comm`'s, and a codec's across groups on torchft's process group.
-        return self.replicas.communicator(self.ranks_per_node, self.timeout)
+        return self.replicas.communicator(comm)
 
     @hookimpl
     def on_setup(self, hook: HookRelay, options: Options) -> None:
@@ -154,10 +154,23 @@ class ReplicaGroupMember:
         self.replicas.close()  # (last: a sync mode applies its syncs in flight first)
 
 
-def replica_group_plugins(replicas: ReplicaGroups, member: ReplicaGroupMember) -> tuple[list[object], dict[str, Any]]:
-    """The fit's plugins with replica groups: ``member``, and the stand-ins for ``build_plugin_manager``'s
-    ``reducer``, ``outer_sync`` and the ZeRO sharder's ``cross_stage`` (with a sync mode, the gradients' stage
-    among the group's own nodes only)."""
-    reducer = ReplicaGroupReducer(replicas)
-    return [member], {"reducer": reducer, "outer_sync": functools.partial(ReplicaGroupSync, replicas),
-                      "cross_stage": reducer.across}
+@dataclasses.dataclass(frozen=True)
+class ReplicaGroupPlugins:
+    """A fit's plugins with replica groups: ``plugins``, registered as the user's are (the member, the cross stage,
+    with a sync mode its transport: each answers hooks of its own), and the protocols' implementations the
+    built-in plugins take at construction."""
+
+    plugins: list[object]
+    cross_stage: CrossStage
+    """The hierarchical reducer's and the ZeRO sharder's stage between nodes: among a group's nodes, then across
+    the live groups (the reducer always the hierarchical one)."""
+    sync_transport: SyncTransport | None
+    """With a sync mode, how its syncs cross groups."""
+
+
+def replica_group_plugins(replicas: ReplicaGroups, member: ReplicaGroupMember, sync_mode: bool) -> ReplicaGroupPlugins:
+    """The fit's plugins with replica groups: ``member``, the cross stage and, with a sync mode (``sync_mode``), its
+    transport (the gradients' stage then among the group's own nodes only)."""
+    cross = ReplicaGroupCrossStage(replicas)
+    transport = ReplicaGroupTransport(replicas) if sync_mode else None
+    return ReplicaGroupPlugins([member, cross, *([transport] if transport is not None else [])], cross, transport)

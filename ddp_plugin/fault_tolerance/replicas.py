@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ddp_plugin.fault_tolerance import background, pace, torchft_adapter
-from ddp_plugin.gradients.plugin_manager import merged_answers
+from ddp_plugin.runtime.answers import merged_answers
 
 if TYPE_CHECKING:
     from pluggy import HookRelay
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from ddp_plugin.fault_tolerance.communicator import ReplicaGroupCommunicator
     from ddp_plugin.fault_tolerance.options import FaultTolerance
-    from ddp_plugin.hookspecs import Bucket
+    from ddp_plugin.hookspecs import Bucket, Communicator
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class ReplicaGroups:
 
     ``per_step``: a quorum and a commit per optimizer step (the synchronous route, and a sync mode's warm-up steps,
     whose plugin turns it off once they are over); without, a sync mode's plugin asks for them once per outer sync
-    (:class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`)."""
+    (:class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupTransport`)."""
 
     def __init__(self, options: FaultTolerance, rank: int, size: int, device: torch.device,
                  timeout: timedelta | None, per_step: bool = True, sync_mode: bool = False) -> None:
@@ -72,7 +72,7 @@ class ReplicaGroups:
         """Seconds this group spent downloading its peers' state before its first step (a background heal)."""
         self.catching_up = False
         """Whether this group healed in the background and has asked for the quorum of its peers' next sync (a sync
-        mode then sends its sync as soon as that quorum is in: :class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupSync`)."""
+        mode then sends its sync as soon as that quorum is in: :class:`~ddp_plugin.fault_tolerance.sync.ReplicaGroupTransport`)."""
         self.on_skip: Callable[[int], None] | None = None
         """Called with a count of optimizer steps the fit's counters and schedulers skip (a group that healed in the
         background joins its peers' sync before its own schedule's: it takes their position after it)."""
@@ -134,11 +134,11 @@ class ReplicaGroups:
         first commit is in, before the step's first collective: a sync mode with warm-up steps learns there
         whether its peers are past them (the quorum is then a sync's)."""
 
-    def communicator(self, ranks_per_node: int, timeout: timedelta | None) -> ReplicaGroupCommunicator:
-        """The fit's communicator: the strategy's collectives, and a codec's on :attr:`pg`."""
+    def communicator(self, comm: Communicator) -> ReplicaGroupCommunicator:
+        """The fit's communicator: the strategy's collectives (``comm``'s), and a codec's on :attr:`pg`."""
         from ddp_plugin.fault_tolerance.communicator import ReplicaGroupCommunicator
 
-        self.comm = ReplicaGroupCommunicator(ranks_per_node, timeout, self.pg, self.manager)
+        self.comm = ReplicaGroupCommunicator(comm, self.pg, self.manager)
         return self.comm
 
     def _state(self) -> dict[str, Any]:

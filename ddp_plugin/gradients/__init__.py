@@ -2,15 +2,10 @@
 :mod:`ddp_plugin.zero`, :mod:`ddp_plugin.sync`):
 
 - :mod:`~ddp_plugin.gradients.engine`: buckets, readiness, launch order, the sync point;
-- :mod:`~ddp_plugin.gradients.comm`: the collectives plugins use, with traffic accounting;
-- :mod:`~ddp_plugin.gradients.plugin_manager`: a ``fit``'s plugins assembled (built-ins, installed, the user's);
-- :mod:`~ddp_plugin.gradients.topology`: the ranks' layout and the device meshes with their groups;
-- :mod:`~ddp_plugin.gradients.link_choices`, :mod:`~ddp_plugin.gradients.link_probe`,
-  :mod:`~ddp_plugin.gradients.planning`: what the links decide (the probe, the cost model, the plan);
-- :mod:`~ddp_plugin.gradients.streams`, :mod:`~ddp_plugin.gradients.clock`: the side threads with their CUDA
-  streams, device-time stamps;
-- :mod:`~ddp_plugin.gradients.checks`: one validation helper per kind of value (the flags' and the codecs'
-  options);
-- :mod:`~ddp_plugin.gradients.finite`, :mod:`~ddp_plugin.gradients.cpu_memory`: a NaN/Inf check without a
-  temporary, glibc's mmap threshold.
+- :mod:`~ddp_plugin.gradients.planning`: the links' cost model and the plan it chooses (route, codec, bucket
+  size); the probe that measures the links and the choices made from it are the strategy's
+  (:mod:`ddp_plugin.strategy.link_probe`, :mod:`ddp_plugin.strategy.link_choices`), which assemble the plugins.
+
+Below it, :mod:`ddp_plugin.runtime` (the communicator, the topology, streams, clocks, checks); above it, the
+plugins, then fault tolerance, then the strategy (``tests/test_layout.py``'s ``LAYERS``).
 """

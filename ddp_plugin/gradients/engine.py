@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from ddp_plugin import health
-from ddp_plugin.gradients.clock import Clock
-from ddp_plugin.gradients.finite import finite_flag
-from ddp_plugin.parallel.materialize import unallocated
-from ddp_plugin.gradients.streams import SideThread
+from ddp_plugin.runtime.clock import Clock
+from ddp_plugin.runtime.finite import finite_flag
+from ddp_plugin.runtime.storage import unallocated
+from ddp_plugin.runtime.streams import SideThread
 from ddp_plugin.hookspecs import Bucket, completed_future, is_tensor_parallel_shard, local_tensor, set_local_grad
 
 if TYPE_CHECKING:
@@ -227,7 +227,7 @@ class GradientEngine:
         self.clock = Clock(device)
         self._thread = SideThread(device, "ddp_plugin-comm")
         self._side = self._thread.side
-        """The communication thread's CUDA stream (see ddp_plugin.gradients.streams)."""
+        """The communication thread's CUDA stream (see ddp_plugin.runtime.streams)."""
 
     # ------------------------------------------------------------------ backward
 
@@ -288,7 +288,7 @@ class GradientEngine:
     def _launch(self, bucket: Bucket) -> None:
         if self.check_finite:
             # Checked before the reduction (a codec could turn a NaN into a finite value on the wire), on the
-            # device (ddp_plugin.gradients.finite.finite_flag: no host read).
+            # device (ddp_plugin.runtime.finite.finite_flag: no host read).
             self._nonfinite.logical_or_(finite_flag(bucket.buffer).logical_not_())
         # (On CUDA: past this bucket's last gradient and the check above, on the backward's stream.)
         ready = self._side.hand_over(bucket.buffer)
@@ -393,7 +393,7 @@ class GradientEngine:
 
     def remove(self, failed: bool = False) -> None:
         """Remove the autograd hooks and stop the communication thread; after a ``failed`` fit without waiting
-        for it (it may be inside a collective with a rank that is gone: see ddp_plugin.gradients.streams)."""
+        for it (it may be inside a collective with a rank that is gone: see ddp_plugin.runtime.streams)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []

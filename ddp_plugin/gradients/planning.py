@@ -1,6 +1,6 @@
 """Adaptive communication: measure the links, fit a cost model, and plan each bucket's route and codec.
 
-- :func:`ddp_plugin.gradients.link_probe.probe` times the collectives a bucket's reduction is made of, on the groups it
+- :func:`ddp_plugin.strategy.link_probe.probe` times the collectives a bucket's reduction is made of, on the groups it
   runs on, at two sizes each: the in-node reduce-scatter and all-gather, and the cross-node stage of every candidate codec over the
   inter-node group (the hierarchical route, 1/k of a bucket per rank, every local rank at once as in
   training) and over the world (the flat route). A codec is timed as a whole (encode, collectives, decode),

@@ -12,12 +12,13 @@ What is here:
   placeholder, predict); :mod:`~ddp_plugin.parallel.stage_module`: one stage's module (its forward, the
   activations' dtype across nodes); :mod:`~ddp_plugin.parallel.ties`: parameters several stages hold and their
   gradients' sum; :mod:`~ddp_plugin.parallel.stage_checkpoint`: the stages' state against the unsplit model's;
-  :mod:`~ddp_plugin.parallel.state_parts`: each parallelism's part in a checkpoint (the contract the routing asks);
-- :mod:`~ddp_plugin.parallel.components`: each parallelism as the strategy sees it.
+  :mod:`~ddp_plugin.parallel.state_parts`: each parallelism's part in a checkpoint (the contract the routing asks).
 
-The contract between a parallelism and the strategy (:class:`~ddp_plugin.parallel.components.TensorParallel`,
-:class:`~ddp_plugin.parallel.components.PipelineParallel`): it asks the mesh (``ddp_plugin.strategy.process_groups``, built
-once per layout) for its groups, it prepares the module in ``setup`` before anything is allocated (tensor
+Each parallelism as the strategy sees it is a component of the strategy's (:mod:`ddp_plugin.strategy.components`:
+the mechanics here, the process groups and the fit's session there). The contract between a parallelism and the
+strategy (:class:`~ddp_plugin.strategy.components.TensorParallel`,
+:class:`~ddp_plugin.strategy.components.PipelineParallel`): it asks the mesh (``ddp_plugin.strategy.process_groups``,
+built once per layout) for its groups, it prepares the module in ``setup`` before anything is allocated (tensor
 parallelism checks what ``configure_model`` did on the meta device; pipeline parallelism keeps this rank's
 stages), it starts once the module is materialized (the pipeline's schedule runner), and it wraps the steps it
 changes (the forward, the backward, a pipelined ``*_step``). Its say in a checkpoint is a part

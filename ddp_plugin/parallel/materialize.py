@@ -23,18 +23,12 @@ from torch.utils._python_dispatch import TorchDispatchMode  # (torch's own way t
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ddp_plugin.hookspecs import hookimpl, local_tensor
+from ddp_plugin.runtime.storage import unallocated
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` is on the meta device (or is a DTensor whose shard is)."""
     return any(local_tensor(t).is_meta for t in _tensors(module))
-
-
-def unallocated(t: torch.Tensor) -> bool:
-    """Whether ``t`` (a DTensor's local shard) has a shape but no memory: a parameter left for a ZeRO stage 3
-    sharder to allocate (:func:`materialize`'s ``deferred``), or a stage 3 unit's freed between uses."""
-    local = local_tensor(t)
-    return not local.is_meta and local.numel() > 0 and local.untyped_storage().nbytes() == 0
 
 
 def materialize(module: nn.Module, device: torch.device, seed_offset: int = 0,

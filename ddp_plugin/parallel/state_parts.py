@@ -1,4 +1,4 @@
-"""Each parallelism's part in a checkpoint: the contract :mod:`ddp_plugin.checkpoints.checkpointing` asks, without knowing
+"""Each parallelism's part in a checkpoint: the contract :mod:`ddp_plugin.strategy.checkpointing` asks, without knowing
 which parallelisms a fit has.
 
 A checkpoint's model and optimizer state starts as what this rank holds (the sharder's answer through the plugin

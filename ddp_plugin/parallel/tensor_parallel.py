@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ddp_plugin.gradients.comm import broadcast_coalesced
-from ddp_plugin.parallel.materialize import unallocated
+from ddp_plugin.runtime.comm import broadcast_coalesced
+from ddp_plugin.runtime.storage import unallocated
 from ddp_plugin.hookspecs import (
     is_tensor_parallel_shard,
     local_tensor,

@@ -19,7 +19,7 @@ optimizer step and read after the next one, so it never waits on the link; when 
 measurements. Bucket sizes stay as built.
 
 (Over 400 lines for a reason: the two plugins are one plan's two halves, sharing its bucket keys, its trials and
-the timing of each bucket; the probe and the codecs it times are :mod:`ddp_plugin.gradients.link_probe`.)
+the timing of each bucket; the probe and the codecs it times are :mod:`ddp_plugin.strategy.link_probe`.)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ddp_plugin.gradients.clock import Clock, Stamp
+from ddp_plugin.runtime.clock import Clock, Stamp
 from ddp_plugin.codecs.base import state_key
 import pluggy
 

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from ddp_plugin.hookspecs import Bucket
+    from ddp_plugin.plugins.cross_stage import CrossStage
 
 
 class HierarchicalReducer(FlatReducer):
@@ -30,12 +31,20 @@ class HierarchicalReducer(FlatReducer):
     ``on_cross_node_reduce`` over the world, exactly as the flat reducer does. The reduce-scatter is the
     communicator's (on gloo, which emulates reduce-scatter with a full all-reduce, rounds of all-to-alls that
     send each chunk once and add it where it lands, one piece at a time; NCCL's own).
+
+    ``cross_stage`` (:class:`~ddp_plugin.plugins.cross_stage.CrossStage`) takes stage 2 in place of the hook (fault
+    tolerance's members); the bucket is then always split (with one node or one rank a node too, the chunk
+    the whole bucket), into chunks whose length is a multiple of the stage's ``splits_into``.
     """
+
+    def __init__(self, cross_stage: CrossStage | None = None) -> None:
+        super().__init__()
+        self.cross_stage = cross_stage
 
     @property
     def splits(self) -> bool:
         t = self._topology
-        return t is not None and t.num_nodes > 1 and t.ranks_per_node > 1
+        return t is not None and (self.cross_stage is not None or (t.num_nodes > 1 and t.ranks_per_node > 1))
 
     @hookimpl(trylast=True)
     def on_bucket_ready(self, bucket: Bucket) -> torch.futures.Future:
@@ -46,7 +55,8 @@ class HierarchicalReducer(FlatReducer):
 
     def shard_numel(self, bucket: Bucket) -> int:
         k = self._topology.ranks_per_node
-        return -(-bucket.numel // k)
+        m = self.cross_stage.splits_into if self.cross_stage is not None else 1
+        return -(-bucket.numel // (k * m)) * m
 
     def _padded(self, bucket: Bucket) -> Tensor:
         """The bucket as k equal chunks: the buffer itself when k divides it, else a zero-padded copy kept in
@@ -73,9 +83,11 @@ class HierarchicalReducer(FlatReducer):
         # all-gather below sends it from there. No shard-sized tensor is allocated per bucket and step.
         shard = padded[topo.local_rank * c : (topo.local_rank + 1) * c]
         self._comm.reduce_scatter(shard, padded, group=topo.intra_node_group)
-        fut = self._hook.on_cross_node_reduce(tensor=shard, group=topo.inter_node_group, bucket=bucket,
-                                              offset=topo.local_rank * c)
-        fut.wait()
+        if self.cross_stage is not None:
+            self.cross_stage.reduce(self._hook, [(shard, bucket, topo.local_rank * c)])
+        else:
+            self._hook.on_cross_node_reduce(tensor=shard, group=topo.inter_node_group, bucket=bucket,
+                                            offset=topo.local_rank * c).wait()
         return shard
 
     def gather_shard(self, bucket: Bucket, shard: Tensor) -> torch.futures.Future:

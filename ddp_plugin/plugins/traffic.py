@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ddp_plugin.gradients.clock import Clock, Stamp
+from ddp_plugin.runtime.clock import Clock, Stamp
 from ddp_plugin.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class TrafficAccounting:
       ``comm/wait_ms``: how long backward waited for it at its end;
       ``comm/hidden_share``: the share of communication time hidden behind backward, 1 - wait / time.
 
-    Times are device times (:mod:`ddp_plugin.gradients.clock`): on CUDA, events on the communication stream and in the
+    Times are device times (:mod:`ddp_plugin.runtime.clock`): on CUDA, events on the communication stream and in the
     futures' callbacks, read once the device has passed them, so a step's ``comm/time_ms`` may be counted in
     the next step's metrics instead of its own (never lost, never counted twice).
     """

@@ -1,6 +1,6 @@
 """The steps of the strategy's ``setup`` and ``teardown`` between Lightning and the components, in torchtitan's
 order: the module was built (on the meta device under ``trainer.init_module(empty_init=True)``) and parallelized by
-its ``configure_model``; it is split into pipeline stages (:class:`~ddp_plugin.parallel.components.
+its ``configure_model``; it is split into pipeline stages (:class:`~ddp_plugin.strategy.components.
 PipelineParallel`), wrapped (:func:`wrap`), materialized and made equal on its replicas (:func:`materialize`),
 and sharded by the fit's session (:func:`start_session`, whose ZeRO sharder allocates stage 3 units one by one).
 The strategy calls them in that order; each takes what it needs as arguments, not the strategy."""
@@ -18,7 +18,7 @@ from ddp_plugin import fault_tolerance
 
 from ddp_plugin.checkpoints import pretrained
 
-from ddp_plugin.gradients import cpu_memory
+from ddp_plugin.runtime import cpu_memory
 
 from ddp_plugin.parallel import activation_checkpointing
 from ddp_plugin.parallel.materialize import Deferred, has_meta_tensors
@@ -96,18 +96,19 @@ def start_session(config: StrategyConfig, model: Module, groups: ProcessGroups, 
     if wanted and device.type == "cpu" and cpu_memory.release_freed_buffers():
         log.info("ddp_plugin: glibc's mmap threshold fixed at 1 MiB (release_cpu_memory)")
     ties = list(ties)
-    plugins, builtins = [deferred] if deferred is not None else [], {}
+    plugins = [deferred] if deferred is not None else []
+    cross_stage = sync_transport = None
     if config.fault_tolerance is not None:
-        members, builtins = fault_tolerance.fit_plugins(
-            config.fault_tolerance, module, optimizers, groups.topology, device, groups.layout.ranks_per_node,
-            config.timeout, per_step=config.sync_every == 1 or config.sync_warmup_steps > 0, ties=ties,
+        members = fault_tolerance.fit_plugins(
+            config.fault_tolerance, module, optimizers, groups.topology, device, config.timeout, per_step=config.sync_every == 1 or config.sync_warmup_steps > 0, ties=ties,
             sync_mode=config.sync_every > 1)
-        plugins += members
+        plugins += members.plugins
+        cross_stage, sync_transport = members.cross_stage, members.sync_transport
     session = FitSession(config, model, groups.topology, groups.bookkeeping, device, hierarchical, measure_memory,
                          node_flags_group=groups.node_bookkeeping, layout=groups.layout,
                          tensor_parallel_peers=groups.tensor_parallel_peers,
                          solo=[t.param for t in ties if t.param is not None], extra_plugins=plugins,
-                         builtins=builtins)
+                         cross_stage=cross_stage, sync_transport=sync_transport)
     if deferred is not None:
         log.info("ddp_plugin: ZeRO stage 3 allocated and initialized the model unit by unit (%d units)",
                  deferred.groups)

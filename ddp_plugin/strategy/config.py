@@ -21,7 +21,7 @@ from typing import Any
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from ddp_plugin.fault_tolerance.options import check_composition as check_fault_tolerance_composition
-from ddp_plugin.gradients.checks import (
+from ddp_plugin.runtime.checks import (
     check_bool,
     check_choice,
     check_int,
@@ -149,7 +149,7 @@ class StrategyConfig:
 def _validated(values: dict[str, Any]) -> dict[str, Any]:
     """Each given value checked and normalized; missing ones keep their defaults."""
     from ddp_plugin.codecs import check_compression
-    from ddp_plugin.gradients.plugin_manager import check_plugins
+    from ddp_plugin.strategy.plugin_manager import check_plugins
     from ddp_plugin.parallel.activation_checkpointing import check_policy as check_activation_checkpointing_policy
     from ddp_plugin.zero.units import check_auto_wrap_policy
     from ddp_plugin.parallel.stage_module import ACTIVATION_DTYPES
@@ -251,7 +251,7 @@ def _check_pipeline(c: dict[str, Any]) -> None:
 
 
 def _check_tensor_parallel(c: dict[str, Any]) -> None:
-    """What can be checked before the layout is known (the rest is :class:`~ddp_plugin.gradients.topology.Layout`'s)."""
+    """What can be checked before the layout is known (the rest is :class:`~ddp_plugin.runtime.topology.Layout`'s)."""
     tp, per_node = c["tensor_parallel_size"], c["devices_per_node"]
     if per_node is not None and tp != "auto" and per_node % tp:
         raise ValueError(

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_plugin.gradients.checks import check_bool, check_int, check_number
+from ddp_plugin.runtime.checks import check_bool, check_int, check_number
 
 ZERO = "zero_optimization"
 ALLOWED_STAGES = (0, 1, 2, 3)

@@ -11,26 +11,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import MPIEnvironment
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
 
+from ddp_plugin.runtime import lightning_adapter
 from ddp_plugin import health
 from ddp_plugin.strategy.process_groups import ProcessGroups, check_ranks_per_node
-from ddp_plugin.gradients.topology import Layout, connect_timeout, set_collective_timeout
+from ddp_plugin.runtime.topology import Layout, connect_timeout, set_collective_timeout
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
     from lightning.pytorch.strategies import ParallelStrategy
-    from lightning.pytorch.strategies.launchers.launcher import _Launcher
     from torch.distributed.device_mesh import DeviceMesh
 
     from ddp_plugin.strategy.config import StrategyConfig
@@ -76,11 +69,12 @@ def sampler_kwargs(config: StrategyConfig, layout: Layout, global_rank: int,
 
 
 def launcher(strategy: ParallelStrategy, config: StrategyConfig, cluster_environment: ClusterEnvironment,
-             num_processes: int, num_nodes: int) -> _Launcher:
+             num_processes: int, num_nodes: int) -> Any:
     """Lightning's launcher for ``start_method``: its subprocess script launcher, or its multiprocessing one."""
+    subprocess_script, multiprocessing = lightning_adapter.launcher_classes()
     if config.start_method == "popen":
-        return _SubprocessScriptLauncher(cluster_environment, num_processes, num_nodes)
-    return _MultiProcessingLauncher(strategy, start_method=config.start_method)
+        return subprocess_script(cluster_environment, num_processes, num_nodes)
+    return multiprocessing(strategy, start_method=config.start_method)
 
 
 def backend(config: StrategyConfig, cluster_environment: ClusterEnvironment | None, device: torch.device) -> str:
@@ -88,7 +82,7 @@ def backend(config: StrategyConfig, cluster_environment: ClusterEnvironment | No
         return config.process_group_backend
     if isinstance(cluster_environment, MPIEnvironment) and dist.is_mpi_available():
         return "mpi"
-    return _get_default_process_group_backend_for_device(device)
+    return lightning_adapter.default_backend(device)
 
 
 def connect(cluster_environment: ClusterEnvironment | None, backend: str, device: torch.device,
@@ -104,7 +98,7 @@ def connect(cluster_environment: ClusterEnvironment | None, backend: str, device
     # The rendezvous waits for the other ranks at least minutes (a rank still importing on a loaded machine is
     # late, not dead); `timeout` bounds the collectives that follow.
     device_id = device if device.type != "cpu" else None
-    _init_dist_connection(cluster_environment, backend, timeout=connect_timeout(config.timeout), device_id=device_id)
+    lightning_adapter.init_dist_connection(cluster_environment, backend, timeout=connect_timeout(config.timeout), device_id=device_id)
     if initializing:  # a default group the user created keeps the timeout they gave it
         set_collective_timeout(dist.group.WORLD, config.timeout)
 
@@ -133,7 +127,7 @@ def device_mesh(groups: ProcessGroups | None) -> DeviceMesh:
 
 
 def barrier(device: torch.device, name: str | None = None) -> None:
-    if not _distributed_is_initialized():
+    if not lightning_adapter.distributed_is_initialized():
         return
     # E.g. rank 0 died while writing a checkpoint: say which rank, not only gloo's "connection reset".
     with health.diagnosed(f"the barrier {name or ''}".rstrip()):
@@ -144,7 +138,7 @@ def barrier(device: torch.device, name: str | None = None) -> None:
 
 
 def broadcast(obj: TBroadcast, src: int = 0) -> TBroadcast:
-    if not _distributed_is_initialized():
+    if not lightning_adapter.distributed_is_initialized():
         return obj
     box = [obj]
     with health.diagnosed("a broadcast"):
@@ -156,4 +150,4 @@ def reduce(tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str |
     if not isinstance(tensor, Tensor):
         return tensor
     with health.diagnosed("a reduce"):
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return lightning_adapter.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)

@@ -1,7 +1,7 @@
 """What the strategy holds between Lightning's calls, in one object: the process groups (once the processes have
 connected), the parallelisms' components, the pipeline's runner, and the session of the current or last ``fit``
 with the plugin state a checkpoint handed over before the plugins existed. The strategy and its collaborators
-(:mod:`ddp_plugin.checkpoints.checkpointing`, :mod:`ddp_plugin.strategy.stepping`, :mod:`ddp_plugin.strategy.inspection`) ask it, instead of
+(:mod:`ddp_plugin.strategy.checkpointing`, :mod:`ddp_plugin.strategy.stepping`, :mod:`ddp_plugin.strategy.inspection`) ask it, instead of
 each checking which of those exist."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from ddp_plugin.parallel import tensor_parallel
-from ddp_plugin.parallel.components import TensorParallel
+from ddp_plugin.strategy.components import TensorParallel
 from ddp_plugin.parallel.state_parts import StatePart, TensorParallelState
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from ddp_plugin.gradients.engine import GradientEngine
     from ddp_plugin.hookspecs import Topology
-    from ddp_plugin.parallel.components import PipelineParallel
+    from ddp_plugin.strategy.components import PipelineParallel
     from ddp_plugin.parallel.pipeline import PipelineRunner
     from ddp_plugin.gradients.planning import CommPlan
     from ddp_plugin.strategy.process_groups import ProcessGroups

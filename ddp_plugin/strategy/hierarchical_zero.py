@@ -3,7 +3,7 @@ settings are one validated :class:`~ddp_plugin.strategy.config.StrategyConfig`, 
 :class:`~ddp_plugin.strategy.fit_state.FitState` (process groups, the parallelisms' components, the pipeline's runner, the
 fit's :class:`~ddp_plugin.strategy.session.FitSession`, whose plugins do the tensors and collectives), the setup's steps
 :mod:`ddp_plugin.strategy.assembly`. Its Lightning methods hand each call to a collaborator it builds:
-:class:`~ddp_plugin.checkpoints.checkpointing.Checkpoints` (saving and loading), :class:`~ddp_plugin.strategy.stepping.Steps` (the steps,
+:class:`~ddp_plugin.strategy.checkpointing.Checkpoints` (saving and loading), :class:`~ddp_plugin.strategy.stepping.Steps` (the steps,
 backward and optimizer step), :mod:`ddp_plugin.strategy.inspection` (what a user asks about the fit) and
 :mod:`ddp_plugin.strategy.environment` (ranks, launcher, rendezvous, mesh).
 
@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
@@ -39,6 +37,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from ddp_plugin.runtime import lightning_adapter
 from ddp_plugin import health
 
 from ddp_plugin.checkpoints import pretrained
@@ -48,12 +47,12 @@ from ddp_plugin.parallel import activation_checkpointing
 
 from ddp_plugin.strategy import assembly, environment, inspection
 from ddp_plugin.checkpoints.checkpoint_io import AtomicCheckpointIO
-from ddp_plugin.checkpoints.checkpointing import Checkpoints
+from ddp_plugin.strategy.checkpointing import Checkpoints
 from ddp_plugin.strategy.config import CONFIG_FLAGS, UNSET, StrategyConfig, flag_names
 from ddp_plugin.strategy.fit_state import FitState
 from ddp_plugin.parallel.materialize import has_meta_tensors
 from ddp_plugin.parallel import tensor_parallel
-from ddp_plugin.parallel.components import PipelineParallel
+from ddp_plugin.strategy.components import PipelineParallel
 from ddp_plugin.strategy.precision import ShardedGradientClipping, with_sharded_clipping
 from ddp_plugin.strategy.process_groups import ProcessGroups
 from ddp_plugin.strategy.stepping import Steps
@@ -67,7 +66,7 @@ if TYPE_CHECKING:
     from ddp_plugin.gradients.engine import GradientEngine
     from ddp_plugin.hookspecs import Topology
     from ddp_plugin.gradients.planning import CommPlan
-    from ddp_plugin.gradients.topology import Layout
+    from ddp_plugin.runtime.topology import Layout
 
 log = logging.getLogger(__name__)
 _FLAGS = frozenset(flag_names())
@@ -300,7 +299,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         module = self.lightning_module
         if self.fit.tensor_parallel.before_configure_model(module, self._layout().tensor_parallel_size):
             self._connect()  # (`configure_model` runs between this and `setup`, and reads the mesh)
-            module._device_mesh = self.fit.groups.device_mesh()
+            lightning_adapter.set_device_mesh(module, self.fit.groups.device_mesh())
 
     def setup_distributed(self) -> None:
         reset_seed()
@@ -410,7 +409,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
                 fit.session.plugin_manager.hook.on_setup_optimizer(optimizer=optimizer)
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            lightning_adapter.optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def teardown(self) -> None:
@@ -425,7 +424,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         if session := fit.running():
             assembly.after(failing, lambda: session.close(failed=failing is not None))
         module = self.lightning_module
-        if module is not None and module._trainer is not None:
+        if module is not None and lightning_adapter.has_trainer(module):
             if module.trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
                 self.model = self._layer_sync.revert(self.model)
         if failing is None:
@@ -436,7 +435,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         # the broken step's autograd graph, and `module.cpu()` fails ("Couldn't swap Linear.weight").
         move = module is not None and not tensor_parallel.has_tensor_parallel_parameters(module)
         assembly.teardown_after_failure(failing, (
-            self.cluster_environment.teardown, lambda: _optimizers_to_device(self.optimizers, torch.device("cpu")),
+            self.cluster_environment.teardown, lambda: lightning_adapter.optimizers_to_device(self.optimizers, torch.device("cpu")),
             module.cpu if move else (lambda: None), self.precision_plugin.teardown, self.accelerator.teardown,
             self.checkpoint_io.teardown))
 
@@ -491,7 +490,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         step = functools.partial(super().optimizer_step, optimizer, model=model, **kwargs)
         return self._steps.optimizer_step(optimizer, closure, step)
 
-    # ------------------------------------------------------------------ checkpoints (ddp_plugin.checkpoints.checkpointing)
+    # ------------------------------------------------------------------ checkpoints (ddp_plugin.strategy.checkpointing)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -620,7 +619,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: lightning_adapter.StrategyRegistry) -> None:
         entries = [
             ("hierarchical_zero", {}, "hierarchical data parallel, stage 0"),
             ("hierarchical_zero_spawn", {"start_method": "spawn"}, "hierarchical data parallel, spawn start method"),

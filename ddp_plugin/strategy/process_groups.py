@@ -3,7 +3,7 @@
 Every ``fit`` needs the data-parallel ``(node, local)`` mesh's groups (:class:`~ddp_plugin.hookspecs.Topology`),
 a world-sized group for the engine's bookkeeping (a sync mode also one per node), and, for a module that
 parallelizes itself in ``configure_model``, Lightning's ``("data_parallel", "tensor_parallel")`` device mesh. One
-:class:`ProcessGroups` per validated :class:`~ddp_plugin.gradients.topology.Layout` builds them all, once, and every part
+:class:`ProcessGroups` per validated :class:`~ddp_plugin.runtime.topology.Layout` builds them all, once, and every part
 of the strategy asks it. They are created once per process, default group, layout and
 timeout, and shared by every ``fit`` of the process: gloo groups destroyed mid-run abort at exit. Every one
 fails its collectives after the strategy's ``timeout`` (torch gives a new group 30 minutes, and a hung rank
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_plugin import health
-from ddp_plugin.gradients.topology import (
+from ddp_plugin.runtime.topology import (
     Layout,
     build_device_mesh,
     build_topology,

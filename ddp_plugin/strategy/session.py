@@ -16,14 +16,15 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from ddp_plugin.runtime import lightning_adapter
 from ddp_plugin import health
 from ddp_plugin.parallel import tensor_parallel
-from ddp_plugin.gradients.comm import TracedCommunicator, broadcast_coalesced
+from ddp_plugin.runtime.comm import TracedCommunicator, broadcast_coalesced
 from ddp_plugin.gradients.engine import GradientEngine
 from ddp_plugin.hookspecs import local_tensor
-from ddp_plugin.gradients.plugin_manager import build_plugin_manager, cross_node_codec, transport
-from ddp_plugin.gradients.topology import Layout
-from ddp_plugin.gradients.link_choices import LinkChoices, options_for, plan_routes
+from ddp_plugin.strategy.plugin_manager import build_plugin_manager, cross_node_codec, transport
+from ddp_plugin.runtime.topology import Layout
+from ddp_plugin.strategy.link_choices import LinkChoices, options_for, plan_routes
 from ddp_plugin.gradients.planning import CommPlan
 from ddp_plugin.plugins.adaptive import AdaptivePlanner, own_hooks
 
@@ -34,8 +35,10 @@ if TYPE_CHECKING:
     from torch.nn import Module
     from torch.optim import Optimizer
 
-    from ddp_plugin.strategy.config import StrategyConfig
     from ddp_plugin.hookspecs import Topology
+    from ddp_plugin.plugins.cross_stage import CrossStage
+    from ddp_plugin.strategy.config import StrategyConfig
+    from ddp_plugin.sync.transport import SyncTransport
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ class FitSession:
                  layout: Layout | None = None,
                  tensor_parallel_peers: Callable[[], dist.ProcessGroup | None] | None = None,
                  solo: Iterable[torch.nn.Parameter] = (), extra_plugins: Iterable[object] = (),
-                 builtins: Mapping[str, Any] | None = None) -> None:
+                 cross_stage: CrossStage | None = None, sync_transport: SyncTransport | None = None) -> None:
         if config.hpz_partition_size is not None and config.hpz_partition_size != topology.ranks_per_node:
             raise ValueError(
                 f"The DeepSpeed config's `zero_optimization.zero_hpz_partition_size={config.hpz_partition_size}`"
@@ -80,7 +83,8 @@ class FitSession:
         self.planner: AdaptivePlanner | None = self.choices.planner
         self.hierarchical = self.choices.hierarchical = hierarchical
         """Whether gradients take the hierarchical route (with a plan that chooses per bucket: whether any may)."""
-        self.plugin_manager: pluggy.PluginManager = _build_plugin_manager(config, hierarchical, self.planner, builtins)
+        self.plugin_manager: pluggy.PluginManager = _build_plugin_manager(config, hierarchical, self.planner, cross_stage,
+                                                                           sync_transport)
         # (the fit's own: the initializer of a model built on meta, fault tolerance's member plugin)
         for plugin in extra_plugins:
             self.plugin_manager.register(plugin)
@@ -335,7 +339,8 @@ class FitSession:
         self.metric_steps += 1
         self.last_metrics = metrics
         module = self.module
-        if module._current_fx_name is not None and (self.config.progress_bar_metrics or _logs_this_step(module)):
+        if lightning_adapter.current_hook(module) is not None and (self.config.progress_bar_metrics
+                                                                  or lightning_adapter.logs_this_step(module.trainer)):
             # Through LightningModule.log, so every logger and `log_every_n_steps` apply as to the user's metrics;
             # only on the steps whose logs the Trainer writes (or for the progress bar): a dozen `log` calls cost
             # Lightning ~7 % of a step's main-thread time (measured on 4 CPU ranks, 0.2 s steps), for values no
@@ -358,22 +363,14 @@ class FitSession:
         self.plugin_manager.hook.on_load_state_dict(state=state, rank_state=rank_state)
 
 
-def _logs_this_step(module: pl.LightningModule) -> bool:
-    """Whether the Trainer writes this training step's logs (``log_every_n_steps``), by its own rule; True where
-    that cannot be asked (another Lightning version)."""
-    connector = getattr(module.trainer, "_logger_connector", None)
-    try:
-        return bool(connector.should_update_logs)
-    except Exception:  # noqa: BLE001 - an unknown Lightning: log every step, as before
-        return True
-
-
 def _build_plugin_manager(config: StrategyConfig, hierarchical: bool, planner: object | None = None,
-                          builtins: Mapping[str, Any] | None = None) -> pluggy.PluginManager:
-    """The plugin manager of one ``fit`` with ``config``'s flags; ``builtins``: plugins standing in for built-in
-    ones, by ``build_plugin_manager``'s names (``reducer``, ``outer_sync``, ``cross_stage``)."""
+                          cross_stage: CrossStage | None = None, sync_transport: SyncTransport | None = None
+                          ) -> pluggy.PluginManager:
+    """The plugin manager of one ``fit`` with ``config``'s flags; ``cross_stage``, ``sync_transport``: the steps
+    between members of a way to keep them (fault tolerance's)."""
     pm = build_plugin_manager(
-        config.compression, config.plugins, hierarchical=hierarchical, planner=planner, **(builtins or {}),
+        config.compression, config.plugins, hierarchical=hierarchical, planner=planner, cross_stage=cross_stage,
+        sync_transport=sync_transport,
         compression_options=config.compression_options,
         zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
         prefetch_units=config.prefetch_units, sync={"every": config.sync_every, "outer_optimizer": config.outer_optimizer,

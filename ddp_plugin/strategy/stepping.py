@@ -9,7 +9,7 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
-from ddp_plugin.parallel.components import PipelineParallel, restore_zero_grad
+from ddp_plugin.strategy.components import PipelineParallel, restore_zero_grad
 from ddp_plugin.strategy.precision import loss_scaler
 
 if TYPE_CHECKING:

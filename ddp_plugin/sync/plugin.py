@@ -48,15 +48,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddp_plugin import health
-from ddp_plugin.gradients.clock import Clock, Intervals
-from ddp_plugin.gradients.comm import RS_PIECE_BYTES
+from ddp_plugin.runtime.clock import Clock, Intervals
+from ddp_plugin.runtime.comm import RS_PIECE_BYTES
 from ddp_plugin.hookspecs import completed_future, hookimpl, local_tensor
-from ddp_plugin.gradients.streams import SideStream, SideThread
+from ddp_plugin.runtime.streams import SideStream, SideThread
 from ddp_plugin.sync.node_shards import NodeShards
 from ddp_plugin.sync.outer_optimizer import NESTEROV, NesterovSGD, build_outer_optimizer
 from ddp_plugin.sync.parts import InFlight, ModuleChunks, Piece, ShardParts, Update
 from ddp_plugin.sync.schedule import SyncSchedule, fragment_bounds
 from ddp_plugin.sync.state import STATE_KEY, SyncCheckpoint
+from ddp_plugin.sync.transport import NodeTransport, Round, SyncTransport
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -79,14 +80,13 @@ OUTER_SYNC = "the outer (cross-node) sync"
 
 
 class OuterSync:
-    """Cross-node synchronization every ``every`` optimizer steps (see the module docstring)."""
-
-    shards_outer_over_nodes = True
-    """With the plain mean, shard the global copy and the outer state over the nodes (a subclass whose nodes hold
-    one replica keeps a rank's whole part on every node)."""
+    """Cross-node synchronization every ``every`` optimizer steps (see the module docstring). ``transport``: how a
+    sync crosses the members (:class:`~ddp_plugin.sync.transport.SyncTransport`; by default the nodes, through the
+    cross-node hook)."""
 
     def __init__(self, every: int, outer_optimizer: Any = "nesterov", fragments: int = 1, staleness: int = 0,
-                 warmup: int = 0) -> None:
+                 warmup: int = 0, transport: SyncTransport | None = None) -> None:
+        self.transport: SyncTransport = transport if transport is not None else NodeTransport()
         self.schedule = SyncSchedule(every, fragments, staleness)
         self.warmup = warmup  # synchronous steps first (post-local SGD): the sync mode starts after step `warmup`
         self.outer_spec = outer_optimizer
@@ -101,7 +101,7 @@ class OuterSync:
         self._waits = Intervals(self._clock)
         """The training thread's waits for syncs, as stamps of its stream (CUDA events: read once passed)."""
         self._side = SideStream(torch.device("cpu"))
-        """The outer thread's CUDA stream (see ddp_plugin.gradients.streams)."""
+        """The outer thread's CUDA stream (see ddp_plugin.runtime.streams)."""
         self._drift: list[float] = []
         self._thread: SideThread | None = None
         self.access: ShardParts | ModuleChunks | None = None
@@ -136,7 +136,9 @@ class OuterSync:
         self.node_shards = NodeShards(t, comm, self.access, self.inter, self.intra)
         # With the plain mean across nodes (no codec answers for the pseudo-gradients) the global copy and the
         # outer optimizer's state are sharded over the nodes too: 1/N of them per rank instead of 1/k.
-        self.sharded_outer = m > 1 and options.cross_node_codec is None and self.shards_outer_over_nodes
+        # (over the nodes themselves only: another transport's members reduce their own way)
+        self.sharded_outer = (m > 1 and options.cross_node_codec is None
+                              and isinstance(self.transport, NodeTransport))
         sizes = [local_tensor(p).numel() for b in self.buckets for p in b.params]
         if self.schedule.fragments > len(sizes):
             raise ValueError(
@@ -177,6 +179,7 @@ class OuterSync:
         self._waits = Intervals(self._clock)
         self._thread = SideThread(t.device, "ddp_plugin-outer")
         self._side = self._thread.side
+        self.transport.setup(self, module)
 
     @hookimpl
     def on_setup_optimizer(self, optimizer: Optimizer) -> None:
@@ -215,8 +218,10 @@ class OuterSync:
 
     @property
     def synchronous(self) -> bool:
-        """Whether the step under way is one of the first ``warmup`` steps, whose gradients cross nodes."""
-        return self.step < self.warmup
+        """Whether the step under way crosses nodes: one of the first ``warmup`` steps, or any step where a member
+        is a group of several nodes (one replica: its gradients cross its own nodes; the reducer's and the
+        sharder's cross stage stops at the member)."""
+        return self.step < self.warmup or (not self.transport.member_is_node and self.topology.num_nodes > 1)
 
     @hookimpl
     def on_gradient_scope(self) -> str | None:
@@ -258,6 +263,7 @@ class OuterSync:
     @hookimpl(tryfirst=True)
     def on_after_optimizer_step(self, optimizer: Optimizer) -> None:
         # tryfirst: the sharder's own after-step gather (later) then spreads what is written here.
+        self.transport.before_step()
         self.step += 1
         if self.step <= self.warmup:
             if self.step == self.warmup:
@@ -265,53 +271,58 @@ class OuterSync:
                 with torch.no_grad():
                     for piece in self.pieces:
                         piece.outer.copy_(self.access.read(piece.bucket, piece.own_lo, piece.own_hi))
-            return
-        # The syncs sent earlier are applied first, then this step's sent (and applied now without staleness):
-        # fragments are disjoint, so the order changes no value, and the buffers of the syncs applied are free
-        # before the next one's are allocated.
-        self.apply_due()
-        for f in self.schedule.sent_after(self.step - self.warmup):
-            self.send(f)
-        self.apply_due()  # (without staleness: the syncs just sent)
+        else:
+            # The syncs sent earlier are applied first, then this step's sent (and applied now without
+            # staleness): fragments are disjoint, so the order changes no value, and the buffers of the syncs
+            # applied are free before the next one's are allocated.
+            self.apply_due()
+            for f in self.schedule.sent_after(self.step - self.warmup):
+                self.send(f)
+            self.apply_due()  # (without staleness: the syncs just sent)
+        self.transport.after_step()
 
     def apply_due(self) -> None:
         """Apply the syncs in flight whose step has come (on the training thread)."""
         for flight in [x for x in self.in_flight if x.apply_after == self.step]:
             self._apply(flight)
 
+    def skip(self, steps: int) -> None:
+        """Move the schedule ``steps`` optimizer steps ahead (a member that joins its peers where they stand): the
+        syncs in flight are applied as the peers' are, ``steps`` later too."""
+        self.step += steps
+        for flight in self.in_flight:
+            flight.apply_after += steps
+
     def send(self, fragment: int) -> None:
-        """Send the sync of ``fragment`` (the schedule's, after this step): its pseudo-gradients averaged across
-        nodes and the outer step, on the outer thread (:meth:`run_outer`) or here, recorded in :attr:`in_flight`
-        to be applied (:meth:`apply_due`). A subclass whose nodes are other members (fault tolerance's replica
-        groups) sends its own way through the same parts: :meth:`run_outer`, :meth:`squared_norm`,
-        :meth:`outer_optimizer_step`, :meth:`updates`."""
-        pieces = self.pieces_of(fragment)
+        """Send the sync of ``fragment`` (the schedule's, after this step): its round opened by the transport,
+        the pseudo-gradients averaged over the members and the outer step on the outer thread (:meth:`run_outer`)
+        or here, recorded in :attr:`in_flight` to be applied (:meth:`apply_due`)."""
         if self.sharded_outer and not self.schedule.staleness:
-            self._sync_now(fragment, pieces)
+            self._sync_now(fragment, self.pieces_of(fragment))
             return
         if self.sharded_outer:
             # Every buffer the outer step works in is allocated here, on the training thread, which frees them
             # once the sync is applied (the outer thread's own heap stays small); the snapshots are what is
             # reduced, each padded to n equal shares.
+            pieces = self.pieces_of(fragment)
             padded = [self.node_shards.read_padded(p) for p in pieces]
             snapshots = [x[: p.hi - p.lo] for p, x in zip(pieces, padded)]
             shares = [torch.empty(p.width, dtype=x.dtype, device=x.device) for p, x in zip(pieces, padded)]
             gathered = [torch.empty_like(x) for x in padded]
-            result = self.run_outer(self.node_shards.outer_step, pieces,
-                                         padded, shares, gathered, self.outer_optimizer_step)
-        else:
-            snapshots = [self.access.read(p.bucket, p.lo, p.hi) for p in pieces]
-            if self.schedule.staleness:
-                pseudo = [p.outer.detach() - s for p, s in zip(pieces, snapshots)]
-            else:
-                # Without staleness the snapshots serve only here (a sync is applied in the step that sent it, so
-                # none is in flight when a checkpoint saves them): the pseudo-gradients take their memory.
-                pseudo = [torch.sub(p.outer.detach(), s, out=s) for p, s in zip(pieces, snapshots)]
-                snapshots = None
-            result = self.run_outer(self._outer_step, pieces, pseudo,
-                                         snapshots)
-        self.in_flight.append(InFlight(fragment, self.step + self.schedule.staleness,
-                                       snapshots or [None] * len(pieces), result))
+            result = self.run_outer(self.node_shards.outer_step, pieces, padded, shares, gathered,
+                                    self.outer_optimizer_step)
+            self.in_flight.append(InFlight(fragment, self.step + self.schedule.staleness, snapshots, result))
+            return
+        round = self.transport.begin(fragment, stale=bool(self.schedule.staleness))
+        # A stale round's snapshots are taken now (its pseudo-gradients are those of this step); a round the
+        # training thread waits for reads the replica on the outer thread, each try afresh (the transport may
+        # name another fragment for a try), and its updates are the global copy itself.
+        snapshots = ([self.access.read(p.bucket, p.lo, p.hi) for p in self.pieces_of(round.fragment)]
+                     if round.stale else None)
+        flight = InFlight(round.fragment, self.step + (self.schedule.staleness if round.stale else 0),
+                          snapshots or [], None, written=not round.stale)
+        flight.result = self.run_outer(self._round, flight, round, snapshots)
+        self.in_flight.append(flight)
 
     def run_outer(self, step: Callable[..., Any], *args: Any) -> Future:
         """``step(*args)`` on the outer thread, its stream past what the training thread queued until now; the
@@ -350,21 +361,39 @@ class OuterSync:
         self.syncs += 1
         self._drift.append(float(drift.sqrt()))
 
-    def _outer_step(self, pieces: list[Piece], pseudo: list[Tensor], snapshots: list[Tensor] | None
-                    ) -> tuple[list[Update], float]:
-        """On the outer thread, behind the next inner steps: the pseudo-gradients averaged over the nodes, the
-        outer optimizer's step, and what this rank's part of the replica takes from it; plus the node's drift
+    def _round(self, flight: InFlight, round: Round, snapshots: list[Tensor] | None) -> tuple[list[Update], float]:
+        """On the outer thread, now or behind the next inner steps: the round's pseudo-gradients averaged over the
+        members (tried again where a try did not commit, up to the transport's ``retries``), the outer optimizer's
+        step of a committed try, and what this rank's part of the replica takes from it; plus the member's drift
         (the norm of its pseudo-gradient of this fragment)."""
-        local = self.squared_norm(pseudo)
-        # The node's sum runs beside the cross-node average (a local rank that starts late does not hold up the
-        # others' sends); it is waited for once the average is in.
-        node_sum = (self.comm.all_reduce(local, group=self.intra, async_op=True)
-                    if self.topology.ranks_per_node > 1 else None)
-        for piece, g in zip(pieces, pseudo):
-            self.hook.on_cross_node_reduce(tensor=g, group=self.inter, bucket=piece.pseudo, offset=piece.lo).wait()
-        if node_sum is not None:
-            node_sum.wait()
-        self.outer_optimizer_step(pieces, pseudo)
+        t = self.topology
+        committed = False
+        for attempt in range(self.transport.retries + 1):
+            if attempt:  # (from the replicas as they were: a sync is applied only once done)
+                self.transport.again(round)
+            pieces = self.pieces_of(round.fragment)
+            if snapshots is None:  # (the snapshots serve only here: the pseudo-gradients take their memory)
+                pseudo = [torch.sub(p.outer.detach(), s, out=s)
+                          for p, s in ((p, self.access.read(p.bucket, p.lo, p.hi)) for p in pieces)]
+            else:
+                pseudo = [torch.sub(p.outer.detach(), s) for p, s in zip(pieces, snapshots)]
+            local = self.squared_norm(pseudo)
+            # The node's sum runs beside the members' average (a local rank that starts late does not hold up the
+            # others' sends); it is waited for once the average is in.
+            node_sum = self.comm.all_reduce(local, group=self.intra, async_op=True) if t.ranks_per_node > 1 else None
+            if 0.0 < round.scale < 1.0:  # (a member whose round carries fewer inner steps than its peers')
+                for g in pseudo:
+                    g.mul_(round.scale)
+            self.transport.reduce([(g, piece.pseudo, piece.lo) for piece, g in zip(pieces, pseudo)])
+            if node_sum is not None:
+                node_sum.wait()
+            committed = self.transport.commit()
+            if committed:
+                self.outer_optimizer_step(pieces, pseudo)
+                self.transport.stepped()
+                break
+        self.transport.end(round, committed)
+        flight.fragment = round.fragment
         # (the pseudo-gradients' memory takes the updates)
         return self.updates(pieces, snapshots, pseudo), float(local.sqrt())
 
@@ -393,13 +422,14 @@ class OuterSync:
 
     def updates(self, pieces: list[Piece], snapshots: list[Tensor] | None, out: list[Tensor] | None = None
                  ) -> list[Update]:
-        """What this rank's part of the replica takes from the stepped global copy ``x``: ``x`` itself with
-        ``max_staleness=0`` (every rank then holds the same bits), else ``x - s`` (into ``out`` where given), added
-        to the replica at apply time so the inner steps taken while the average was in flight are kept."""
+        """What this rank's part of the replica takes from the stepped global copy ``x``: ``x`` itself for a sync
+        applied in the step that sent it (no ``snapshots``: every rank then holds the same bits), else ``x - s``
+        (into ``out`` where given), added to the replica at apply time so the inner steps taken while the average
+        was in flight are kept."""
         if self.sharded_outer:  # (a sync in flight, restored from a checkpoint: staleness > 0)
             return [Update(p.bucket, p.lo, p.hi, self.gathered_outer(p)[: p.hi - p.lo].sub_(s))
                     for p, s in zip(pieces, snapshots)]
-        if self.schedule.staleness:
+        if snapshots is not None:
             return [Update(p.bucket, p.lo, p.hi, torch.sub(p.outer.detach(), s, out=o))
                     for p, s, o in zip(pieces, snapshots, out or [None] * len(pieces))]
         return [Update(p.bucket, p.lo, p.hi, p.outer.detach()) for p in pieces]
@@ -444,6 +474,54 @@ class OuterSync:
             tensors += [v for st in list(self.outer.state.values()) for v in list(st.values())
                         if isinstance(v, Tensor)]
         return {"outer_state": sum(t.numel() * t.element_size() for t in tensors)}
+
+    # ------------------------------------------------------------------ members that come and go
+
+    def _member_state(self) -> dict[str, Any]:
+        # (references: the outer thread steps them only inside a sync, after its commit, once a transfer is done)
+        return {"sync": {"syncs": self.syncs, "outer": [p.outer.detach() for p in self.pieces],
+                         "optimizer": self.outer.state_dict()}}
+
+    def _load_member_state(self, state: Mapping[str, Any], into_replica: bool) -> None:
+        # (every member has the same layout: the same pieces as the peer's; the global copy is never sharded over
+        # the nodes where members come and go: a member that is a node has no nodes of its own to shard it over)
+        state = state["sync"]
+        with torch.no_grad():
+            for piece, value in zip(self.pieces, state["outer"], strict=True):
+                piece.outer.copy_(value)
+                if into_replica:
+                    self.access.write(piece.bucket, piece.own_lo, piece.own_hi, piece.outer.detach())
+        self.outer.load_state_dict(state["optimizer"])
+        self.syncs = self.syncs_logged = state["syncs"]
+        if into_replica:
+            self.access.publish([r for ranges in self.fragment_ranges.values() for r in ranges])
+
+    @hookimpl
+    def on_member_state(self) -> dict[str, Any]:
+        """On a live member, in a sync a returning one heals in: the global copy and the outer optimizer's state
+        (the schedule's position is the transport's to hand over)."""
+        return self._member_state()
+
+    @hookimpl
+    def on_load_member_state(self, state: Mapping[str, Any]) -> None:
+        """On the returning member's ranks, inside the sync's commit (on the outer thread, the training thread
+        waiting for it)."""
+        self._load_member_state(state, into_replica=False)
+
+    @hookimpl
+    def on_member_sync_state(self, covers: set[int]) -> dict[str, Any]:
+        """On a live member between syncs (a heal server's thread): the global copy and outer state as of the last
+        sync (changed only inside one); ``covers``: every synced parameter (a joining member's replica takes the
+        global copy)."""
+        covers.update(id(p) for bucket in self.buckets for p in bucket.params)
+        return self._member_state()
+
+    @hookimpl
+    def on_load_member_sync_state(self, state: Mapping[str, Any], covers: set[int]) -> None:
+        """On a member joining between syncs, before its first step: the global copy and outer state, the replica
+        made the global copy (spread inside the member)."""
+        covers.update(id(p) for bucket in self.buckets for p in bucket.params)
+        self._load_member_state(state, into_replica=True)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
-from ddp_plugin.gradients.comm import gather_flat_to_root
+from ddp_plugin.runtime.comm import gather_flat_to_root
 from ddp_plugin.hookspecs import (
     DeferredStorage,
     DeferredTensor,

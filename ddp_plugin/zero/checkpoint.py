@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ddp_plugin.gradients.comm import gather_flat_to_root
+from ddp_plugin.runtime.comm import gather_flat_to_root
 from ddp_plugin.hookspecs import (
     DeferredStorage,
     DeferredTensor,

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ddp_plugin.gradients.comm import broadcast_coalesced
+from ddp_plugin.runtime.comm import broadcast_coalesced
 
 from ddp_plugin.hookspecs import ParameterShards, completed_future, hookimpl
 from ddp_plugin.zero import checkpoint, gradients
 from ddp_plugin.zero.layout import Scope, ShardLayout
 from ddp_plugin.zero.optimizer import ShardedOptimizers
-from ddp_plugin.zero.reduce import CrossStage, ShardReducer
+from ddp_plugin.zero.reduce import ShardReducer
 from ddp_plugin.zero.shards import Shards
 from ddp_plugin.zero.units import UnitPlan, Units, check_auto_wrap_policy, plan_units
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from ddp_plugin.hookspecs import Bucket, Communicator, Options, Topology
+    from ddp_plugin.plugins.cross_stage import CrossStage
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class ZeroSharder:
         self.policy = check_auto_wrap_policy(auto_wrap_policy)
         self.prefetch_units = prefetch_units
         self.cross_stage = cross_stage
-        """The cross-node stage of the gradients' node shards, if not the hook (a stand-in's: fault tolerance's)."""
+        """The cross-node stage of the gradients' node shards, if not the hook (fault tolerance's)."""
         self._plan: UnitPlan | None = None
         self.shards: Shards | None = None
         self.units: Units | None = None

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ddp_plugin.zero.layout import Scope
 
@@ -12,10 +11,8 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from ddp_plugin.hookspecs import Bucket, Communicator
+    from ddp_plugin.plugins.cross_stage import CrossStage
     from ddp_plugin.zero.layout import ShardLayout
-
-CrossStage = Callable[[Any, list[tuple[Any, Any, int]]], None]
-"""``cross(hook, [(tensor, bucket, offset)])``: each tensor averaged across nodes in place."""
 
 
 class ShardReducer:
@@ -32,8 +29,9 @@ class ShardReducer:
     ``plain`` (no codec answers the cross-node stage): global shards reduce-scatter across nodes too, half the
     bytes of an all-reduce of the node's share.
 
-    ``cross`` (a stand-in's, fault tolerance's) takes the cross-node stage of node shards instead
-    of the hook: ``cross(hook, [(block, bucket, offset)])`` averages the node's block in place over every node."""
+    ``cross`` (:class:`~ddp_plugin.plugins.cross_stage.CrossStage`, fault tolerance's) takes the cross-node stage
+    of node shards instead of the hook: ``cross.reduce(hook, [(block, bucket, offset)])`` averages the node's block
+    in place over every node."""
 
     def __init__(self, layout: ShardLayout, comm: Communicator, hook: HookRelay, whole: bool, plain: bool,
                  cross: CrossStage | None = None) -> None:
@@ -64,7 +62,7 @@ class ShardReducer:
             if layout.scope is Scope.TWO_LEVEL and not self.whole and self.plain:
                 return comm.reduce_scatter(block.new_empty(c // m), block, group=t.inter_node_group).div_(m)
             if self.cross is not None:
-                self.cross(self.hook, [(block, bucket, t.local_rank * c)])
+                self.cross.reduce(self.hook, [(block, bucket, t.local_rank * c)])
             else:
                 self.hook.on_cross_node_reduce(tensor=block, group=t.inter_node_group, bucket=bucket,
                                                offset=t.local_rank * c).wait()

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ddp_plugin.hookspecs import local_tensor, set_local_data
-from ddp_plugin.parallel.materialize import unallocated
+from ddp_plugin.runtime.storage import unallocated
 from ddp_plugin.zero.layout import Scope
 
 if TYPE_CHECKING:

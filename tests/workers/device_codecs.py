@@ -20,7 +20,7 @@ from torch import nn
 
 from ddp_plugin import Bucket
 from ddp_plugin.codecs import BUILTIN_CODECS, dequantize_int8, quantize_int8
-from ddp_plugin.gradients.comm import TracedCommunicator
+from ddp_plugin.runtime.comm import TracedCommunicator
 from ddp_plugin.testing.ranks import init_one_rank
 
 OPTIONS = {

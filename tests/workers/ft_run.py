@@ -105,7 +105,7 @@ class Record(L.Callback):
         if sync is None:
             return
         sync.drain()  # (a sync in flight: committed, applied at teardown)
-        last = (sync._replicas.manager.current_step() - 1) % sync.schedule.fragments
+        last = (sync.transport.replicas.manager.current_step() - 1) % sync.schedule.fragments
         self.sync = {"outer": [p.outer.detach().clone() for p in sync.pieces], "last": last,
                      "replica": [sync.access.read(p.bucket, p.lo, p.hi) for p in sync.pieces_of(last)],
                      "synced": [p.outer.detach().clone() for p in sync.pieces_of(last)]}
@@ -225,16 +225,16 @@ def main() -> None:
 
         ReplicaGroups.start_step = hold_then_start
     if args.mark_sync is not None:
-        from ddp_plugin.fault_tolerance.sync import ReplicaGroupSync
+        from ddp_plugin.sync import OuterSync
 
-        send = ReplicaGroupSync.send
+        send = OuterSync.send
 
         def mark_then_send(self, fragment):
             open(f"{args.mark_sync}.{self.step}", "w").close()
             send(self, fragment)
             open(f"{args.mark_sync}.{self.step}.sent", "w").close()  # (its quorum is in)
 
-        ReplicaGroupSync.send = mark_then_send
+        OuterSync.send = mark_then_send
     # (by default different initial parameters per group: the first quorum, or with a sync mode its first sync, makes
     # them equal; seeded alike, a sync mode's first sync heals none)
     torch.manual_seed(args.group if args.seed is None else args.seed)

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from ddp_plugin.runtime import lightning_adapter
 from ddp_plugin.parallel.stages.cut import Cut
 from ddp_plugin.parallel.stages.forward import forward_replaced
 
@@ -64,15 +64,14 @@ def first_microbatch(module: Any, owner: nn.Module, microbatches: int, device: t
     loop_name, step_name = STEPS[fn]
     what = (f"`pipeline_split='time'` times the blocks on the first microbatch of the data `trainer.{fn}` runs on:"
             f" it runs `{step_name}` on the first batch, up to its call of the pipelined model")
-    states = _collect_rng_states(include_cuda=device.type == "cuda")
+    states = lightning_adapter.collect_rng_states(include_cuda=device.type == "cuda")
     try:
         batch, batch_idx, dataloader_idx, several = _first_batch(trainer, getattr(trainer, loop_name), fn, what)
-        batch = module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
-        batch = module._apply_batch_transfer_handler(batch, device=device, dataloader_idx=dataloader_idx)
+        batch = lightning_adapter.transfer_batch(module, batch, device, dataloader_idx)
         args, kwargs = _model_input(module, owner, step_name, batch, batch_idx, dataloader_idx if several else None,
                                     what)
     finally:
-        _set_rng_states(states)
+        lightning_adapter.set_rng_states(states)
     rows = next((v.shape[0] for v in tree_leaves((args, kwargs)) if isinstance(v, Tensor) and v.dim()), None)
     if rows is None:
         raise TypeError(f"{what}, and that call got no batched tensor (samples along dim 0) to time the blocks on.")
@@ -84,14 +83,12 @@ def first_microbatch(module: Any, owner: nn.Module, microbatches: int, device: t
 def _first_batch(trainer: Any, loop: Any, fn: str, what: str) -> tuple[Any, int, int, bool]:
     """The first batch of ``loop``'s data (as the loop combines several loaders), its index, its loader's index, and
     whether there are several loaders."""
-    from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
     from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
-    source = loop._data_source
-    if not source.is_defined():
+    loaders = lightning_adapter.first_loader(loop)
+    if loaders is None:
         raise TypeError(f"{what}; this `trainer.{fn}` was given no data. Pass the data, or balance by"
                         " `pipeline_split='parameters'` (the default).")
-    loaders = _request_dataloader(source)
     combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(
         loaders, "max_size_cycle" if fn == "fit" else "sequential")
     try:

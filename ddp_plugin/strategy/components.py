@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from ddp_plugin.strategy.config import StrategyConfig
     from ddp_plugin.strategy.process_groups import ProcessGroups
-    from ddp_plugin.gradients.topology import Layout
+    from ddp_plugin.runtime.topology import Layout
     from ddp_plugin.strategy.session import FitSession
 
 log = logging.getLogger(__name__)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -11,8 +11,12 @@ from ddp_plugin.codecs import BUILTIN_CODECS, available_codecs, implements, inst
 from ddp_plugin.hookspecs import PROJECT_NAME, hooks
 from ddp_plugin.plugins import FlatReducer, HierarchicalReducer, MeanAllReduce, TrafficAccounting
 
+if TYPE_CHECKING:
+    from ddp_plugin.plugins.cross_stage import CrossStage
+    from ddp_plugin.sync.transport import SyncTransport
+
 __all__ = ["available_codecs", "build_plugin_manager", "check_plugins", "cross_node_codec", "installed_codecs",
-           "merged_answers", "transport"]
+           "transport"]
 
 
 def new_plugin_manager() -> pluggy.PluginManager:
@@ -32,9 +36,8 @@ def build_plugin_manager(
     sync: dict[str, Any] | None = None,
     prefetch_units: int = 2,
     planner: object | None = None,
-    reducer: object | None = None,
-    outer_sync: Callable[..., object] | None = None,
-    cross_stage: Callable[..., None] | None = None,
+    cross_stage: CrossStage | None = None,
+    sync_transport: SyncTransport | None = None,
 ) -> pluggy.PluginManager:
     """Register, in order: the built-in defaults (``trylast``; the hierarchical or the flat reducer), the
     traffic accounting, the ZeRO sharder (``zero_stage`` 1-3), the built-in codec ``compression`` names
@@ -44,10 +47,12 @@ def build_plugin_manager(
     ``check_pending()`` makes a misspelled hook fail here. Installed codecs receive ``compression_options``
     through ``on_setup(options=...)``.
 
-    With a ``reducer`` or a ``planner`` (:class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner`) it is the reducer;
-    ``outer_sync`` makes the sync mode's plugin from ``sync``, and ``cross_stage`` is the sharder's cross-node stage
-    (the stand-ins a set of plugins gives for the built-ins: fault tolerance's, whose steps between members
-    go through its own transport); with
+    With a ``cross_stage`` (:class:`~ddp_plugin.plugins.cross_stage.CrossStage`) the reducer is the hierarchical
+    one taking it, and so does the ZeRO sharder; else a ``planner``
+    (:class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner`) is the reducer. ``sync_transport``
+    (:class:`~ddp_plugin.sync.transport.SyncTransport`) is how the sync mode's syncs cross the members. Both come
+    from a way to keep members that come and go (fault tolerance's), whose steps between members go through its own
+    transport. With
     ``compression="auto"`` every candidate codec is registered under its name (a built-in one constructed with
     ``compression_options[name]``), and :class:`~ddp_plugin.plugins.adaptive.AutoCodec` answers
     ``on_cross_node_reduce`` ahead of them with the one the plan names."""
@@ -58,7 +63,7 @@ def build_plugin_manager(
     pm = new_plugin_manager()
     builtins: dict[str, object] = {
         "mean_allreduce": MeanAllReduce(),
-        "reducer": reducer if reducer is not None else planner if planner is not None
+        "reducer": HierarchicalReducer(cross_stage) if cross_stage is not None else planner if planner is not None
         else HierarchicalReducer() if hierarchical else FlatReducer(),
         "traffic": TrafficAccounting(),
     }
@@ -73,7 +78,7 @@ def build_plugin_manager(
     if sync is not None and sync["every"] > 1:
         from ddp_plugin.sync import OuterSync
 
-        builtins["outer_sync"] = (outer_sync or OuterSync)(**sync)
+        builtins["outer_sync"] = OuterSync(**sync, transport=sync_transport)
     for name, plugin in builtins.items():
         pm.register(plugin, name=name)
     _load_installed(pm, set(wanted), keep=set(builtins))
@@ -91,20 +96,6 @@ def build_plugin_manager(
         pm.register(plugin)
     pm.check_pending()
     return pm
-
-
-def merged_answers(parts: list[dict[str, Any] | None], what: str) -> dict[str, Any]:
-    """The dicts several plugins answered one hook with, merged; a key two plugins used is refused (``what`` they
-    answered, for the message)."""
-    merged: dict[str, Any] = {}
-    for part in parts:
-        if not part:
-            continue
-        clash = merged.keys() & part.keys()
-        if clash:
-            raise RuntimeError(f"Two plugins {what} under the same key(s) {sorted(clash)}; keys must be unique.")
-        merged.update(part)
-    return merged
 
 
 def transport(comm: Any, plugins: Iterable[object]) -> Any:

@@ -256,7 +256,7 @@ def probe_codecs(names: Sequence[str], compression: str | None, options: dict[st
     be built so (the entry point names a module, or a class that needs arguments) is it the registered object
     itself, set up once more, its probe state under ``kind="probe"`` keys."""
     from ddp_plugin.codecs import BUILTIN_CODECS, installed_plugins
-    from ddp_plugin.gradients.plugin_manager import new_plugin_manager
+    from ddp_plugin.strategy.plugin_manager import new_plugin_manager
 
     installed = None
     out: dict[str, Any] = {}

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_plugin.hookspecs import Traffic
-from ddp_plugin.gradients.topology import new_group
+from ddp_plugin.runtime.topology import new_group
 
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -68,10 +68,11 @@ class TracedCommunicator:
                 intra += nbytes
             else:
                 cross += nbytes
-        self._add(intra, cross)
+        self.count_bytes(intra, cross)
 
-    def _add(self, intra: float, cross: float) -> None:
-        """Count bytes this rank sent inside its node and across nodes."""
+    def count_bytes(self, intra: float, cross: float) -> None:
+        """Count bytes this rank sent inside its node and across nodes (also those of collectives this
+        communicator does not issue: a transport's own across members)."""
         with self._lock:
             self._traffic.intra_node_bytes += int(intra)
             self._traffic.cross_node_bytes += int(cross)

@@ -1,6 +1,6 @@
 """The choices made once, at a fit's setup, from the links: ``compression="auto"`` (a codec per bucket),
 ``hierarchical=None`` (the route) and ``bucket_size_mb="auto"``. The link probe measures them
-(:mod:`ddp_plugin.gradients.link_probe`, :mod:`ddp_plugin.gradients.planning`), and the :class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner` made here follows the
+(:mod:`ddp_plugin.strategy.link_probe`, :mod:`ddp_plugin.gradients.planning`), and the :class:`~ddp_plugin.plugins.adaptive.AdaptivePlanner` made here follows the
 plan during the fit; the session asks :class:`LinkChoices` and knows nothing of how."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from ddp_plugin import health
 from ddp_plugin.hookspecs import Options, local_tensor
-from ddp_plugin.gradients.link_probe import agree, probe, probe_codecs
+from ddp_plugin.strategy.link_probe import agree, probe, probe_codecs
 from ddp_plugin.gradients.planning import BUCKET_BAND, FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel, capacity_of
 from ddp_plugin.plugins.adaptive import AdaptivePlanner, candidate_names
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
     from torch.nn import Module
 
-    from ddp_plugin.gradients.comm import TracedCommunicator
+    from ddp_plugin.runtime.comm import TracedCommunicator
     from ddp_plugin.strategy.config import StrategyConfig
     from ddp_plugin.hookspecs import Topology
 

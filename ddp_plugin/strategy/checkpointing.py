@@ -29,15 +29,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
+from ddp_plugin.runtime import lightning_adapter
 from ddp_plugin.checkpoints import sharded_checkpoint
 
-from ddp_plugin.gradients import cpu_memory
-from ddp_plugin.gradients.plugin_manager import merged_answers
+from ddp_plugin.runtime import cpu_memory
+from ddp_plugin.runtime.answers import merged_answers
 from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.parallel.state_parts import StatePart
 from ddp_plugin.hookspecs import local_tensor, pipeline_copies
@@ -90,7 +90,7 @@ class Checkpoints:
         for p in self.strategy.lightning_module.parameters():  # (a DTensor's numel is the whole tensor's)
             total += p.numel() * p.element_size() / pipeline_copies(p)
         for optimizer in self.strategy.optimizers:
-            for p, entries in getattr(optimizer, "_optimizer", optimizer).state.items():
+            for p, entries in lightning_adapter.unwrapped(optimizer).state.items():
                 for v in entries.values():
                     if isinstance(v, Tensor) and v.dim():
                         same = tuple(local_tensor(v).shape) == tuple(local_tensor(p).shape)
@@ -137,7 +137,7 @@ class Checkpoints:
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any] | None:
         pm = self.fit.plugin_manager
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the user's
+        optimizer = lightning_adapter.unwrapped(optimizer)  # a LightningOptimizer wraps the user's
         parts = self._parts()
         if self.config.checkpoint == "sharded":
             local = pm.hook.on_local_optimizer_state_dict(optimizer=optimizer) if pm is not None else None
@@ -329,7 +329,7 @@ class Checkpoints:
                 for part in parts:
                     state = part.optimizer_fallback(state, optimizer)
                 optimizer.load_state_dict(state)
-            _optimizers_to_device([optimizer], self.strategy.root_device)
+            lightning_adapter.optimizers_to_device([optimizer], self.strategy.root_device)
 
 
 def _load_stored(module: Module, state: Mapping[str, Any], strict: bool) -> None:
