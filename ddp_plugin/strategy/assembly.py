@@ -25,7 +25,7 @@ from ddp_plugin.parallel.materialize import Deferred, has_meta_tensors
 from ddp_plugin.parallel.materialize import materialize as allocate
 from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.parallel.ties import Tie, sync_ties
-from ddp_plugin.strategy.session import FitSession
+from ddp_plugin.strategy.session import FitInputs, FitSession
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from torch.nn import Module
 
     from ddp_plugin.strategy.config import StrategyConfig
-    from ddp_plugin.parallel.pipeline import PipelineRunner
     from ddp_plugin.strategy.process_groups import ProcessGroups
 
 log = logging.getLogger(__name__)
@@ -83,38 +82,30 @@ def materialize(model: Module, module: Any, groups: ProcessGroups, config: Strat
     return materialized, deferred
 
 
-def start_session(config: StrategyConfig, model: Module, groups: ProcessGroups, device: torch.device,
-                  hierarchical: bool, measure_memory: Callable[[], dict[str, int]], runner: PipelineRunner | None,
-                  ties: Iterable[Tie] = (), deferred: Deferred | None = None,
-                  module: pl.LightningModule | None = None, optimizers: Callable[[], list] | None = None
-                  ) -> FitSession:
-    """The fit's session over the set-up model: its plugins (reducer, codec, sharder, sync mode), the gradient
-    engine, and the pipeline runner's sends counted in its traffic (the tied sums through its codec, if any). With
-    ``fault_tolerance``, this rank's place among the replica groups, healing ``module`` and ``optimizers()``."""
+def start_session(inputs: FitInputs) -> FitSession:
+    """The fit's session over the set-up model, in order: glibc's threshold where freed buffers are to go back to the
+    OS (``release_cpu_memory``), a way to keep members where ``fault_tolerance`` asks (this rank's place among the
+    replica groups, healing ``inputs.module`` and ``inputs.optimizers()``), the session itself (its plugins:
+    reducer, codec, sharder, sync mode; its engine: :class:`FitSession`'s phases), and the pipeline runner's sends
+    counted in its traffic (the tied sums through its codec, if any)."""
+    config, device, groups = inputs.config, inputs.device, inputs.groups
     release = config.release_cpu_memory
     wanted = config.zero_stage >= 2 if release is None else release
     if wanted and device.type == "cpu" and cpu_memory.release_freed_buffers():
         log.info("ddp_plugin: glibc's mmap threshold fixed at 1 MiB (release_cpu_memory)")
-    ties = list(ties)
-    plugins = [deferred] if deferred is not None else []
-    cross_stage = sync_transport = None
+    members = None
     if config.fault_tolerance is not None:
         members = fault_tolerance.fit_plugins(
-            config.fault_tolerance, module, optimizers, groups.topology, device, config.timeout, per_step=config.sync_every == 1 or config.sync_warmup_steps > 0, ties=ties,
+            config.fault_tolerance, inputs.module, inputs.optimizers, groups.topology, device, config.timeout,
+            per_step=config.sync_every == 1 or config.sync_warmup_steps > 0, ties=inputs.ties,
             sync_mode=config.sync_every > 1)
-        plugins += members.plugins
-        cross_stage, sync_transport = members.cross_stage, members.sync_transport
-    session = FitSession(config, model, groups.topology, groups.bookkeeping, device, hierarchical, measure_memory,
-                         node_flags_group=groups.node_bookkeeping, layout=groups.layout,
-                         tensor_parallel_peers=groups.tensor_parallel_peers,
-                         solo=[t.param for t in ties if t.param is not None], extra_plugins=plugins,
-                         cross_stage=cross_stage, sync_transport=sync_transport)
-    if deferred is not None:
+    session = FitSession(inputs, members)
+    if inputs.deferred is not None:
         log.info("ddp_plugin: ZeRO stage 3 allocated and initialized the model unit by unit (%d units)",
-                 deferred.groups)
-    if runner is not None:
-        runner.attach(session.comm, session.plugin_manager.hook if session.options.cross_node_codec is not None
-                      else None)
+                 inputs.deferred.groups)
+    if inputs.runner is not None:
+        inputs.runner.attach(session.comm, session.plugin_manager.hook if session.options.cross_node_codec is not None
+                             else None)
     return session
 
 

@@ -55,6 +55,7 @@ from ddp_plugin.parallel import tensor_parallel
 from ddp_plugin.strategy.components import PipelineParallel
 from ddp_plugin.strategy.precision import ShardedGradientClipping, with_sharded_clipping
 from ddp_plugin.strategy.process_groups import ProcessGroups
+from ddp_plugin.strategy.session import FitInputs
 from ddp_plugin.strategy.stepping import Steps
 
 if TYPE_CHECKING:
@@ -398,9 +399,10 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         fit.tensor_parallel.watch(self.model)
         if fitting:
             ft_data.attach(trainer, config.fault_tolerance, fit)
-            fit.start(assembly.start_session(config, self.model, groups, device, self._hierarchical_by_flags(),
-                                             self.memory_bytes, fit.pipeline, ties, deferred, module,
-                                             lambda: self.optimizers))
+            fit.start(assembly.start_session(FitInputs(
+                config=config, model=self.model, module=module, groups=groups, device=device,
+                hierarchical=self._hierarchical_by_flags(), measure_memory=self.memory_bytes,
+                optimizers=lambda: self.optimizers, runner=fit.pipeline, ties=tuple(ties), deferred=deferred)))
             fit.units_initialized = deferred.groups if deferred is not None else 0
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:

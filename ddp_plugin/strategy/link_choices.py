@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ddp_plugin import health
 from ddp_plugin.hookspecs import Options, local_tensor
 from ddp_plugin.strategy.link_probe import agree, probe, probe_codecs
 from ddp_plugin.gradients.planning import BUCKET_BAND, FLAT, HIERARCHICAL, NO_CODEC, CommPlan, CostModel, capacity_of
-from ddp_plugin.plugins.adaptive import AdaptivePlanner, candidate_names
+from ddp_plugin.plugins.adaptive import AdaptivePlanner, candidate_names, own_hooks
 
 if TYPE_CHECKING:
     import torch
+    import pluggy
     from torch.nn import Module
 
     from ddp_plugin.runtime.comm import TracedCommunicator
@@ -60,6 +61,18 @@ class LinkChoices:
         if self.config.compression != "auto":
             return []
         return [n for n in self.candidates if n not in BUILTIN_CODECS and n != NO_CODEC]
+
+    def setup_plugins(self, pm: pluggy.PluginManager, setup: dict[str, Any]) -> None:
+        """Every plugin's ``on_setup`` (``setup``: its arguments). An installed codec among ``compression="auto"``'s
+        candidates gets its own name and options, as if ``compression`` named it (:meth:`codec_options`), the other
+        plugins the strategy's: pluggy's own call of a hook without some plugins, then theirs alone."""
+        installed = self.installed_candidates()
+        if not installed:
+            pm.hook.on_setup(**setup)
+            return
+        pm.subset_hook_caller("on_setup", remove_plugins=[pm.get_plugin(n) for n in installed])(**setup)
+        for name in installed:
+            own_hooks(pm.get_plugin(name)).on_setup(**{**setup, "options": self.codec_options(name)})
 
     def codec_options(self, name: str) -> Options:
         """The options an installed candidate ``name`` sees: ``compression=name`` and the options under its name."""

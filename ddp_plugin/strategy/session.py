@@ -1,14 +1,19 @@
 """What exists only while a ``fit`` runs: the plugins, the gradient engine, the heartbeat, the communicator and
-the per-step metrics. A :class:`FitSession` is created in the strategy's ``setup`` and closed in its
-``teardown``; once closed, its plugins still answer the checkpoint hooks (a save after ``fit`` writes what a
-save during it writes) until the next ``fit`` replaces it."""
+the per-step metrics. A :class:`FitSession` is created in the strategy's ``setup`` from :class:`FitInputs`, in
+phases whose order is fixed (transport, heartbeat, link plan, plugins, engine, bucket plan, step groups, plugin
+setup), and closed in its ``teardown``; once closed, its plugins still answer the checkpoint hooks (a save after
+``fit`` writes what a save during it writes) until the next ``fit`` replaces it.
+
+(Over 400 lines: the phases that build the session and the calls of a step read and write one object's state;
+split, each half would reach into the other's.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,10 +28,9 @@ from ddp_plugin.runtime.comm import TracedCommunicator, broadcast_coalesced
 from ddp_plugin.gradients.engine import GradientEngine
 from ddp_plugin.hookspecs import local_tensor
 from ddp_plugin.strategy.plugin_manager import build_plugin_manager, cross_node_codec, transport
-from ddp_plugin.runtime.topology import Layout
 from ddp_plugin.strategy.link_choices import LinkChoices, options_for, plan_routes
 from ddp_plugin.gradients.planning import CommPlan
-from ddp_plugin.plugins.adaptive import AdaptivePlanner, own_hooks
+from ddp_plugin.plugins.adaptive import AdaptivePlanner
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -35,87 +39,73 @@ if TYPE_CHECKING:
     from torch.nn import Module
     from torch.optim import Optimizer
 
-    from ddp_plugin.hookspecs import Topology
+    from ddp_plugin.parallel.materialize import Deferred
+    from ddp_plugin.parallel.pipeline import PipelineRunner
+    from ddp_plugin.parallel.ties import Tie
     from ddp_plugin.plugins.cross_stage import CrossStage
     from ddp_plugin.strategy.config import StrategyConfig
+    from ddp_plugin.strategy.process_groups import ProcessGroups
     from ddp_plugin.sync.transport import SyncTransport
 
 log = logging.getLogger(__name__)
 
 
-class FitSession:
-    """One ``fit``'s plugins and engine over ``module``, on the process groups of ``topology``."""
+@dataclasses.dataclass(frozen=True)
+class FitInputs:
+    """Everything one ``fit``'s session is built from, gathered once by the strategy's ``setup`` (after the module
+    is split, wrapped and materialized) and read by every phase of :class:`FitSession`'s construction."""
 
-    def __init__(self, config: StrategyConfig, module: pl.LightningModule, topology: Topology,
-                 flags_group: dist.ProcessGroup, device: torch.device, hierarchical: bool,
-                 measure_memory: Callable[[], dict[str, int]],
-                 node_flags_group: Callable[[], dist.ProcessGroup | None] | None = None,
-                 layout: Layout | None = None,
-                 tensor_parallel_peers: Callable[[], dist.ProcessGroup | None] | None = None,
-                 solo: Iterable[torch.nn.Parameter] = (), extra_plugins: Iterable[object] = (),
-                 cross_stage: CrossStage | None = None, sync_transport: SyncTransport | None = None) -> None:
+    config: StrategyConfig
+    model: Module
+    """What the session trains: this rank's module, parallelized, split, wrapped and materialized."""
+    module: pl.LightningModule
+    """The LightningModule (a way to keep members heals it and the fit loop's counters)."""
+    groups: ProcessGroups
+    device: torch.device
+    hierarchical: bool
+    """The route by the flags (a link plan may choose per bucket)."""
+    measure_memory: Callable[[], dict[str, int]]
+    optimizers: Callable[[], list[Optimizer]]
+    runner: PipelineRunner | None = None
+    ties: tuple[Tie, ...] = ()
+    deferred: Deferred | None = None
+    """The initializer of a model built on meta whose ZeRO stage 3 units are allocated one by one."""
+
+
+class Members(Protocol):
+    """What a way to keep members that come and go gives a fit: plugins of its own, and the protocols'
+    implementations the built-in plugins take for their steps between members."""
+
+    plugins: list[object]
+    cross_stage: CrossStage | None
+    sync_transport: SyncTransport | None
+
+
+class FitSession:
+    """One ``fit``'s plugins and engine over ``inputs.model``, on the process groups of ``inputs.groups``. Built in
+    phases whose order is fixed, each needing what the ones before made (:meth:`__init__`)."""
+
+    def __init__(self, inputs: FitInputs, members: Members | None = None) -> None:
+        config, groups = inputs.config, inputs.groups
+        topology = groups.topology
         if config.hpz_partition_size is not None and config.hpz_partition_size != topology.ranks_per_node:
             raise ValueError(
                 f"The DeepSpeed config's `zero_optimization.zero_hpz_partition_size={config.hpz_partition_size}`"
                 f" maps to `shard_scope='node'`, which shards over the {topology.ranks_per_node} ranks of a"
                 " node; set it to the ranks per node (or drop it and pass `shard_scope`/`devices_per_node`)."
             )
+        self.inputs = inputs
         self.config = config
         self.topology = topology
         # Every rank, tensor-parallel peers included (the topology's sizes are the data-parallel ones): the
         # bookkeeping groups join them all, and a node's traffic stays inside it by physical ranks.
-        self.layout = layout if layout is not None else Layout(topology.world_size, topology.ranks_per_node)
-        self.device = device
-        extra_plugins = list(extra_plugins)
-        # (a plugin of the fit's own or the user's may run the collectives on groups of its own too: on_transport)
-        self.comm = transport(TracedCommunicator(self.layout.ranks_per_node, config.timeout),
-                              [*extra_plugins, *config.plugins])
-        self.module = module
-        self.choices = LinkChoices(config, topology, module, self.comm, device)
-        """``compression="auto"``, ``hierarchical=None`` and ``bucket_size_mb="auto"``: the link probe and the plan."""
-        # Beating before the link probe: a rank that dies or hangs in it is then named (health.diagnosed).
-        self.heartbeat = health.Heartbeat(health.peer_watch(
-            config.timeout.total_seconds() if config.timeout is not None else None))
-        bucket_size_mb = config.bucket_size_mb
-        routes = plan_routes(config.hierarchical, topology)
-        if topology.world_size > 1 and (config.adaptive or len(routes) > 1):
-            hierarchical, bucket_size_mb = self.choices.make_plan(routes)
-        self.planner: AdaptivePlanner | None = self.choices.planner
-        self.hierarchical = self.choices.hierarchical = hierarchical
-        """Whether gradients take the hierarchical route (with a plan that chooses per bucket: whether any may)."""
-        self.plugin_manager: pluggy.PluginManager = _build_plugin_manager(config, hierarchical, self.planner, cross_stage,
-                                                                           sync_transport)
-        # (the fit's own: the initializer of a model built on meta, fault tolerance's member plugin)
-        for plugin in extra_plugins:
-            self.plugin_manager.register(plugin)
-        self.options = options_for(config, hierarchical, bucket_size_mb, cross_node_codec(self.plugin_manager))
-        hook = self.plugin_manager.hook
-        self.engine = GradientEngine(
-            module, hook=hook, bucket_cap_bytes=int(bucket_size_mb * 2**20), flags_group=flags_group,
-            device=device, comm=self.comm,
-            pad_multiple=topology.world_size if config.zero_stage else 1,  # sharded buckets split without copies
-            # At stage 0, one tensor-parallel peer reduces each bucket of replicated parameters for all of them
-            # (a ZeRO sharder keeps each peer's shard of the optimizer state, and reduces each peer's gradients).
-            shared_replicas=(self.layout.tensor_parallel_size, tensor_parallel_peers())
-            if tensor_parallel_peers is not None and self.layout.tensor_parallel_size > 1 and not config.zero_stage
-            else None,
-            solo=solo,
-        )
-        self.engine.check_finite = config.skip_nonfinite
-        if self.planner is not None:
-            plan = self.planner.plan
-            plan.plan_buckets({str(b.index): b.nbytes for b in self.engine.buckets})
-            plan.history.append((plan.version, 0, plan.decisions()))
-            self.planner.report = rank_zero_info
-            self.planner.start_trials()  # (tells the plan, now or once its close calls are settled)
-        self.flags_group = flags_group
-        # The node's bookkeeping group, for the steps whose gradients stay inside the node (a sync mode's, whose
-        # plugin answers ``on_gradient_scope``). Made here, where every rank is (making a group is collective).
-        self._node_flags_group = (node_flags_group() if node_flags_group is not None and config.sync_every > 1
-                                  else None)
-        self._step_group: dist.ProcessGroup | None = flags_group
-        self._step_size = self.layout.stage_size  # (the world, or a pipeline stage's ranks: the flags group's)
-        self.measure_memory = measure_memory
+        self.layout = groups.layout
+        self.device = inputs.device
+        self.module = inputs.model
+        self.measure_memory = inputs.measure_memory
+        # (the fit's own plugins: the initializer of a model built on meta, a way to keep members')
+        self._own_plugins = [*([inputs.deferred] if inputs.deferred is not None else []),
+                             *(members.plugins if members is not None else [])]
         self.active = True
         self.skipped_steps = 0
         self.metric_sums: dict[str, float] = {}
@@ -123,18 +113,104 @@ class FitSession:
         self.last_metrics: dict[str, float] = {}
         """The metrics of the last optimizer step (or skipped step), whether or not the Trainer logged that step."""
         self._sample_weight: tuple[Any, Tensor, int, int] | None = None
-        setup = {"topology": topology, "buckets": self.engine.buckets, "hook": hook, "options": self.options,
-                 "module": module, "comm": self.comm}
-        installed = self.choices.installed_candidates()
-        if installed:
-            # An installed codec among "auto"'s candidates gets its own name and options, as if `compression` named
-            # it (its options are the ones under its name), the others the strategy's.
-            pm = self.plugin_manager
-            pm.subset_hook_caller("on_setup", remove_plugins=[pm.get_plugin(n) for n in installed])(**setup)
-            for name in installed:
-                own_hooks(pm.get_plugin(name)).on_setup(**{**setup, "options": self.choices.codec_options(name)})
-        else:
-            hook.on_setup(**setup)
+        # The phases, in order:
+        self.comm = self._transport()
+        self.heartbeat = self._heartbeat()
+        hierarchical, bucket_size_mb = self._link_plan()
+        self.plugin_manager: pluggy.PluginManager = self._plugins(hierarchical, members)
+        self.options = options_for(config, hierarchical, bucket_size_mb, cross_node_codec(self.plugin_manager))
+        self.engine = self._engine(bucket_size_mb)
+        self._bucket_plan()
+        self._step_groups()
+        self._plugin_setup()
+
+    def _transport(self) -> Any:
+        """1. The communicator: the strategy's, or what a plugin of the fit's own or the user's answers in its place
+        (``on_transport``: it may run the collectives on groups of its own). The link probe runs on it."""
+        return transport(TracedCommunicator(self.layout.ranks_per_node, self.config.timeout),
+                         [*self._own_plugins, *self.config.plugins])
+
+    def _heartbeat(self) -> health.Heartbeat:
+        """2. Beating before the link probe: a rank that dies or hangs in it is then named (health.diagnosed)."""
+        timeout = self.config.timeout
+        return health.Heartbeat(health.peer_watch(timeout.total_seconds() if timeout is not None else None))
+
+    def _link_plan(self) -> tuple[bool, float]:
+        """3. Before the plugins, which the plan chooses: with ``compression="auto"``, ``hierarchical=None`` or
+        ``bucket_size_mb="auto"``, the link probe and the plan (the route, the bucket size; the codec per bucket
+        once the engine has made the buckets). The route and the bucket size the plugins are built for."""
+        config, topology = self.config, self.topology
+        self.choices = LinkChoices(config, topology, self.module, self.comm, self.device)
+        hierarchical, bucket_size_mb = self.inputs.hierarchical, config.bucket_size_mb
+        routes = plan_routes(config.hierarchical, topology)
+        if topology.world_size > 1 and (config.adaptive or len(routes) > 1):
+            hierarchical, bucket_size_mb = self.choices.make_plan(routes)
+        self.planner: AdaptivePlanner | None = self.choices.planner
+        self.hierarchical = self.choices.hierarchical = hierarchical
+        """Whether gradients take the hierarchical route (with a plan that chooses per bucket: whether any may)."""
+        return hierarchical, bucket_size_mb
+
+    def _plugins(self, hierarchical: bool, members: Members | None) -> pluggy.PluginManager:
+        """4. The plugin manager: the built-ins the flags and the plan choose (with a way to keep members, its
+        steps between them), installed plugins, the user's, then the fit's own."""
+        config = self.config
+        pm = build_plugin_manager(
+            config.compression, config.plugins, hierarchical=hierarchical, planner=self.planner,
+            cross_stage=members.cross_stage if members is not None else None,
+            sync_transport=members.sync_transport if members is not None else None,
+            compression_options=config.compression_options,
+            zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
+            prefetch_units=config.prefetch_units, sync={
+                "every": config.sync_every, "outer_optimizer": config.outer_optimizer,
+                "fragments": config.sync_fragments, "staleness": config.max_staleness,
+                "warmup": config.sync_warmup_steps},
+        )
+        for plugin in self._own_plugins:
+            pm.register(plugin)
+        return pm
+
+    def _engine(self, bucket_size_mb: float) -> GradientEngine:
+        """5. The gradient engine's buckets (a ZeRO sharder answers ``on_plan_buckets`` in it: after the plugins)."""
+        config, layout, groups = self.config, self.layout, self.inputs.groups
+        # At stage 0, one tensor-parallel peer reduces each bucket of replicated parameters for all of them (a ZeRO
+        # sharder keeps each peer's shard of the optimizer state, and reduces each peer's gradients).
+        shared = layout.tensor_parallel_size > 1 and not config.zero_stage
+        engine = GradientEngine(
+            self.module, hook=self.plugin_manager.hook, bucket_cap_bytes=int(bucket_size_mb * 2**20),
+            flags_group=groups.bookkeeping, device=self.device, comm=self.comm,
+            pad_multiple=self.topology.world_size if config.zero_stage else 1,  # sharded buckets split without copies
+            shared_replicas=(layout.tensor_parallel_size, groups.tensor_parallel_peers()) if shared else None,
+            solo=[t.param for t in self.inputs.ties if t.param is not None],
+        )
+        engine.check_finite = config.skip_nonfinite
+        return engine
+
+    def _bucket_plan(self) -> None:
+        """6. The plan per bucket, once the engine has made the buckets; its trials start."""
+        if self.planner is None:
+            return
+        plan = self.planner.plan
+        plan.plan_buckets({str(b.index): b.nbytes for b in self.engine.buckets})
+        plan.history.append((plan.version, 0, plan.decisions()))
+        self.planner.report = rank_zero_info
+        self.planner.start_trials()  # (tells the plan, now or once its close calls are settled)
+
+    def _step_groups(self) -> None:
+        """7. The groups a step's bookkeeping agrees over: the stage's ranks, and the node's for the steps whose
+        gradients stay inside the node (a sync mode's, whose plugin answers ``on_gradient_scope``). Made here,
+        where every rank is (making a group is collective)."""
+        groups = self.inputs.groups
+        self.flags_group = groups.bookkeeping
+        self._node_flags_group = groups.node_bookkeeping() if self.config.sync_every > 1 else None
+        self._step_group: dist.ProcessGroup | None = self.flags_group
+        self._step_size = self.layout.stage_size  # (the world, or a pipeline stage's ranks: the flags group's)
+
+    def _plugin_setup(self) -> None:
+        """8. Every plugin's ``on_setup`` over the buckets, with the options the plan made (an installed codec among
+        ``compression="auto"``'s candidates with its own: :meth:`LinkChoices.setup_plugins`)."""
+        self.choices.setup_plugins(self.plugin_manager, {
+            "topology": self.topology, "buckets": self.engine.buckets, "hook": self.plugin_manager.hook,
+            "options": self.options, "module": self.module, "comm": self.comm})
 
     # ------------------------------------------------------------------ the comm plan
 
@@ -361,20 +437,3 @@ class FitSession:
 
     def load_plugin_state(self, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None) -> None:
         self.plugin_manager.hook.on_load_state_dict(state=state, rank_state=rank_state)
-
-
-def _build_plugin_manager(config: StrategyConfig, hierarchical: bool, planner: object | None = None,
-                          cross_stage: CrossStage | None = None, sync_transport: SyncTransport | None = None
-                          ) -> pluggy.PluginManager:
-    """The plugin manager of one ``fit`` with ``config``'s flags; ``cross_stage``, ``sync_transport``: the steps
-    between members of a way to keep them (fault tolerance's)."""
-    pm = build_plugin_manager(
-        config.compression, config.plugins, hierarchical=hierarchical, planner=planner, cross_stage=cross_stage,
-        sync_transport=sync_transport,
-        compression_options=config.compression_options,
-        zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
-        prefetch_units=config.prefetch_units, sync={"every": config.sync_every, "outer_optimizer": config.outer_optimizer,
-              "fragments": config.sync_fragments, "staleness": config.max_staleness,
-              "warmup": config.sync_warmup_steps},
-    )
-    return pm
