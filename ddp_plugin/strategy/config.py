@@ -7,6 +7,13 @@ when it equals its default; then the config's value; then the default. "Given" i
 a sentinel (LightningCLI checks every default against its type), so there ``None`` means "not set" for those
 flags, and an explicit ``compression=None`` cannot switch off a config's ``zero_quantized_gradients``; a
 config without that key can.
+
+Each flag's documentation has one copy, its :class:`FlagDoc` in :data:`FLAGS`: README.md's flags table, the flag
+tables of docs/sync.md and docs/pipeline.md and the ``Args:`` of ``HierarchicalZeroStrategy``'s docstring (what
+LightningCLI's ``--help`` shows) are generated from it by ``python -m ddp_plugin.strategy.flag_docs --write``.
+
+(About 600 lines: each flag's field, documentation and check, so that a flag is added, documented and checked in
+one file; the checks of single values are :mod:`ddp_plugin.runtime.checks`.)
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from datetime import timedelta
-from typing import Any
+from typing import Any, Generic, Never, NoReturn, Protocol, TypeVar, overload
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from ddp_plugin.fault_tolerance.options import check_composition as check_fault_tolerance_composition
+from ddp_plugin.parallel.stage_module import ACTIVATION_DTYPES
+from ddp_plugin.parallel.stages import SPLIT_METHODS
 from ddp_plugin.runtime.checks import (
     check_bool,
     check_choice,
@@ -60,8 +69,8 @@ UNSET: Any = _Unset()
 
 @dataclass(frozen=True)
 class StrategyConfig:
-    """Every flag of ``HierarchicalZeroStrategy``, validated (see its docstring for their meaning). Build it
-    with :meth:`from_flags`; the constructor itself checks nothing."""
+    """Every flag of ``HierarchicalZeroStrategy``, validated (:data:`FLAGS` documents them). Build it with
+    :meth:`from_flags`; the constructor itself checks nothing."""
 
     zero_stage: int = 0
     shard_scope: str = "global"
@@ -75,7 +84,6 @@ class StrategyConfig:
     compression: str | None = None
     compression_options: dict[str, Any] = field(default_factory=dict)  # read-only by convention (pickled by spawn)
     bucket_size_mb: float | str = 25
-    """MiB, or ``"auto"``: chosen by the link probe (docs/adaptive.md)."""
     plugins: tuple[object, ...] = ()
     broadcast_buffers: bool = True
     progress_bar_metrics: bool = False
@@ -90,25 +98,15 @@ class StrategyConfig:
     max_staleness: int = 0
     sync_warmup_steps: int = 0
     tensor_parallel_size: int | str = 1
-    """A positive int, or ``"auto"``: the ranks per node (``ModelParallelStrategy``'s default)."""
     pipeline_parallel_size: int = 1
     pipeline_microbatches: int | None = None
-    """``None``: as many as pipeline stages."""
     pipeline_schedule: str = "1f1b"
     pipeline_virtual_stages: int | None = None
-    """Stages per rank; ``None``: 2 with ``"interleaved_1f1b"``, else 1."""
-    pipeline_split: Any = "parameters"
-    """How the blocks split into stages: ``"parameters"``, ``"uniform"``, ``"type:<regex>"``, or the module names
-    of each stage (a tuple of tuples)."""
+    pipeline_split: Any = "parameters"  # a str, or the module names of each stage (a tuple of tuples)
     pipeline_activations: str = "fp32"
-    """The dtype of the activations and their gradients sent between stages on different nodes: ``"fp32"`` (as
-    computed), ``"bf16"`` or ``"fp16"``."""
     activation_checkpointing_policy: tuple[type | str, ...] | None = None
-    """Module classes (or names) whose forward is recomputed in the backward; ``None``: off."""
     pretrained: str | None = None
-    """A ``.safetensors`` file or folder read into the model at its first setup; ``None``: none."""
     fault_tolerance: Any = None
-    """Replica groups on torchft (:class:`~ddp_plugin.fault_tolerance.FaultTolerance`); ``None``: off."""
     hpz_partition_size: int | None = None
     """From a DeepSpeed config's ``zero_hpz_partition_size``: must equal the ranks per node (checked at setup)."""
 
@@ -146,13 +144,258 @@ class StrategyConfig:
         return self.compression == "auto" or self.bucket_size_mb == "auto"
 
 
+# ------------------------------------------------------------------------------------------ the flags' documentation
+
+
+@dataclass(frozen=True)
+class FlagDoc:
+    """One flag's documentation, its only copy (:mod:`ddp_plugin.strategy.flag_docs` generates the README's table,
+    the docs pages' tables and the strategy's docstring from it). Markdown: `code`, and links relative to the
+    repository's root (``[docs](docs/zero.md#memory)``); no ``|``."""
+
+    what: str
+    """What it does, as README.md's table says it (a flag that shares a row: its part of the row)."""
+    allowed: str
+    """The values allowed (a flag that shares a README row: its part of the row)."""
+    default: str | None = None
+    """The default as shown; ``None``: the field's default (`0`, `"global"`, `None`)."""
+    more: str = ""
+    """Sentences that follow ``what`` in ``--help`` and on the docs pages; README.md stays under its 16 kB."""
+    row: str = ""
+    """Consecutive flags with the same non-empty ``row`` share one row of README.md's table."""
+
+
+def _code(*values: Any) -> str:
+    """Values as the tables show them: `0`, `"global"`, `None`."""
+    return ", ".join(f'`"{v}"`' if isinstance(v, str) else f"`{v!r}`" for v in values)
+
+
+FLAGS: dict[str, FlagDoc] = {
+    "zero_stage": FlagDoc(
+        what="`0`: plain data parallelism; `1`: shard the optimizer state; `2`: also the gradients; `3`: also the"
+             " parameters ([docs](docs/zero.md))",
+        allowed=_code(*ZERO_STAGES)),
+    "shard_scope": FlagDoc(
+        what="stages 1-3: shard over every rank, or over the ranks of a node with a replica per node, so parameter"
+             " all-gathers never cross the slow link (HSDP, ZeRO++ hpZ)",
+        allowed=_code(*SHARD_SCOPES)),
+    "auto_wrap_policy": FlagDoc(
+        what="stage 3 units: `None`: modules grouped into units of at least 1M parameters (an int sets it), or each"
+             " instance of the classes given ([docs](docs/zero.md#stage-3-units))",
+        allowed="`None`, a positive int, module classes or class names",
+        default="`None`",  # (the field holds what `None` means: 1,000,000)
+        more="Modules are grouped into units bottom-up; containers are never units."),
+    "prefetch_units": FlagDoc(
+        what="stage 3: units whose all-gathers run ahead of the one computing, in forward and backward",
+        allowed=_code(0, 1, 2),
+        more="1 as FSDP; with 2 a step took 1.12-1.20x `ddp`'s, with 1 1.32-1.37x; each one more holds one more"
+             " gathered unit."),
+    "gradient_clip_norm": FlagDoc(
+        what="clip to this global 2-norm before every step, across shards at stages 1-3"
+             " (`Trainer(gradient_clip_val=...)` works too)",
+        allowed="positive finite number",
+        default="`None` (no clipping)"),
+    "config": FlagDoc(
+        what="a DeepSpeed config whose ZeRO settings become these flags; flags you pass win"
+             " ([migrating](docs/zero.md#migrating-from-deepspeed))",
+        allowed="path to a JSON file, or a dict",
+        default="`None`",
+        more="Its other keys are named in a warning."),
+    "checkpoint": FlagDoc(
+        what='`"master"`: global rank 0 writes one consolidated file atomically; `"sharded"`: every rank its part'
+             " through `torch.distributed.checkpoint` ([docs](docs/checkpoints.md))",
+        allowed=_code(*CHECKPOINT_MODES),
+        more="A master file loads anywhere; sharded checkpoints are resharded on load."),
+    "release_cpu_memory": FlagDoc(
+        what="on CPU, return freed buffers of 1 MiB or more to the OS (process-wide); `None`: on at stages 2-3"
+             " ([why](docs/zero.md#memory))",
+        allowed=_code(None, True, False),
+        more="1 MiB: glibc's mmap threshold."),
+    "devices_per_node": FlagDoc(
+        what="ranks per node; `None` takes the launcher's. Set it to simulate nodes on one machine",
+        allowed="positive int dividing the world size"),
+    "tensor_parallel_size": FlagDoc(
+        what='split layers over this many ranks of a node (`configure_model` on `self.device_mesh["tensor_parallel"]`);'
+             " other flags act over data-parallel ranks ([docs](docs/tensor_parallel.md))",
+        allowed='positive int dividing the ranks per node, `"auto"` (all)',
+        more="The module parallelizes itself as for Lightning's `ModelParallelStrategy` (whose default is"
+             ' `"auto"`); the data-parallel features run over `"data_parallel"`, on the local shards.'),
+    "pipeline_parallel_size": FlagDoc(
+        what="split the model's block list into P stages (`torch.distributed.pipelining` schedules); other flags act"
+             " per stage; a tied weight's gradient crosses once a step ([docs](docs/pipeline.md))",
+        allowed="P: stages of whole nodes or part of one",
+        more='P divides the world size; the mesh becomes `("pipeline_parallel", "data_parallel",'
+             ' "tensor_parallel")`.'),
+    "pipeline_schedule": FlagDoc(
+        what="schedule", allowed=_code(*PIPELINE_SCHEDULES), row="pipeline",
+        more='One of `torch.distributed.pipelining`\'s; only `"interleaved_1f1b"` runs several stages per rank.'),
+    "pipeline_microbatches": FlagDoc(
+        what="M microbatches a batch", allowed="M", default="P", row="pipeline",
+        more="M is a positive int (`None`: P, `pipeline_parallel_size`); a data-parallel rank's batch must split into"
+             ' M equal microbatches; M >= P with `"1f1b"`, a multiple of P with `"interleaved_1f1b"`.'),
+    "pipeline_virtual_stages": FlagDoc(
+        what="V stages a rank (interleaved: 2)", allowed="V", row="pipeline",
+        more='V is a positive int; `None`: 2 with `"interleaved_1f1b"`, else 1 (the only schedule that runs'
+             " several)."),
+    "pipeline_split": FlagDoc(
+        what="where stages split",
+        allowed=f"{_code(*SPLIT_METHODS)}, names per stage (a block may be cut)",
+        row="pipeline split",
+        more="The blocks split into contiguous runs, one per stage: `\"parameters\"` balances their parameter"
+             ' counts, `"time"` their compute (each block timed at setup on the data\'s first microbatch),'
+             ' `"uniform"` their number, `"type:<regex>"` the number of blocks whose class name matches; or the'
+             ' module names of each stage (`[["tok", "blocks.0"], ["blocks.1", "head"]]`).'),
+    "pipeline_activations": FlagDoc(
+        what="the dtype sent between stages on two nodes ([docs](docs/pipeline.md#flags))",
+        allowed=_code(*ACTIVATION_DTYPES), row="pipeline split",
+        more='The activations and their gradients: `"fp32"` as computed, `"bf16"` and `"fp16"` half the bytes,'
+             ' `"int8"` (a scale per row) about a quarter.'),
+    "activation_checkpointing_policy": FlagDoc(
+        what="these blocks recompute activations in the backward, on every layout"
+             " ([docs](docs/activation_checkpointing.md))",
+        allowed="classes or class names",
+        more="As `FSDPStrategy`'s flag, e.g. `{Block}`; `None`: off."),
+    "pretrained": FlagDoc(
+        what="read at the first setup, each rank its part"
+             " ([docs](docs/checkpoints.md#pretrained-weights-pretrained-safetensors))",
+        allowed="a `.safetensors` file or folder",
+        more="Hugging Face style, read after the model is split and materialized: each rank reads only its stages"
+             " and its tensor-parallel slices. Skipped when `ckpt_path` resumes."),
+    "fault_tolerance": FlagDoc(
+        what="torchft replica groups: a lost node stops none, one back heals from a peer (sync modes: in"
+             ' background); `dynamic_steps`: none waits for a slow one; `data_split="quorum"`: new groups join;'
+             " built-in codecs, ZeRO, TP, PP ([docs](docs/fault_tolerance.md))",
+        allowed="`None`, `True`, a mapping",
+        more="A group is a node; `True` reads the groups from the environment (torchft's variables), a mapping or"
+             " a `ddp_plugin.fault_tolerance.FaultTolerance` gives them."),
+    "hierarchical": FlagDoc(
+        what="reduce inside nodes, cross nodes with 1/k of the data; `False`: flat, like DDP; `None`: chosen per"
+             " bucket from measured links ([docs](docs/adaptive.md))",
+        allowed=_code(None, True, False),
+        more="`None` chooses only where the layout leaves a choice (several nodes of several ranks)."),
+    "compression": FlagDoc(
+        what="codec for the cross-node stage ([docs](docs/compression.md)); `\"auto\"`: per bucket, the fastest of"
+             ' `compression_options["candidates"]` as measured',
+        allowed='`None`, `"auto"`, `"fp16"`, `"bf16"`, `"int8"`, `"topk"`, `"powersgd"`, `"sparse"`, an installed'
+                " codec"),
+    "compression_options": FlagDoc(
+        what="the codec's options, validated at construction, handed to plugins in `on_setup(options=...)`; refused"
+             " without `compression` unless a plugin takes them",
+        allowed="dict"),
+    "sync_every": FlagDoc(
+        what="nodes synchronize every H optimizer steps, ranks inside a node every step; 1: synchronous"
+             " ([docs](docs/sync.md))",
+        allowed="positive int"),
+    "outer_optimizer": FlagDoc(
+        what="with `sync_every > 1`: local SGD, DiLoCo (Nesterov, lr 0.7, momentum 0.9), or"
+             " `params -> torch.optim.Optimizer` (YAML: `class_path` + `init_args`)",
+        allowed=f"{_code(*OUTER_OPTIMIZERS)}, callable",
+        more="It moves the global copy by the averaged pseudo-gradient (the parameters' change): `\"average\"` is SGD"
+             " with lr 1 (the global copy becomes the nodes' mean), `\"nesterov\"` SGD with Nesterov momentum; the"
+             " callable's YAML is as for the model's optimizer."),
+    "sync_fragments": FlagDoc(
+        what="sync the parameters in F staggered fragments: S/F every H/F steps",
+        allowed="1 to `sync_every`",
+        more="S: the gradient bytes. Streaming DiLoCo: the flat parameters (bucket order) are cut into F contiguous"
+             " fragments of equal size, across parameter boundaries, each synced every H steps, H/F steps apart; F is"
+             " at most the number of trainable parameters (checked at setup)."),
+    "max_staleness": FlagDoc(
+        what="run each outer all-reduce behind the next steps and apply it this many steps late",
+        allowed="0 to `sync_every - 1`",
+        more="0: the outer sync blocks the step that starts it."),
+    "sync_warmup_steps": FlagDoc(
+        what="with `sync_every > 1`: train this many steps synchronously first, then start the sync mode",
+        allowed="int >= 0",
+        more="They average gradients over every rank, and the sync mode starts from the model they reached:"
+             " post-local SGD, and the way DiLoCo is meant to be used (from a synchronously trained model)."),
+    "bucket_size_mb": FlagDoc(
+        what='gradient bucket capacity; `"auto"`: from the measured link',
+        allowed='positive number (at most 1 TiB), `"auto"`',
+        more="In MiB; `\"auto\"`: chosen by the link probe ([docs](docs/adaptive.md))."),
+    "plugins": FlagDoc(
+        what="extra plugins; called before the built-ins",
+        allowed="plugin objects"),
+    "broadcast_buffers": FlagDoc(
+        what="broadcast buffers from rank 0 before each step, as DDP",
+        allowed="bool"),
+    "skip_nonfinite": FlagDoc(
+        what="a NaN/Inf gradient on any rank skips the step everywhere (`train/skipped_steps`)",
+        allowed="bool"),
+    "weighting": FlagDoc(
+        what='`"rank"`: DDP\'s mean over ranks; `"sample"`: weighted by batch size (exact)',
+        allowed=_code(*WEIGHTINGS)),
+    "progress_bar_metrics": FlagDoc(
+        what="show `comm/...` in the bar too",
+        allowed="bool"),
+    "process_group_backend": FlagDoc(
+        what="`None`: NCCL on CUDA, gloo on CPU, MPI under mpirun if torch has it (PyPI's has not)",
+        allowed=_code(None, *BACKENDS)),
+    "timeout": FlagDoc(
+        what="collective timeout",
+        allowed=f"`timedelta` or seconds, positive, at most {MAX_TIMEOUT.days} days",
+        more="Connecting waits at least 5 minutes."),
+    "start_method": FlagDoc(
+        what="as `DDPStrategy`",
+        allowed=_code(*START_METHODS)),
+}
+"""Every flag's documentation, in README.md's order: the fields of :class:`StrategyConfig` but
+``hpz_partition_size`` (a DeepSpeed config's alone), and ``HierarchicalZeroStrategy``'s ``config``."""
+
+
+def flag_default(name: str) -> str:
+    """The default of flag ``name`` as the tables show it: its :class:`FlagDoc`'s, else the field's."""
+    doc = FLAGS[name]
+    if doc.default is not None:
+        return doc.default
+    value = getattr(StrategyConfig(), name)  # (the constructor checks nothing, and makes the default factories')
+    if isinstance(value, timedelta):
+        return f"{value.total_seconds() / 60:g} min"
+    return _code(value)
+
+
+# ---------------------------------------------------------------------------------------------- flags as attributes
+
+T = TypeVar("T")
+
+
+class _HasConfig(Protocol):
+    @property
+    def config(self) -> StrategyConfig: ...
+
+
+class Flag(Generic[T]):
+    """A flag read as an attribute of the strategy (``strategy.zero_stage`` is ``strategy.config.zero_stage``),
+    declared one by one in the class's body with the field's type (``zero_stage = Flag[int]()``), so that editors
+    and type checkers see it. Read-only: the config is validated once, at construction."""
+
+    name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Flag[T]: ...
+
+    @overload
+    def __get__(self, obj: _HasConfig, owner: type | None = None) -> T: ...
+
+    def __get__(self, obj: _HasConfig | None, owner: type | None = None) -> Flag[T] | T:
+        if obj is None:
+            return self
+        return getattr(obj.config, self.name)
+
+    def __set__(self, obj: object, value: Never) -> NoReturn:  # (Never: type checkers flag an assignment too)
+        raise AttributeError(
+            f"`{self.name}` is read-only: pass it to the constructor, `HierarchicalZeroStrategy({self.name}=...)`"
+            f" (the flags are validated together, once; `strategy.config` is frozen).")
+
+
 def _validated(values: dict[str, Any]) -> dict[str, Any]:
     """Each given value checked and normalized; missing ones keep their defaults."""
     from ddp_plugin.codecs import check_compression
     from ddp_plugin.strategy.plugin_manager import check_plugins
     from ddp_plugin.parallel.activation_checkpointing import check_policy as check_activation_checkpointing_policy
     from ddp_plugin.zero.units import check_auto_wrap_policy
-    from ddp_plugin.parallel.stage_module import ACTIVATION_DTYPES
     from ddp_plugin.parallel.stages import check_split as check_pipeline_split
     from ddp_plugin.checkpoints.pretrained import check_pretrained
     from ddp_plugin.fault_tolerance.options import check_fault_tolerance
