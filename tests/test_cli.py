@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import lightning as L
@@ -124,3 +125,24 @@ def test_pretrained_from_yaml(tmp_path):
     save_file({"w": torch.ones(1)}, tmp_path / "model.safetensors")
     cli = cli_with_strategy(tmp_path, f"pretrained: {tmp_path}\n")
     assert cli.trainer.strategy.config.pretrained == str(tmp_path)
+
+
+def test_help_shows_each_flags_generated_documentation(monkeypatch, capsys):
+    """``--help`` is the class docstring as jsonargparse reads it, and its ``Args:`` are generated from the config's
+    ``FLAGS`` (tests/test_docs.py checks they are as generated): each flag's text, default and allowed values."""
+    import inspect
+
+    from ddp_plugin.strategy import flag_docs
+
+    monkeypatch.setenv("COLUMNS", "100000")  # one line per option: argparse would cut long words (links) apart
+    with pytest.raises(SystemExit):
+        LightningCLI(Model, run=False, args=["--trainer.strategy.help", "ddp_plugin.HierarchicalZeroStrategy"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "Data-parallel training for clusters whose inter-node links are the bottleneck:" in shown  # (its title)
+    parameters = list(inspect.signature(HierarchicalZeroStrategy).parameters)
+    missing = [name for name in parameters if name in flag_docs.FLAGS and not re.search(
+        # (the option, its metavar and an appending `name+` variant, then the help and jsonargparse's type)
+        rf"--trainer\.strategy\.{name}\b.{{0,150}}? {re.escape(' '.join(flag_docs.help_text(name).split()))} \(type:",
+        shown)]
+    assert not missing, f"--help does not show the generated documentation of {missing}"
+    assert len([n for n in parameters if n in flag_docs.FLAGS]) == len(flag_docs.FLAGS)

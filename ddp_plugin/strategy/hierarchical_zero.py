@@ -7,9 +7,10 @@ fit's :class:`~ddp_plugin.strategy.session.FitSession`, whose plugins do the ten
 backward and optimizer step), :mod:`ddp_plugin.strategy.inspection` (what a user asks about the fit) and
 :mod:`ddp_plugin.strategy.environment` (ranks, launcher, rendezvous, mesh).
 
-(About 620 lines: the flags' documentation (about 90 lines of the class docstring, which LightningCLI and
-jsonargparse read for ``--help``) and one method per Lightning hook the strategy answers, most of them a
-delegation of two lines, so that the class reads as Lightning's own strategies do: one class in one file.)"""
+(About 700 lines: the flags' documentation (about 110 lines of the class docstring, generated from
+:data:`~ddp_plugin.strategy.config.FLAGS`, which LightningCLI and jsonargparse read for ``--help``), the flags as
+typed attributes, and one method per Lightning hook the strategy answers, most of them a delegation of two lines,
+so that the class reads as Lightning's own strategies do: one class in one file.)"""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from ddp_plugin.parallel import activation_checkpointing
 from ddp_plugin.strategy import assembly, environment, inspection
 from ddp_plugin.checkpoints.checkpoint_io import AtomicCheckpointIO
 from ddp_plugin.strategy.checkpointing import Checkpoints
-from ddp_plugin.strategy.config import CONFIG_FLAGS, UNSET, StrategyConfig, flag_names
+from ddp_plugin.strategy.config import CONFIG_FLAGS, UNSET, Flag, StrategyConfig, flag_names
 from ddp_plugin.strategy.fit_state import FitState
 from ddp_plugin.parallel.materialize import has_meta_tensors
 from ddp_plugin.parallel import tensor_parallel
@@ -73,86 +74,127 @@ log = logging.getLogger(__name__)
 _FLAGS = frozenset(flag_names())
 
 
+# The docstring's Args are generated from ddp_plugin.strategy.config.FLAGS (`python -m ddp_plugin.strategy.flag_docs
+# --write`); LightningCLI's --help shows them.
 class HierarchicalZeroStrategy(ParallelStrategy):
-    """Data-parallel training for clusters whose inter-node links are the bottleneck: gradients are reduced
-    inside each node, across nodes with 1/k of the data (optionally compressed), and optimizer state, gradients
-    and parameters can be sharded (ZeRO), all by plugins behind a pluggy hook contract.
+    """Data-parallel training for clusters whose inter-node links are the bottleneck.
 
-    The flags a DeepSpeed ``config`` can set (``zero_stage``, ``shard_scope``, ``bucket_size_mb``,
-    ``compression``, ``gradient_clip_norm``) default to ``None``, "not set": the config's value if it has one,
+    Gradients are reduced inside each node, across nodes with 1/k of the data (optionally compressed), and
+    optimizer state, gradients and parameters can be sharded (ZeRO), all by plugins behind a pluggy hook contract.
+
+    The flags a DeepSpeed ``config`` can set default to ``None``, "not set": the config's value if it has one,
     else the default below. Any other value passed wins over the config, also one equal to the default. Every
-    flag is checked here, and a bad value fails naming the flag and the allowed values.
+    flag is checked here, and a bad value fails naming the flag and the allowed values. Each flag reads back as
+    an attribute: ``strategy.zero_stage`` is ``strategy.config.zero_stage``.
 
     Args:
-        zero_stage: 0 (default, plain data parallel); 1 shards the optimizer state, 2 also the gradients, 3 also
-            the parameters.
-        shard_scope: ``"global"`` (default) shards over every rank; ``"node"`` over the ranks of a node, with a
-            replica per node, so parameter all-gathers never cross the slow link (HSDP, ZeRO++ hpZ).
-        auto_wrap_policy: stage 3 units: module classes (or names) whose instances become units, or a parameter
-            count (default 1,000,000) modules are grouped into bottom-up. Containers are never units.
-        prefetch_units: stage 3: units all-gathered ahead of the one computing (0, 1 as FSDP, 2 by default: 1.12-1.20x
-            ``ddp``'s step against 1.32-1.37x with 1), each holding a gathered unit more.
-        gradient_clip_norm: clip to this global 2-norm before every step; default none.
-        checkpoint: ``"master"`` (one consolidated file from global rank 0, loadable anywhere) or ``"sharded"``
-            (each rank writes its part through ``torch.distributed.checkpoint``; resharded on load).
-        release_cpu_memory: give freed buffers of 1 MiB or more back to the OS at once (glibc's mmap
-            threshold); ``None``: on at stages 2-3 on CPU.
-        config: a DeepSpeed config (JSON path or dict) whose ZeRO settings become these flags; other keys are
-            named in a warning.
+        zero_stage: ``0``: plain data parallelism; ``1``: shard the optimizer state; ``2``: also the gradients; ``3``:
+            also the parameters (docs/zero.md). Default: ``0``; ``None``: the DeepSpeed ``config``'s value, else the
+            default. Allowed: ``0``, ``1``, ``2``, ``3``.
+        shard_scope: stages 1-3: shard over every rank, or over the ranks of a node with a replica per node, so
+            parameter all-gathers never cross the slow link (HSDP, ZeRO++ hpZ). Default: ``"global"``; ``None``: the
+            DeepSpeed ``config``'s value, else the default. Allowed: ``"global"``, ``"node"``.
+        auto_wrap_policy: stage 3 units: ``None``: modules grouped into units of at least 1M parameters (an int sets
+            it), or each instance of the classes given (docs/zero.md#stage-3-units). Modules are grouped into units
+            bottom-up; containers are never units. Default: ``None``. Allowed: ``None``, a positive int, module classes
+            or class names.
+        prefetch_units: stage 3: units whose all-gathers run ahead of the one computing, in forward and backward. 1 as
+            FSDP; with 2 a step took 1.12-1.20x ``ddp``'s, with 1 1.32-1.37x; each one more holds one more gathered
+            unit. Default: ``2``. Allowed: ``0``, ``1``, ``2``.
+        gradient_clip_norm: clip to this global 2-norm before every step, across shards at stages 1-3
+            (``Trainer(gradient_clip_val=...)`` works too). Default: ``None`` (no clipping); ``None``: the DeepSpeed
+            ``config``'s value, else the default. Allowed: positive finite number.
+        config: a DeepSpeed config whose ZeRO settings become these flags; flags you pass win (migrating:
+            docs/zero.md#migrating-from-deepspeed). Its other keys are named in a warning. Default: ``None``. Allowed:
+            path to a JSON file, or a dict.
+        checkpoint: ``"master"``: global rank 0 writes one consolidated file atomically; ``"sharded"``: every rank its
+            part through ``torch.distributed.checkpoint`` (docs/checkpoints.md). A master file loads anywhere; sharded
+            checkpoints are resharded on load. Default: ``"master"``. Allowed: ``"master"``, ``"sharded"``.
+        release_cpu_memory: on CPU, return freed buffers of 1 MiB or more to the OS (process-wide); ``None``: on at
+            stages 2-3 (why: docs/zero.md#memory). 1 MiB: glibc's mmap threshold. Default: ``None``. Allowed: ``None``,
+            ``True``, ``False``.
         devices_per_node: ranks per node; ``None`` takes the launcher's. Set it to simulate nodes on one machine.
-        hierarchical: reduce in node, cross-node and gather stages; ``None``: when there are several nodes of
-            several ranks.
-        compression: a built-in (``"fp16"``, ``"bf16"``, ``"int8"``, ``"topk"``, ``"powersgd"``) or installed
-            codec's name, for the cross-node stage; default none.
-        compression_options: the codec's options (a plugin of yours may read them without ``compression``).
-        bucket_size_mb: gradient bucket capacity in MiB (default 25, at most 1 TiB).
-        plugins: extra plugin objects; pluggy calls them before the built-ins.
-        broadcast_buffers: broadcast module buffers from rank 0 before each training step, as DDP.
-        progress_bar_metrics: also show the ``comm/...`` metrics in the progress bar.
-        skip_nonfinite: skip the step on every rank when any rank's gradients hold NaN/Inf.
-        weighting: ``"rank"`` (DDP's mean over ranks) or ``"sample"`` (weighted by each rank's batch size).
-        process_group_backend: ``"nccl"``, ``"gloo"`` or ``"mpi"``; default by device and launcher.
-        timeout: collective timeout, a ``timedelta`` or seconds; connecting waits at least 5 minutes.
-        start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``, as ``DDPStrategy``.
-        sync_every: synchronize across nodes every this many optimizer steps (default 1: every step, as DDP);
-            inside a node ranks stay synchronous (docs/sync.md).
-        outer_optimizer: with ``sync_every > 1``: ``"nesterov"`` (DiLoCo: SGD, lr 0.7, Nesterov momentum 0.9, on
-            the averaged parameter change; default), ``"average"`` (local SGD), or a callable building a torch
-            optimizer over the outer parameters (in LightningCLI YAML a ``class_path`` with ``init_args``, as
-            for the model's optimizer).
-        sync_fragments: split the parameters into this many fragments synchronized on staggered steps
-            (Streaming DiLoCo), so the link carries 1/F of them at a time; at most ``sync_every``.
-        max_staleness: apply an outer sync this many steps after it starts, the next inner steps running
-            meanwhile (0: wait for it); less than ``sync_every``.
-        sync_warmup_steps: with ``sync_every > 1``: train the first this many optimizer steps synchronously,
-            then start the sync mode from the model they reached (post-local SGD; DiLoCo starts from a
-            synchronously trained model). Default 0.
-        tensor_parallel_size: ranks of a node that split each layer between them (default 1: none; ``"auto"``: all
-            the ranks of a node). The module's ``configure_model`` parallelizes itself on
-            ``self.device_mesh["tensor_parallel"]`` as for Lightning's ``ModelParallelStrategy``; the data-parallel
-            features run over ``"data_parallel"``, on the local shards (docs/tensor_parallel.md).
-        pipeline_parallel_size: pipeline stages (default 1: none), run by a ``torch.distributed.pipelining``
-            schedule; the mesh becomes ``("pipeline_parallel", "data_parallel", "tensor_parallel")``, and every
-            data-parallel feature runs per stage (docs/pipeline.md).
-        pipeline_microbatches: microbatches per batch (default: the number of stages); a data-parallel rank's
-            batch must split into them evenly.
-        pipeline_schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"interleaved_1f1b"``.
-        pipeline_virtual_stages: stages per rank with ``"interleaved_1f1b"`` (default 2).
-        pipeline_split: how the blocks split into stages: ``"parameters"`` (balanced by parameter count, the
-            default), ``"time"`` (by compute, each block timed at setup on the data's first microbatch),
-            ``"uniform"`` (by block count), ``"type:<regex>"`` (by the count of blocks whose class name matches), or the module
-            names of each stage (``[["tok", "blocks.0"], ["blocks.1", "head"]]``).
-        pipeline_activations: the dtype of the activations and their gradients sent between stages on
-            different nodes: ``"fp32"`` (as computed, default), ``"bf16"`` or ``"fp16"`` (half the bytes),
-            ``"int8"`` (a scale per row: about a quarter).
-        activation_checkpointing_policy: module classes (or their names) whose activations are recomputed in
-            the backward instead of kept, as ``FSDPStrategy``'s flag: e.g. ``{Block}``; with every layout
-            (docs/activation_checkpointing.md). Default ``None``: off.
-        pretrained: a Hugging Face style ``.safetensors`` file (or a folder of them) read into the model at its
-            first ``setup``, after it is split and materialized: each rank reads only its stages and its
-            tensor-parallel slices (docs/checkpoints.md). Skipped when ``ckpt_path`` resumes. Default ``None``.
-        fault_tolerance: replica groups on torchft (a node each): a lost group does not stop the others, a returning
-            one heals from a live peer; a mapping, or ``True`` for the environment's (docs/fault_tolerance.md).
+            Default: ``None``. Allowed: positive int dividing the world size.
+        hierarchical: reduce inside nodes, cross nodes with 1/k of the data; ``False``: flat, like DDP; ``None``: chosen
+            per bucket from measured links (docs/adaptive.md). ``None`` chooses only where the layout leaves a choice
+            (several nodes of several ranks). Default: ``None``. Allowed: ``None``, ``True``, ``False``.
+        compression: codec for the cross-node stage (docs/compression.md); ``"auto"``: per bucket, the fastest of
+            ``compression_options["candidates"]`` as measured. Default: ``None``; ``None``: the DeepSpeed ``config``'s
+            value, else the default. Allowed: ``None``, ``"auto"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"topk"``,
+            ``"powersgd"``, ``"sparse"``, an installed codec.
+        compression_options: the codec's options, validated at construction, handed to plugins in
+            ``on_setup(options=...)``; refused without ``compression`` unless a plugin takes them. Default: ``{}``.
+            Allowed: dict.
+        bucket_size_mb: gradient bucket capacity; ``"auto"``: from the measured link. In MiB; ``"auto"``: chosen by the
+            link probe (docs/adaptive.md). Default: ``25``; ``None``: the DeepSpeed ``config``'s value, else the
+            default. Allowed: positive number (at most 1 TiB), ``"auto"``.
+        plugins: extra plugins; called before the built-ins. Default: ``()``. Allowed: plugin objects.
+        broadcast_buffers: broadcast buffers from rank 0 before each step, as DDP. Default: ``True``. Allowed: bool.
+        progress_bar_metrics: show ``comm/...`` in the bar too. Default: ``False``. Allowed: bool.
+        skip_nonfinite: a NaN/Inf gradient on any rank skips the step everywhere (``train/skipped_steps``). Default:
+            ``False``. Allowed: bool.
+        weighting: ``"rank"``: DDP's mean over ranks; ``"sample"``: weighted by batch size (exact). Default: ``"rank"``.
+            Allowed: ``"rank"``, ``"sample"``.
+        process_group_backend: ``None``: NCCL on CUDA, gloo on CPU, MPI under mpirun if torch has it (PyPI's has not).
+            Default: ``None``. Allowed: ``None``, ``"gloo"``, ``"nccl"``, ``"mpi"``.
+        timeout: collective timeout. Connecting waits at least 5 minutes. Default: 30 min. Allowed: ``timedelta`` or
+            seconds, positive, at most 365 days.
+        start_method: as ``DDPStrategy``. Default: ``"popen"``. Allowed: ``"popen"``, ``"spawn"``, ``"fork"``,
+            ``"forkserver"``.
+        sync_every: nodes synchronize every H optimizer steps, ranks inside a node every step; 1: synchronous
+            (docs/sync.md). Default: ``1``. Allowed: positive int.
+        outer_optimizer: with ``sync_every > 1``: local SGD, DiLoCo (Nesterov, lr 0.7, momentum 0.9), or ``params ->
+            torch.optim.Optimizer`` (YAML: ``class_path`` + ``init_args``). It moves the global copy by the averaged
+            pseudo-gradient (the parameters' change): ``"average"`` is SGD with lr 1 (the global copy becomes the nodes'
+            mean), ``"nesterov"`` SGD with Nesterov momentum; the callable's YAML is as for the model's optimizer.
+            Default: ``"nesterov"``. Allowed: ``"average"``, ``"nesterov"``, callable.
+        sync_fragments: sync the parameters in F staggered fragments: S/F every H/F steps. S: the gradient bytes.
+            Streaming DiLoCo: the flat parameters (bucket order) are cut into F contiguous fragments of equal size,
+            across parameter boundaries, each synced every H steps, H/F steps apart; F is at most the number of
+            trainable parameters (checked at setup). Default: ``1``. Allowed: 1 to ``sync_every``.
+        max_staleness: run each outer all-reduce behind the next steps and apply it this many steps late. 0: the outer
+            sync blocks the step that starts it. Default: ``0``. Allowed: 0 to ``sync_every - 1``.
+        sync_warmup_steps: with ``sync_every > 1``: train this many steps synchronously first, then start the sync mode.
+            They average gradients over every rank, and the sync mode starts from the model they reached: post-local
+            SGD, and the way DiLoCo is meant to be used (from a synchronously trained model). Default: ``0``. Allowed:
+            int >= 0.
+        tensor_parallel_size: split layers over this many ranks of a node (``configure_model`` on
+            ``self.device_mesh["tensor_parallel"]``); other flags act over data-parallel ranks
+            (docs/tensor_parallel.md). The module parallelizes itself as for Lightning's ``ModelParallelStrategy``
+            (whose default is ``"auto"``); the data-parallel features run over ``"data_parallel"``, on the local shards.
+            Default: ``1``. Allowed: positive int dividing the ranks per node, ``"auto"`` (all).
+        pipeline_parallel_size: split the model's block list into P stages (``torch.distributed.pipelining`` schedules);
+            other flags act per stage; a tied weight's gradient crosses once a step (docs/pipeline.md). P divides the
+            world size; the mesh becomes ``("pipeline_parallel", "data_parallel", "tensor_parallel")``. Default: ``1``.
+            Allowed: P: stages of whole nodes or part of one.
+        pipeline_microbatches: M microbatches a batch. M is a positive int (``None``: P, ``pipeline_parallel_size``); a
+            data-parallel rank's batch must split into M equal microbatches; M >= P with ``"1f1b"``, a multiple of P
+            with ``"interleaved_1f1b"``. Default: P. Allowed: M.
+        pipeline_schedule: schedule. One of ``torch.distributed.pipelining``'s; only ``"interleaved_1f1b"`` runs several
+            stages per rank. Default: ``"1f1b"``. Allowed: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``.
+        pipeline_virtual_stages: V stages a rank (interleaved: 2). V is a positive int; ``None``: 2 with
+            ``"interleaved_1f1b"``, else 1 (the only schedule that runs several). Default: ``None``. Allowed: V.
+        pipeline_split: where stages split. The blocks split into contiguous runs, one per stage: ``"parameters"``
+            balances their parameter counts, ``"time"`` their compute (each block timed at setup on the data's first
+            microbatch), ``"uniform"`` their number, ``"type:<regex>"`` the number of blocks whose class name matches;
+            or the module names of each stage (``[["tok", "blocks.0"], ["blocks.1", "head"]]``). Default:
+            ``"parameters"``. Allowed: ``"parameters"``, ``"time"``, ``"uniform"``, ``"type:<regex>"``, names per stage
+            (a block may be cut).
+        pipeline_activations: the dtype sent between stages on two nodes (docs/pipeline.md#flags). The activations and
+            their gradients: ``"fp32"`` as computed, ``"bf16"`` and ``"fp16"`` half the bytes, ``"int8"`` (a scale per
+            row) about a quarter. Default: ``"fp32"``. Allowed: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"int8"``.
+        activation_checkpointing_policy: these blocks recompute activations in the backward, on every layout
+            (docs/activation_checkpointing.md). As ``FSDPStrategy``'s flag, e.g. ``{Block}``; ``None``: off. Default:
+            ``None``. Allowed: classes or class names.
+        pretrained: read at the first setup, each rank its part
+            (docs/checkpoints.md#pretrained-weights-pretrained-safetensors). Hugging Face style, read after the model is
+            split and materialized: each rank reads only its stages and its tensor-parallel slices. Skipped when
+            ``ckpt_path`` resumes. Default: ``None``. Allowed: a ``.safetensors`` file or folder.
+        fault_tolerance: torchft replica groups: a lost node stops none, one back heals from a peer (sync modes: in
+            background); ``dynamic_steps``: none waits for a slow one; ``data_split="quorum"``: new groups join;
+            built-in codecs, ZeRO, TP, PP (docs/fault_tolerance.md). A group is a node; ``True`` reads the groups from
+            the environment (torchft's variables), a mapping or a ``ddp_plugin.fault_tolerance.FaultTolerance`` gives
+            them. Default: ``None``. Allowed: ``None``, ``True``, a mapping.
     """
 
     strategy_name = "hierarchical_zero"
@@ -215,12 +257,44 @@ class HierarchicalZeroStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         ProcessGroups.track(self)
 
-    def __getattr__(self, name: str) -> Any:
-        # The flags read as attributes (`strategy.zero_stage`), as Lightning's strategies expose theirs.
-        config = self.__dict__.get("config")
-        if config is not None and name in _FLAGS:
-            return getattr(config, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    # The flags read as attributes (`strategy.zero_stage`), as Lightning's strategies expose theirs: each is
+    # `self.config.<flag>`, read-only, declared here one by one with its StrategyConfig field's type so that editors
+    # and type checkers see it (tests/test_flags.py checks that every flag is here, with its field's type).
+    # `process_group_backend` is a property below: the backend chosen at setup, else the flag.
+    zero_stage = Flag[int]()
+    shard_scope = Flag[str]()
+    auto_wrap_policy = Flag[int | tuple[type | str, ...]]()
+    prefetch_units = Flag[int]()
+    gradient_clip_norm = Flag[float | None]()
+    checkpoint = Flag[str]()
+    release_cpu_memory = Flag[bool | None]()
+    devices_per_node = Flag[int | None]()
+    hierarchical = Flag[bool | None]()
+    compression = Flag[str | None]()
+    compression_options = Flag[dict[str, Any]]()
+    bucket_size_mb = Flag[float | str]()
+    plugins = Flag[tuple[object, ...]]()
+    broadcast_buffers = Flag[bool]()
+    progress_bar_metrics = Flag[bool]()
+    skip_nonfinite = Flag[bool]()
+    weighting = Flag[str]()
+    timeout = Flag[timedelta | None]()
+    start_method = Flag[str]()
+    sync_every = Flag[int]()
+    outer_optimizer = Flag[Any]()
+    sync_fragments = Flag[int]()
+    max_staleness = Flag[int]()
+    sync_warmup_steps = Flag[int]()
+    tensor_parallel_size = Flag[int | str]()
+    pipeline_parallel_size = Flag[int]()
+    pipeline_microbatches = Flag[int | None]()
+    pipeline_schedule = Flag[str]()
+    pipeline_virtual_stages = Flag[int | None]()
+    pipeline_split = Flag[Any]()
+    pipeline_activations = Flag[str]()
+    activation_checkpointing_policy = Flag[tuple[type | str, ...] | None]()
+    pretrained = Flag[str | None]()
+    fault_tolerance = Flag[Any]()
 
     @property
     @override
