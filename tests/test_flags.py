@@ -271,3 +271,95 @@ def test_a_decayed_sparse_accumulator_needs_a_sync_mode():
     strategy = HierarchicalZeroStrategy(compression="sparse", compression_options={"decay": 0.95}, sync_every=16,
                                         outer_optimizer="average")
     assert strategy.compression_options == {"decay": 0.95}
+
+
+# ---------------------------------------------------------------------------------------------- flags as attributes
+
+
+def _declared_flags() -> dict[str, str]:
+    """The ``name = Flag[T]()`` declarations in the class body of ``HierarchicalZeroStrategy``: name -> ``T``, as a
+    type checker reads them (from the source, so that a loop or a ``setattr`` would not count)."""
+    import ast
+    import inspect
+
+    from ddp_plugin.strategy import hierarchical_zero
+
+    tree = ast.parse(inspect.getsource(hierarchical_zero))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "HierarchicalZeroStrategy")
+    declared = {}
+    for node in cls.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Subscript)
+                and ast.unparse(node.value.func.value) == "Flag"):
+            declared[node.targets[0].id] = ast.unparse(node.value.func.slice)
+        elif isinstance(node, ast.FunctionDef) and any(ast.unparse(d) == "property" for d in node.decorator_list):
+            declared[node.name] = "property"
+    return declared
+
+
+def test_every_flag_is_declared_in_the_class_with_its_fields_type():
+    """Editors and type checkers see each flag attribute: declared in the class body, with the type of its
+    ``StrategyConfig`` field (``process_group_backend``: a property, the backend chosen at setup)."""
+    import ast
+    from dataclasses import fields
+
+    from ddp_plugin.strategy.config import StrategyConfig, flag_names
+
+    declared = _declared_flags()
+    types = {f.name: ast.unparse(ast.parse(f.type, mode="eval")) for f in fields(StrategyConfig)}
+    expected = {name: "property" if name == "process_group_backend" else types[name] for name in flag_names()}
+    assert {name: declared.get(name) for name in expected} == expected
+    assert "__getattr__" not in vars(HierarchicalZeroStrategy)  # (nothing answers for names not declared)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"zero_stage": 2, "shard_scope": "node", "prefetch_units": 1, "gradient_clip_norm": 1.5, "checkpoint": "sharded",
+     "release_cpu_memory": False, "devices_per_node": 2, "hierarchical": True, "compression": "int8",
+     "compression_options": {"block_size": 256}, "bucket_size_mb": 10, "plugins": [_ReadsOptions()],
+     "broadcast_buffers": False, "progress_bar_metrics": True, "skip_nonfinite": True, "weighting": "sample",
+     "process_group_backend": "gloo", "timeout": 60, "start_method": "spawn", "sync_every": 4,
+     "outer_optimizer": "average", "sync_fragments": 2, "max_staleness": 1, "sync_warmup_steps": 3,
+     "activation_checkpointing_policy": [nn.Linear]},
+    {"zero_stage": 3, "shard_scope": "node", "auto_wrap_policy": [nn.Linear], "tensor_parallel_size": "auto",
+     "pipeline_parallel_size": 2,
+     "pipeline_microbatches": 4, "pipeline_schedule": "interleaved_1f1b", "pipeline_virtual_stages": 2,
+     "pipeline_split": "uniform", "pipeline_activations": "bf16", "fault_tolerance": FT},
+], ids=["data-parallel", "model-parallel"])
+def test_every_flag_reads_back_as_an_attribute(kwargs):
+    strategy = HierarchicalZeroStrategy(**kwargs)
+    from ddp_plugin.strategy.config import flag_names
+
+    assert {name: getattr(strategy, name) for name in flag_names()} == {
+        name: getattr(strategy.config, name) for name in flag_names()}
+    defaults = HierarchicalZeroStrategy()
+    assert all(getattr(strategy, name) != getattr(defaults, name) for name in kwargs), "a flag read its default"
+
+
+def test_flag_attributes_are_read_only_and_unknown_names_fail_as_usual():
+    strategy = HierarchicalZeroStrategy(zero_stage=1)
+    with pytest.raises(AttributeError, match=r"`zero_stage` is read-only: pass it to the constructor,"
+                                             r" `HierarchicalZeroStrategy\(zero_stage=...\)`"):
+        strategy.zero_stage = 2
+    assert strategy.zero_stage == 1 and strategy.config.zero_stage == 1
+    with pytest.raises(AttributeError, match="has no attribute 'zero_stag'"):
+        strategy.zero_stag  # noqa: B018
+
+
+def test_the_signatures_literal_choices_are_the_configs():
+    """The ``Literal[...]`` types LightningCLI checks values against are the choices the config accepts."""
+    import ast
+    import inspect
+
+    from ddp_plugin.parallel.stage_module import ACTIVATION_DTYPES
+    from ddp_plugin.strategy import config
+
+    choices = {}
+    for name, parameter in inspect.signature(HierarchicalZeroStrategy).parameters.items():
+        for node in ast.walk(ast.parse(str(parameter.annotation), mode="eval")):
+            if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "Literal":
+                elements = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+                choices[name] = tuple(ast.literal_eval(e) for e in elements)
+    assert choices == {"shard_scope": config.SHARD_SCOPES, "checkpoint": config.CHECKPOINT_MODES,
+                       "weighting": config.WEIGHTINGS, "start_method": config.START_METHODS,
+                       "tensor_parallel_size": ("auto",), "pipeline_schedule": config.PIPELINE_SCHEDULES,
+                       "pipeline_activations": tuple(ACTIVATION_DTYPES)}
