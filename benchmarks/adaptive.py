@@ -23,36 +23,33 @@ import collections
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import cluster  # benchmarks/cluster.py: the launcher and the worker's arguments
+import harness
 
-import cluster  # noqa: E402  (benchmarks/cluster.py: the launcher and the worker's arguments)
-
-DEFAULT_OUT = HERE / "results" / "adaptive.md"
+DEFAULT_OUT = harness.RESULTS / "adaptive.md"
 FIXED = ("ours_flat", "ours_hier", "ours_hier_int8")
 CONTENDERS = ("lightning_ddp", *FIXED, "ours_auto")
 WITHIN_BEST = 1.05
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--rates", default="10gbit,1gbit,100mbit", help="link rates, tc notation, comma-separated")
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    harness.add_names(p, "--contenders", cluster.CONTENDERS, CONTENDERS,
+                      help=f"comma-separated contenders of cluster.py (default: {','.join(CONTENDERS)})")
     p.add_argument("--steps", type=int, default=20, help="timed steps per contender (default 20)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    harness.add_common(p, out=DEFAULT_OUT, repeats=1)
     p.add_argument("--verbose", action="store_true", help="print each plan's link fits and per-bucket times")
     args, rest = p.parse_known_args(argv)
     # Everything else (model size, batch, bucket size, optimizer) is cluster.py's, with its defaults.
     base = cluster.parse_args(["--contenders", args.contenders, "--steps", str(args.steps), "--warmup",
                                str(args.warmup), "--timeout", "900", *rest])
-    base.rates = [r.strip() for r in args.rates.split(",") if r.strip()]
-    base.repeats, base.out, base.verbose = args.repeats, args.out, args.verbose
+    base.rates = harness.split(args.rates)
+    base.repeats, base.out, base.verbose, base.quiet = args.repeats, args.out, args.verbose, args.quiet
     return base
 
 
@@ -91,17 +88,13 @@ def report(rate: str, name: str, res: dict[str, Any], verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    from ddp_plugin.testing.simcluster import SimulatedCluster, available
-
-    ok, reason = available()
-    if not ok:
-        print(f"benchmarks/adaptive.py: skipped, the simulated cluster cannot run here: {reason}")
+    started = harness.start(__file__, argv, parse_args, cluster="skip", ranks=harness.cluster_ranks)
+    if started is None:
         return 0
-    revision = cluster._library_revision()
+    args, run = started
+    from ddp_plugin.testing.simcluster import SimulatedCluster
+
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="adaptive_bench_") as tmp:
         for rate in args.rates:
             results[rate] = {c: [] for c in args.contenders}
@@ -111,18 +104,15 @@ def main(argv: list[str] | None = None) -> int:
                         res = cluster.run_one(net, args, name, Path(tmp) / f"{rate}_{repeat}_{name}")
                         results[rate][name].append(res)
                         report(rate, name, res, args.verbose)
-    elapsed = time.perf_counter() - started
 
     lines = [
         "# Adaptive communication: `auto` against every fixed choice",
         "",
-        f"`python benchmarks/adaptive.py {' '.join(argv)}`".rstrip(),
-        "",
-        f"Library revision {revision}; {time.strftime('%Y-%m-%d')}; the machine was quiet (nothing else ran);"
-        f" {elapsed / 60:.1f} minutes. Simulated 2 nodes x 2 ranks, MLP {args.layers} x {args.hidden}"
-        f" (S = gradient bytes), batch {args.batch_size} per rank, {args.optimizer}, {args.steps} timed steps after"
-        f" {args.warmup}, {args.repeats} run(s) per contender; figure: rank 0's mean interval from one batch start"
-        " to the next (every synchronization counted).",
+        *run.header(),
+        f"- setup: simulated 2 nodes x 2 ranks, MLP {args.layers} x {args.hidden} (S = gradient bytes), batch"
+        f" {args.batch_size} per rank, {args.optimizer}, {args.steps} timed steps after {args.warmup}, {args.repeats}"
+        " run(s) per contender; figure: rank 0's mean interval from one batch start to the next (every"
+        " synchronization counted)",
         "",
     ]
     verdicts = []
@@ -132,17 +122,19 @@ def main(argv: list[str] | None = None) -> int:
         ddp = means.get("lightning_ddp")
         fixed = {n: means[n] for n in FIXED if n in means}
         best = min(fixed, key=fixed.get) if fixed else None
-        lines += [f"## {rate}", "", "| contender | mean s/step | vs Lightning `ddp` | vs best fixed | what the plan chose |",
-                  "| --- | --- | --- | --- | --- |"]
+        rows = []
         for name, runs in by_name.items():
+            label = cluster.CONTENDERS[name][0]
             if name not in means:
-                lines.append(f"| {cluster.CONTENDERS[name][0]} | failed: {runs[0].get('error')} | | | |")
-                continue
-            m = means[name]
-            lines.append(f"| {cluster.CONTENDERS[name][0]} | {m:.3f} | {m / ddp:.3f} | {m / fixed[best]:.3f} |"
-                         f" {plan_summary(runs[-1]) if 'error' not in runs[-1] else '-'} |"
-                         if ddp and best else f"| {name} | {m:.3f} | | | |")
-        lines.append("")
+                rows.append([label, f"failed: {runs[0].get('error')}"])
+            elif ddp and best:
+                m = means[name]
+                rows.append([label, f"{m:.3f}", f"{m / ddp:.3f}", f"{m / fixed[best]:.3f}",
+                             plan_summary(runs[-1]) if "error" not in runs[-1] else "-"])
+            else:
+                rows.append([name, f"{means[name]:.3f}"])
+        lines += [f"## {rate}", "", *harness.table(["contender", "mean s/step", "vs Lightning `ddp`", "vs best fixed",
+                                                    "what the plan chose"], rows, "lrrrl"), ""]
         if "ours_auto" in means and ddp and best:
             auto = means["ours_auto"]
             ok_best, ok_ddp = auto <= WITHIN_BEST * fixed[best], auto <= ddp
@@ -151,10 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                             f" against Lightning `ddp` {ddp:.3f} s: {auto / ddp:.3f}x,"
                             f" **{'not slower' if ok_ddp else 'SLOWER'}**")
     lines += ["## Verdict", "", *verdicts, ""]
-    text = "\n".join(lines)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    harness.write(args.out, "\n".join(lines))
     return 0
 
 

@@ -39,55 +39,54 @@ run goes on. This is a benchmark, not a test: it asserts nothing, and its number
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import harness
+from harness import MB, cell, fmt
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "cluster_worker.py"
-DEFAULT_OUT = HERE / "results" / "cluster.md"
-MB = 1e6
+DEFAULT_OUT = harness.RESULTS / "cluster.md"
 
+LABELS = {
+    "lightning_ddp": "Lightning `ddp`",
+    "fsdp2_hybrid": "torch FSDP2 hybrid sharding (2 nodes x 2 shards)",
+    "fsdp2_full": "torch FSDP2 full sharding (over all 4 ranks)",
+    "ours_flat": "ours, flat (`hierarchical=False`)",
+    "ours_hier": "ours, hierarchical",
+    "ours_hier_fp16": "ours, hierarchical + fp16",
+    "ours_hier_int8": "ours, hierarchical + int8",
+    "ours_hier_powersgd": "ours, hierarchical + powersgd (rank 4)",
+    "torch_ddp_powersgd": "torch DDP + PowerSGD hook (rank 4, 1 bucket)",
+    "ours_int8": "ours, int8, `hierarchical=None` (the link probe routes each bucket)",
+    "ours_auto": "ours, `compression=\"auto\"`, `bucket_size_mb=\"auto\"` (the link probe decides)",
+    "ours_auto_fixed_buckets": "ours, `compression=\"auto\"` (25 MiB buckets)",
+    "ours_diloco16": "ours, DiLoCo (`sync_every=16`)",
+    "ours_diloco16_streaming": "ours, streaming DiLoCo (`sync_every=16, sync_fragments=16, max_staleness=1`)",
+    "ours_diloco16_streaming_int8": "ours, streaming DiLoCo + int8",
+    "ours_diloco16_streaming_sparse": "ours, streaming DiLoCo + sparse 1.5 %, 2 bits (SparseLoCo: decay 0.95,"
+                                      " `outer_optimizer=\"average\"`)",
+    "uncapped_floor": "uncapped floor: Lightning `ddp`, link not capped",
+    # ZeRO group: not in the default selection (see the module docstring).
+    "deepspeed_zero1": "DeepSpeed ZeRO-1",
+    "deepspeed_zero2": "DeepSpeed ZeRO-2",
+    "deepspeed_zero3": "DeepSpeed ZeRO-3",
+    "ours_zero1": "ours, ZeRO-1 (hierarchical, global shards)",
+    "ours_zero2": "ours, ZeRO-2 (hierarchical, global shards)",
+    "ours_zero3": "ours, ZeRO-3 (hierarchical, global shards)",
+    "ours_zero3_prefetch1": "ours, ZeRO-3 (global shards, `prefetch_units=1`)",
+    "ours_zero3_node": "ours, ZeRO-3 (hierarchical, shards inside a node)",
+}
+RUN_AS = {"uncapped_floor": ("lightning_ddp", None)}
+"""The contenders that are not the worker's contender of their name on the capped link: (worker contender, rate)."""
 # name -> (label, worker contender, link rate: "capped" uses --rate, None is an uncapped link)
 CONTENDERS: dict[str, tuple[str, str, str | None]] = {
-    "lightning_ddp": ("Lightning `ddp`", "lightning_ddp", "capped"),
-    "fsdp2_hybrid": ("torch FSDP2 hybrid sharding (2 nodes x 2 shards)", "fsdp2_hybrid", "capped"),
-    "fsdp2_full": ("torch FSDP2 full sharding (over all 4 ranks)", "fsdp2_full", "capped"),
-    "ours_flat": ("ours, flat (`hierarchical=False`)", "ours_flat", "capped"),
-    "ours_hier": ("ours, hierarchical", "ours_hier", "capped"),
-    "ours_hier_fp16": ("ours, hierarchical + fp16", "ours_hier_fp16", "capped"),
-    "ours_hier_int8": ("ours, hierarchical + int8", "ours_hier_int8", "capped"),
-    "ours_hier_powersgd": ("ours, hierarchical + powersgd (rank 4)", "ours_hier_powersgd", "capped"),
-    "torch_ddp_powersgd": ("torch DDP + PowerSGD hook (rank 4, 1 bucket)", "torch_ddp_powersgd", "capped"),
-    "ours_int8": ("ours, int8, `hierarchical=None` (the link probe routes each bucket)", "ours_int8", "capped"),
-    "ours_auto": ("ours, `compression=\"auto\"`, `bucket_size_mb=\"auto\"` (the link probe decides)", "ours_auto",
-                  "capped"),
-    "ours_auto_fixed_buckets": ("ours, `compression=\"auto\"` (25 MiB buckets)", "ours_auto_fixed_buckets", "capped"),
-    "ours_diloco16": ("ours, DiLoCo (`sync_every=16`)", "ours_diloco16", "capped"),
-    "ours_diloco16_streaming": ("ours, streaming DiLoCo (`sync_every=16, sync_fragments=16, max_staleness=1`)",
-                                "ours_diloco16_streaming", "capped"),
-    "ours_diloco16_streaming_int8": ("ours, streaming DiLoCo + int8", "ours_diloco16_streaming_int8", "capped"),
-    "ours_diloco16_streaming_sparse": ("ours, streaming DiLoCo + sparse 1.5 %, 2 bits (SparseLoCo: decay 0.95, "
-                                       "`outer_optimizer=\"average\"`)", "ours_diloco16_streaming_sparse", "capped"),
-    "uncapped_floor": ("uncapped floor: Lightning `ddp`, link not capped", "lightning_ddp", None),
-    # ZeRO group: not in the default selection (see the module docstring).
-    "deepspeed_zero1": ("DeepSpeed ZeRO-1", "deepspeed_zero1", "capped"),
-    "deepspeed_zero2": ("DeepSpeed ZeRO-2", "deepspeed_zero2", "capped"),
-    "deepspeed_zero3": ("DeepSpeed ZeRO-3", "deepspeed_zero3", "capped"),
-    "ours_zero1": ("ours, ZeRO-1 (hierarchical, global shards)", "ours_zero1", "capped"),
-    "ours_zero2": ("ours, ZeRO-2 (hierarchical, global shards)", "ours_zero2", "capped"),
-    "ours_zero3": ("ours, ZeRO-3 (hierarchical, global shards)", "ours_zero3", "capped"),
-    "ours_zero3_prefetch1": ("ours, ZeRO-3 (global shards, `prefetch_units=1`)", "ours_zero3_prefetch1", "capped"),
-    "ours_zero3_node": ("ours, ZeRO-3 (hierarchical, shards inside a node)", "ours_zero3_node", "capped"),
-}
+    name: (label, *RUN_AS.get(name, (name, "capped"))) for name, label in LABELS.items()}
 # Each of ours with the other glibc setting (`release_cpu_memory`): on for the stage-0 paths, off for ZeRO-2/3.
 CONTENDERS.update({f"{name}_release": (f"{label}, `release_cpu_memory=True`", f"{worker}_release", rate)
                    for name, (label, worker, rate) in list(CONTENDERS.items())
@@ -113,18 +112,17 @@ ZERO3_STEP_RATIO = 1.3  # ... and a step within this multiple of ddp's
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line's options (``benchmarks/regression.py`` builds on them)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
-                   help=f"comma-separated subset of: {', '.join(CONTENDERS)} (default: all but the ZeRO ones, in"
-                        " this order)")
-    p.add_argument("--rate", default="1gbit", help="inter-node link rate per direction, tc notation (default 1gbit)")
+    p = harness.parser(__doc__)
+    harness.add_names(p, "--contenders", CONTENDERS, DEFAULT_CONTENDERS,
+                      help=f"comma-separated subset of: {', '.join(CONTENDERS)} (default: all but the ZeRO ones, in"
+                           " this order)")
+    harness.add_link(p, nodes=2, rate="1gbit")
     p.add_argument("--steps", type=int, default=8, help="timed steps per contender (default 8)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default 3)")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="runs per contender (default 2); the order cycles through all contenders, so a slow spell of"
-                        " the machine hits several of them rather than one")
+    harness.add_common(p, out=DEFAULT_OUT, out_help="markdown file; the plot goes next to it as .png", repeats=2,
+                       repeats_help="runs per contender (default 2); the order cycles through all contenders, so a"
+                                    " slow spell of the machine hits several of them rather than one")
     p.add_argument("--nproc-per-node", type=int, default=2)
-    p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--hidden", type=int, default=1024, help="MLP hidden width")
     p.add_argument("--layers", type=int, default=11, help="hidden (hidden x hidden) Linear layers")
     p.add_argument("--features", type=int, default=32)
@@ -135,7 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("auto", *OPTIMIZERS), default="auto",
                    help="every contender's optimizer; auto (default): adamw when a ZeRO contender is selected, else sgd")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per contender before it is killed")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown file; the plot goes next to it as .png")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -143,10 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     p = build_parser() if parser is None else parser
     args = p.parse_args(argv)
-    args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    unknown = [c for c in args.contenders if c not in CONTENDERS]
-    if unknown:
-        p.error(f"unknown contender(s) {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
+    args.contenders = harness.names(p, args.contenders, CONTENDERS)
     if args.optimizer == "auto":
         args.optimizer = "adamw" if any(c in ZERO_CONTENDERS for c in args.contenders) else "sgd"
     return args
@@ -155,14 +149,13 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 # ---------------------------------------------------------------------------------------------- running
 
 
+WORKER_OPTIONS = ("steps", "warmup", "hidden", "layers", "features", "classes", "batch_size", "bucket_size_mb", "seed",
+                  "optimizer")
+"""The options every rank of a contender gets (``cluster_worker.py`` at any commit takes them)."""
+
+
 def _worker_argv(args: argparse.Namespace, contender: str, out_dir: Path, worker: Path = WORKER) -> list[str]:
-    return [
-        str(worker), "--contender", contender, "--out-dir", str(out_dir),
-        "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
-        "--layers", str(args.layers), "--features", str(args.features), "--classes", str(args.classes),
-        "--batch-size", str(args.batch_size), "--bucket-size-mb", str(args.bucket_size_mb), "--seed", str(args.seed),
-        "--optimizer", args.optimizer,
-    ]  # fmt: skip
+    return [str(worker), "--contender", contender, "--out-dir", str(out_dir), *harness.forward(args, *WORKER_OPTIONS)]
 
 
 def run_one(cluster: Any, args: argparse.Namespace, name: str, out_dir: Path, worker: Path = WORKER,
@@ -170,23 +163,14 @@ def run_one(cluster: Any, args: argparse.Namespace, name: str, out_dir: Path, wo
     """Launch one contender on ``cluster``; return its per-rank results, or the error. ``worker`` and ``env`` (added
     to the ranks' environment) let ``benchmarks/regression.py`` run another commit's worker and package."""
     _, worker_contender, _ = CONTENDERS[name]
-    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    t0 = time.perf_counter()
-    nodes = cluster.launch(_worker_argv(args, worker_contender, out_dir, worker), nproc_per_node=args.nproc_per_node,
-                           env=env, timeout=args.timeout)
-    wall = time.perf_counter() - t0
-    ranks = [json.loads(f.read_text()) for f in sorted(out_dir.glob("rank*.json"))]
-    world = args.nodes * args.nproc_per_node
-    errors = sorted({r["error"] for r in ranks if "error" in r})
-    if not all(n.ok for n in nodes) or len(ranks) != world or errors:
-        tail = "\n".join(f"--- node {n.node} (exit {n.returncode}{', timed out' if n.timed_out else ''}):\n"
-                         f"{n.stdout[-1500:]}\n{n.stderr[-3000:]}" for n in nodes)
-        # The workers' own reason where they left one (an exception), else how the processes ended.
-        error = "; ".join(errors) if errors else f"exit codes {[n.returncode for n in nodes]}" + (
-            ", timed out" if any(n.timed_out for n in nodes) else "")
-        return {"name": name, "error": error, "log": tail, "wall_s": wall}
-    ranks.sort(key=lambda r: r["rank"])
-    return {"name": name, "ranks": ranks, "wall_s": wall}
+    res = harness.launch_ranks(cluster, _worker_argv(args, worker_contender, out_dir, worker),
+                               nproc_per_node=args.nproc_per_node, out_dir=out_dir, timeout=args.timeout, env=env)
+    return {"name": name, **res}
+
+
+def cluster_for(clusters: harness.Clusters, args: argparse.Namespace, name: str) -> Any:
+    """The cluster a contender runs on: the capped link at ``--rate``, or the uncapped one (the floor)."""
+    return clusters(args.rate if CONTENDERS[name][2] == "capped" else None)
 
 
 def summarize(name: str, runs: list[dict[str, Any]], nodes: int) -> dict[str, Any]:
@@ -266,57 +250,25 @@ def summarize(name: str, runs: list[dict[str, Any]], nodes: int) -> dict[str, An
 # ---------------------------------------------------------------------------------------------- reporting
 
 
-def _library_revision() -> str:
-    """The commit the library was measured at, and whether its files had uncommitted changes."""
-    import subprocess
-
-    def git(*argv: str) -> str:
-        proc = subprocess.run(["git", *argv], cwd=HERE.parent, capture_output=True, text=True)
-        return proc.stdout.rstrip() if proc.returncode == 0 else ""
-
-    commit = git("rev-parse", "--short", "HEAD")
-    if not commit:
-        return "not a git checkout"
-    dirty = git("status", "--porcelain", "--", "ddp_plugin", "hookspecs")
-    changed = [line[3:] for line in dirty.splitlines()]
-    if not changed:
-        return f"commit {commit}"
-    # A hash of the changed files' content, so a run can tell whether the library changed under it.
-    files = [str(HERE.parent / c) for c in changed if (HERE.parent / c).is_file()]
-    content = "".join(git("hash-object", *files).split())[:12] if files else "deleted"
-    return f"commit {commit} with uncommitted changes in {', '.join(changed)} (content {content})"
-
-
 def _plans_section(rows: list[dict[str, Any]]) -> list[str]:
     """Each run's plan at its end, per contender that planned: per bucket the route and the codec, and whether the
     run planned as the contender's first run did."""
-    lines = ["Each run's plan at its end (rank 0's, which every rank holds): per bucket, the route and the codec; the"
-             " version counts the plans the run made; the close calls it settled by timing both options (trials), and"
-             " the run's peak RSS (max over ranks); the probe's fits of each stage (latency ms / MB/s).", "",
-             "| contender | run | version | buckets (route / codec) | as run 1 | close calls tried | peak RSS MB | probe |",
-             "|---|---:|---:|---|---|---|---:|---|"]
+    cells = []
     for r in rows:
         plans = r.get("plans") or []
         for i, plan in enumerate(plans, 1):
-            cells = ", ".join(f"{k} {route} / {codec}" for k, (route, codec) in sorted(plan["decisions"].items()))
+            buckets = ", ".join(f"{k} {route} / {codec}" for k, (route, codec) in sorted(plan["decisions"].items()))
             same = plan["decisions"] == plans[0]["decisions"]
-            tried = _cell("; ".join(plan.get("reasons") or []) or "none", 400)
-            rss = plan.get("peak_rss_mb")
             links = ", ".join(f"{name} {fit['latency_ms']:.2f} / {fit['MB_per_s']:.0f}"
                               for name, fit in plan.get("links", {}).items())
-            lines.append(f"| {r['label']} | {i} | {plan['version']} | {cells} | {'yes' if same else '**no**'} | {tried}"
-                         f" | {_fmt(rss, '.0f')} | {links or '-'} |")
-    return lines
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _cell(text: str, limit: int = 300) -> str:
-    """``text`` made safe for one markdown table cell."""
-    text = " ".join(str(text).split()).replace("|", "\\|")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+            cells.append([r["label"], i, plan["version"], buckets, "yes" if same else "**no**",
+                          cell("; ".join(plan.get("reasons") or []) or "none", 400), fmt(plan.get("peak_rss_mb"), ".0f"),
+                          links or "-"])
+    return ["Each run's plan at its end (rank 0's, which every rank holds): per bucket, the route and the codec; the"
+            " version counts the plans the run made; the close calls it settled by timing both options (trials), and"
+            " the run's peak RSS (max over ranks); the probe's fits of each stage (latency ms / MB/s).", "",
+            *harness.table(["contender", "run", "version", "buckets (route / codec)", "as run 1", "close calls tried",
+                            "peak RSS MB", "probe"], cells, "lrrlllrl")]
 
 
 def _ds_version() -> str | None:
@@ -328,24 +280,9 @@ def _ds_version() -> str | None:
         return None
 
 
-def write_markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any]], wall_s: float,
-                   png: Path | None) -> str:
-    import lightning
-    import torch
-
-    ok = [r for r in rows if "median_s" in r]
-    ref = next((r for r in ok if r["name"] == "lightning_ddp"), None)
-    s_mb = ok[0]["grad_bytes"] / MB if ok else float("nan")
-    params = ok[0]["params"] if ok else 0
-    cmd = "python benchmarks/cluster.py" + ("" if not argv else " " + shlex.join(argv))
+def _setup_lines(args: argparse.Namespace, rows: list[dict[str, Any]], s_mb: float, params: int) -> list[str]:
+    """What this run measured and how (the header says where and when)."""
     lines = [
-        f"# Cluster benchmark: {args.nodes} nodes x {args.nproc_per_node} ranks, inter-node link {args.rate}",
-        "",
-        f"- command: `{cmd}`",
-        f"- torch {torch.__version__}, lightning {lightning.__version__}, Python {platform.python_version()},"
-        f" {platform.machine()}, {os.cpu_count()} CPU cores shared by all {args.nodes * args.nproc_per_node} ranks",
-        f"- ddp_plugin: {args.revision_start}" + (
-            "" if args.revision_end == args.revision_start else f"; CHANGED during the run, at its end: {args.revision_end}"),
         f"- cluster: `ddp_plugin.testing.simcluster.SimulatedCluster(nodes={args.nodes}, rate={args.rate!r})`,"
         " one network namespace per node, veth link capped with tbf per direction; gloo over the veth"
         " (`GLOO_SOCKET_IFNAME`), intra-node traffic over the namespace's loopback; one torchrun per node",
@@ -369,8 +306,7 @@ def write_markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[st
         " with error feedback), error feedback and warm start, one bucket (plain torch loop: Lightning ignores comm"
         " hooks on CPU, and the hook aborts on gloo with more than one bucket)",
     ]
-    names = {r["name"] for r in rows}
-    if names & set(ZERO_CONTENDERS):
+    if {r["name"] for r in rows} & set(ZERO_CONTENDERS):
         bucket_el = int(args.bucket_size_mb * 2**20) // 4
         lines.append(
             "- ZeRO contenders: DeepSpeed" + (f" {_ds_version()}" if _ds_version() else "") + " = `deepspeed.initialize("
@@ -386,7 +322,7 @@ def write_markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[st
             " `HierarchicalZeroStrategy(zero_stage=N, shard_scope=...)` under Lightning, hierarchical reduction (the"
             " default), same bucket cap; shard_scope 'global' shards over all ranks, 'node' over the ranks of a node"
         )
-    lines += [
+    return lines + [
         "- live tensor MB / rank: every rank walks `gc.get_objects()` for tensors (parameters included) plus every"
         " parameter's `.grad`, dedupes storages by `untyped_storage().data_ptr()` and sums"
         " `untyped_storage().nbytes()`, outside the timed steps, at two points: *after step* = after the last timed"
@@ -398,23 +334,33 @@ def write_markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[st
         " C++ reducer buckets (S per rank for Lightning `ddp` and torch DDP), autograd's saved tensors and"
         " communication buffers are not in it (peak RSS includes them)",
         "- peak RSS: max over ranks of `ru_maxrss`; final loss: rank 0's loss on its last timed batch",
-        "",
-        "| contender | median s/step | ratio vs Lightning `ddp` | cross-node MB / node / step (kernel) | x S"
-        " | our accounting MB | final loss | live tensor MB / rank, after backward / after step | peak RSS MB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+
+def _ours_mem(mem: dict[str, float] | None) -> str:
+    return "-" if mem is None else (
+        f"{mem['params']:.1f} / {mem['grads']:.1f} / {mem['optimizer_state']:.1f} / {mem['total']:.1f}")
+
+
+def write_markdown(args: argparse.Namespace, run: harness.Run, rows: list[dict[str, Any]], png: Path | None) -> str:
+    ok = [r for r in rows if "median_s" in r]
+    ref = next((r for r in ok if r["name"] == "lightning_ddp"), None)
+    s_mb = ok[0]["grad_bytes"] / MB if ok else float("nan")
+    params = ok[0]["params"] if ok else 0
+    lines = [f"# Cluster benchmark: {args.nodes} nodes x {args.nproc_per_node} ranks, inter-node link {args.rate}", "",
+             *run.header(), *_setup_lines(args, rows, s_mb, params), ""]
+    main_rows = []
     for r in rows:
         if "median_s" not in r:
-            lines.append(f"| {r['label']} | failed: {_cell(r['error'])} | | | | | | | |")
+            main_rows.append([r["label"], f"failed: {cell(r['error'])}"])
             continue
-        ratio = r["median_s"] / ref["median_s"] if ref else None
-        lines.append(
-            f"| {r['label']} | {r['median_s']:.3f} | {_fmt(ratio, '.3f')} | {r['tx_mb']:.2f} | {r['x_s']:.3f}"
-            f" | {_fmt(r.get('ours_mb'), '.2f')} | {r['final_loss']:.5f}"
-            f" | {_fmt(r.get('live_tensor_backward_mb'), '.1f')} / {_fmt(r.get('live_tensor_mb'), '.1f')}"
-            f" | {r['peak_rss_mb']:.0f} |"
-        )
-
+        main_rows.append([r["label"], f"{r['median_s']:.3f}", fmt(r["median_s"] / ref["median_s"] if ref else None, ".3f"),
+                          f"{r['tx_mb']:.2f}", f"{r['x_s']:.3f}", fmt(r.get("ours_mb"), ".2f"), f"{r['final_loss']:.5f}",
+                          f"{fmt(r.get('live_tensor_backward_mb'), '.1f')} / {fmt(r.get('live_tensor_mb'), '.1f')}",
+                          f"{r['peak_rss_mb']:.0f}"])
+    lines += harness.table(["contender", "median s/step", "ratio vs Lightning `ddp`", "cross-node MB / node / step"
+                            " (kernel)", "x S", "our accounting MB", "final loss", "live tensor MB / rank, after"
+                            " backward / after step", "peak RSS MB"], main_rows)
     if args.optimizer == "sgd":
         lines += [
             "",
@@ -430,51 +376,38 @@ def write_markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[st
             "Final loss only shows that no contender went astray (same data, seed and optimizer everywhere, so"
             " exact ZeRO implementations agree to float rounding); training equivalence is checked by the test suite.",
         ]
+    memory_rows, detail_rows = [], []
+    for r in ok:
+        mem = _ours_mem(r.get("memory_mb"))
+        if "memory_bytes_error" in r:
+            mem = f"failed: {cell(r['memory_bytes_error'], 120)}"
+        memory_rows.append([r["label"], ", ".join(f"{v:.1f}" for v in r.get("live_tensor_backward_mb_ranks", [])) or "-",
+                            ", ".join(f"{v:.1f}" for v in r.get("live_tensor_mb_ranks", [])) or "-",
+                            fmt(r.get("optimizer_state_mb"), ".1f"), _ours_mem(r.get("memory_backward_mb")), mem,
+                            f"{r['peak_rss_mb']:.0f}"])
+        detail_rows.append([r["label"], ", ".join(f"{m:.3f}" for m in r["per_run_median_s"]), f"{r['p90_s']:.3f}",
+                            ", ".join(f"{v:.2f}" for v in r["tx_mb_node"]), ", ".join(f"{v:.2f}" for v in r["rx_mb_node"]),
+                            ", ".join(f"{v:.2f}" for v in r["ours_mb_node"]) if "ours_mb_node" in r else "-",
+                            ", ".join(f"{v:+.2f} %" for v in r["agreement_pct"]) if "agreement_pct" in r else "-",
+                            fmt(r.get("wait_ms"), ".0f"), fmt(r.get("buckets"), "d"), f"{r['wall_s']:.0f}"])
     lines += ["", "## Memory per rank", "",
               "S = fp32 parameters = fp32 gradients; AdamW keeps 2 S of state (SGD with momentum S). Unsharded,"
               " a rank holds params + grads + state = 4 S with AdamW; ZeRO-1 over N ranks shards the state"
               " (2 + 2/N) S, ZeRO-2 also the gradients (1 + 3/N) S, ZeRO-3 everything 4/N S, plus whatever"
-              " buffers and gathered units an implementation keeps.",
-              "",
-              "| contender | live tensor MB after backward, rank 0..3 | live tensor MB after step, rank 0..3"
-              " | optimizer state MB (torch optimizer's `state`, largest rank) | ours `memory_bytes()` MB after"
-              " backward, largest rank: params / grads / optimizer state / total | same, after step | peak RSS MB |",
-              "|---|---|---|---:|---|---|---:|"]  # fmt: skip
-
-    def ours_mem(mem: dict[str, float] | None) -> str:
-        return "-" if mem is None else (
-            f"{mem['params']:.1f} / {mem['grads']:.1f} / {mem['optimizer_state']:.1f} / {mem['total']:.1f}")
-
-    for r in rows:
-        if "median_s" not in r:
-            continue
-        live_bw = ", ".join(f"{v:.1f}" for v in r.get("live_tensor_backward_mb_ranks", [])) or "-"
-        live = ", ".join(f"{v:.1f}" for v in r.get("live_tensor_mb_ranks", [])) or "-"
-        mem_bw, mem = ours_mem(r.get("memory_backward_mb")), ours_mem(r.get("memory_mb"))
-        if "memory_bytes_error" in r:
-            mem = f"failed: {_cell(r['memory_bytes_error'], 120)}"
-        lines.append(f"| {r['label']} | {live_bw} | {live} | {_fmt(r.get('optimizer_state_mb'), '.1f')} | {mem_bw}"
-                     f" | {mem} | {r['peak_rss_mb']:.0f} |")
-    lines += ["", "## Details", "",
-              "| contender | per-run median s/step | p90 s/step | kernel tx MB/step node 0, node 1 | kernel rx MB/step"
-              " node 0, node 1 | ours MB/step node 0, node 1 | ours vs kernel | backward wait ms | buckets | wall s |",
-              "|---|---|---:|---|---|---|---|---:|---:|---:|"]  # fmt: skip
-    for r in rows:
-        if "median_s" not in r:
-            continue
-        runs = ", ".join(f"{m:.3f}" for m in r["per_run_median_s"])
-        tx = ", ".join(f"{v:.2f}" for v in r["tx_mb_node"])
-        rx = ", ".join(f"{v:.2f}" for v in r["rx_mb_node"])
-        ours = ", ".join(f"{v:.2f}" for v in r["ours_mb_node"]) if "ours_mb_node" in r else "-"
-        agree = ", ".join(f"{v:+.2f} %" for v in r["agreement_pct"]) if "agreement_pct" in r else "-"
-        lines.append(
-            f"| {r['label']} | {runs} | {r['p90_s']:.3f} | {tx} | {rx} | {ours} | {agree} | {_fmt(r.get('wait_ms'), '.0f')}"
-            f" | {_fmt(r.get('buckets'), 'd')} | {r['wall_s']:.0f} |"
-        )
+              " buffers and gathered units an implementation keeps.", "",
+              *harness.table(["contender", "live tensor MB after backward, rank 0..3", "live tensor MB after step,"
+                              " rank 0..3", "optimizer state MB (torch optimizer's `state`, largest rank)", "ours"
+                              " `memory_bytes()` MB after backward, largest rank: params / grads / optimizer state /"
+                              " total", "same, after step", "peak RSS MB"], memory_rows, "lllrllr"),
+              "", "## Details", "",
+              *harness.table(["contender", "per-run median s/step", "p90 s/step", "kernel tx MB/step node 0, node 1",
+                              "kernel rx MB/step node 0, node 1", "ours MB/step node 0, node 1", "ours vs kernel",
+                              "backward wait ms", "buckets", "wall s"], detail_rows, "llrllllrrr")]
 
     zero_lines = _zero_section(ok)
     if zero_lines:
         lines += ["", "## ZeRO: ours beside DeepSpeed, per stage", "", *zero_lines]
+    names = {r["name"] for r in rows}
     if "ours_hier" in names:
         lines += ["", "## Acceptance (hierarchical, no codec)", "", *_acceptance_section(ok, ref)]
     if names & set(SYNC_CONTENDERS):
@@ -485,8 +418,7 @@ def write_markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[st
         lines += ["", f"![step time and cross-node bytes]({png.name})"]
     if any(r.get("plans") for r in ok):
         lines += ["", "## The link probe's plans", "", *_plans_section(ok)]
-    lines += ["", f"_Total benchmark wall time {wall_s:.0f} s._", ""]
-    return "\n".join(lines)
+    return "\n".join([*lines, ""])
 
 
 def _acceptance_section(ok: list[dict[str, Any]], ref: dict[str, Any] | None) -> list[str]:
@@ -599,16 +531,9 @@ def _zero_section(ok: list[dict[str, Any]]) -> list[str]:
 
 
 def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed, so no plot was written (pip install matplotlib)", file=sys.stderr)
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ok = [r for r in rows if "median_s" in r]
-    if not ok:
+    plt = harness.pyplot() if ok else None
+    if plt is None:
         return False
     labels = [r["label"].replace("`", "") for r in ok]
     s_mb = ok[0]["grad_bytes"] / MB
@@ -652,10 +577,7 @@ def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path)
     fig.suptitle(f"{args.nodes} nodes x {args.nproc_per_node} ranks, link {args.rate}, "
                  f"{ok[0]['params'] / 1e6:.1f}M-parameter MLP (S = {s_mb:.1f} MB), {args.optimizer}, {args.steps} timed steps",
                  fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(fig, path)
     return True
 
 
@@ -663,45 +585,30 @@ def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    from ddp_plugin.testing.simcluster import SimulatedCluster, available
-
-    ok, reason = available()
-    if not ok:
-        print(f"benchmarks/cluster.py: skipped, the simulated cluster cannot run here: {reason}")
+    started = harness.start(__file__, argv, parse_args, cluster="skip", ranks=harness.cluster_ranks)
+    if started is None:
         return 0
-
-    args.revision_start = _library_revision()
-    order = [c for _ in range(args.repeats) for c in args.contenders]
+    args, run = started
+    order = harness.interleaved(args.contenders, args.repeats)
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in args.contenders}
-    t_all = time.perf_counter()
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="cluster_bench_") as tmp:
-        clusters: dict[str | None, SimulatedCluster] = {}
+        clusters = harness.Clusters(stack, args.nodes, "ddpbench")
         for i, name in enumerate(order):
-            rate = args.rate if CONTENDERS[name][2] == "capped" else None
-            if rate not in clusters:
-                clusters[rate] = stack.enter_context(SimulatedCluster(nodes=args.nodes, rate=rate, prefix="ddpbench"))
-            res = run_one(clusters[rate], args, name, Path(tmp) / f"run{i}_{name}")
+            res = run_one(cluster_for(clusters, args, name), args, name, Path(tmp) / f"run{i}_{name}")
             runs[name].append(res)
+            head = f"[{i + 1}/{len(order)}] {name:<20}"
             if "error" in res:
-                print(f"[{i + 1}/{len(order)}] {name:<20} FAILED ({res['error']}, {res['wall_s']:.0f} s)\n{res['log']}", flush=True)
+                print(harness.failed(head, res), flush=True)
                 continue
             r0 = res["ranks"][0]
             tx = statistics.mean(r["tx_bytes"] for r in res["ranks"] if "tx_bytes" in r) / r0["timed_steps"] / MB
-            print(f"[{i + 1}/{len(order)}] {name:<20} median {statistics.median(r0['step_s']):.3f} s/step,"
+            print(f"{head} median {statistics.median(r0['step_s']):.3f} s/step,"
                   f" cross-node {tx:.2f} MB/node/step ({res['wall_s']:.0f} s wall)", flush=True)
 
-    args.revision_end = _library_revision()
     rows = [summarize(name, runs[name], args.nodes) for name in args.contenders]
     png = args.out.with_suffix(".png")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     plotted = write_plot(args, rows, png)
-    text = write_markdown(args, argv, rows, time.perf_counter() - t_all, png if plotted else None)
-    args.out.write_text(text)
-    print()
-    print(text)
-    print(f"written to {args.out}" + (f" and {png}" if plotted else ""))
+    harness.write(args.out, write_markdown(args, run, rows, png if plotted else None), also=[png] if plotted else [])
     return 0
 
 

@@ -50,6 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import harness  # (the standard library only: no ddp_plugin, whose Lightning import would weigh in peak RSS)
+
 LIGHTNING_CONTENDERS = {
     # name: HierarchicalZeroStrategy kwargs, or None for Lightning's own "ddp"
     "lightning_ddp": None,
@@ -101,7 +103,7 @@ LR = {"sgd": 1e-2, "adamw": 1e-3}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__)
     p.add_argument("--contender", choices=CONTENDERS, required=True)
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--steps", type=int, default=8)
@@ -569,16 +571,14 @@ def main() -> None:
     except BaseException as err:
         # Leave the reason where the driver looks for results, then fail as before.
         rank = int(os.environ.get("RANK", "0"))
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        (args.out_dir / f"rank{rank}.json").write_text(
-            json.dumps({"rank": rank, "contender": args.contender, "error": f"{type(err).__name__}: {err}"}))
+        harness.write_rank(args.out_dir, rank, {"rank": rank, "contender": args.contender,
+                                                "error": f"{type(err).__name__}: {err}"})
         raise
     res["contender"] = args.contender
     res["params"] = sum(p.numel() for p in build_net(args).parameters())
     res["grad_bytes"] = res["params"] * 4
     res["optimizer"] = args.optimizer
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"rank{res['rank']}.json").write_text(json.dumps(res))
+    harness.write_rank(args.out_dir, res["rank"], res)
 
 
 if __name__ == "__main__":

@@ -25,21 +25,18 @@ import argparse
 import collections
 import linecache
 import re
-import shlex
 import statistics
 import sys
 import tempfile
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import cluster  # noqa: E402 - the cluster benchmark's flags, contenders and launch
+import cluster  # the cluster benchmark's flags, contenders and launch
+import harness
 
 DEFAULT_CONTENDERS = "lightning_ddp,ours_hier,ours_hier_int8,ours_hier_powersgd,ours_zero3"
-DEFAULT_OUT = HERE / "results" / "profile_1gbit.md"
+DEFAULT_OUT = harness.RESULTS / "profile_1gbit.md"
 
 # Each sample: a stage, from the frames around it (the first of STAGES whose rule some frame matches), and what the
 # thread did there, from its innermost frame (WAITS: a collective's message or a wait on another thread or rank;
@@ -142,42 +139,34 @@ def build_parser() -> argparse.ArgumentParser:
 def _table(name: str, result: dict[str, Any], ref_step: float | None) -> list[str]:
     split, step = result["split"], result["step_s"]
     ratio = f", {step / ref_step:.3f}x `ddp`" if ref_step else ""
-    lines = [f"### {cluster.CONTENDERS[name][0]}: {step:.3f} s a step (median, rank 0){ratio}", "",
-             "| thread | category | s / step | share of the step |", "|---|---|---:|---:|"]
+    rows = []
     for thread in sorted(split, key=lambda t: (t != "MainThread", t)):
         if thread not in ("MainThread", "ddp_plugin-comm", "ddp_plugin-outer"):
             continue  # (the health, heal-server and probe threads: idle)
         cats = {c: s for c, s in split[thread].items() if c != IDLE}  # (a side thread's idle: the step less its busy)
-        for cat, s in sorted(cats.items(), key=lambda kv: -kv[1]):
-            if s >= 0.0005:
-                lines.append(f"| {thread} | {cat} | {s:.3f} | {s / step:.1%} |")
-        lines.append(f"| {thread} | **all of the above** | {sum(cats.values()):.3f} | {sum(cats.values()) / step:.1%} |")
-    return [*lines, ""]
+        rows += [[thread, cat, f"{s:.3f}", f"{s / step:.1%}"]
+                 for cat, s in sorted(cats.items(), key=lambda kv: -kv[1]) if s >= 0.0005]
+        rows.append([thread, "**all of the above**", f"{sum(cats.values()):.3f}", f"{sum(cats.values()) / step:.1%}"])
+    return [f"### {cluster.CONTENDERS[name][0]}: {step:.3f} s a step (median, rank 0){ratio}", "",
+            *harness.table(["thread", "category", "s / step", "share of the step"], rows, "llrr"), ""]
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = cluster.parse_args(argv, build_parser())
-    from ddp_plugin.testing.simcluster import SimulatedCluster, available
-
-    ok, reason = available()
-    if not ok:
-        print(f"benchmarks/profile_step.py: skipped, the simulated cluster cannot run here: {reason}")
+    started = harness.start(__file__, argv, lambda a: cluster.parse_args(a, build_parser()), cluster="skip",
+                            ranks=harness.cluster_ranks)
+    if started is None:
         return 0
+    args, run = started
     results: dict[str, dict[str, Any]] = {}
-    t0 = time.perf_counter()
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="profile_step_") as tmp:
-        clusters: dict[str | None, Any] = {}
+        clusters = harness.Clusters(stack, args.nodes, "ddpprof")
         for name in args.contenders:
-            rate = args.rate if cluster.CONTENDERS[name][2] == "capped" else None
-            if rate not in clusters:
-                clusters[rate] = stack.enter_context(SimulatedCluster(nodes=args.nodes, rate=rate, prefix="ddpprof"))
             folder = Path(tmp) / name
             folder.mkdir()
-            res = cluster.run_one(clusters[rate], args, name, folder / "out",
+            res = cluster.run_one(cluster.cluster_for(clusters, args, name), args, name, folder / "out",
                                   env={"DDP_BENCH_PROFILE": str(folder), "DDP_BENCH_PROFILE_RATE": str(args.rate_hz)})
             if "error" in res:
-                print(f"{name}: FAILED ({res['error']})\n{res['log']}", flush=True)
+                print(harness.failed(f"{name}:", res), flush=True)
                 continue
             ranks = [read_profile(p) for p in sorted(folder.glob("rank*.txt"))]
             if args.raw:
@@ -189,24 +178,16 @@ def main(argv: list[str] | None = None) -> int:
                              "ranks": len(ranks)}
             print(f"{name}: {step:.3f} s/step, {len(ranks)} profiles", flush=True)
     ref = results.get("lightning_ddp", {}).get("step_s")
-    import platform
-
-    import torch
-
     text = [f"# Where the step goes: {args.nodes} nodes x {args.nproc_per_node} ranks, inter-node link {args.rate}", "",
-            f"- command: `python benchmarks/profile_step.py{' ' + shlex.join(argv) if argv else ''}`",
-            f"- torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, ddp_plugin "
-            f"{cluster._library_revision()}; the cluster benchmark's model and data ({args.hidden} x {args.layers} MLP, "
-            f"{args.optimizer}), {args.steps} timed steps after {args.warmup}",
+            *run.header(),
+            f"- the cluster benchmark's model and data ({args.hidden} x {args.layers} MLP, {args.optimizer}),"
+            f" {args.steps} timed steps after {args.warmup}",
             f"- every rank sampled by py-spy at {args.rate_hz} Hz over the timed window; seconds a step per category, mean "
             "over the ranks; the training thread (`MainThread`) sums to the step, the communication thread runs "
-            f"beside it; {time.perf_counter() - t0:.0f} s in all", ""]
+            "beside it", ""]
     for name, result in results.items():
         text += _table(name, result, ref if name != "lightning_ddp" else None)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(text))
-    print("\n".join(text))
-    print(f"written to {args.out}")
+    harness.write(args.out, "\n".join(text))
     return 0
 
 

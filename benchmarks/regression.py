@@ -42,28 +42,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
-import shlex
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import ExitStack, contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+import cluster  # benchmarks/cluster.py: contenders, options, launcher and summary
+import harness
+from harness import ROOT, cell, fmt
 
-import cluster  # noqa: E402  (benchmarks/cluster.py: contenders, options, launcher and summary)
-
-DEFAULT_OUT = HERE / "results" / "regression.md"
+DEFAULT_OUT = harness.RESULTS / "regression.md"
 REFERENCE = "lightning_ddp"
 DEFAULT_CONTENDERS = (REFERENCE, "ours_flat", "ours_hier", "ours_hier_int8", "ours_int8", "ours_hier_powersgd", "ours_auto")
 SIDES = ("base", "head")
@@ -286,9 +280,7 @@ def run_side(net: Any, args: argparse.Namespace, name: str, side: str, tree: Pat
 def run_all(args: argparse.Namespace, trees: dict[str, Path], boot: Path, tmp: Path,
             stack: ExitStack) -> list[dict[str, Any]]:
     """Every (repeat, contender, side) of :func:`schedule`; one record per run, in order."""
-    from ddp_plugin.testing.simcluster import SimulatedCluster
-
-    clusters: dict[str | None, Any] = {}
+    clusters = harness.Clusters(stack, args.nodes, "ddpregr")
     unknown: dict[tuple[str, str], dict[str, Any]] = {}
     runs = []
     order = schedule(args.contenders, args.repeats)
@@ -297,16 +289,13 @@ def run_all(args: argparse.Namespace, trees: dict[str, Path], boot: Path, tmp: P
         if (name, side) in unknown:  # the worker does not know it: no need to ask again
             res = {**unknown[(name, side)], "wall_s": 0.0}
         else:
-            rate = args.rate if cluster.CONTENDERS[name][2] == "capped" else None
-            if rate not in clusters:
-                clusters[rate] = stack.enter_context(SimulatedCluster(nodes=args.nodes, rate=rate, prefix="ddpregr"))
-            res = run_side(clusters[rate], args, name, side, trees[side], boot, tmp / f"run{i}_{side}_{name}")
+            res = run_side(cluster.cluster_for(clusters, args, name), args, name, side, trees[side], boot, tmp / f"run{i}_{side}_{name}")
             if res.get("unknown"):
                 unknown[(name, side)] = res
         runs.append({"index": i, "repeat": repeat, "contender": name, "side": side, "commit": short, **res})
         head = f"[{i + 1}/{len(order)}] {name:<20} {side} {short}"
         if "error" in res:
-            print(f"{head} FAILED ({res['error']}, {res['wall_s']:.0f} s)", flush=True)
+            print(harness.failed(head, {**res, "log": ""}), flush=True)
             continue
         r0 = res["ranks"][0]
         print(f"{head} median {statistics.median(r0['step_s']):.3f} s/step, peak RSS"
@@ -376,9 +365,9 @@ def _pair(entry: dict[str, Any], key: str, spec: str) -> str:
     for side in SIDES:
         row = entry[side]
         if "median_s" not in row:
-            cells.append(f"failed: {cluster._cell(row.get('error', '?'), 120)}" if key == "median_s" else "failed")
+            cells.append(f"failed: {cell(row.get('error', '?'), 120)}" if key == "median_s" else "failed")
         else:
-            cells.append(cluster._fmt(row.get(key), spec))
+            cells.append(fmt(row.get(key), spec))
     return " / ".join(cells)
 
 
@@ -395,26 +384,19 @@ def imports_line(side: str, runs: list[dict[str, Any]], revision: dict[str, str]
             f" (relative to the worktree of {revision['short']}): {verdict}")
 
 
-def write_markdown(args: argparse.Namespace, meta: dict[str, Any], runs: list[dict[str, Any]],
+def write_markdown(args: argparse.Namespace, info: dict[str, Any], runs: list[dict[str, Any]],
                    entries: list[dict[str, Any]]) -> str:
+    """The comparison's markdown; ``info``: :meth:`harness.Run.info` with ``dirty``, the checkout's uncommitted
+    files (not what is measured)."""
     revs = args.revisions
     lines = [f"# Regression benchmark: {revs['head']['short']} against {revs['base']['short']},"
-             f" {args.nodes} nodes x {args.nproc_per_node} ranks, link {args.rate}", ""]
+             f" {args.nodes} nodes x {args.nproc_per_node} ranks, link {args.rate}", "", *harness.header_lines(info)]
     for side in SIDES:
         r = revs[side]
-        lines.append(f"- {side}: `{r['commit'][:12]}` {cluster._cell(r['subject'], 160)} ({r['chosen']})")
-    lines += [
-        f"- command: `{meta['command']}`",
-        f"- date: {meta['date']}; wall time {meta['wall_s']:.0f} s",
-        f"- machine: {meta['cores']} CPU cores shared by all {args.nodes * args.nproc_per_node} ranks,"
-        f" {meta['platform']}, Python {meta['python']}, torch {meta['torch']}, lightning {meta['lightning']}",
-        f"- load average (1 min) {meta['load_start']:.2f} at the start, {meta['load_end']:.2f} at the end"
-        + (f"; **{meta['load_warning']}**" if meta.get("load_warning") else "")
-        + "; nothing else should run meanwhile (yours to ensure)",
-    ]
-    if meta.get("dirty"):
-        lines.append(f"- the working tree had uncommitted changes ({len(meta['dirty'])} files:"
-                     f" {', '.join(meta['dirty'][:8])}{', ...' if len(meta['dirty']) > 8 else ''}): not measured;"
+        lines.append(f"- {side}: `{r['commit'][:12]}` {cell(r['subject'], 160)} ({r['chosen']})")
+    if info.get("dirty"):
+        lines.append(f"- the working tree had uncommitted changes ({len(info['dirty'])} files:"
+                     f" {', '.join(info['dirty'][:8])}{', ...' if len(info['dirty']) > 8 else ''}): not measured;"
                      " the commits are")
     lines += [
         f"- each commit ran from its own `git worktree`, its `benchmarks/cluster_worker.py` and its package"
@@ -428,17 +410,17 @@ def write_markdown(args: argparse.Namespace, meta: dict[str, Any], runs: list[di
         " Lightning `ddp` of the same commit; cross-node MB per node and step from the kernel's veth counters;"
         " peak RSS: max over ranks of `ru_maxrss`; final loss: rank 0's on its last timed batch",
         "",
-        "| contender | median s/step base / head | ratio to ddp base / head | head / base | cross-node MB / node / step"
-        " base / head | peak RSS MB base / head | final loss base / head | flag |",
-        "|---|---|---|---:|---|---|---|---|",
     ]
+    rows = []
     for e in entries:
-        ratio = cluster._fmt(e.get("step_ratio"), ".3f")
+        ratio = fmt(e.get("step_ratio"), ".3f")
         flag = "; ".join(e["flags"]) or "; ".join(e["notes"]) or ""
-        lines.append(f"| {e['label']} | {_pair(e, 'median_s', '.3f')} | {_pair(e, 'ratio_to_ddp', '.3f')}"
-                     f" | {'**' + ratio + '**' if e['flags'] else ratio} | {_pair(e, 'tx_mb', '.2f')}"
-                     f" | {_pair(e, 'peak_rss_mb', '.0f')} | {_pair(e, 'final_loss', '.5f')}"
-                     f" | {'**' + flag + '**' if e['flags'] else flag} |")
+        rows.append([e["label"], _pair(e, "median_s", ".3f"), _pair(e, "ratio_to_ddp", ".3f"),
+                     f"**{ratio}**" if e["flags"] else ratio, _pair(e, "tx_mb", ".2f"), _pair(e, "peak_rss_mb", ".0f"),
+                     _pair(e, "final_loss", ".5f"), f"**{flag}**" if e["flags"] else flag])
+    lines += harness.table(["contender", "median s/step base / head", "ratio to ddp base / head", "head / base",
+                            "cross-node MB / node / step base / head", "peak RSS MB base / head",
+                            "final loss base / head", "flag"], rows, "lllrllll")
     flagged = [e for e in entries if e["flags"]]
     lines.append("")
     if flagged:
@@ -457,69 +439,38 @@ def write_markdown(args: argparse.Namespace, meta: dict[str, Any], runs: list[di
         lines += ["", f"Lightning `ddp` runs the same Lightning code at both commits: its head / base"
                       f" ({ref['step_ratio']:.3f}) is the noise between the two runs of a pair (and any change of the"
                       " worker script between the commits)."]
-    lines += ["", "## Per run", "", "| contender | base per-run median s/step | head per-run median s/step"
-              " | spread base / head | threshold |", "|---|---|---|---|---:|"]
+    per_run = []
     for e in entries:
-        per_run = [", ".join(f"{m:.3f}" for m in e[side].get("per_run_median_s", [])) or "-" for side in SIDES]
+        runs_of = [", ".join(f"{m:.3f}" for m in e[side].get("per_run_median_s", [])) or "-" for side in SIDES]
         spreads = " / ".join(f"{spread(e[side]):.3f}" if "median_s" in e[side] else "-" for side in SIDES)
-        threshold = cluster._fmt(e.get("threshold"), ".3f")
-        lines.append(f"| {e['label']} | {per_run[0]} | {per_run[1]} | {spreads} | {threshold} |")
+        per_run.append([e["label"], *runs_of, spreads, fmt(e.get("threshold"), ".3f")])
+    lines += ["", "## Per run", "", *harness.table(["contender", "base per-run median s/step", "head per-run median"
+                                                     " s/step", "spread base / head", "threshold"], per_run, "llllr")]
     failures = [r for r in runs if "error" in r]
     if failures:
         lines += ["", "## Failed runs", ""]
         lines += [f"- run {r['index'] + 1}, {r['contender']} at {r['side']} ({r['commit']}):"
-                  f" {cluster._cell(r['error'], 300)}" for r in failures]
+                  f" {cell(r['error'], 300)}" for r in failures]
     return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------- main
 
 
-def _version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "not installed"
-
-
-def describe(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    """The run's setting: command, date, machine, load, uncommitted changes; warns about a busy machine."""
-    cores = os.cpu_count() or 1
-    load = os.getloadavg()[0]
-    meta = {"command": "python benchmarks/regression.py" + ("" if not argv else " " + shlex.join(argv)),
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cores": cores,
-            "platform": platform.platform(), "python": platform.python_version(), "torch": _version("torch"),
-            "lightning": _version("lightning"), "load_start": load, "dirty": []}
-    if load > 0.5 * cores:
-        meta["load_warning"] = (f"the machine was busy at the start: load average {load:.2f} over {cores} cores;"
-                                " timings may be off")
-        print(f"benchmarks/regression.py: WARNING: {meta['load_warning']}", file=sys.stderr, flush=True)
-    if args.revisions["head"]["commit"] == resolve("HEAD")["commit"]:
-        meta["dirty"] = dirty_files()
-        if meta["dirty"]:
-            print(f"benchmarks/regression.py: the working tree has uncommitted changes ({len(meta['dirty'])} files);"
-                  f" the committed HEAD {args.revisions['head']['short']} is what is measured", flush=True)
-    return meta
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    from ddp_plugin.testing.simcluster import available
-
-    ok, reason = available()
-    if not ok:
-        print(f"benchmarks/regression.py: skipped, the simulated cluster cannot run here: {reason}")
+    started = harness.start(__file__, argv, parse_args, cluster="skip", ranks=harness.cluster_ranks)
+    if started is None:
         return 0
-    meta = describe(args, argv)
+    args, run = started
+    dirty = dirty_files() if args.revisions["head"]["commit"] == resolve("HEAD")["commit"] else []
+    if dirty:
+        print(f"benchmarks/regression.py: the working tree has uncommitted changes ({len(dirty)} files);"
+              f" the committed HEAD {args.revisions['head']['short']} is what is measured", flush=True)
     for side in SIDES:
         r = args.revisions[side]
         print(f"{side}: {r['short']} {r['subject'][:100]} ({r['chosen']})", flush=True)
     # SIGTERM ends the run as Ctrl-C does: through the finally blocks that remove the worktrees and the namespaces.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    t_all = time.perf_counter()
     with ExitStack() as stack:
         tmp = Path(tempfile.mkdtemp(prefix="regression_"))
         stack.callback(shutil.rmtree, tmp, ignore_errors=True)
@@ -527,19 +478,15 @@ def main(argv: list[str] | None = None) -> int:
         boot = tmp / "boot"
         boot.mkdir()
         (boot / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        meta["worktrees"] = {side: str(tree) for side, tree in trees.items()}
+        worktrees = {side: str(tree) for side, tree in trees.items()}
         runs = run_all(args, trees, boot, tmp, stack)
-    meta["wall_s"], meta["load_end"] = time.perf_counter() - t_all, os.getloadavg()[0]
+    info = {**run.info(), "dirty": dirty, "worktrees": worktrees}
     entries = compare(args, runs)
-    text = write_markdown(args, meta, runs, entries)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
     raw = args.out.with_suffix(".json")
-    raw.write_text(json.dumps({"revisions": args.revisions, "meta": meta, "runs": runs, "comparison": entries},
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps({"revisions": args.revisions, "meta": info, "runs": runs, "comparison": entries},
                               indent=1, default=str))
-    print()
-    print(text)
-    print(f"written to {args.out} and {raw}")
+    harness.write(args.out, write_markdown(args, info, runs, entries), also=[raw])
     return 0
 
 

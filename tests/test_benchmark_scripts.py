@@ -238,11 +238,12 @@ def _table(regression, runs: list[dict], contenders: list[str], repeats: int = 1
                         "chosen": f"`--{side} x`"} for side in ("base", "head")}
     args = argparse.Namespace(contenders=contenders, nodes=2, nproc_per_node=2, rate="1gbit", warmup=3, steps=4,
                               repeats=repeats, optimizer="sgd", revisions=revisions)
-    meta = {"command": "python benchmarks/regression.py", "date": "2026-12-01 10:00 UTC", "wall_s": 600.0, "cores": 2,
-            "platform": "Linux", "python": "3.11", "torch": "2.9", "lightning": "2.6", "load_start": 0.1,
-            "load_end": 1.9, "dirty": []}
+    info = {"command": "python benchmarks/regression.py", "date": "2026-12-01 10:00 UTC", "wall_s": 600.0,
+            "host": "bench", "cpu": "a CPU", "cores": 2, "memory_gib": 8.0, "platform": "Linux", "python": "3.11",
+            "torch": "2.9", "lightning": "2.6", "revision": "commit head0, no uncommitted changes", "load_start": 0.1,
+            "load_end": 1.9, "quiet": True, "dirty": []}  # (harness.Run.info(), and the checkout's dirty files)
     entries = regression.compare(args, runs)
-    return entries, regression.write_markdown(args, meta, runs, entries)
+    return entries, regression.write_markdown(args, info, runs, entries)
 
 
 def test_regression_table_flags_a_slower_head(regression) -> None:
