@@ -58,10 +58,7 @@ cluster cannot be built it prints why and exits 0. A benchmark, not a test: it a
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -69,9 +66,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "results" / "pipeline.md"
-MB = 1e6
+import harness
+from harness import MB
+
+DEFAULT_OUT = harness.RESULTS / "pipeline.md"
 P = 2  # pipeline stages: one per node
 
 CONTENDERS = {
@@ -108,9 +106,8 @@ INT8_BLOCK = 1024  # the int8 codec's default values per scale
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
-                   help=f"comma-separated subset of {', '.join(CONTENDERS)}")
+    p = harness.parser(__doc__)
+    harness.add_names(p, "--contenders", CONTENDERS, DEFAULT_CONTENDERS)
     p.add_argument("--rates", "--rate", dest="rates", default="1gbit",
                    help="inter-node link rate(s) per direction, tc notation, comma-separated (one cluster each);"
                         " 'none': the link uncapped (the compute floor)")
@@ -118,26 +115,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks-per-node", type=int, default=2, choices=(1, 2),
                    help="D: ranks per node, the data-parallel ranks of a stage (1: a rank per core, no rank waits"
                         " for a core; the idle share then measures the schedule, not the cores' sharing)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
-    p.add_argument("--repeats", type=int, default=1, help="runs per contender and rate, interleaved")
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--d-model", type=int, default=384)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--contender", help=argparse.SUPPRESS)
-    p.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
+    harness.add_gpt(p)
+    harness.add_common(p, out=DEFAULT_OUT, repeats=1, repeats_help="runs per contender and rate, interleaved")
     args = p.parse_args(argv)
-    args.contenders = [c for c in args.contenders.split(",") if c]
-    args.rates = [r for r in args.rates.split(",") if r]
-    unknown = [c for c in args.contenders if c not in CONTENDERS]
-    if unknown:
-        p.error(f"unknown contender(s) {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
+    args.contenders = harness.names(p, args.contenders, CONTENDERS)
+    args.rates = harness.split(args.rates)
     D = args.ranks_per_node
     if args.global_batch % (D * args.microbatches) or args.microbatches < P:
         p.error(f"--microbatches {args.microbatches}: at least {P}, and --global-batch {args.global_batch} must"
@@ -163,11 +145,9 @@ def predicted_bytes(args: argparse.Namespace, name: str = "ours_pp2") -> dict[st
 def worker(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
-    from torch.utils.data import DataLoader
 
     from ddp_plugin import HierarchicalZeroStrategy
-    from ddp_plugin.parallel import ties as ddp_ties
-    from ddp_plugin.testing.gpt import GPTModule, token_dataset
+    from ddp_plugin.testing.gpt import GPTModule
     from ddp_plugin.testing.windows import StepWindow
 
     torch.set_num_threads(1)
@@ -201,7 +181,7 @@ def worker(args: argparse.Namespace) -> None:
             self._timed(runner.schedule, "step", "schedule_s")
             self._timed(runner.schedule, "_maybe_compute_loss", "loss_s")
             self._timed(runner.tied, "sum", "tie_s")
-            self._timed(ddp_ties, "synchronize", "sync_s")  # the stage's sync, tie all-reduce included
+            self._timed(runner, "synchronize", "sync_s")  # the stage's sync, tie all-reduce included
             for stage in runner.stages:
                 self._timed(stage, "forward_one_chunk", "forward_s")
                 self._timed(stage, "backward_one_chunk", "backward_s")
@@ -231,74 +211,39 @@ def worker(args: argparse.Namespace) -> None:
                                                   *(f"blocks.{i}" for i in range(middle + 1, args.layers))]]}
         strategy = HierarchicalZeroStrategy(pipeline_parallel_size=P, pipeline_microbatches=args.microbatches,
                                             pipeline_schedule=schedule, devices_per_node=per_node, **flags)
-    replicas = per_node if name in SCHEDULES else world
     model = GPTModule(lr=3e-4, **size)
     window = Window()
-    trainer = L.Trainer(accelerator="cpu", devices=per_node, num_nodes=world // per_node, strategy=strategy,
-                        max_steps=args.warmup + args.steps, callbacks=[window], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    data = token_dataset(args.global_batch * (args.warmup + args.steps), seq=args.seq, vocab=args.vocab)
-    error = None
-    try:
-        trainer.fit(model, DataLoader(data, batch_size=args.global_batch // replicas))
-    except Exception as err:  # noqa: BLE001 - reported in the table
-        error = f"{type(err).__name__}: {err}"
-    out = window.result(error)
-    if not error:
-        out["params"] = sum(p.numel() for p in GPTModule(**size).parameters())
+
+    def stages(out: dict[str, Any]) -> None:
         out["steps"] = window.steps
         plan = getattr(model, "_ddp_plugin_stages", None)  # (private: which blocks each stage ran)
         out["stage_blocks"] = [list(b) for b in plan[0].stage_blocks] if plan else None
         out["cuts"] = [[i, cut.at] for i, cut in plan[0].cuts] if plan else []
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"rank{out['rank']}.json").write_text(json.dumps(out))
-    if error:
-        sys.exit(1)
+
+    harness.fit_gpt_window(args, strategy, model, window, per_node if name in SCHEDULES else world, stages)
 
 
 # ---------------------------------------------------------------------------------------------- driver
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    from ddp_plugin.testing.simcluster import SimulatedCluster, available
-
-    ok, reason = available()
-    if not ok:
-        print(f"benchmarks/pipeline.py: skipped, the simulated cluster cannot run here: {reason}")
+    if not harness.need_cluster("pipeline.py"):
         return 0
+    from ddp_plugin.testing.simcluster import SimulatedCluster
+
+    bench = harness.Run(__file__, argv, quiet=args.quiet, ranks=2 * args.ranks_per_node)
     results: dict[tuple[str, str], list[dict[str, Any]]] = {(r, c): [] for r in args.rates for c in args.contenders}
-    started = time.perf_counter()
-    common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--vocab", str(args.vocab), "--d-model",
-              str(args.d_model), "--heads", str(args.heads), "--layers", str(args.layers), "--seq", str(args.seq),
-              "--global-batch", str(args.global_batch), "--microbatches", str(args.microbatches),
-              "--ranks-per-node", str(args.ranks_per_node)]
-    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     for rate in args.rates:
         with SimulatedCluster(nodes=2, rate=None if rate == "none" else rate, prefix="ddppp") as cluster, \
                 tempfile.TemporaryDirectory() as tmp:
-            for i, name in enumerate(c for _ in range(args.repeats) for c in args.contenders):
-                out_dir = Path(tmp) / f"{i}-{name}"
-                t0 = time.perf_counter()
-                nodes = cluster.launch([str(Path(__file__).resolve()), "--worker", "--contender", name, "--out-dir",
-                                        str(out_dir), *common], nproc_per_node=args.ranks_per_node, env=env,
-                                       timeout=args.timeout)
-                ranks = sorted((json.loads(f.read_text()) for f in out_dir.glob("rank*.json")), key=lambda r: r["rank"])
-                errors = sorted({r["error"] for r in ranks if "error" in r})
-                if errors or len(ranks) != 2 * args.ranks_per_node or not all(n.ok for n in nodes):
-                    why = "; ".join(errors) or f"exit codes {[n.returncode for n in nodes]}"
-                    print(f"{rate} {name}: FAILED ({why})\n" + "\n".join(n.stderr[-2000:] for n in nodes), flush=True)
-                    results[rate, name].append({"error": why})
-                    continue
-                results[rate, name].append({"ranks": ranks})
-                print(f"{rate} {name}: median {statistics.median(ranks[0]['interval_s']):.3f} s/step,"
-                      f" {statistics.mean(r['tx_bytes'] for r in ranks if 'tx_bytes' in r) / args.steps / MB:.2f}"
-                      f" MB/node/step ({time.perf_counter() - t0:.0f} s wall)", flush=True)
+            for i, name in enumerate(harness.interleaved(args.contenders, args.repeats)):
+                results[rate, name].append(harness.launch_gpt(cluster, __file__, args, name, Path(tmp) / f"{i}-{name}",
+                                                              args.ranks_per_node, f"{rate} {name}",
+                                                              ("microbatches", "ranks_per_node")))
     rows = [summarize(args, rate, name, results[rate, name]) for rate in args.rates for name in args.contenders]
-    text = markdown(args, argv, rows, time.perf_counter() - started)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    plot(rows, args.out.with_suffix(".png"), args.rates)
-    print(text)
+    png = args.out.with_suffix(".png")
+    plotted = plot(rows, png, args.rates)
+    harness.write(args.out, markdown(args, bench, rows), also=[png] if plotted else [])
     return 0
 
 
@@ -309,23 +254,13 @@ def summarize(args: argparse.Namespace, rate: str, name: str, runs: list[dict[st
     if not ok:
         row["error"] = runs[-1]["error"]
         return row
-    steps = args.steps
-    row["median_s"] = statistics.median(statistics.median(ranks[0]["interval_s"]) for ranks in ok)
-    row["node_mb"] = [statistics.mean(r["tx_bytes"] for ranks in ok for r in ranks if r["node"] == n and "tx_bytes"
-                                      in r) / steps / MB for n in (0, 1)]
-    row["tx_mb"] = statistics.mean(row["node_mb"])
-    row["params"] = ok[0][0]["params"]
-    row["s_mb"] = row["params"] * 4 / MB
-    if all("ours_mb" in r for r in ok[0]):
-        row["ours_mb"] = statistics.mean(sum(r["ours_mb"] for r in ranks if r["node"] == n) / steps
-                                         for ranks in ok for n in (0, 1))
+    row.update(harness.gpt_row(ok, args.steps))
     # Every rank's last loss, averaged: the global batch's mean loss under every layout (a pipeline stage reports
     # its data-parallel rank's mean over the microbatches).
     row["final_loss"] = statistics.mean(statistics.mean(r["losses"][-1] for r in ranks) for ranks in ok)
     # (for a convergence comparison over many steps: the last 10 steps' mean, less noisy than the last step's)
     row["tail_loss"] = statistics.mean(statistics.mean(statistics.mean(r["losses"][-10:]) for r in ranks)
                                        for ranks in ok)
-    row["peak_rss_mb"] = max(r["maxrss_mb"] for ranks in ok for r in ranks)
     if name in SCHEDULES:
         row["predicted_mb"] = sum(predicted_bytes(args, name).values()) / MB
         stages = []
@@ -351,10 +286,7 @@ def summarize(args: argparse.Namespace, rate: str, name: str, runs: list[dict[st
     return row
 
 
-def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any]], wall_s: float) -> str:
-    import lightning
-    import torch
-
+def markdown(args: argparse.Namespace, bench: harness.Run, rows: list[dict[str, Any]]) -> str:
     ok = [r for r in rows if "median_s" in r]
     ref = {r["rate"]: r for r in ok if r["name"] == "lightning_ddp"}
     pred = predicted_bytes(args)
@@ -362,9 +294,7 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
     lines = [
         f"# Pipeline parallelism: 2 nodes x {D} rank{'s' if D > 1 else ''}, inter-node link {', '.join(args.rates)}",
         "",
-        f"- command: `python benchmarks/pipeline.py{' ' + shlex.join(argv) if argv else ''}`",
-        f"- torch {torch.__version__}, lightning {lightning.__version__}, Python {platform.python_version()},"
-        f" {os.cpu_count()} CPU cores shared by the {2 * D} ranks; {wall_s:.0f} s in all",
+        *bench.header(),
         f"- model: GPT (`ddp_plugin.testing.gpt`), vocab {args.vocab}, d {args.d_model}, {args.heads} heads,"
         f" {args.layers} layers, seq {args.seq}, tied embedding"
         + (f", {ok[0]['params']:,} parameters, S = {ok[0]['s_mb']:.2f} MB of fp32 gradients" if ok else "")
@@ -385,21 +315,22 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
         " B*s*d*2, with int8 activations B*s*(d+4), with the tie through int8 V*d*4 (1/4 + 1/1024) (codes and"
         " one fp32 scale per 1024 values)",
         "",
-        "| link | contender | median s/step | vs Lightning `ddp` | cross-node MB / node / step | x S | predicted MB"
-        " | measured / predicted | our accounting MB | final loss | last 10 | peak RSS MB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    cells = []
     for r in rows:
         if "median_s" not in r:
-            lines.append(f"| {r['rate']} | {r['label']} | failed: {str(r['error'])[:200]} | | | | | | | | | |")
+            cells.append([r["rate"], r["label"], f"failed: {str(r['error'])[:200]}"])
             continue
-        vs = f"{r['median_s'] / ref[r['rate']]['median_s']:.3f}" if r["rate"] in ref else "-"
-        ours = f"{r['ours_mb']:.2f}" if "ours_mb" in r else "-"
-        predicted = (f"{r['predicted_mb']:.3f} | {r['tx_mb'] / r['predicted_mb']:.4f}" if "predicted_mb" in r
-                     else "- | -")
-        lines.append(f"| {r['rate']} | {r['label']} | {r['median_s']:.3f} | {vs} | {r['tx_mb']:.3f} |"
-                     f" {r['tx_mb'] / r['s_mb']:.3f} | {predicted} | {ours} | {r['final_loss']:.4f} |"
-                     f" {r['tail_loss']:.4f} | {r['peak_rss_mb']:.0f} |")
+        predicted = ([f"{r['predicted_mb']:.3f}", f"{r['tx_mb'] / r['predicted_mb']:.4f}"] if "predicted_mb" in r
+                     else ["-", "-"])
+        cells.append([r["rate"], r["label"], f"{r['median_s']:.3f}",
+                      f"{r['median_s'] / ref[r['rate']]['median_s']:.3f}" if r["rate"] in ref else "-",
+                      f"{r['tx_mb']:.3f}", f"{r['tx_mb'] / r['s_mb']:.3f}", *predicted,
+                      harness.fmt(r.get("ours_mb"), ".2f"), f"{r['final_loss']:.4f}", f"{r['tail_loss']:.4f}",
+                      f"{r['peak_rss_mb']:.0f}"])
+    lines += harness.table(["link", "contender", "median s/step", "vs Lightning `ddp`", "cross-node MB / node / step",
+                            "x S", "predicted MB", "measured / predicted", "our accounting MB", "final loss",
+                            "last 10", "peak RSS MB"], cells, "ll" + "r" * 10)
     floor = {r["name"]: r for r in ok if r["rate"] == "none"}
     capped = [r for r in ok if r["rate"] != "none" and r["name"] in floor]
     if capped:
@@ -408,14 +339,23 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
             "Against the compute floor: each contender's step at a capped link / the same contender's step with the"
             " link uncapped (`none`) in this run.",
             "",
-            "| link | contender | median s/step | uncapped s/step | x the floor |",
-            "|---|---|---:|---:|---:|",
+            *harness.table(["link", "contender", "median s/step", "uncapped s/step", "x the floor"],
+                           ([r["rate"], r["name"], f"{r['median_s']:.3f}", f"{floor[r['name']]['median_s']:.3f}",
+                             f"{r['median_s'] / floor[r['name']]['median_s']:.3f}"] for r in capped), "llrrr"),
         ]
-        for r in capped:
-            f = floor[r["name"]]["median_s"]
-            lines.append(f"| {r['rate']} | {r['name']} | {r['median_s']:.3f} | {f:.3f} | {r['median_s'] / f:.3f} |")
     piped = [r for r in ok if "stages" in r]
     if piped:
+        cells = []
+        for r in piped:
+            for s, st in enumerate(r["stages"]):
+                cut = dict(r.get("cuts", []))  # a block cut between two stages: up to / from its module `at`
+                blocks = ",".join(
+                    (f"{i} (from `{cut[i]}`)" if s and i in r["stage_blocks"][s - 1] else f"{i} (to `{cut[i]}`)")
+                    if i in cut else str(i) for i in r["stage_blocks"][s]) if r.get("stage_blocks") else "?"
+                cells.append([r["rate"], r["name"], f"{r['node_mb'][0]:.3f} / {r['node_mb'][1]:.3f}", s, blocks,
+                              f"{st['schedule_s']:.3f}", f"{st['compute_s']:.3f}", f"{st['idle']:.3f}",
+                              f"{r['ideal_bubble']:.3f}", f"{st['ideal_idle']:.3f}", f"{st['sync_s']:.3f}",
+                              f"{st['tie_s']:.3f}"])
         lines += [
             "",
             "Pipeline stages, per step (medians over the timed steps and the stage's ranks). Schedule: wall time"
@@ -425,32 +365,18 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
             " with the measured compute times, no transfer time; sync: the stage's gradient sync after the"
             " schedule, of which tie: the tied embedding's all-reduce across the link. See the docstring's caveats.",
             "",
-            "| link | contender | node MB sent (0 / 1) | stage | blocks | schedule s | compute s | idle share | ideal,"
-            " equal stages | ideal, these stages | sync s | tie s |",
-            "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+            *harness.table(["link", "contender", "node MB sent (0 / 1)", "stage", "blocks", "schedule s", "compute s",
+                            "idle share", "ideal, equal stages", "ideal, these stages", "sync s", "tie s"], cells,
+                           "llrrl" + "r" * 7),
         ]
-        for r in piped:
-            for s, st in enumerate(r["stages"]):
-                cut = dict(r.get("cuts", []))  # a block cut between two stages: up to / from its module `at`
-                blocks = ",".join(
-                    (f"{i} (from `{cut[i]}`)" if s and i in r["stage_blocks"][s - 1] else f"{i} (to `{cut[i]}`)")
-                    if i in cut else str(i) for i in r["stage_blocks"][s]) if r.get("stage_blocks") else "?"
-                lines.append(f"| {r['rate']} | {r['name']} | {r['node_mb'][0]:.3f} / {r['node_mb'][1]:.3f} | {s} |"
-                             f" {blocks} | {st['schedule_s']:.3f} | {st['compute_s']:.3f} | {st['idle']:.3f} |"
-                             f" {r['ideal_bubble']:.3f} | {st['ideal_idle']:.3f} | {st['sync_s']:.3f} |"
-                             f" {st['tie_s']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], png: Path, rates: list[str]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+def plot(rows: list[dict[str, Any]], png: Path, rates: list[str]) -> bool:
     ok = [r for r in rows if "median_s" in r]
+    plt = harness.pyplot() if ok else None
+    if plt is None:
+        return False
     names = list(dict.fromkeys(r["name"] for r in ok))
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     height = 0.8 / max(len(rates), 1)
@@ -466,17 +392,12 @@ def plot(rows: list[dict[str, Any]], png: Path, rates: list[str]) -> None:
         ax.invert_yaxis()
     axes[0].legend(title="link")
     fig.suptitle("GPT, 2 nodes: pipeline (a stage per node) vs data parallelism")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    harness.save_figure(fig, png)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    return run(args, argv)
+    return harness.dispatch(argv, parse_args, worker, run)
 
 
 if __name__ == "__main__":

@@ -34,21 +34,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
-import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-DEFAULT_OUT = HERE / "results" / "setup_memory.md"
-MB = 1e6
+import harness
+from harness import MB, ROOT
+
+DEFAULT_OUT = harness.RESULTS / "setup_memory.md"
 
 # name -> (label, ranks, strategy flags or None for Lightning's)
 LAYOUTS: dict[str, tuple[str, int, dict[str, Any] | None]] = {
@@ -66,25 +62,22 @@ SIZES: dict[str, dict[str, int]] = {
 }
 VOCAB, SEQ, HEADS, BATCH, STEPS = 32, 8, 8, 8, 2
 QUICK_LAYOUTS = "ours_pp2_tp2,lightning_model_parallel"
-RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated subset of {', '.join(SIZES)}")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated subset of {', '.join(LAYOUTS)}")
+    p = harness.parser(__doc__)
+    harness.add_names(p, "--sizes", SIZES, SIZES)
+    harness.add_names(p, "--layouts", LAYOUTS, LAYOUTS)
     p.add_argument("--skip", default="ours_pp4_tp2:large",
                    help="layout:size pairs not run (comma-separated; default: the 8-rank layout at the large size,"
                    " 8 ranks on 2 cores being slow); '' runs every pair")
     p.add_argument("--quick", action="store_true",
                    help=f"smallest size, layouts {QUICK_LAYOUTS}; writes to a temporary file unless --out is given")
-    p.add_argument("--quiet", action="store_true",
-                   help="state in the results that nothing else ran on the machine (timings then count)")
     p.add_argument("--tie", choices=["replicated", "vocab"], default="replicated",
                    help="GPTModule's tie: the tied embedding and head replicated over the tensor-parallel ranks"
                    " (default) or split by vocabulary (vocab 32: a few kB either way)")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per launch before it is killed")
-    p.add_argument("--out", type=Path, default=None, help=f"markdown table (default {DEFAULT_OUT.relative_to(ROOT)})")
+    harness.add_common(p, out=None, out_help=f"markdown table (default {DEFAULT_OUT.relative_to(ROOT)})")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", choices=list(LAYOUTS), help=argparse.SUPPRESS)
     p.add_argument("--size", choices=list(SIZES), help=argparse.SUPPRESS)
@@ -96,11 +89,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             args.out = Path(tempfile.gettempdir()) / "setup_memory_quick.md"
     if args.out is None:
         args.out = DEFAULT_OUT
-    args.sizes = [s for s in args.sizes.split(",") if s]
-    args.layouts = [x for x in args.layouts.split(",") if x]
-    for kind, given, known in (("size", args.sizes, SIZES), ("layout", args.layouts, LAYOUTS)):
-        if bad := [x for x in given if x not in known]:
-            p.error(f"unknown {kind}(s) {', '.join(bad)}; choose from {', '.join(known)}")
+    args.sizes = harness.names(p, args.sizes, SIZES, "size")
+    args.layouts = harness.names(p, args.layouts, LAYOUTS, "layout")
     args.skip = {tuple(x.split(":", 1)) for x in args.skip.split(",") if ":" in x}
     return args
 
@@ -226,24 +216,10 @@ def worker(args: argparse.Namespace) -> None:
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
     else:
         strategy = HierarchicalZeroStrategy(**flags)
-
-    class FullyShardRecipe(GPTModule):
-        """Lightning's ModelParallelStrategy recipe: the tensor-parallel plan (GPTModule.configure_model), then
-        FSDP2 on the data-parallel mesh, each block and the root."""
-
-        def configure_model(self) -> None:
-            from torch.distributed.fsdp import fully_shard
-
-            super().configure_model()
-            dp = self.device_mesh["data_parallel"]
-            for block in self.model.blocks:
-                fully_shard(block, mesh=dp)
-            fully_shard(self.model, mesh=dp)
-
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Measure()])
-    cls = FullyShardRecipe if layout == "lightning_model_parallel" else GPTModule
+    cls = harness.fully_shard_gpt() if layout == "lightning_model_parallel" else GPTModule
     kwargs = dict(vocab=VOCAB, d_model=size["d_model"], heads=HEADS, layers=size["layers"], seq=SEQ,
                   tie=args.tie if tp else "replicated", lr=3e-4)
     if layout == "lightning_ddp":
@@ -266,9 +242,7 @@ def worker(args: argparse.Namespace) -> None:
         if cause is not err:
             out["cause"] = first_line(cause)
     out["sampler_final"] = sampler.finish()
-    args.json_dir.mkdir(parents=True, exist_ok=True)
-    rank = out.setdefault("rank", trainer.global_rank)
-    (args.json_dir / f"rank{rank}.json").write_text(json.dumps(out))
+    harness.write_rank(args.json_dir, out.setdefault("rank", trainer.global_rank), out)
     if "error" in out:
         sys.exit(1)
 
@@ -281,40 +255,18 @@ def launch(args: argparse.Namespace, layout: str, size: str, tmp: Path) -> dict[
     log = tmp / f"{layout}-{size}.log"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--layout", layout, "--size", size,
            "--json-dir", str(json_dir), "--tie", args.tie]
-    # Without the rendezvous variables of any run around this one (ddp_plugin.testing.processes.clean_env, not
-    # imported: the driver stays free of torch, whose import costs seconds on 2 cores).
-    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"})
-    load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launch's own process group: rank 0 and the ranks it started
-            proc.wait()
-            rc = None
-    # Lightning's launcher does not wait for the ranks it started: wait until every process of the launch is gone
-    # (they write their results before exiting, and the next launch must not share the cores with them).
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.2)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-    wall = time.perf_counter() - t0
+    load_before = harness.load_average()
+    # (the driver stays free of torch, whose import costs seconds on 2 cores)
+    done = harness.run_local(cmd, log=log, timeout=args.timeout, env=harness.RANK_ENV)
+    rc, wall = done.returncode, done.wall_s
     ranks = sorted((json.loads(f.read_text()) for f in json_dir.glob("rank*.json")), key=lambda r: r["rank"])
     world = LAYOUTS[layout][1]
     result: dict[str, Any] = {"layout": layout, "size": size, "wall_s": wall, "load_before": load_before,
-                              "load_after": os.getloadavg()[0], "ranks": ranks}
+                              "load_after": harness.load_average(), "ranks": ranks}
     errors = list(dict.fromkeys(r["error"] + (f" (root cause: {r['cause']})" if "cause" in r else "")
                                 for r in ranks if "error" in r))
     if rc != 0 or errors or len(ranks) != world or any("peak_steps" not in r for r in ranks):
-        text = log.read_text(errors="replace")
+        text = done.log
         if errors:
             reason = errors[0]
         elif rc is None:
@@ -361,38 +313,15 @@ def fmt(x: float) -> str:
     return f"{x / MB:.1f}"
 
 
-def tree_state() -> str:
-    """The checkout's commit, and whether tracked files differ from it (read-only git)."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-                            ).stdout.strip() or "unknown"
-    dirty = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return commit + (" with uncommitted changes to tracked files" if dirty else "")
-
-
-def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any]], wall_s: float,
-             loads: tuple[float, float], trees: tuple[str, str]) -> str:
-    from importlib.metadata import version
-
+def markdown(args: argparse.Namespace, bench: harness.Run, rows: list[dict[str, Any]]) -> str:
     ok = [r for r in rows if "error" not in r]
     baselines = [b for r in ok for b in r["baselines"]]
-    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    quiet = ("nothing else ran on the machine (`--quiet`): the times count" if args.quiet else
-             "other work may have run on the machine at the same time (it is shared: another engineer's tests ran on"
-             " it while this was written), so **the times may be inflated**; a final rerun with `--quiet` on an idle"
-             " machine is the one to quote times from. Memory does not depend on it")
     lines = [
         "# Setup memory: models no rank holds whole, built on the meta device",
         "",
-        f"- command: `python benchmarks/setup_memory.py{' ' + shlex.join(argv) if argv else ''}`"
-        f" ({wall_s:.0f} s in all)",
-        f"- torch {version('torch')}, lightning {version('lightning')}, Python {platform.python_version()},"
-        + (f" commit {trees[0]};" if trees[0] == trees[1] else
-           f" commit {trees[0]} at the start, {trees[1]} at the end (the checkout changed during the run);")
-        + f" {os.cpu_count()} CPU cores, {mem_gb:.0f} GiB, {platform.platform()}; CPU ranks over gloo,"
-        f" `torch.set_num_threads(1)` per rank; the launches ran one after another",
-        f"- machine load: load average {loads[0]:.2f} at the start, {loads[1]:.2f} at the end, per launch"
-        f" {min(r['load_before'] for r in rows):.2f}-{max(r['load_before'] for r in rows):.2f} before it; {quiet}",
+        *bench.header(),
+        "- CPU ranks over gloo, `torch.set_num_threads(1)` per rank; the launches ran one after another; load average"
+        f" before each launch {min(r['load_before'] for r in rows):.2f}-{max(r['load_before'] for r in rows):.2f}",
         f"- model: GPT (`ddp_plugin.testing.gpt`), vocab {VOCAB}, seq {SEQ}, {HEADS} heads, embedding tied to the"
         f" head (`tie={args.tie!r}` where tensor parallelism is on: "
         + ("replicated over the tensor-parallel ranks" if args.tie == "replicated" else "split by vocabulary")
@@ -422,20 +351,20 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
         if sized:
             head += (f", {sized['params'] / 1e6:.1f}M parameters, whole model {fmt(sized['model_bytes'])} MB"
                      f" (4 x: {fmt(4 * sized['model_bytes'])} MB)")
-        lines += [head, "",
-                  "| layout | ranks | weights held per rank (MB) | share (MB) | peak above baseline through setup (MB)"
-                  " | peak through 2 steps (MB) | peak/share | time to first step (s) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        cells = []
         for r in srows:
             label, world = LAYOUTS[r["layout"]][0], LAYOUTS[r["layout"]][1]
             if "error" in r:
-                lines.append(f"| {label} | {world} | failed: {r['error'][:240].replace('|', '/')} | | | | | |")
+                cells.append([label, world, f"failed: {r['error'][:240].replace('|', '/')}"])
                 continue
             held = fmt(r["held"])
             if held != fmt(r["held_min"]):
                 held += f" (min {fmt(r['held_min'])})"
-            lines.append(f"| {label} | {world} | {held} | {fmt(r['share'])} | {fmt(r['setup'])} | {fmt(r['steps'])} |"
-                         f" {r['ratio']:.2f} | {r['first_step_s']:.1f} |")
+            cells.append([label, world, held, fmt(r["share"]), fmt(r["setup"]), fmt(r["steps"]), f"{r['ratio']:.2f}",
+                          f"{r['first_step_s']:.1f}"])
+        lines += [head, "", *harness.table(["layout", "ranks", "weights held per rank (MB)", "share (MB)",
+                                            "peak above baseline through setup (MB)", "peak through 2 steps (MB)",
+                                            "peak/share", "time to first step (s)"], cells)]
         skipped = [n for n in args.layouts if (n, size) in args.skip]
         if skipped:
             lines.append("")
@@ -461,18 +390,14 @@ def markdown(args: argparse.Namespace, argv: list[str], rows: list[dict[str, Any
               " by the allocator, or the transient peak of a phase); *setup s*: from `trainer.fit` to batch 0's start;"
               " *launch s*: the launch's wall time, process starts and exits included; *load*: the machine's"
               " 1-minute load average before the launch.", "",
-              "| layout | size | step-1 peak | 2-step peak | after trim | AdamW state / held | setup s | first step s"
-              " | launch s | load |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| `{r['layout']}` | {r['size']} | failed | | | | | | {r['wall_s']:.0f} |"
-                         f" {r['load_before']:.2f} |")
-            continue
-        trimmed = fmt(r["trimmed"]) if "trimmed" in r else "-"
-        lines.append(f"| `{r['layout']}` | {r['size']} | {fmt(r['step1'])} | {fmt(r['steps'])} | {trimmed} |"
-                     f" {max(r['adam_over_held']):.3f} | {r['setup_s']:.1f} | {r['first_step_s']:.1f} |"
-                     f" {r['wall_s']:.0f} | {r['load_before']:.2f} |")
+              *harness.table(["layout", "size", "step-1 peak", "2-step peak", "after trim", "AdamW state / held",
+                              "setup s", "first step s", "launch s", "load"], (
+                  [f"`{r['layout']}`", r["size"], "failed", "", "", "", "", "", f"{r['wall_s']:.0f}",
+                   f"{r['load_before']:.2f}"] if "error" in r else
+                  [f"`{r['layout']}`", r["size"], fmt(r["step1"]), fmt(r["steps"]),
+                   fmt(r["trimmed"]) if "trimmed" in r else "-", f"{max(r['adam_over_held']):.3f}",
+                   f"{r['setup_s']:.1f}", f"{r['first_step_s']:.1f}", f"{r['wall_s']:.0f}", f"{r['load_before']:.2f}"]
+                  for r in rows), "ll" + "r" * 8)]
     return "\n".join(lines) + "\n"
 
 
@@ -544,9 +469,7 @@ def reading(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
 
 
 def driver(args: argparse.Namespace, argv: list[str]) -> int:
-    started = time.perf_counter()
-    load_start = os.getloadavg()[0]
-    tree_start = tree_state()
+    bench = harness.Run(__file__, argv, quiet=args.quiet)
     results = []
     with tempfile.TemporaryDirectory(prefix="setup_memory_") as tmp:
         for size in args.sizes:
@@ -560,23 +483,12 @@ def driver(args: argparse.Namespace, argv: list[str]) -> int:
                     print(f"{layout:26s} {size:6s} held {fmt(row['held']):>7s} MB, setup peak {fmt(row['setup']):>7s}"
                           f" MB, 2-step peak {fmt(row['steps']):>7s} MB, peak/share {row['ratio']:.2f}, first step"
                           f" {row['first_step_s']:.1f} s ({result['wall_s']:.0f} s wall)", flush=True)
-    rows = [summarize(r) for r in results]
-    text = markdown(args, argv, rows, time.perf_counter() - started, (load_start, os.getloadavg()[0]),
-                    (tree_start, tree_state()))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
-    print(f"wrote {args.out}")
+    harness.write(args.out, markdown(args, bench, [summarize(r) for r in results]))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    return driver(args, argv)
+    return harness.dispatch(argv, parse_args, worker, driver)
 
 
 if __name__ == "__main__":
