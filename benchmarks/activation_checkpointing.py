@@ -24,16 +24,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+import harness
+
 LAYOUTS: dict[str, dict] = {
     "dp": {},
     "2x2_zero3": {"devices_per_node": 2, "zero_stage": 3, "auto_wrap_policy": ["Block"]},
@@ -98,51 +96,42 @@ def worker(args: argparse.Namespace) -> None:
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
 
 
-def driver(args: argparse.Namespace) -> None:
+def driver(args: argparse.Namespace, argv: list[str]) -> None:
+    bench = harness.Run(__file__, argv, quiet=args.quiet, ranks=4)
     rows = []
-    for layout in args.layouts.split(","):
+    for layout in args.layouts:
         for on in (False, True):
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "result.json"
-                cmd = [sys.executable, __file__, "--layout", layout, "--json", str(out), "--steps", str(args.steps),
-                       "--d-model", str(args.d_model), "--layers", str(args.layers), "--seq", str(args.seq),
-                       "--batch", str(args.batch), *(["--on"] if on else [])]
-                subprocess.run(cmd, check=True, cwd=HERE.parent, stdout=subprocess.DEVNULL)
+                harness.run_local([sys.executable, __file__, "--layout", layout, "--json", str(out),
+                                   *harness.forward(args, "steps", "d_model", "layers", "seq", "batch"),
+                                   *(["--on"] if on else [])]).check(f"{layout} {'on' if on else 'off'}")
                 ranks = json.loads(out.read_text())
             worst = max(ranks, key=lambda r: r["peak"])
             rows.append((layout, on, worst, max(r["saved"] for r in ranks)))
             print(f"{layout:10s} {'on ' if on else 'off'} activations {rows[-1][3] / 1e6:7.1f} MB, peak above start"
                   f" {worst['peak'] / 1e6:7.1f} MB, step {worst['step']:.3f} s", flush=True)
-    import lightning
-    import torch
-
     lines = [
         "# Activation checkpointing: memory and time of a training step, with and without",
         "",
-        f"`python benchmarks/activation_checkpointing.py --layouts {args.layouts}`: 4 CPU ranks over gloo, GPT"
-        f" d_model={args.d_model}, {args.layers} blocks, seq {args.seq}, batch {args.batch} per data-parallel rank,"
-        f" AdamW, {args.steps} steps, built with `init_module(empty_init=True)`; `activation_checkpointing_policy="
-        "{\"Block\"}` against none. torch"
-        f" {torch.__version__}, lightning {lightning.__version__}, {os.cpu_count()} cores,"
-        f" {platform.platform()}, load average {os.getloadavg()[0]:.2f} at the end (nothing else running).",
-        "Per layout the rank with the largest peak: *activations* = bytes saved for the backward in one step (the"
+        *bench.header(),
+        f"- setup: 4 CPU ranks over gloo, GPT d_model={args.d_model}, {args.layers} blocks, seq {args.seq}, batch"
+        f" {args.batch} per data-parallel rank, AdamW, {args.steps} steps, built with `init_module(empty_init=True)`;"
+        " `activation_checkpointing_policy={\"Block\"}` against none",
+        "- per layout the rank with the largest peak: *activations* = bytes saved for the backward in one step (the"
         " largest rank's); *peak above start* = peak RSS during training minus RSS at its start (gradients and AdamW"
-        " state included, the same with and without); *step* = median"
-        " wall time.",
+        " state included, the same with and without); *step* = median wall time",
         "",
-        "| layout | checkpointing | activations MB | peak above start MB | step s |",
-        "|---|---|---:|---:|---:|",
+        *harness.table(["layout", "checkpointing", "activations MB", "peak above start MB", "step s"],
+                       ([layout, "on" if on else "off", f"{saved / 1e6:.1f}", f"{worst['peak'] / 1e6:.1f}",
+                         f"{worst['step']:.3f}"] for layout, on, worst, saved in rows), "llrrr"),
     ]
-    for layout, on, worst, saved in rows:
-        lines.append(f"| {layout} | {'on' if on else 'off'} | {saved / 1e6:.1f} | {worst['peak'] / 1e6:.1f} |"
-                     f" {worst['step']:.3f} |")
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    harness.write(args.out, "\n".join(lines) + "\n", show=False)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layouts", default=",".join(LAYOUTS))
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = harness.parser(__doc__)
+    harness.add_names(p, "--layouts", LAYOUTS, LAYOUTS)
     p.add_argument("--layout", choices=list(LAYOUTS), help=argparse.SUPPRESS)
     p.add_argument("--on", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
@@ -151,13 +140,15 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--out", default=str(HERE / "results" / "activation_checkpointing.md"))
-    args = p.parse_args()
-    if args.layout:
-        worker(args)
-    else:
-        driver(args)
+    harness.add_common(p, out=harness.RESULTS / "activation_checkpointing.md")
+    args = p.parse_args(argv)
+    args.layouts = harness.names(p, args.layouts, LAYOUTS, "layout")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.dispatch(argv, parse_args, worker, driver, is_worker=lambda args: bool(args.layout))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+import harness
+
 CONTENDERS = {
     "ddp": "Lightning `ddp` (TorchCheckpointIO)",
     "stage0": "ours, stage 0",
@@ -83,17 +81,17 @@ def worker(args: argparse.Namespace) -> None:
     trainer.fit(TinyModule(net, loss="cross_entropy", optimizer="adamw", lr=1e-3), DataLoader(data, batch_size=8))
 
 
-def driver(args: argparse.Namespace) -> None:
+def driver(args: argparse.Namespace, argv: list[str]) -> None:
+    bench = harness.Run(__file__, argv, quiet=args.quiet, ranks=args.devices)
     rows = []
-    for name in args.contenders.split(","):
+    for name in args.contenders:
         results = []
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "result.json"
-                cmd = [sys.executable, __file__, "--contender", name, "--json", str(out),
-                       "--path", str(Path(tmp) / "model.ckpt"), "--devices", str(args.devices),
-                       "--hidden", str(args.hidden), "--layers", str(args.layers)]
-                subprocess.run(cmd, check=True, cwd=HERE.parent, stdout=subprocess.DEVNULL)
+                harness.run_local([sys.executable, __file__, "--contender", name, "--json", str(out),
+                                   "--path", str(Path(tmp) / "model.ckpt"),
+                                   *harness.forward(args, "devices", "hidden", "layers")]).check(name)
                 results.append(json.loads(out.read_text()))
         extra = sorted(r["extra"] for r in results)[len(results) // 2]
         seconds = sorted(r["seconds"] for r in results)[len(results) // 2]
@@ -105,40 +103,38 @@ def driver(args: argparse.Namespace) -> None:
     lines = [
         "# Checkpoint benchmark: rank 0's extra memory during one save",
         "",
-        f"- command: `python benchmarks/checkpoint_memory.py --contenders {args.contenders}`",
-        f"- Python {platform.python_version()}, {os.cpu_count()} CPU cores shared by {args.devices} ranks (gloo)",
+        *bench.header(),
+        f"- {args.devices} CPU ranks over gloo",
         f"- model: MLP 32 -> {args.layers + 1} x Linear({args.hidden}) -> 10, AdamW, S = {s_mb:.2f} MB of fp32"
         " parameters; a checkpoint holds S of parameters and 2 S of AdamW state",
         "- extra: peak RSS of rank 0 during `trainer.save_checkpoint` (sampled every ms) minus its RSS right before;"
         f" median of {args.repeats} runs; save time on rank 0 includes the final barrier",
         "",
-        "| contender | extra MB on rank 0 | x S | save s | file MB |",
-        "|---|---:|---:|---:|---:|",
+        *harness.table(["contender", "extra MB on rank 0", "x S", "save s", "file MB"],
+                       ([CONTENDERS[name], f"{extra / 1e6:.1f}", f"{extra / r['S']:.2f}", f"{seconds:.2f}",
+                         f"{r['file'] / 1e6:.1f}"] for name, extra, seconds, r in rows)),
     ]
-    for name, extra, seconds, r in rows:
-        lines.append(f"| {CONTENDERS[name]} | {extra / 1e6:.1f} | {extra / r['S']:.2f} | {seconds:.2f} |"
-                     f" {r['file'] / 1e6:.1f} |")
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    harness.write(args.out, "\n".join(lines) + "\n", show=False)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = harness.parser(__doc__, whole=True)
+    harness.add_names(p, "--contenders", CONTENDERS, CONTENDERS)
     p.add_argument("--contender", choices=list(CONTENDERS), help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=11)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default=str(HERE / "results" / "checkpoint.md"))
-    args = p.parse_args()
-    if args.contender:
-        worker(args)
-    else:
-        driver(args)
+    harness.add_common(p, out=harness.RESULTS / "checkpoint.md", repeats=3)
+    args = p.parse_args(argv)
+    args.contenders = harness.names(p, args.contenders, CONTENDERS)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.dispatch(argv, parse_args, worker, driver, is_worker=lambda args: bool(args.contender))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

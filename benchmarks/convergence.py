@@ -69,9 +69,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
 import traceback
@@ -81,6 +78,7 @@ from typing import Any
 import lightning as L
 import torch
 
+import harness
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.ranks import identical_on_all_ranks
 from ddp_plugin.testing.text import (
@@ -96,9 +94,9 @@ from ddp_plugin.testing.text import (
     text_data,
     train_positions,
 )
+from harness import cell, fmt
 
-HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "results" / "convergence.md"
+DEFAULT_OUT = harness.RESULTS / "convergence.md"
 WORLD, PER_NODE = 4, 2
 BUCKET_MB = 0.1
 SEED = 1234
@@ -147,7 +145,7 @@ ACCEPTANCE = (("diloco_h16", "diloco_h16_m05", "diloco_h16_warmup"), 0.03)  # he
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of: {', '.join(RUNS)} (default: all,"
                                                           " in this order); name@lr trains that run at its own inner"
                                                           " lr only, instead of every --lr")
@@ -166,7 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         " grid (--lr 1e-3,2e-3,3e-3): every run is trained at every value, and the acceptance"
                         " compares each run at its best one (each tuned on the same grid)")
     p.add_argument("--smooth", type=int, default=50, help="training loss moving-average window in the plot (steps)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown file; the plot goes next to it as .png")
+    harness.add_common(p, out=DEFAULT_OUT, out_help="markdown file; the plot goes next to it as .png")
     p.add_argument("--json", type=Path, default=None, help="also write every number (loss curves included) here")
     args = p.parse_args(argv)
     own: dict[str, float] = {}  # run -> its own inner lr (``--runs name@lr``), instead of the --lr grid
@@ -180,10 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 p.error(f"--runs: {item!r}: the inner lr after @ must be a positive number")
         if name:
             names.append(name)
-    unknown = [r for r in names if r not in RUNS]
-    if unknown:
-        p.error(f"unknown run(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}")
-    args.runs = names
+    args.runs = harness.names(p, ",".join(names), RUNS, "run")
     # a grid: every run at the first lr, then every run at the next; a run with its own lr once, in the first pass
     args.trainings = [(n, own[n]) if n in own else (n, lr)
                       for i, lr in enumerate(args.lr) for n in names if n not in own or i == 0]
@@ -250,13 +245,13 @@ def schedule_text(args: argparse.Namespace) -> str:
             f" {FINAL_LR_RATIO:g} x the peak at step {args.steps}")
 
 
-def command_text(args: argparse.Namespace) -> str:
+def command_argv(args: argparse.Namespace) -> list[str]:
     """The command line, with ``--corpus`` and ``--schedule`` spelled out where the defaults were used."""
     argv = list(args.argv)
     for flag, value in (("--schedule", args.schedule), ("--corpus", args.corpus)):  # prepended: corpus first
         if not any(a == flag or a.startswith(flag + "=") for a in argv):
             argv = [flag, value, *argv]
-    return "python benchmarks/convergence.py " + shlex.join(argv)
+    return argv
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -340,27 +335,12 @@ def run(name: str, lr: float, args: argparse.Namespace, data: tuple, vocab: int)
 # ---------------------------------------------------------------------------------------------- reporting
 
 
-def _commit() -> str:
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent, capture_output=True, text=True,
-                          check=False)
-    return proc.stdout.strip() if proc.returncode == 0 else "not a git checkout"
-
-
 def _flag_value(value: Any) -> Any:
     return value.__name__ if callable(value) else value
 
 
 def _flags_text(flags: dict[str, Any]) -> str:
     return ", ".join(f"`{k}={_flag_value(v)!r}`" for k, v in flags.items()) if flags else "(none: synchronous)"
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _cell(text: str, limit: int = 300) -> str:
-    text = " ".join(str(text).split()).replace("|", "\\|")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _data_text(args: argparse.Namespace, vocab: int, chars: int, info: dict[str, Any]) -> str:
@@ -389,10 +369,8 @@ def _data_text(args: argparse.Namespace, vocab: int, chars: int, info: dict[str,
             f" {held} (`ddp_plugin.testing.text`: {call})")
 
 
-def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: int, chars: int,
-                   info: dict[str, Any], wall_s: float, png: Path | None) -> str:
-    import lightning
-
+def write_markdown(args: argparse.Namespace, bench: harness.Run, rows: list[dict[str, Any]], vocab: int, chars: int,
+                   info: dict[str, Any], png: Path | None) -> str:
     ok = [r for r in rows if "error" not in r]
     best = best_rows(rows)
     ref = best.get("sync")  # synchronous training at its best inner lr of the grid
@@ -403,11 +381,8 @@ def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: 
         f"# Convergence: sync modes vs synchronous training, {WORLD // PER_NODE} nodes x {PER_NODE} ranks, "
         f"{args.steps} steps, {args.corpus} corpus, {args.schedule} lr",
         "",
-        f"- command: `{command_text(args)}`",
-        f"- torch {torch.__version__}, lightning {lightning.__version__}, Python {platform.python_version()},"
-        f" {platform.machine()}, {os.cpu_count()} CPU cores shared by all {WORLD} ranks (1 intra-op thread each)",
-        f"- ddp_plugin: commit {args.commit}",
-        f"- ranks: {WORLD} CPU ranks as {WORLD // PER_NODE} simulated nodes x {PER_NODE}, gloo over loopback:"
+        *bench.header(),
+        f"- ranks: {WORLD} CPU ranks (1 intra-op thread each) as {WORLD // PER_NODE} simulated nodes x {PER_NODE}, gloo over loopback:"
         f" `HierarchicalZeroStrategy(devices_per_node={PER_NODE}, bucket_size_mb={BUCKET_MB:g}, <flags>)`, ZeRO"
         f" stage 0; {buckets} gradient buckets",
         f"- model: `ddp_plugin.testing.text.CharModel`: next character from the previous {CONTEXT}, Embedding({vocab},"
@@ -436,29 +411,26 @@ def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: 
         "- wall s: rank 0's time from the start of training to its end (setup, launch and the held-out evaluations not"
         " included), on a shared machine, not a timing benchmark",
         "",
-        "| run | flags | inner lr | final held-out loss | ratio to sync (same lr) | cross-node MB/step | outer syncs"
-        " | wall s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
+    cells = []
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | {_flags_text(RUNS[r['name']])} | {r['lr']:g} | failed: {_cell(r['error'])}"
-                         " | - | - | - | - |")
+            cells.append([r["name"], _flags_text(RUNS[r["name"]]), f"{r['lr']:g}", f"failed: {cell(r['error'])}",
+                          "-", "-", "-", "-"])
             continue
         same = next((s for s in ok if s["name"] == "sync" and s["lr"] == r["lr"]), None)
-        ratio = r["held_out_final"] / same["held_out_final"] if same else None
         mark = "**" if grid and best.get(r["name"]) is r else ""
-        lines.append(
-            f"| {r['name']} | {_flags_text(r['flags'])} | {mark}{r['lr']:g}{mark} | {r['held_out_final']:.4f} |"
-            f" {_fmt(ratio, '.4f')} | {_fmt(r['cross_node_MB_per_step'], '.4f')} | {r['outer_syncs']} |"
-            f" {r['seconds']:.0f} |"
-        )
+        cells.append([r["name"], _flags_text(r["flags"]), f"{mark}{r['lr']:g}{mark}", f"{r['held_out_final']:.4f}",
+                      fmt(r["held_out_final"] / same["held_out_final"] if same else None, ".4f"),
+                      fmt(r["cross_node_MB_per_step"], ".4f"), r["outer_syncs"], f"{r['seconds']:.0f}"])
+    lines += harness.table(["run", "flags", "inner lr", "final held-out loss", "ratio to sync (same lr)",
+                            "cross-node MB/step", "outer syncs", "wall s"], cells, "llrrrrrr")
     if grid:
-        lines += ["", "Each run at its best inner lr (bold above), against synchronous training at its best:",
-                  "", "| run | best inner lr | final held-out loss | ratio to sync (each tuned) |", "|---|---:|---:|---:|"]
-        for name, r in best.items():
-            ratio = r["held_out_final"] / ref["held_out_final"] if ref else None
-            lines.append(f"| {name} | {r['lr']:g} | {r['held_out_final']:.4f} | {_fmt(ratio, '.4f')} |")
+        lines += ["", "Each run at its best inner lr (bold above), against synchronous training at its best:", "",
+                  *harness.table(["run", "best inner lr", "final held-out loss", "ratio to sync (each tuned)"],
+                                 ([name, f"{r['lr']:g}", f"{r['held_out_final']:.4f}",
+                                   fmt(r["held_out_final"] / ref["held_out_final"] if ref else None, ".4f")]
+                                  for name, r in best.items()))]
     lines.append("")
     names, tol = ACCEPTANCE
     tuned = ", each at its best inner lr" if grid else ""
@@ -484,17 +456,16 @@ def write_markdown(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: 
         at = f" at lr {r['lr']:g}" if grid else ""
         lines.append(
             f"- {r['name']}{at}: parameters identical on all ranks after training: {r['identical_on_all_ranks']};"
-            f" node 1's replica's final held-out loss {_fmt(node1, '.4f')}; held-out loss over the last 20% of the"
+            f" node 1's replica's final held-out loss {fmt(node1, '.4f')}; held-out loss over the last 20% of the"
             f" steps: mean {_tail_mean(r, args.steps):.4f}, best during training"
             f" {min(v for _, v in r['held_out_curve']):.4f}; mean training loss of the last 100 steps"
             f" {sum(r['train_loss'][-100:]) / len(r['train_loss'][-100:]):.4f}; inner lr after the last step"
             f" {r['lr_after_training']:.3g}; cross-node MB/step by rank"
-            f" {', '.join(_fmt(c, '.4f') for c in cross)}"
+            f" {', '.join(fmt(c, '.4f') for c in cross)}"
         )
     if png is not None:
         lines += ["", f"![held-out and training loss]({png.name})"]
-    lines += ["", f"_Total benchmark wall time {wall_s:.0f} s._", ""]
-    return "\n".join(lines)
+    return "\n".join([*lines, ""])
 
 
 def best_rows(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -531,17 +502,10 @@ def _smooth(values: list[float], window: int) -> tuple[list[int], list[float]]:
 
 
 def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed, so no plot was written (pip install matplotlib)", file=sys.stderr)
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     grid = args.grid
     ok = list(best_rows(rows).values())  # with an --lr grid, each run at its best lr
-    if not ok:
+    plt = harness.pyplot() if ok else None
+    if plt is None:
         return False
     fig, (ax_h, ax_t) = plt.subplots(1, 2, figsize=(13, 5))
     ref = next((r for r in ok if r["name"] == "sync"), None)
@@ -576,28 +540,21 @@ def write_plot(args: argparse.Namespace, rows: list[dict[str, Any]], path: Path)
           f"{peak}, {WARMUP_FRACTION:.0%} warmup + cosine to {FINAL_LR_RATIO:g}x")
     fig.suptitle(f"char model on {text}, {WORLD // PER_NODE} nodes x {PER_NODE} CPU ranks, AdamW {lr},"
                  f" {args.steps} steps", fontsize=11)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(fig, path)
     return True
 
 
-def write_results(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: int, chars: int,
-                  info: dict[str, Any], wall_s: float, show: bool) -> None:
+def write_results(args: argparse.Namespace, bench: harness.Run, rows: list[dict[str, Any]], vocab: int, chars: int,
+                  info: dict[str, Any], show: bool) -> None:
     png = args.out.with_suffix(".png")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     plotted = write_plot(args, rows, png)
-    text = write_markdown(args, rows, vocab, chars, info, wall_s, png if plotted else None)
-    args.out.write_text(text)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
                                                   for k, v in vars(args).items()}, "data": info, "runs": rows},
                                         indent=1, default=_flag_value))
-    if show:
-        print(text, flush=True)
-    print(f"written to {args.out}" + (f" and {png}" if plotted else ""), flush=True)
+    harness.write(args.out, write_markdown(args, bench, rows, vocab, chars, info, png if plotted else None),
+                  show=show, also=[png] if plotted else [])
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -606,10 +563,11 @@ def write_results(args: argparse.Namespace, rows: list[dict[str, Any]], vocab: i
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    args.commit = _commit()
+    rank0 = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    # (rank 0 writes the results; the others, started by Lightning's launcher at the first fit, only train)
+    bench = harness.Run(__file__, command_argv(args), quiet=args.quiet, ranks=WORLD) if rank0 else None
     data, vocab, chars, info = load_data(args)
     rows: list[dict[str, Any]] = []
-    t_all = time.perf_counter()
     trainings = args.trainings  # a grid: every run at one lr, then the next
     for i, (name, lr) in enumerate(trainings):
         try:
@@ -617,14 +575,13 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # noqa: BLE001 - a failed run gets its row; the next one starts
             traceback.print_exc()
             rows.append({"name": name, "lr": lr, "error": f"{type(err).__name__}: {err}"})
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        if bench is not None:
             r = rows[-1]
             status = (f"failed ({r['error']})" if "error" in r else
                       f"held-out {r['held_out_final']:.4f}, {r['cross_node_MB_per_step']:.4f} cross-node MB/step,"
                       f" {r['outer_syncs']} outer syncs, {r['seconds']:.0f} s")
             print(f"[{i + 1}/{len(trainings)}] {name:<16} lr {lr:<8g} {status}", flush=True)
-            write_results(args, rows, vocab, chars, info, time.perf_counter() - t_all,  # after every run
-                          show=i == len(trainings) - 1)
+            write_results(args, bench, rows, vocab, chars, info, show=i == len(trainings) - 1)  # after every run
     return 0
 
 

@@ -23,10 +23,11 @@ that injects a fault writes ``DIR/fault`` (the time, then what it did) just befo
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
+
+import harness
 
 
 def _mark_fault(out: str, what: str) -> None:
@@ -35,15 +36,12 @@ def _mark_fault(out: str, what: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, type=json.loads, help="the run, as JSON (keys above)")
-    spec = parser.parse_args().spec
+    spec = harness.spec_parser(__doc__)
     out = spec["out"]
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
     # Written before any import of Lightning (ddp_plugin.testing.processes.write_pid_file would import it): the
     # driver can kill this rank from its first second.
-    with open(os.path.join(out, f"pid-{os.environ.get('LOCAL_RANK', '0')}"), "w") as f:
-        f.write(str(os.getpid()))
+    harness.write_pid(out)
 
     import lightning as L
     import torch

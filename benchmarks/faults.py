@@ -17,11 +17,9 @@ This is a benchmark, not a test: it asserts nothing. Times depend on the machine
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -32,14 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import lightning
-import torch
+import harness
+from ddp_plugin.testing.processes import alive, end_run, kill_quietly, pid_files
 
-from ddp_plugin.testing.processes import alive, clean_env, end_run, kill_quietly, pid_files
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-WORKER = HERE / "fault_worker.py"
+WORKER = harness.HERE / "fault_worker.py"
 TIMEOUT_S = 20  # the collective timeout both contenders get
 CAP_S = 120  # seconds after the fault (or the start) before a run counts as hung
 
@@ -76,12 +70,9 @@ def what_the_user_sees(log: str) -> str:
 def run(spec: dict, kill_rank_0_at_fault: bool = False) -> Run:
     d = Path(tempfile.mkdtemp(prefix="fault-"))
     spec = {**spec, "out": str(d)}
-    env = clean_env({"PYTHONUNBUFFERED": "1"})
     log_path = d / "log"
     started = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, str(WORKER), "--spec", json.dumps(spec)], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    proc = harness.spawn([sys.executable, str(WORKER), "--spec", json.dumps(spec)], log_path)
     fault_at: float | None = None
     faulted_rank = (spec.get("fault") or {}).get("rank")
     hung = False
@@ -300,6 +291,8 @@ def _with_checkpoint(outcome: Callable[[Run, str], str]) -> Callable[[Run, str],
                 loaded = load(ckpt)
                 step = f"{loaded['global_step']}, {len(loaded['state_dict'])} tensors"
             else:
+                import torch
+
                 step = torch.load(ckpt, weights_only=False, map_location="cpu")["global_step"]
             return f"{text}; the checkpoint loads (step {step})"
         except Exception as err:  # noqa: BLE001
@@ -361,16 +354,15 @@ def run_fault(fault: Fault, contender: str, spec: dict) -> Run:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    argv = sys.argv[1:] if argv is None else argv
+    p = harness.parser(__doc__)
     p.add_argument("--only", default="", help="comma-separated words; run the faults whose names contain one")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "faults.md")
-    p.add_argument("--keep", action="store_true", help="keep each run's folder (log, markers) and print its path")
+    harness.add_common(p, out=harness.RESULTS / "faults.md", keep=True)
     args = p.parse_args(argv)
-    words = [w for w in args.only.split(",") if w]
+    bench = harness.Run(__file__, argv, quiet=args.quiet, ranks=4)
+    words = harness.split(args.only)
     mount_ok, mount_reason = _can_mount()
     rows = []
-    load_at_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    started = time.time()
     for fault in faults():
         if words and not any(w in fault.name for w in words):
             continue
@@ -386,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(fault.repeat):
                 r = run_fault(fault, contender, spec)
                 runs.append(r)
-                print(f"[{time.time() - started:6.0f} s] {fault.name} / {contender}: {r.outcome}", flush=True)
+                print(f"[{bench.wall_s:6.0f} s] {fault.name} / {contender}: {r.outcome}", flush=True)
                 if args.keep:
                     print(f"    {r.workdir}")
                 else:
@@ -397,27 +389,20 @@ def main(argv: list[str] | None = None) -> None:
                 cells.append(f"{median.outcome} ({len(runs)} runs: {', '.join(f'{t:.1f}' for t in seconds)} s)")
             else:
                 cells.append(runs[0].outcome)  # type: ignore[attr-defined]
-        rows.append(f"| {fault.what} | {cells[0]} | {cells[1]} |")
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        rows.append([fault.what, *cells])
     text = "\n".join([
         "# Fault matrix",
         "",
-        f"`python benchmarks/faults.py` at {rev or 'an unknown revision'}: 4 CPU ranks over gloo under Lightning's"
-        " launcher (ours as 2 simulated nodes x 2 unless the row says one node), a small MLP with AdamW (the mesh's rows:"
-        " the tied GPT of `ddp_plugin.testing.gpt`),"
-        f" `timeout={TIMEOUT_S}` s for both. Times are from the fault until the last other rank exited (where a fault is"
-        f" injected), else the run's wall time; rows with several runs show the median run. torch {torch.__version__},"
-        f" lightning {lightning.__version__}, {os.cpu_count()} cores, {platform.platform()}, load average {load_at_start:.2f}"
-        " at the start (the 1-minute average; nothing but this script should be running).",
+        *bench.header(),
+        "- setup: 4 CPU ranks over gloo under Lightning's launcher (ours as 2 simulated nodes x 2 unless the row says"
+        " one node), a small MLP with AdamW (the mesh's rows: the tied GPT of `ddp_plugin.testing.gpt`),"
+        f" `timeout={TIMEOUT_S}` s for both. Times are from the fault until the last other rank exited (where a fault"
+        " is injected), else the run's wall time; rows with several runs show the median run",
         "",
-        "| fault | ddp_plugin (`hierarchical_zero`) | Lightning `ddp` |",
-        "|---|---|---|",
-        *rows,
+        *harness.table(["fault", "ddp_plugin (`hierarchical_zero`)", "Lightning `ddp`"], rows, "lll"),
         "",
     ])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    harness.write(args.out, text)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import signal
@@ -61,9 +60,9 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-WORKER = HERE / "gpu_check_worker.py"
+import harness
+
+WORKER = harness.HERE / "gpu_check_worker.py"
 SECTIONS = ("parity", "overlap", "kill")
 
 EXACT = ("default", "zero1", "zero2", "zero3", "16-mixed")
@@ -80,8 +79,8 @@ LOSS_SHARE = {"fp16": 0.99, "bf16": 0.99, "int8": 0.97, "powersgd": 0.75, "topk"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
+    p.epilog = "\n".join(__doc__.splitlines()[1:])
     p.add_argument("--accelerator", choices=["gpu", "cpu"], default=None,
                    help="gpu: NCCL ranks, one per GPU; cpu: gloo ranks (default: gpu when CUDA has 2 or more devices)")
     p.add_argument("--devices", type=int, default=None, help="ranks (default: every GPU, or 2 CPU ranks)")
@@ -93,7 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap-warmup", type=int, default=3, help="untimed optimizer steps before them")
     p.add_argument("--overlap-hidden", type=int, default=None, help="MLP width (default: 4096 on GPUs, 512 on CPUs)")
     p.add_argument("--overlap-layers", type=int, default=None, help="hidden layers (default: 8 on GPUs, 4 on CPUs)")
-    p.add_argument("--repeats", type=int, default=2, help="overlap runs of each strategy, alternating")
+    harness.add_common(p, out=None, out_help="write the report as JSON here", repeats=2,
+                       repeats_help="overlap runs of each strategy, alternating", keep=True, quiet=False)
     p.add_argument("--overlap-max-ratio", type=float, default=1.5,
                    help="ours' synchronized backward may take at most this many times ddp's")
     p.add_argument("--kill-rank", type=int, default=None, help="the rank the kill section kills (default: the last)")
@@ -102,8 +102,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--case-timeout", type=float, default=600.0,
                    help="seconds a case (with its launch's start) may run before it counts as hung and its launch's"
                    " processes are killed")
-    p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
-    p.add_argument("--keep", action="store_true", help="keep the launches' folders (logs, parameters) and print where")
     args = p.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
     if bad := [s for s in sections if s not in SECTIONS]:
@@ -184,18 +182,15 @@ def launch(spec: dict, folder: Path, cap_s: float, watch=None) -> tuple[int | No
     ``folder/log``. ``watch(proc)`` is called every 50 ms and may return True to stop waiting. Returns the exit
     code (None: killed by this script), the log, and whether a case of it ran longer than ``cap_s`` (counted
     from the launch, then from each ``== case`` line rank 0 prints). Nothing is left running."""
-    from ddp_plugin.testing.processes import clean_env, end_run
+    from ddp_plugin.testing.processes import end_run
 
     folder.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "out": str(folder)}
     log_path = folder / "log"
-    env = clean_env({"PYTHONUNBUFFERED": "1"})
     started = time.time()
     hung = False
     cases_seen = 0
-    with open(log_path, "a") as log:
-        proc = subprocess.Popen([sys.executable, str(WORKER), "--spec", json.dumps(spec)], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    proc = harness.spawn([sys.executable, str(WORKER), "--spec", json.dumps(spec)], log_path)
     try:
         while proc.poll() is None:
             if watch is not None and watch(proc):
@@ -463,12 +458,11 @@ def kill(args: argparse.Namespace, base: dict, folder: Path, report: Report) -> 
 
 
 def environment(args: argparse.Namespace) -> dict:
-    import lightning
+    """The machine and software of the report (harness.machine()), the devices, the checkout."""
     import torch
 
-    env = {"torch": torch.__version__, "lightning": lightning.__version__, "python": platform.python_version(),
-           "platform": platform.platform(), "cpus": os.cpu_count(), "accelerator": args.accelerator,
-           "devices": args.devices, "backend": "nccl" if args.accelerator == "gpu" else "gloo"}
+    env = {**harness.machine(), "cpus": os.cpu_count(), "accelerator": args.accelerator, "devices": args.devices,
+           "backend": "nccl" if args.accelerator == "gpu" else "gloo"}
     if torch.cuda.is_available():
         env["cuda"] = torch.version.cuda
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -476,8 +470,7 @@ def environment(args: argparse.Namespace) -> dict:
             env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:  # noqa: BLE001 - informative only
             pass
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    env["revision"] = rev.stdout.strip() or None
+    env["revision"] = harness.revision()
     return env
 
 

@@ -25,10 +25,10 @@ also saves the final whole parameters to ``DIR/<case>.pt``. Sections:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
+
+import harness
 
 PARITY_FLAGS: dict[str, dict] = {
     "default": {},
@@ -55,13 +55,10 @@ GPT = {"layers": 4}  # ddp_plugin.testing.gpt.GPTModule: vocabulary 32, width 16
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, type=json.loads, help="the launch, as JSON (keys above)")
-    spec = parser.parse_args().spec
+    spec = harness.spec_parser(__doc__)
     out = spec["out"]
     # Written before the imports (seconds): the driver can end this rank from its first moment.
-    with open(os.path.join(out, f"pid-{os.environ.get('LOCAL_RANK', '0')}"), "w") as f:
-        f.write(str(os.getpid()))
+    harness.write_pid(out)
 
     import torch
 

@@ -21,37 +21,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
+
 CONTENDERS = ("ddp", "hierarchical_zero")
-HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "results" / "step_time.md"
+DEFAULT_OUT = harness.RESULTS / "step_time.md"
 
 
 # ---------------------------------------------------------------------------------------------- arguments
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--devices", type=int, default=4, help="CPU ranks (gloo over loopback)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per run (after warmup)")
     p.add_argument("--warmup", type=int, default=5, help="steps discarded at the start of each run")
-    p.add_argument("--repeats", type=int, default=3, help="runs per contender; order alternates ddp/ours")
+    harness.add_common(p, out=DEFAULT_OUT, out_help="markdown file for the results table", repeats=3,
+                       repeats_help="runs per contender; order alternates ddp/ours")
     p.add_argument("--hidden", type=int, default=1024, help="MLP hidden width")
     p.add_argument("--layers", type=int, default=11, help="number of hidden (hidden x hidden) Linear layers")
     p.add_argument("--features", type=int, default=32, help="input features (kept tiny: communication-bound)")
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--bucket-size-mb", type=float, default=25.0, help="bucket cap for both contenders")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown file for the results table")
     p.add_argument("--seed", type=int, default=0)
     # internal: run one contender (the driver passes these to its subprocesses)
     p.add_argument("--contender", choices=CONTENDERS, default=None, help=argparse.SUPPRESS)
@@ -156,36 +153,21 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def _child_argv(args: argparse.Namespace, contender: str, json_path: Path) -> list[str]:
-    return [
-        sys.executable, str(Path(__file__).resolve()),
-        "--contender", contender, "--json", str(json_path),
-        "--devices", str(args.devices), "--steps", str(args.steps), "--warmup", str(args.warmup),
-        "--hidden", str(args.hidden), "--layers", str(args.layers), "--features", str(args.features),
-        "--classes", str(args.classes), "--batch-size", str(args.batch_size),
-        "--bucket-size-mb", str(args.bucket_size_mb), "--seed", str(args.seed),
-    ]  # fmt: skip
+CHILD_OPTIONS = ("devices", "steps", "warmup", "hidden", "layers", "features", "classes", "batch_size", "bucket_size_mb",
+                 "seed")
 
 
 def drive(args: argparse.Namespace, argv: list[str]) -> None:
-    import lightning
-    import torch
-
-    from ddp_plugin.testing.processes import clean_env
-
-    env = clean_env({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-
-    order = [c for _ in range(args.repeats) for c in CONTENDERS]
+    bench = harness.Run(__file__, argv, quiet=args.quiet, ranks=args.devices)
+    order = harness.interleaved(CONTENDERS, args.repeats)
     runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
-    t_all = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="step_time_") as tmp:
         for i, contender in enumerate(order):
             json_path = Path(tmp) / f"run{i}_{contender}.json"
             t0 = time.perf_counter()
-            proc = subprocess.run(_child_argv(args, contender, json_path), env=env, capture_output=True, text=True)
-            if proc.returncode != 0 or not json_path.exists():
-                sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-                raise SystemExit(f"run {i} ({contender}) failed with exit code {proc.returncode}")
+            launch = harness.run_local([sys.executable, str(Path(__file__).resolve()), "--contender", contender, "--json",
+                                        str(json_path), *harness.forward(args, *CHILD_OPTIONS)], env=harness.RANK_ENV)
+            launch.check(f"run {i} ({contender})")
             res = json.loads(json_path.read_text())
             runs[contender].append(res)
             print(
@@ -216,13 +198,10 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
     ratio = medians["hierarchical_zero"] / medians["ddp"]
 
     mb = ref["grad_bytes"] / 2**20
-    cmd = "python benchmarks/step_time.py" + ("" if not argv else " " + shlex.join(argv))
     lines = [
         "# Step time: hierarchical_zero (stage 0) vs Lightning ddp",
         "",
-        f"- command: `{cmd}`",
-        f"- torch {torch.__version__}, lightning {lightning.__version__}, Python {platform.python_version()},"
-        f" {platform.machine()}, {os.cpu_count()} CPU cores",
+        *bench.header(),
         f"- world size {ref['world_size']} CPU ranks, backend {ref['backend']} over loopback, 1 intra-op thread per rank",
         f"- model: MLP {args.features} -> {args.layers + 1} x Linear({args.hidden}) -> {args.classes},"
         f" {ref['params']:,} parameters, {mb:.1f} MiB of fp32 gradients"
@@ -235,38 +214,21 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
         "- 4 ranks share 2 cores here, and step times switch between a fast and a slow regime from run to run"
         " (and within a run) for both contenders; compare the per-run medians before trusting a small difference",
         "",
-        "| contender | median step (ms) | p90 step (ms) | fwd+bwd+opt (ms) | pooled median (ms) | per-run medians (ms) | final loss (rank 0) | ratio vs ddp |",
-        "|---|---:|---:|---:|---:|---|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['name']} | {r['med']:.1f} | {r['p90']:.1f} | {r['span']:.1f} | {r['pooled']:.1f} | {r['runs']} | {r['loss']:.4f}"
-            f" | {r['med'] / rows[0]['med']:.3f} |"
-        )
-    verdict = "meets" if ratio <= 1.10 else "MISSES"
-    lines += [
+        *harness.table(["contender", "median step (ms)", "p90 step (ms)", "fwd+bwd+opt (ms)", "pooled median (ms)",
+                        "per-run medians (ms)", "final loss (rank 0)", "ratio vs ddp"],
+                       ([r["name"], f"{r['med']:.1f}", f"{r['p90']:.1f}", f"{r['span']:.1f}", f"{r['pooled']:.1f}",
+                         r["runs"], f"{r['loss']:.4f}", f"{r['med'] / rows[0]['med']:.3f}"] for r in rows), "lrrrrlrr"),
         "",
-        f"**Headline: hierarchical_zero / ddp median step time = {ratio:.3f}** ({verdict} the <= 1.10 target).",
-        "",
-        f"_Total benchmark wall time {time.perf_counter() - t_all:.0f} s._",
+        f"**Headline: hierarchical_zero / ddp median step time = {ratio:.3f}** "
+        f"({'meets' if ratio <= 1.10 else 'MISSES'} the <= 1.10 target).",
         "",
     ]
-    table = "\n".join(lines)
-    print()
-    print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(table)
-    print(f"written to {args.out}")
+    harness.write(args.out, "\n".join(lines))
 
 
-def main() -> None:
-    argv = sys.argv[1:]
-    args = parse_args(argv)
-    if args.contender is not None:
-        run_contender(args)
-    else:
-        drive(args, argv)
+def main(argv: list[str] | None = None) -> int:
+    return harness.dispatch(argv, parse_args, run_contender, drive, is_worker=lambda args: args.contender is not None)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
