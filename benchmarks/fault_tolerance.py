@@ -26,21 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
-import shutil
-import signal
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-WORKER = HERE / "ft_worker.py"
-LIGHTHOUSE_PORT = 29510
+import harness
+from harness import kill_node, launch_job, records, start_group, wait_all, wait_for_step
+
 ROUTES = {
     "synchronous": {"sync_every": 1},
     "diloco": {"sync_every": 10},
@@ -52,90 +46,22 @@ ROUTES = {
 benchmarks/results/fault_tolerance_streaming.md``.)"""
 
 
-def records(out: Path, node: int, tag: str = "") -> list[dict]:
-    path = out / f"rec-{node}{tag}.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def wait_for_step(out: Path, node: int, step: int, procs: list[subprocess.Popen], tag: str = "",
-                  timeout: float = 600) -> None:
-    deadline = time.time() + timeout
-    while not any(r["global_step"] >= step for r in records(out, node, tag)):
-        if time.time() > deadline or any(p.poll() not in (None, 0) for p in procs):
-            raise RuntimeError(f"node {node} did not reach step {step}; see the logs in {out}")
-        time.sleep(0.02)
-
-
-def kill_node(cluster, node: int, proc: subprocess.Popen) -> float:
-    """SIGKILL every process in the node's namespace (torchrun's workers are sessions of their own); the time."""
-    pids = subprocess.run(["ip", "netns", "pids", cluster.node_namespace(node)], capture_output=True, text=True,
-                          check=True).stdout.split()
-    killed = time.time()
-    for pid in pids:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-    return killed
-
-
-def wait_all(procs: list[subprocess.Popen], timeout: float = 900) -> list[int]:
-    deadline = time.time() + timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    return [p.returncode for p in procs]
-
-
-def worker_env(cluster, node: int, port: int) -> dict[str, str]:
-    return cluster.launch_env(node, {"MASTER_ADDR": cluster.addresses[node], "MASTER_PORT": str(port),
-                                     "PYTHONPATH": str(HERE.parent)})
-
-
-def start_lighthouse(cluster, out: Path, join_timeout_ms: int = 5000, heartbeat_timeout_ms: int = 1000
-                     ) -> tuple[subprocess.Popen, str]:
-    """torchft's lighthouse in node 0's namespace (its log in ``out``), and its address as the nodes reach it."""
-    from ddp_plugin.fault_tolerance.launch import lighthouse_binary
-
-    lighthouse = cluster.popen(0, [lighthouse_binary(), "--min_replicas",
-                                   "1", "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms",
-                                   str(heartbeat_timeout_ms), "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
-                               stdout=open(out / "lighthouse.txt", "w"), stderr=subprocess.STDOUT)
-    time.sleep(1.0)
-    return lighthouse, f"http://{cluster.addresses[0]}:{LIGHTHOUSE_PORT}"
-
-
 def run_torchft(cluster, args, route: dict, out: Path, kills: list[int], seed: int = 0) -> dict:
     """The torchft run: every node set up before any steps (a gate), then node ``n - 1 - i`` killed once it
     reaches step ``kills[i]``, started again ``--down`` s later (tagged ``-back``)."""
     sync_every = route["sync_every"]
-    lighthouse, address = start_lighthouse(cluster, out)
     n = cluster.nodes
+    with harness.lighthouse(cluster, out) as address:
 
-    def launch(node: int, tag: str = "") -> subprocess.Popen:
-        spec = {**route, "out": str(out), "node": node, "nodes": n, "steps": args.steps, "lighthouse": address,
-                "tag": tag, "sleep": args.step_sleep, "seed": seed, "gate": str(out / "gate")}
-        return cluster.popen(node, [sys.executable, str(WORKER), json.dumps(spec)],
-                             env=worker_env(cluster, node, (29700 if tag else 29600) + node),
-                             stdout=open(out / f"log{node}{tag}.txt", "w"), stderr=subprocess.STDOUT)
+        def launch(node: int, tag: str = "") -> subprocess.Popen:
+            spec = {**route, "out": str(out), "node": node, "nodes": n, "steps": args.steps, "lighthouse": address,
+                    "tag": tag, "sleep": args.step_sleep, "seed": seed, "gate": str(out / "gate")}
+            return start_group(cluster, node, spec, out, (29700 if tag else 29600) + node, tag)
 
-    procs = [launch(i) for i in range(n)]
-    ready = [out / f"gate.{i}.{r}" for i in range(n) for r in range(route.get("devices", 1))]
-    deadline = time.time() + 300
-    while not all(p.exists() for p in ready):
-        if time.time() > deadline or any(p.poll() is not None for p in procs):
-            raise RuntimeError(f"a node did not start; see the logs in {out}")
-        time.sleep(0.05)
-    (out / "gate").touch()
-    started = time.time()
-    result: dict = {"kills": kills, "stall_s": [], "rejoin_s": [], "healed_MB": []}
-    try:
+        procs = [launch(i) for i in range(n)]
+        started = harness.open_gate(out, [out / f"gate.{i}.{r}" for i in range(n) for r in range(route.get("devices", 1))],
+                                    procs)
+        result: dict = {"kills": kills, "stall_s": [], "rejoin_s": [], "healed_MB": []}
         events = []
         for i, kill_at in enumerate(kills):
             node = n - 1 - i
@@ -162,24 +88,7 @@ def run_torchft(cluster, args, route: dict, out: Path, kills: list[int], seed: i
                        "replica_steps": sum(r["ft/replicas"] for r in live),
                        "final_loss": statistics.fmean(r["loss"] for r in live[-10:]),
                        "curve": [(r["global_step"], r["loss"]) for r in live]})
-    finally:
-        os.killpg(lighthouse.pid, signal.SIGKILL)
-        lighthouse.wait()
     return result
-
-
-def launch_job(cluster, out: Path, nodes: int, devices: int, port: int, spec: dict) -> list[subprocess.Popen]:
-    """One torchrun job of ``benchmarks/ft_worker.py`` over nodes 0..``nodes``-1 (``spec`` with each node's
-    ``node`` and the job's ``nodes``), its logs ``out/log<node><tag>.txt``."""
-    procs = []
-    for node in range(nodes):
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node}",
-                   f"--nproc_per_node={devices}", f"--master_addr={cluster.addresses[0]}", f"--master_port={port}",
-                   "--max_restarts=0", str(WORKER), json.dumps({**spec, "node": node, "nodes": nodes})]
-        env = cluster.launch_env(node, {"PYTHONPATH": str(HERE.parent)})
-        procs.append(cluster.popen(node, command, env=env, stdout=open(out / f"log{node}{spec['tag']}.txt", "w"),
-                                   stderr=subprocess.STDOUT))
-    return procs
 
 
 def run_failfast(cluster, args, route: dict, out: Path, kills: list[int], port: int) -> dict:
@@ -226,46 +135,43 @@ def run_failfast(cluster, args, route: dict, out: Path, kills: list[int], port: 
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, default=3)
-    parser.add_argument("--rate", default="100mbit")
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--ckpt-every", type=int, default=50)
-    parser.add_argument("--down", type=float, default=5.0, help="seconds a killed node stays down (torchft)")
-    parser.add_argument("--step-sleep", type=float, default=0.05, help="a step's simulated compute, seconds")
-    parser.add_argument("--routes", default="synchronous,diloco,hierarchical_int8")
-    parser.add_argument("--repeats", type=int, default=3, help="uninterrupted runs (seeds 0..), for the spread")
-    parser.add_argument("--seed", type=int, default=0, help="draws the kill steps")
-    parser.add_argument("--out", default=str(HERE / "results" / "fault_tolerance.md"))
-    args = parser.parse_args()
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = harness.parser(__doc__, whole=True)
+    harness.add_groups(p, nodes=3, steps=600, step_sleep=0.05, down=5.0,
+                       down_help="seconds a killed node stays down (torchft)", ckpt_every=50)
+    harness.add_names(p, "--routes", ROUTES, "synchronous,diloco,hierarchical_int8")
+    harness.add_common(p, out=harness.RESULTS / "fault_tolerance.md", repeats=3,
+                       repeats_help="uninterrupted runs (seeds 0..), for the spread", keep=True)
+    p.add_argument("--seed", type=int, default=0, help="draws the kill steps")
+    args = p.parse_args(argv)
+    args.routes = harness.names(p, args.routes, ROUTES, "route")
+    return args
 
-    from ddp_plugin.testing.simcluster import SimulatedCluster, available
 
-    ok, why = available()
-    if not ok:
-        sys.exit(f"needs the simulated cluster: {why}")
+def main(argv: list[str] | None = None) -> None:
+    args, bench = harness.start(__file__, argv, parse_args, cluster="fatal")  # (exits where there is no cluster)
+    from ddp_plugin.testing.simcluster import SimulatedCluster
+
     rng = random.Random(args.seed)
     rows = {}
     with SimulatedCluster(nodes=args.nodes, rate=args.rate, prefix="ftbench") as cluster:
-        for k, route in enumerate(args.routes.split(",")):
+        for k, route in enumerate(args.routes):
             spec = ROUTES[route]
             # Two failures and two returns: node N-1 early, node N-2 once the first is back.
             kills = [rng.randrange(args.steps // 6, args.steps // 4), rng.randrange(args.steps // 2, 2 * args.steps // 3)]
             runs = {}
             for name in ["torchft", "failfast", *(f"uninterrupted, seed {i}" for i in range(args.repeats))]:
-                out = Path(tempfile.mkdtemp(prefix=f"ft-{route}-{name.split(',')[0]}-"))
-                print(f"{route}: {name} (kills at steps {kills}) in {out}", flush=True)
-                if name == "torchft":
-                    runs[name] = run_torchft(cluster, args, spec, out, kills)
-                elif name == "failfast":
-                    runs[name] = run_failfast(cluster, args, spec, out, kills, 29400 + 10 * k)
-                else:
-                    runs[name] = run_torchft(cluster, args, spec, out, [], seed=int(name.rsplit(" ", 1)[1]))
+                with harness.scratch(f"ft-{route}-{name.split(',')[0]}-", args.keep) as out:
+                    print(f"{route}: {name} (kills at steps {kills}) in {out}", flush=True)
+                    if name == "torchft":
+                        runs[name] = run_torchft(cluster, args, spec, out, kills)
+                    elif name == "failfast":
+                        runs[name] = run_failfast(cluster, args, spec, out, kills, 29400 + 10 * k)
+                    else:
+                        runs[name] = run_torchft(cluster, args, spec, out, [], seed=int(name.rsplit(" ", 1)[1]))
                 print({key: v for key, v in runs[name].items() if key != "curve"}, flush=True)
-                shutil.rmtree(out, ignore_errors=True)
             rows[route] = runs
-    write(args, rows)
+    write(args, bench, rows)
     write_plot(args, rows, Path(args.out).with_suffix(".png"))
 
 
@@ -279,23 +185,19 @@ def _list(values, fmt: str) -> str:
     return ", ".join(format(v, fmt) for v in values) if values else "-"
 
 
-def write(args, rows: dict) -> None:
+def write(args: argparse.Namespace, bench: harness.Run, rows: dict) -> None:
     lines = [
         "# Nodes that come and go: torchft replica groups against fail-fast + resume",
         "",
-        f"`python benchmarks/fault_tolerance.py --nodes {args.nodes} --rate {args.rate} --steps {args.steps}"
-        f" --ckpt-every {args.ckpt_every} --down {args.down} --repeats {args.repeats} --seed {args.seed}`, on"
-        f" {platform.node()} ({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}. Routes:"
-        f" {', '.join(f'{r} {ROUTES[r]}' for r in rows)}; gloo, links capped at {args.rate}, a 2-layer MLP (width 128, AdamW) on the sine task, {args.step_sleep} s of"
-        " simulated compute a step. Node N-1, then node N-2, is killed (SIGKILL, every process in its namespace)"
-        " at the steps shown; torchft: started again after"
+        *bench.header(),
+        f"- routes: {', '.join(f'{r} {ROUTES[r]}' for r in rows)}; gloo, links capped at {args.rate}, a 2-layer MLP"
+        f" (width 128, AdamW) on the sine task, {args.step_sleep} s of simulated compute a step. Node N-1, then node"
+        " N-2, is killed (SIGKILL, every process in its namespace) at the steps shown; torchft: started again after"
         f" {args.down} s; fail-fast: every node fails, and the job is started again from the last checkpoint"
-        f" (every {args.ckpt_every} steps).",
+        f" (every {args.ckpt_every} steps)",
         "",
-        "| route | run | killed at step | live nodes stalled (s) | steps lost | a step (s) | back in the quorum (s)"
-        " | healing received (MB) | replica-steps | final loss | uninterrupted, same replica-steps | wall (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    cells = []
     for route, runs in rows.items():
         clean = [r for name, r in runs.items() if name.startswith("uninterrupted")]
         for name, r in runs.items():
@@ -304,32 +206,29 @@ def write(args, rows: dict) -> None:
                 # The uninterrupted runs' loss after as many replica-steps as this run made (n per step).
                 at = [loss_at(c["curve"], r["replica_steps"] / args.nodes) for c in clean]
                 same = f"{min(at):.4f} - {max(at):.4f} (step {r['replica_steps'] / args.nodes:.0f})"
-            lines.append(
-                f"| {route} | {name} | {_list(r.get('kills'), 'd')} | {_list(r.get('stall_s'), '.2f')} |"
-                f" {r.get('steps_lost', '-') if r.get('kills') else '-'} | {r.get('step_s', float('nan')):.3f} |"
-                f" {_list(r.get('rejoin_s'), '.1f')} | {_list(r.get('healed_MB'), '.3f')} |"
-                f" {r.get('replica_steps', float('nan')):.0f} | {r['final_loss']:.4f} | {same} | {r['wall_s']:.1f} |")
+            cells.append([route, name, _list(r.get("kills"), "d"), _list(r.get("stall_s"), ".2f"),
+                          r.get("steps_lost", "-") if r.get("kills") else "-", f"{r.get('step_s', float('nan')):.3f}",
+                          _list(r.get("rejoin_s"), ".1f"), _list(r.get("healed_MB"), ".3f"),
+                          f"{r.get('replica_steps', float('nan')):.0f}", f"{r['final_loss']:.4f}", same,
+                          f"{r['wall_s']:.1f}"])
         if clean:
             losses = [r["final_loss"] for r in clean]
-            lines.append(f"| {route} | uninterrupted spread | | | | | | | | {min(losses):.4f} - {max(losses):.4f} | |"
-                         " |")
+            cells.append([route, "uninterrupted spread", "", "", "", "", "", "", "",
+                          f"{min(losses):.4f} - {max(losses):.4f}"])
+    lines += harness.table(["route", "run", "killed at step", "live nodes stalled (s)", "steps lost", "a step (s)",
+                            "back in the quorum (s)", "healing received (MB)", "replica-steps", "final loss",
+                            "uninterrupted, same replica-steps", "wall (s)"], cells, "l" * 12)
     lines += ["", "Exit codes: " + "; ".join(f"{route} {name}: {r['codes']}" for route, runs in rows.items()
                                              for name, r in runs.items())]
-    Path(args.out).write_text("\n".join(lines) + "\n")
     Path(args.out).with_suffix(".json").write_text(json.dumps(rows))
-    print("\n".join(lines))
+    harness.write(args.out, "\n".join(lines) + "\n", also=[Path(args.out).with_suffix(".json")])
 
 
-def write_plot(args, rows: dict, path: Path) -> None:
+def write_plot(args: argparse.Namespace, rows: dict, path: Path) -> None:
     """Loss (a running mean over 25 steps) against the step, per route: each run, the kills marked."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed, so no plot was written (pip install matplotlib)", file=sys.stderr)
+    plt = harness.pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(1, len(rows), figsize=(7 * len(rows), 4.5), squeeze=False)
     for ax, (route, runs) in zip(axes[0], rows.items()):
         for name, r in runs.items():
@@ -345,8 +244,7 @@ def write_plot(args, rows: dict, path: Path) -> None:
         ax.set_ylabel("training loss (running mean of 25 steps)")
         ax.set_title(f"{route} ({args.nodes} nodes, {args.rate})")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    harness.save_figure(fig, path)
     print(f"wrote {path}")
 
 

@@ -14,7 +14,6 @@ replica group ``group`` spans G nodes, this one its node ``node_rank`` (one Ligh
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -25,6 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
+import harness
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.data import sine_dataset
 from ddp_plugin.testing.models import TinyModule, mlp
@@ -59,9 +59,7 @@ class Record(L.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("spec", type=json.loads, help="the run, as JSON (written by benchmarks/fault_tolerance.py)")
-    spec = parser.parse_args().spec
+    spec = harness.spec_parser(__doc__, positional=True)
     if os.environ.get("FT_WORKER_LOG"):  # (e.g. INFO: the background heal's tries)
         import logging
 

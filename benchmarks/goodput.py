@@ -26,65 +26,41 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shutil
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from fault_tolerance import (  # noqa: E402
-    WORKER,
-    kill_node,
-    launch_job,
-    records,
-    start_lighthouse,
-    wait_all,
-    wait_for_step,
-    worker_env,
-)
+import harness
+from harness import kill_node, launch_job, records, start_group, wait_all, wait_for_step
 
 
-def events(args) -> tuple[int, int, int]:
+def events(args: argparse.Namespace) -> tuple[int, int, int]:
     """The join step J and the two kill steps."""
     return args.steps // 5, int(args.steps * 0.4), int(args.steps * 0.65)
 
 
 def run_torchft(cluster, args, out: Path, background: bool, faults: bool, seed: int = 0) -> dict:
     n = cluster.nodes
-    lighthouse, address = start_lighthouse(cluster, out)
-    base = {"out": str(out), "nodes": n - 1, "steps": args.steps, "lighthouse": address, "sleep": args.step_sleep,
-            "sync_every": args.sync_every, "compression": "int8", "batch": args.batch, "data_split": "quorum",
-            "background_heal": background, "seed": seed}
+    with harness.lighthouse(cluster, out) as address:
+        base = {"out": str(out), "nodes": n - 1, "steps": args.steps, "lighthouse": address, "sleep": args.step_sleep,
+                "sync_every": args.sync_every, "compression": "int8", "batch": args.batch, "data_split": "quorum",
+                "background_heal": background, "seed": seed}
 
-    def launch(node: int, tag: str = "", gate: bool = False) -> subprocess.Popen:
-        spec = {**base, "node": node, "tag": tag, **({"gate": str(out / "gate")} if gate else {})}
-        port = (29700 if tag else 29600) + node
-        argv = [str(WORKER), json.dumps(spec)]
-        if args.through_command:  # (as a user starts a group: the package's command, its flags)
-            argv = ["-m", "ddp_plugin.fault_tolerance.launch", "--group", str(node), "--groups", str(n - 1),
-                    "--lighthouse", address, "--master-addr", cluster.addresses[node], "--master-port", str(port),
-                    *argv]
-        return cluster.popen(node, [sys.executable, *argv], env=worker_env(cluster, node, port),
-                             stdout=open(out / f"log{node}{tag}.txt", "w"), stderr=subprocess.STDOUT)
+        def launch(node: int, tag: str = "", gate: bool = False) -> subprocess.Popen:
+            spec = {**base, "node": node, "tag": tag, **({"gate": str(out / "gate")} if gate else {})}
+            port = (29700 if tag else 29600) + node
+            prefix = []
+            if args.through_command:  # (as a user starts a group: the package's command, its flags)
+                prefix = ["-m", "ddp_plugin.fault_tolerance.launch", "--group", str(node), "--groups", str(n - 1),
+                          "--lighthouse", address, "--master-addr", cluster.addresses[node], "--master-port", str(port)]
+            return start_group(cluster, node, spec, out, port, tag, prefix)
 
-    started = time.time()
-    procs = [launch(i, gate=True) for i in range(n - 1)]
-    ready = [out / f"gate.{i}.0" for i in range(n - 1)]
-    while not all(p.exists() for p in ready):
-        if any(p.poll() is not None for p in procs) or time.time() > started + 300:
-            raise RuntimeError(f"a node did not start; see the logs in {out}")
-        time.sleep(0.05)
-    (out / "gate").touch()
-    join, *kills = events(args)
-    result: dict = {"events": [], "stall_s": []}
-    try:
+        started = time.time()
+        procs = [launch(i, gate=True) for i in range(n - 1)]
+        harness.open_gate(out, [out / f"gate.{i}.0" for i in range(n - 1)], procs)
+        join, *kills = events(args)
+        result: dict = {"events": [], "stall_s": []}
         wait_for_step(out, 0, join, procs)
         procs.append(launch(n - 1))
         result["events"].append(("join", n - 1, time.time()))
@@ -106,9 +82,6 @@ def run_torchft(cluster, args, out: Path, background: bool, faults: bool, seed: 
         result.update({"wall_s": live[-1]["time"] - started, "step_s": step,
                        "replica_steps": sum(r["ft/replicas"] for r in live),
                        "final_loss": statistics.fmean(r["loss"] for r in live[-10:])})
-    finally:
-        lighthouse.kill()
-        lighthouse.wait()
     return result
 
 
@@ -154,87 +127,80 @@ def run_failfast(cluster, args, out: Path, port: int) -> dict:
             "final_loss": statistics.fmean(r["loss"] for r in last[-10:]), "stall_s": [], "events": []}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--rate", default="100mbit")
-    parser.add_argument("--steps", type=int, default=800)
-    parser.add_argument("--sync-every", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--step-sleep", type=float, default=0.05, help="a step's simulated compute, seconds")
-    parser.add_argument("--ckpt-every", type=int, default=50)
-    parser.add_argument("--down", type=float, default=5.0, help="seconds a killed node stays down")
-    parser.add_argument("--runs", default="no faults,background heal,heal in the quorum,fail-fast + resume")
-    parser.add_argument("--repeats", type=int, default=3, help="runs without faults (seeds 0..): the goodput"
-                        " compared to is their mean, and their final losses give the spread")
-    parser.add_argument("--through-command", action="store_true", help="start each torchft group with"
-                        " `ddp-plugin-group` (python -m ddp_plugin.fault_tolerance.launch) instead of the worker itself")
-    parser.add_argument("--keep", action="store_true", help="keep each run's logs (their folders are printed)")
-    parser.add_argument("--out", default=str(HERE / "results" / "goodput.md"))
-    args = parser.parse_args()
+RUNS = ("no faults", "background heal", "heal in the quorum", "fail-fast + resume")
 
-    from ddp_plugin.testing.simcluster import SimulatedCluster, available
 
-    ok, why = available()
-    if not ok:
-        sys.exit(f"needs the simulated cluster: {why}")
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = harness.parser(__doc__, whole=True)
+    harness.add_groups(p, nodes=4, steps=800, sync_every=10, step_sleep=0.05, down=5.0, ckpt_every=50)
+    p.add_argument("--batch", type=int, default=32)
+    harness.add_names(p, "--runs", RUNS, RUNS)
+    p.add_argument("--through-command", action="store_true", help="start each torchft group with"
+                   " `ddp-plugin-group` (python -m ddp_plugin.fault_tolerance.launch) instead of the worker itself")
+    harness.add_common(p, out=harness.RESULTS / "goodput.md", repeats=3, keep=True,
+                       repeats_help="runs without faults (seeds 0..): the goodput compared to is their mean, and their"
+                                    " final losses give the spread")
+    args = p.parse_args(argv)
+    args.runs = harness.names(p, args.runs, RUNS, "run")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, bench = harness.start(__file__, argv, parse_args, cluster="fatal")  # (exits where there is no cluster)
+    from ddp_plugin.testing.simcluster import SimulatedCluster
+
     rows = {}
     with SimulatedCluster(nodes=args.nodes, rate=args.rate, prefix="goodput") as cluster:
-        names = [n for name in args.runs.split(",")
+        names = [n for name in args.runs
                  for n in ([f"no faults, seed {i}" for i in range(args.repeats)] if name == "no faults" else [name])]
         for k, name in enumerate(names):
-            out = Path(tempfile.mkdtemp(prefix="goodput-"))
-            print(f"{name} in {out}", flush=True)
-            if name == "fail-fast + resume":
-                rows[name] = run_failfast(cluster, args, out, 29400 + 10 * k)
-            else:
-                clean = name.startswith("no faults")
-                rows[name] = run_torchft(cluster, args, out, background=name != "heal in the quorum",
-                                         faults=not clean, seed=int(name.rsplit(" ", 1)[1]) if clean else 0)
+            with harness.scratch("goodput-", args.keep) as out:
+                print(f"{name} in {out}", flush=True)
+                if name == "fail-fast + resume":
+                    rows[name] = run_failfast(cluster, args, out, 29400 + 10 * k)
+                else:
+                    clean = name.startswith("no faults")
+                    rows[name] = run_torchft(cluster, args, out, background=name != "heal in the quorum",
+                                             faults=not clean, seed=int(name.rsplit(" ", 1)[1]) if clean else 0)
             rows[name]["goodput"] = rows[name]["replica_steps"] * args.batch / rows[name]["wall_s"]
             print(rows[name], flush=True)
-            if not args.keep:
-                shutil.rmtree(out, ignore_errors=True)
-            write(args, rows)  # (after each run: what ran is kept if a later one fails)
+            write(args, bench, rows)  # (after each run: what ran is kept if a later one fails)
 
 
-def write(args, rows: dict) -> None:
+def write(args: argparse.Namespace, bench: harness.Run, rows: dict) -> None:
     join, *kills = events(args)
     clean_runs = [r for name, r in rows.items() if name.startswith("no faults")]
     clean = statistics.fmean(r["goodput"] for r in clean_runs) if clean_runs else None
+    cells = []
+    for name, r in rows.items():
+        cells.append([name, f"{r['wall_s']:.1f}", f"{r['replica_steps']:.0f}", f"{r['goodput']:.0f}",
+                      f"{r['goodput'] / clean:.3f}" if clean else "-", ", ".join(f"{s:.2f}" for s in r["stall_s"]) or "-",
+                      f"{r['final_loss']:.4f}"])
+    if clean_runs:
+        losses = [r["final_loss"] for r in clean_runs]
+        cells.append(["no faults, spread", "", "", f"{min(r['goodput'] for r in clean_runs):.0f} -"
+                      f" {max(r['goodput'] for r in clean_runs):.0f} (mean {clean:.0f})", "", "",
+                      f"{min(losses):.4f} - {max(losses):.4f}"])
     lines = [
         "# Goodput with groups that fail, return and join",
         "",
-        f"`python benchmarks/goodput.py --nodes {args.nodes} --rate {args.rate} --steps {args.steps} --sync-every"
-        f" {args.sync_every} --batch {args.batch} --down {args.down}`, on {platform.node()} ({os.cpu_count()} CPUs),"
-        f" {time.strftime('%Y-%m-%d')}, nothing else running. DiLoCo (`sync_every={args.sync_every}`, int8) across"
-        f" replica groups of one node, links capped at {args.rate}, the MLP of `benchmarks/ft_worker.py` (width 128,"
-        f" AdamW) at batch {args.batch}, {args.step_sleep} s of simulated compute a step, `data_split=\"quorum\"`."
-        f" Groups 0-{args.nodes - 2} start; group {args.nodes - 1} (a new id) joins at node 0's step {join}; node"
-        f" {args.nodes - 2} is killed at step {kills[0]} and node {args.nodes - 3} at step {kills[1]}, each started"
-        f" again {args.down} s later. Fail-fast: one job, restarted from its last checkpoint (every"
-        f" {args.ckpt_every} steps) at each kill and to add the node.",
+        *bench.header(),
+        f"- setup: DiLoCo (`sync_every={args.sync_every}`, int8) across replica groups of one node, links capped at"
+        f" {args.rate}, the MLP of `benchmarks/ft_worker.py` (width 128, AdamW) at batch {args.batch}, {args.step_sleep}"
+        f" s of simulated compute a step, `data_split=\"quorum\"`. Groups 0-{args.nodes - 2} start; group"
+        f" {args.nodes - 1} (a new id) joins at node 0's step {join}; node {args.nodes - 2} is killed at step {kills[0]}"
+        f" and node {args.nodes - 3} at step {kills[1]}, each started again {args.down} s later. Fail-fast: one job,"
+        f" restarted from its last checkpoint (every {args.ckpt_every} steps) at each kill and to add the node",
         "",
-        "| run | wall (s) | useful replica-steps | goodput (samples/s) | against no faults | node 0's longest stall"
-        " beyond a step, per event (s) | final loss |",
-        "|---|---|---|---|---|---|---|",
+        *harness.table(["run", "wall (s)", "useful replica-steps", "goodput (samples/s)", "against no faults",
+                        "node 0's longest stall beyond a step, per event (s)", "final loss"], cells, "l" * 7),
+        "",
+        "Against no faults: the mean goodput of the runs without faults. Final loss: node 0's mean over its"
+        " last 10 steps. Stalls, per event in order (the join, then each kill). Exit codes: "
+        + "; ".join(f"{name}: {r['codes']}" for name, r in rows.items()),
     ]
-    for name, r in rows.items():
-        ratio = f"{r['goodput'] / clean:.3f}" if clean else "-"
-        stalls = ", ".join(f"{s:.2f}" for s in r["stall_s"]) or "-"
-        lines.append(f"| {name} | {r['wall_s']:.1f} | {r['replica_steps']:.0f} | {r['goodput']:.0f} | {ratio} |"
-                     f" {stalls} | {r['final_loss']:.4f} |")
-    if clean_runs:
-        losses = [r["final_loss"] for r in clean_runs]
-        lines.append(f"| no faults, spread | | | {min(r['goodput'] for r in clean_runs):.0f} -"
-                     f" {max(r['goodput'] for r in clean_runs):.0f} (mean {clean:.0f}) | | |"
-                     f" {min(losses):.4f} - {max(losses):.4f} |")
-    lines += ["", "Against no faults: the mean goodput of the runs without faults. Final loss: node 0's mean over its"
-              " last 10 steps. Stalls, per event in order (the join, then each kill). Exit codes: "
-              + "; ".join(f"{name}: {r['codes']}" for name, r in rows.items())]
-    Path(args.out).write_text("\n".join(lines) + "\n")
     Path(args.out).with_suffix(".json").write_text(json.dumps(rows))
-    print("\n".join(lines))
+    harness.write(args.out, "\n".join(lines) + "\n", also=[Path(args.out).with_suffix(".json")])
 
 
 if __name__ == "__main__":

@@ -28,48 +28,33 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shutil
-import signal
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from fault_tolerance import WORKER, kill_node, records, start_lighthouse, wait_all, wait_for_step, worker_env  # noqa: E402
+import harness
+from harness import kill_node, records, start_group, wait_all, wait_for_step
 
 
 def run(cluster, args, width: int, background: bool, out: Path) -> dict:
     n, per = cluster.nodes, args.nodes_per_group
     groups = n // per
     lost = list(range(n - per, n))  # the last group's nodes; the last of them is killed
-    lighthouse, address = start_lighthouse(cluster, out)
+    with harness.lighthouse(cluster, out) as address:
 
-    def launch(node: int, tag: str = "") -> subprocess.Popen:
-        group = node // per
-        spec = {"sync_every": args.sync_every, "out": str(out), "node": node, "nodes": n, "steps": args.steps,
-                "lighthouse": address, "tag": tag, "sleep": args.step_sleep, "seed": 0, "gate": str(out / "gate"),
-                "width": width, "background_heal": background, "group": group, "groups": groups,
-                "group_nodes": per, "node_rank": node % per}
-        env = worker_env(cluster, node, (29700 if tag else 29600) + group)
-        env["MASTER_ADDR"] = cluster.addresses[group * per]  # (the group's first node: its own rendezvous)
-        return cluster.popen(node, [sys.executable, str(WORKER), json.dumps(spec)], env=env,
-                             stdout=open(out / f"log{node}{tag}.txt", "w"), stderr=subprocess.STDOUT)
+        def launch(node: int, tag: str = "") -> subprocess.Popen:
+            group = node // per
+            spec = {"sync_every": args.sync_every, "out": str(out), "node": node, "nodes": n, "steps": args.steps,
+                    "lighthouse": address, "tag": tag, "sleep": args.step_sleep, "seed": 0, "gate": str(out / "gate"),
+                    "width": width, "background_heal": background, "group": group, "groups": groups,
+                    "group_nodes": per, "node_rank": node % per}
+            # (the group's first node: its own rendezvous)
+            return start_group(cluster, node, spec, out, (29700 if tag else 29600) + group, tag,
+                               master=cluster.addresses[group * per])
 
-    try:
         procs = [launch(i) for i in range(n)]
-        deadline = time.time() + 300
-        while not all((out / f"gate.{i}.0").exists() for i in range(n)):
-            if time.time() > deadline or any(p.poll() is not None for p in procs):
-                raise RuntimeError(f"a node did not start; see the logs in {out}")
-            time.sleep(0.05)
-        (out / "gate").touch()
+        harness.open_gate(out, [out / f"gate.{i}.0" for i in range(n)], procs)
         first = lost[0]  # (the group's records are its first node's)
         wait_for_step(out, first, args.kill_at, procs)
         killed = kill_node(cluster, lost[-1], procs[lost[-1]])
@@ -108,81 +93,65 @@ def run(cluster, args, width: int, background: bool, out: Path) -> dict:
                 "heal_s": back[-1].get("ft/heal_s", float("nan")) if back else float("nan"),
                 "background": back[-1].get("ft/background_heals", 0) if back else 0,
                 "params_M": (2 * width * width + 12 * width + 1) / 1e6}
-    finally:
-        os.killpg(lighthouse.pid, signal.SIGKILL)
-        lighthouse.wait()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, default=3)
-    parser.add_argument("--nodes-per-group", type=int, default=1, help="nodes a replica group spans (one launch"
-                        " over them, a rank a node); the last group loses its last node")
-    parser.add_argument("--rate", default="100mbit")
-    parser.add_argument("--widths", default="1600,2400", help="the MLP's hidden width per size (comma-separated)")
-    parser.add_argument("--steps", type=int, default=240)
-    parser.add_argument("--sync-every", type=int, default=40)
-    parser.add_argument("--kill-at", type=int, default=45)
-    parser.add_argument("--down", type=float, default=10.0, help="seconds the killed node stays down (past the"
-                        " sync the kill fails, so that its stall is not counted as the heal's)")
-    parser.add_argument("--after", type=int, default=25, help="steps of the live node past the returning node's"
-                        " join that the stall is looked for in")
-    parser.add_argument("--step-sleep", type=float, default=0.2, help="a step's simulated compute, seconds")
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--ways", default="background,quorum", help="which ways to heal (comma-separated)")
-    parser.add_argument("--keep", action="store_true", help="keep each run's directory (logs, records)")
-    parser.add_argument("--out", default=str(HERE / "results" / "heal_stall.md"))
-    args = parser.parse_args()
+WAYS = ("background", "quorum")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = harness.parser(__doc__, whole=True)
+    harness.add_groups(p, nodes=3, steps=240, sync_every=40, step_sleep=0.2, down=10.0,
+                       down_help="seconds the killed node stays down (past the sync the kill fails, so that its stall"
+                                 " is not counted as the heal's)")
+    p.add_argument("--nodes-per-group", type=int, default=1, help="nodes a replica group spans (one launch"
+                   " over them, a rank a node); the last group loses its last node")
+    p.add_argument("--widths", default="1600,2400", help="the MLP's hidden width per size (comma-separated)")
+    p.add_argument("--kill-at", type=int, default=45)
+    p.add_argument("--after", type=int, default=25, help="steps of the live node past the returning node's"
+                   " join that the stall is looked for in")
+    harness.add_names(p, "--ways", WAYS, WAYS, help="which ways to heal (comma-separated)")
+    harness.add_common(p, out=harness.RESULTS / "heal_stall.md", repeats=1, keep=True)
+    args = p.parse_args(argv)
     if args.nodes % args.nodes_per_group or args.nodes // args.nodes_per_group < 2:
-        parser.error(f"--nodes {args.nodes} must be at least 2 groups of --nodes-per-group {args.nodes_per_group}")
+        p.error(f"--nodes {args.nodes} must be at least 2 groups of --nodes-per-group {args.nodes_per_group}")
+    args.ways = harness.names(p, args.ways, WAYS, "way")
+    return args
 
-    from ddp_plugin.testing.simcluster import SimulatedCluster, available
 
-    ok, why = available()
-    if not ok:
-        sys.exit(f"needs the simulated cluster: {why}")
+def main(argv: list[str] | None = None) -> None:
+    args, bench = harness.start(__file__, argv, parse_args, cluster="fatal")  # (exits where there is no cluster)
+    from ddp_plugin.testing.simcluster import SimulatedCluster
+
     rows, per = [], args.nodes_per_group
     with SimulatedCluster(nodes=args.nodes, rate=args.rate, prefix="healbench") as cluster:
-        for width in [int(w) for w in args.widths.split(",")]:
+        for width in [int(w) for w in harness.split(args.widths)]:
             for repeat in range(args.repeats):
-                for background in [way == "background" for way in args.ways.split(",")]:
-                    out = Path(tempfile.mkdtemp(prefix="heal-"))
-                    try:
+                for background in [way == "background" for way in args.ways]:
+                    with harness.scratch("heal-", args.keep) as out:
                         result = run(cluster, args, width, background, out)
-                    finally:
-                        if args.keep:
-                            print("kept", out, flush=True)
-                        else:
-                            shutil.rmtree(out, ignore_errors=True)
                     name = f"width {width}, {'background' if background else 'in the quorum'}"
                     print(name, json.dumps(result), flush=True)
                     rows.append((name, repeat, result))
     lines = [
         "# A returning group's healing: what it costs the live groups",
         "",
-        f"`python benchmarks/heal_stall.py --nodes {args.nodes} --nodes-per-group {per} --rate {args.rate} --widths"
-        f" {args.widths} --steps {args.steps} --sync-every {args.sync_every} --kill-at {args.kill_at} --down"
-        f" {args.down:g} --after {args.after} --step-sleep {args.step_sleep:g} --repeats {args.repeats}` on"
-        f" {platform.node()} ({os.cpu_count()} cores; nothing else running), {time.strftime('%Y-%m-%d')}. DiLoCo"
-        f" (H={args.sync_every}) across {args.nodes // per} groups of {per} node{'s' * (per > 1)} (a rank a node),"
-        f" every link at {args.rate}; node {args.nodes - 1} killed at step {args.kill_at}"
+        *bench.header(),
+        f"- setup: DiLoCo (H={args.sync_every}) across {args.nodes // per} groups of {per} node{'s' * (per > 1)} (a"
+        f" rank a node), every link at {args.rate}; node {args.nodes - 1} killed at step {args.kill_at}"
         f"{' (its group peers end by themselves)' if per > 1 else ''}, its group started again {args.down:g} s"
         f" later. Window: node 0's steps from the relaunch to {args.after} steps past the returning group's join."
         " Stall: the most any step of the window took beyond what it usually takes (a sync's step: the median of"
-        " the syncs outside the window, the run's first left out; any other: the median step before the kill).",
+        " the syncs outside the window, the run's first left out; any other: the median step before the kill)",
         "",
-        "| run | repeat | parameters (M) | healed (MB a rank) | heal (s) | median step (s) | a sync's step (s) |"
-        " longest step in the window (s) | stall: beyond its usual (s) | stall (x median step) | rejoin (s) |"
-        " exit codes |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        *harness.table(["run", "repeat", "parameters (M)", "healed (MB a rank)", "heal (s)", "median step (s)",
+                        "a sync's step (s)", "longest step in the window (s)", "stall: beyond its usual (s)",
+                        "stall (x median step)", "rejoin (s)", "exit codes"],
+                       ([name, repeat, f"{r['params_M']:.1f}", f"{r['healed_MB']:.1f}", f"{r['heal_s']:.1f}",
+                         f"{r['step_s']:.2f}", f"{r['sync_step_s']:.2f}", f"{r['stall_s']:.2f}", f"{r['extra_s']:.2f}",
+                         f"{r['extra_x']:.1f}", f"{r['rejoin_s']:.1f}", r["codes"]] for name, repeat, r in rows),
+                       "l" + "r" * 10 + "l"),
     ]
-    for name, repeat, r in rows:
-        lines.append(f"| {name} | {repeat} | {r['params_M']:.1f} | {r['healed_MB']:.1f} | {r['heal_s']:.1f} |"
-                     f" {r['step_s']:.2f} | {r['sync_step_s']:.2f} | {r['stall_s']:.2f} | {r['extra_s']:.2f} |"
-                     f" {r['extra_x']:.1f} | {r['rejoin_s']:.1f} |"
-                     f" {r['codes']} |")
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    harness.write(args.out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

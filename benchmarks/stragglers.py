@@ -19,21 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from fault_tolerance import WORKER, records, start_lighthouse, wait_all, worker_env  # noqa: E402
+import harness
+from harness import records, start_group, wait_all
 
 CGROUP = Path("/sys/fs/cgroup/cpu")
 
@@ -61,25 +52,17 @@ class Quota:
 
 def run(cluster, args, dynamic: bool, quota: Quota | None, out: Path) -> dict:
     n = cluster.nodes
-    lighthouse, address = start_lighthouse(cluster, out, join_timeout_ms=60000, heartbeat_timeout_ms=2000)
-    try:
+    with harness.lighthouse(cluster, out, join_timeout_ms=60000, heartbeat_timeout_ms=2000) as address:
         procs = []
         for node in range(n):
             spec = {"sync_every": args.sync_every, "out": str(out), "node": node, "nodes": n, "steps": args.steps,
                     "lighthouse": address, "sleep": 0.0, "seed": 0, "gate": str(out / "gate"), "width": args.width,
                     "batch": args.batch, "compression": args.compression, "dynamic_steps": dynamic}
-            proc = cluster.popen(node, [sys.executable, str(WORKER), json.dumps(spec)],
-                                 env=worker_env(cluster, node, 29600 + node),
-                                 stdout=open(out / f"log{node}.txt", "w"), stderr=subprocess.STDOUT)
+            proc = start_group(cluster, node, spec, out, 29600 + node)
             if quota is not None and node == n - 1:
                 quota.add(proc.pid)
             procs.append(proc)
-        deadline = time.time() + 300
-        while not all((out / f"gate.{i}.0").exists() for i in range(n)):
-            if time.time() > deadline or any(p.poll() is not None for p in procs):
-                raise RuntimeError(f"a node did not start; see the logs in {out}")
-            time.sleep(0.05)
-        (out / "gate").touch()
+        harness.open_gate(out, [out / f"gate.{i}.0" for i in range(n)], procs)
         codes = wait_all(procs)
         found = [records(out, node) for node in range(n)]
         fast = found[0]
@@ -94,9 +77,6 @@ def run(cluster, args, dynamic: bool, quota: Quota | None, out: Path) -> dict:
                 "early": [r[-1].get("ft/early_syncs", 0) for r in found],
                 "loss": [statistics.mean(x["loss"] for x in r[-20:]) for r in found],
                 "replicas": min(r.get("ft/replicas", 0) for r in window)}
-    finally:
-        os.killpg(lighthouse.pid, signal.SIGKILL)
-        lighthouse.wait()
 
 
 def loss_at(curve: list[tuple[float, float]], seconds: float) -> float:
@@ -105,77 +85,70 @@ def loss_at(curve: list[tuple[float, float]], seconds: float) -> float:
     return statistics.mean(before[-20:])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--rate", default="100mbit")
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--sync-every", type=int, default=40)
-    parser.add_argument("--compression", default="int8")
-    parser.add_argument("--quota", type=float, default=0.5, help="the slow node's share of a core")
-    parser.add_argument("--ways", default="lockstep,dynamic")
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--keep", action="store_true", help="keep each run's directory (logs, records)")
-    parser.add_argument("--out", default=str(HERE / "results" / "stragglers.md"))
-    args = parser.parse_args()
+WAYS = ("lockstep", "dynamic")
 
-    from ddp_plugin.testing.simcluster import SimulatedCluster, available
 
-    ok, why = available()
-    if not ok:
-        sys.exit(f"needs the simulated cluster: {why}")
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = harness.parser(__doc__, whole=True)
+    harness.add_groups(p, nodes=2, steps=400, sync_every=40)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--compression", default="int8")
+    p.add_argument("--quota", type=float, default=0.5, help="the slow node's share of a core")
+    harness.add_names(p, "--ways", WAYS, WAYS)
+    harness.add_common(p, out=harness.RESULTS / "stragglers.md", repeats=1, keep=True)
+    args = p.parse_args(argv)
+    args.ways = harness.names(p, args.ways, WAYS, "way")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, bench = harness.start(__file__, argv, parse_args, cluster="fatal")  # (exits where there is no cluster)
     if not (CGROUP / "cpu.cfs_quota_us").exists():
         sys.exit(f"needs cgroup v1's cpu controller at {CGROUP}")
+    from ddp_plugin.testing.simcluster import SimulatedCluster
+
     rows = []
     with SimulatedCluster(nodes=args.nodes, rate=args.rate, prefix="slowbench") as cluster:
         for repeat in range(args.repeats):
-            for way in args.ways.split(","):
+            for way in args.ways:
                 for throttled in (False, True):
-                    out = Path(tempfile.mkdtemp(prefix="slow-"))
                     quota = Quota("ddp_plugin_slow", args.quota) if throttled else None
                     try:
-                        result = run(cluster, args, way == "dynamic", quota, out)
+                        with harness.scratch("slow-", args.keep) as out:
+                            result = run(cluster, args, way == "dynamic", quota, out)
                     finally:
                         if quota is not None:
                             quota.close()
-                        if args.keep:
-                            print("kept", out, flush=True)
-                        else:
-                            shutil.rmtree(out, ignore_errors=True)
                     print(way, "throttled" if throttled else "none",
                           json.dumps({k: v for k, v in result.items() if k != "curve"}), flush=True)
                     rows.append((way, repeat, throttled, result))
     # (every run's node-0 loss at the time the quickest run ended: the same wall-clock budget)
     budget = min(r["duration_s"] for _, _, _, r in rows)
+    cells = []
+    for way, repeat, throttled, r in rows:
+        base = next(x for w, rp, t, x in rows if w == way and rp == repeat and not t)
+        cells.append([way, repeat, f"at {args.quota:g} core" if throttled else "none", f"{r['steps_s']:.2f}",
+                      f"{1 - r['steps_s'] / base['steps_s']:.1%}", f"{r['duration_s']:.1f}",
+                      f"{loss_at(r['curve'], budget):.4f}", r["ran"], r["skipped"], r["early"],
+                      ", ".join(f"{x:.4f}" for x in r["loss"]), r["codes"]])
     lines = [
         "# A slow replica group: what it costs the others",
         "",
-        f"`python benchmarks/stragglers.py --nodes {args.nodes} --rate {args.rate} --width {args.width} --batch"
-        f" {args.batch} --steps {args.steps} --sync-every {args.sync_every} --compression {args.compression} --quota"
-        f" {args.quota} --repeats {args.repeats}` on {platform.node()} ({os.cpu_count()} cores; nothing else"
-        f" running), {time.strftime('%Y-%m-%d')}. DiLoCo (H={args.sync_every}, {args.compression}) across"
-        f" {args.nodes} groups of one node (one rank, one thread), every link at {args.rate}; throttled: node"
-        f" {args.nodes - 1} held to {args.quota:g} of a core (cgroup CPU quota). Throughput: node 0's optimizer steps"
-        " a second from its first sync to its end; cost: 1 - that over the same way's unthrottled run. Ran: the"
-        " optimizer steps each node ran (skipped: the steps its schedule skipped to stand at its peers' step after"
-        " a sync it sent early). Final loss: each node's mean over its last 20 steps; node 0's loss at the quickest"
-        " run's length: its mean over the 20 steps before that time in its run (the same wall-clock budget).",
+        *bench.header(),
+        f"- setup: DiLoCo (H={args.sync_every}, {args.compression}) across {args.nodes} groups of one node (one rank,"
+        f" one thread), every link at {args.rate}; throttled: node {args.nodes - 1} held to {args.quota:g} of a core"
+        " (cgroup CPU quota). Throughput: node 0's optimizer steps a second from its first sync to its end; cost: 1 -"
+        " that over the same way's unthrottled run. Ran: the optimizer steps each node ran (skipped: the steps its"
+        " schedule skipped to stand at its peers' step after a sync it sent early). Final loss: each node's mean over"
+        " its last 20 steps; node 0's loss at the quickest run's length: its mean over the 20 steps before that time"
+        " in its run (the same wall-clock budget)",
         "",
-        "| way | repeat | slow node | node 0 (steps/s) | cost to node 0 | node 0's run (s) |"
-        f" node 0's loss at {budget:.1f} s | steps ran | skipped | early syncs | final loss | exit codes |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- |",
+        *harness.table(["way", "repeat", "slow node", "node 0 (steps/s)", "cost to node 0", "node 0's run (s)",
+                        f"node 0's loss at {budget:.1f} s", "steps ran", "skipped", "early syncs", "final loss",
+                        "exit codes"], cells, "lrl" + "r" * 4 + "l" * 5),
     ]
-    for way, repeat, throttled, r in rows:
-        base = next(x for w, rp, t, x in rows if w == way and rp == repeat and not t)
-        cost = 1 - r["steps_s"] / base["steps_s"]
-        lines.append(f"| {way} | {repeat} | {'at ' + format(args.quota, 'g') + ' core' if throttled else 'none'} |"
-                     f" {r['steps_s']:.2f} | {cost:.1%} | {r['duration_s']:.1f} | {loss_at(r['curve'], budget):.4f} |"
-                     f" {r['ran']} | {r['skipped']} | {r['early']} | {', '.join(f'{x:.4f}' for x in r['loss'])} |"
-                     f" {r['codes']} |")
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    harness.write(args.out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
