@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from ddp_plugin.hookspecs import Bucket, Topology, hookimpl, hookspec
 from ddp_plugin.strategy.hierarchical_zero import HierarchicalZeroStrategy
 
-__version__ = "0.2.0.dev0"
+__version__ = "0.2.0"
 
 __all__ = ["Bucket", "HierarchicalZeroStrategy", "Topology", "hookimpl", "hookspec"]
 

@@ -26,10 +26,28 @@ def modules() -> dict[str, Path]:
     return found
 
 
+def imported(node: ast.stmt, package: str, known: dict[str, Path]) -> set[str]:
+    """The package's modules an ``import`` statement of a module of ``package`` names (none for another statement):
+    a module itself, or the module a name is imported from."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in known}
+    if not isinstance(node, ast.ImportFrom):
+        return set()
+    base = node.module or ""
+    if node.level:
+        parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    found = {f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names}
+    return {m for m in found if m in known}
+
+
+def package_name(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
 def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The package's modules that module ``name`` imports at its top level (under ``if TYPE_CHECKING:`` too; not
     inside functions)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(nodes: list[ast.stmt]) -> None:
@@ -41,18 +59,8 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                 visit(node.body)
                 for handler in node.handlers:
                     visit(handler.body)
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names if a.name in known)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    base = ".".join(parts + ([node.module] if node.module else []))
-                for alias in node.names:
-                    if f"{base}.{alias.name}" in known:
-                        found.add(f"{base}.{alias.name}")
-                    elif base in known:
-                        found.add(base)
+            else:
+                found.update(imported(node, package_name(name, path), known))
 
     visit(ast.parse(path.read_text()).body)
     found.discard(name)
@@ -271,19 +279,9 @@ def package_of(module: str) -> str:
 def every_import(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The package's modules that module ``name`` imports anywhere: at the top, under ``if TYPE_CHECKING:`` and
     inside functions (an import deferred into a function is still a dependency a reader must know of)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name in known)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join(parts + ([node.module] if node.module else []))
-            for alias in node.names:
-                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
-    return {m for m in found if m in known} - {name}
+    package = package_name(name, path)
+    found = {m for node in ast.walk(ast.parse(path.read_text())) for m in imported(node, package, known)}
+    return found - {name}
 
 
 def layer_violations(graph: dict[str, set[str]], layers: list[tuple[str, ...]], above_all: tuple[str, ...]
