@@ -319,9 +319,12 @@ class OuterSync:
         # name another fragment for a try), and its updates are the global copy itself.
         snapshots = ([self.access.read(p.bucket, p.lo, p.hi) for p in self.pieces_of(round.fragment)]
                      if round.stale else None)
+        # (the stale round's pseudo-gradients, then its updates, in buffers of the training thread's, which frees
+        # them once the sync is applied: the outer thread's own heap stays small)
+        buffers = [torch.empty_like(x) for x in snapshots] if snapshots is not None else None
         flight = InFlight(round.fragment, self.step + (self.schedule.staleness if round.stale else 0),
                           snapshots or [], None, written=not round.stale)
-        flight.result = self.run_outer(self._round, flight, round, snapshots)
+        flight.result = self.run_outer(self._round, flight, round, snapshots, buffers)
         self.in_flight.append(flight)
 
     def run_outer(self, step: Callable[..., Any], *args: Any) -> Future:
@@ -361,7 +364,8 @@ class OuterSync:
         self.syncs += 1
         self._drift.append(float(drift.sqrt()))
 
-    def _round(self, flight: InFlight, round: Round, snapshots: list[Tensor] | None) -> tuple[list[Update], float]:
+    def _round(self, flight: InFlight, round: Round, snapshots: list[Tensor] | None, buffers: list[Tensor] | None
+               ) -> tuple[list[Update], float]:
         """On the outer thread, now or behind the next inner steps: the round's pseudo-gradients averaged over the
         members (tried again where a try did not commit, up to the transport's ``retries``), the outer optimizer's
         step of a committed try, and what this rank's part of the replica takes from it; plus the member's drift
@@ -376,7 +380,7 @@ class OuterSync:
                 pseudo = [torch.sub(p.outer.detach(), s, out=s)
                           for p, s in ((p, self.access.read(p.bucket, p.lo, p.hi)) for p in pieces)]
             else:
-                pseudo = [torch.sub(p.outer.detach(), s) for p, s in zip(pieces, snapshots)]
+                pseudo = [torch.sub(p.outer.detach(), s, out=b) for p, s, b in zip(pieces, snapshots, buffers)]
             local = self.squared_norm(pseudo)
             # The node's sum runs beside the members' average (a local rank that starts late does not hold up the
             # others' sends); it is waited for once the average is in.
