@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
+from ddp_plugin.runtime.comm import nbytes
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -67,14 +69,14 @@ class ReplicaGroupCommunicator:
         n = self.cross.size()
         chunks = list(output.view(-1).split(input.numel()))
         return self._issue(lambda: self.cross.allgather([chunks], [input.reshape(-1)], AllgatherOptions()),
-                           output, (n - 1) * _nbytes(input), async_op)
+                           output, (n - 1) * nbytes(input), async_op)
 
     def all_to_all(self, output, input, group=None, async_op=False):  # noqa: A002
         if group is not self.cross:
             return self.inner.all_to_all(output, input, group, async_op)
         n = self.cross.size()
         return self._issue(lambda: self.cross.alltoall_base(output, input, [], [], AllToAllOptions()), output,
-                           (n - 1) / n * _nbytes(input), async_op)
+                           (n - 1) / n * nbytes(input), async_op)
 
     def broadcast(self, tensor, src, group=None, async_op=False):
         if group is self.cross:
@@ -110,13 +112,9 @@ class ReplicaGroupCommunicator:
         self.inner.count_bytes(intra, cross)
 
 
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _ring_bytes(n: int, tensors: list[Tensor]) -> float:
     """What a ring all-reduce of ``tensors`` over ``n`` ranks sends from each: 2(n-1)/n of them."""
-    return sum(2 * (n - 1) / n * _nbytes(t) for t in tensors)
+    return sum(2 * (n - 1) / n * nbytes(t) for t in tensors)
 
 
 class _Guarded:

@@ -27,7 +27,6 @@ from ddp_plugin.fault_tolerance.sync import ReplicaGroupTransport
 from ddp_plugin.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from datetime import timedelta
 
     import lightning.pytorch as pl
     from pluggy import HookRelay

@@ -21,7 +21,6 @@ from ddp_plugin.sync.transport import Round
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
-    from torch.optim import Optimizer
 
     from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
     from ddp_plugin.hookspecs import Bucket

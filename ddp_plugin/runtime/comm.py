@@ -38,7 +38,8 @@ def _next_in_ring(group: dist.ProcessGroup) -> int:
     return (dist.get_rank(group) + 1) % dist.get_world_size(group)
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
+    """The bytes of ``t``'s elements (what a collective sends of it)."""
     return t.numel() * t.element_size()
 
 
@@ -63,11 +64,11 @@ class TracedCommunicator:
         """``sends``: (destination rank within ``group``, bytes) pairs for this rank."""
         me = dist.get_rank() // self.ranks_per_node
         intra = cross = 0.0
-        for dst, nbytes in sends:
+        for dst, sent in sends:
             if dist.get_global_rank(group, dst) // self.ranks_per_node == me:
-                intra += nbytes
+                intra += sent
             else:
-                cross += nbytes
+                cross += sent
         self.count_bytes(intra, cross)
 
     def count_bytes(self, intra: float, cross: float) -> None:
@@ -95,9 +96,9 @@ class TracedCommunicator:
         group = _group(group)
         n = dist.get_world_size(group)
         if n > 1:
-            self._record(group, [(_next_in_ring(group), 2 * (n - 1) / n * _nbytes(tensor))])
+            self._record(group, [(_next_in_ring(group), 2 * (n - 1) / n * nbytes(tensor))])
         if (piece_bytes and n > 1 and dist.get_backend(group) == "gloo" and tensor.is_contiguous()
-                and _nbytes(tensor) > piece_bytes):
+                and nbytes(tensor) > piece_bytes):
             flat = tensor.view(-1)
             piece = max(1, piece_bytes // tensor.element_size())
             reduced = _Works([dist.all_reduce(flat[a : a + piece], op=op, group=group, async_op=True)
@@ -114,7 +115,7 @@ class TracedCommunicator:
         if n == 1:
             return output.copy_(input)
         if dist.get_backend(group) == "nccl":
-            self._record(group, [(_next_in_ring(group), (n - 1) / n * _nbytes(input))])
+            self._record(group, [(_next_in_ring(group), (n - 1) / n * nbytes(input))])
             _reduce_scatter_single(output, input, group=group)
             return output
         # gloo emulates reduce-scatter with a full all-reduce (2(n-1)/n of the input). Here each chunk is sent
@@ -158,7 +159,7 @@ class TracedCommunicator:
         n = dist.get_world_size(group)
         if n > 1 and dist.get_backend(group) == "gloo" and output.is_contiguous() and self._one_rank_or_node(group):
             me = dist.get_rank(group)
-            self._record(group, [(dst, _nbytes(input)) for dst in range(n) if dst != me])
+            self._record(group, [(dst, nbytes(input)) for dst in range(n) if dst != me])
             c = input.numel()
             chunks = output.view(-1).split(c)
             if chunks[me].data_ptr() != input.data_ptr():
@@ -171,7 +172,7 @@ class TracedCommunicator:
             gathered.wait()
             return None
         if n > 1:
-            self._record(group, [(_next_in_ring(group), (n - 1) * _nbytes(input))])
+            self._record(group, [(_next_in_ring(group), (n - 1) * nbytes(input))])
         return _all_gather_single(output, input, group=group, async_op=async_op)
 
     def _one_rank_or_node(self, group: dist.ProcessGroup) -> bool:
@@ -189,7 +190,7 @@ class TracedCommunicator:
         n = dist.get_world_size(group)
         if n > 1:
             me = dist.get_rank(group)
-            chunk = _nbytes(input) / n
+            chunk = nbytes(input) / n
             self._record(group, [(dst, chunk) for dst in range(n) if dst != me])
         return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
@@ -199,7 +200,7 @@ class TracedCommunicator:
         group = _group(group)
         n = dist.get_world_size(group)
         if n > 1 and dist.get_rank(group) == src:
-            self._record(group, [(dst, _nbytes(tensor)) for dst in range(n) if dst != src])
+            self._record(group, [(dst, nbytes(tensor)) for dst in range(n) if dst != src])
         return dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group, async_op=async_op)
 
     def new_group(self, ranks=None, backend=None):
@@ -221,12 +222,12 @@ class TracedCommunicator:
         arenas: dict[torch.device, torch.Tensor] = self._local.__dict__.setdefault("arenas", {})
         device = torch.device(device)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = numel * itemsize
+        size = numel * itemsize
         arena = arenas.get(device)
-        if arena is None or arena.numel() < nbytes:
+        if arena is None or arena.numel() < size:
             # Whole float64 words, so every dtype's view of the start is aligned.
-            arena = arenas[device] = torch.empty(-(-nbytes // 8), dtype=torch.float64, device=device).view(torch.uint8)
-        return arena[:nbytes].view(dtype)
+            arena = arenas[device] = torch.empty(-(-size // 8), dtype=torch.float64, device=device).view(torch.uint8)
+        return arena[:size].view(dtype)
 
     def release_scratch(self) -> None:
         """Drop this thread's arena (the training thread's, after a link probe used it once)."""
@@ -296,11 +297,11 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup | 
     for t in tensors:
         buckets = runs.setdefault((t.dtype, t.device), [([], 0)])
         members, size = buckets[-1]
-        if members and size + _nbytes(t) > bucket_bytes:
+        if members and size + nbytes(t) > bucket_bytes:
             buckets.append(([], 0))
             members, size = buckets[-1]
         members.append(t)
-        buckets[-1] = (members, size + _nbytes(t))
+        buckets[-1] = (members, size + nbytes(t))
     with torch.no_grad():
         for buckets in runs.values():
             for bucket, _ in buckets:

@@ -28,7 +28,6 @@ from ddp_plugin.parallel.ties import Tie, sync_ties
 from ddp_plugin.strategy.session import FitInputs, FitSession
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import Precision
     from torch.nn import Module
 
