@@ -888,6 +888,34 @@ def test_a_restarted_lighthouses_quorum_ids_neither_reuse_rendezvous_keys_nor_ke
     assert configured == ["host:1/torchft/1/0/step0", "host:1/torchft/1/0/step40"]
 
 
+def test_a_quorum_whose_rendezvous_failed_is_configured_again_when_the_lighthouse_hands_out_its_id_again():
+    """torchft 0.2 takes a quorum's id before configuring its process group: one whose rendezvous failed (a peer
+    never came, as around a lighthouse restart) left the group unconfigured, and the next quorum of that id (a
+    restarted lighthouse's retry hands the same id out again) skipped the configuration: every collective of the
+    group then raised "process group not initialized" (seen killing a group in a run with the lighthouse restarted
+    8 times). The failed configuration now forgets the id, so the retry configures again (torchft's real gloo
+    process group, its rendezvous on a real store, a peer that never comes)."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+    from torchft import ProcessGroupGloo
+
+    from ddp_plugin.fault_tolerance.torchft_adapter import QuorumRecorder, unique_rendezvous
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = SimpleNamespace(_quorum_id=None)
+    recorder = QuorumRecorder(SimpleNamespace(_quorum=lambda **_: SimpleNamespace(
+        quorum_id=2, max_step=46, replica_ids=["g0:a", "g1:b"])), manager)
+    pg = unique_rendezvous(ProcessGroupGloo)(timeout=timedelta(seconds=1))
+    pg.quorums = recorder
+    recorder._quorum()
+    manager._quorum_id = 2  # (what torchft's Manager sets before it configures)
+    with pytest.raises(Exception, match="timeout"):  # (rank 1 of 2 waits for rank 0, which never comes)
+        pg.configure(f"127.0.0.1:{store.port}/torchft/2/0", "g1:b", 1, 2, 2, 0, 1, [0, 1])
+    assert manager._quorum_id is None  # the next quorum of id 2 configures the group again
+
+
 def test_a_heal_server_serves_its_tensors_whole_and_a_download_a_sync_overlapped_is_taken_again():
     """What a live rank serves a group joining between syncs: the tensors bit for bit (any dtype, empty ones, nested
     in dicts, lists and tuples, beside plain values), streamed from the tensors themselves; while a sync writes them

@@ -6,7 +6,8 @@ why:
 
 - ``Manager._client`` (its manager server's client) is wrapped by :class:`QuorumRecorder`, which reads the client's
   ``_quorum`` results and clears ``Manager._quorum_id``: torchft 0.2 reconfigures its process group only on a new
-  quorum id, and a lighthouse started again hands ids out from 1 again.
+  quorum id, and a lighthouse started again hands ids out from 1 again; cleared too after a configuration that
+  failed, which torchft 0.2 would otherwise never retry for that id.
 - The process group's ``configure`` is given a store prefix with the quorum's step (:func:`unique_rendezvous`), for
   the same reason: its rendezvous keys are the quorum id's.
 - ``HTTPTransport._server`` (the checkpoint transport's HTTP server) gives the port advertised at a host the other
@@ -71,6 +72,14 @@ class QuorumRecorder:
         self._members = members
         return quorum
 
+    def forget(self) -> None:
+        """Make the Manager configure its process group at the next quorum, whatever its id: torchft 0.2 takes a
+        quorum's id before it configures, so a configuration that failed (a peer that never came to the rendezvous)
+        left the group unconfigured, and the next quorum of that id (a restarted lighthouse hands ids out again)
+        skipped it: every collective then raised "process group not initialized"."""
+        self._manager._quorum_id = None
+        self._members = None
+
     @property
     def members(self) -> list[str]:
         """The replica ids of the last quorum returned."""
@@ -90,7 +99,12 @@ def unique_rendezvous(base: type) -> type:
 
         def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
             step = self.quorums.max_step if self.quorums is not None else 0
-            super().configure(f"{store_addr}/step{step}", *args, **kwargs)
+            try:
+                super().configure(f"{store_addr}/step{step}", *args, **kwargs)
+            except BaseException:
+                if self.quorums is not None:
+                    self.quorums.forget()
+                raise
 
     return UniqueRendezvous
 
