@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.support import WORKERS, needs_cluster
-from ddp_plugin.testing.simcluster import SimulatedCluster, parse_rate
+from ddp_plugin.testing.simcluster import SimulatedCluster, available, delay_available, parse_rate
 
 PROBE = str(WORKERS / "simcluster_probe.py")
 
@@ -134,3 +134,54 @@ def test_rates_read_like_tc():
     assert parse_rate("12.5mbps") == 100 * 10**6
     with pytest.raises(ValueError, match="rate='fast'"):
         parse_rate("fast")
+
+
+def test_nodes_can_differ_in_rate_and_cpu():
+    """Three sites: node 0 at 200 Mbit/s, node 1 at 20 Mbit/s, node 2 uncapped with a quarter of a core. 0 -> 2 runs
+    at node 0's rate, 1 -> 2 at node 1's (a node's own rate changed while it runs too); a busy loop on node 2 gets a
+    quarter of a core."""
+    with SimulatedCluster(nodes=3, rate=["200mbit", "20mbit", None], cpu=[None, None, 0.25], prefix="ddpsimmix") as c:
+        assert c.rates == ["200mbit", "20mbit", None] and c.rate is None
+        fast = transfer(c, 0, 2, 5004, 5_000_000)
+        slow = transfer(c, 1, 2, 5005, 2_000_000)
+        # (tbf lets a burst of 128 KiB through at once: a few % above the cap on transfers this short)
+        assert 0.1 < fast < 0.21 and 0.01 < slow < 0.0225, (fast, slow)
+        share = probe(c, 2, "busy", "", 0, 1500)["cpu_share"]
+        assert share < 0.32, share
+        assert c.cpu_quota(2).throttled_s > 0 and c.cpu_quota(0) is None
+        c.set_rate("100mbit", node=1)
+        assert c.rates == ["200mbit", "100mbit", None]
+        assert 0.05 < transfer(c, 1, 2, 5006, 4_000_000) < 0.106
+
+
+def transfer(c: SimulatedCluster, src: int, dst: int, port: int, nbytes: int) -> float:
+    """Gbit/s of one TCP transfer from node ``src`` to node ``dst``."""
+    sink = serve(c, dst, "sink", port, nbytes)
+    result = probe(c, src, "source", c.addresses[dst], port, nbytes)["gbit_per_s"]
+    sink.communicate(timeout=30)
+    return result
+
+
+@pytest.mark.skipif(not delay_available()[0] if available()[0] else True,
+                    reason="needs root and a kernel with netem (CONFIG_NET_SCH_NETEM) to delay links")
+def test_a_round_trip_crosses_both_nodes_delays_twice():
+    """Node 0's link delays 10 ms each way, node 1's 30 ms: a round trip between them takes 2 x (10 + 30) ms, and
+    a link keeps its delay when its rate changes."""
+    with SimulatedCluster(nodes=3, rate=["200mbit", "20mbit", None], delay=["10ms", "30ms", None],
+                          prefix="ddpsimdelay") as c:
+        server = serve(c, 1, "echo-server", 5003, 0)
+        assert 78 < probe(c, 0, "rtt", c.addresses[1], 5003, 1)["ms"] < 120
+        server.communicate(timeout=30)
+        c.set_rate("100mbit", node=1)
+        server = serve(c, 1, "echo-server", 5006, 0)
+        assert 78 < probe(c, 0, "rtt", c.addresses[1], 5006, 1)["ms"] < 120
+        server.communicate(timeout=30)
+
+
+def test_per_node_settings_are_checked_when_the_cluster_is_made():
+    with pytest.raises(ValueError, match="rate= has 2 entries for 3 nodes"):
+        SimulatedCluster(nodes=3, rate=["1gbit", "1gbit"])
+    with pytest.raises(ValueError, match="delay='20' is not a link delay"):
+        SimulatedCluster(nodes=2, delay="20")
+    with pytest.raises(ValueError, match="cpu=0"):
+        SimulatedCluster(nodes=2, cpu=[0, 1])

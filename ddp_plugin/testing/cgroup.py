@@ -153,3 +153,68 @@ def remove(names: list[str]) -> None:
                 path.rmdir()
             except OSError:
                 pass  # still holds a process (a zombie being reaped): left for the next run to reuse
+
+
+CPU_ROOT_V1 = ROOT / "cpu"
+CPU_PERIOD_US = 100_000
+
+
+@dataclass
+class CpuQuota:
+    """A CPU cgroup whose processes together get at most ``cores`` cores (the CFS quota over a 100 ms period): a
+    simulated node's share of the machine, so that one node's bursts (a restarting group importing torch) do not
+    slow the others as they would not on separate machines. cgroup v1's ``cpu`` controller
+    (``cpu.cfs_quota_us``) or v2's ``cpu.max`` where this process's cgroup delegates it."""
+
+    path: Path
+    version: int
+    cores: float
+
+    @classmethod
+    def make(cls, name: str, cores: float) -> CpuQuota:
+        """The cgroup ``ddp_plugin_cpu_<name>`` holding its processes to ``cores`` (> 0) cores."""
+        if not cores > 0:
+            raise ValueError(f"cores={cores!r}: a CPU quota is a positive number of cores (0.5: half a core).")
+        quota = max(1000, int(cores * CPU_PERIOD_US))
+        if (CPU_ROOT_V1 / "cpu.cfs_quota_us").exists():
+            path = CPU_ROOT_V1 / f"ddp_plugin_cpu_{name}"
+            path.mkdir(exist_ok=True)
+            (path / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+            (path / "cpu.cfs_quota_us").write_text(str(quota))
+            return cls(path, 1, cores)
+        own = next((line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::")),
+                   None)
+        parent = ROOT / own.lstrip("/") if own is not None else None
+        if parent is None or "cpu" not in (parent / "cgroup.controllers").read_text().split():
+            raise RuntimeError("no CPU cgroup controller for this process (cgroup v1's cpu, or v2's cpu delegated)")
+        path = parent / f"ddp_plugin_cpu_{name}"
+        path.mkdir(exist_ok=True)
+        (path / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+        return cls(path, 2, cores)
+
+    def add(self, pid: int) -> None:
+        """Move process ``pid`` (and the children it starts from now on) into this cgroup."""
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    @property
+    def throttled_s(self) -> float:
+        """Seconds this cgroup's processes were held back by the quota."""
+        for line in (self.path / "cpu.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "throttled_time":  # (v1: nanoseconds)
+                return int(value) / 1e9
+            if key == "throttled_usec":
+                return int(value) / 1e6
+        return 0.0
+
+    def close(self) -> None:
+        """Move what is left in the cgroup to its parent, and delete it."""
+        try:
+            for pid in (self.path / "cgroup.procs").read_text().split():
+                try:
+                    (self.path.parent / "cgroup.procs").write_text(pid)
+                except OSError:
+                    pass  # (exited meanwhile)
+            self.path.rmdir()
+        except OSError:
+            pass  # (already gone, or a process being reaped: left for the next run, which reuses the name)

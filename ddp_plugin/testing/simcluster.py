@@ -7,6 +7,14 @@ full-duplex NIC on a switch port would. The ranks of a node run inside its names
 stays on the namespace's loopback, traffic between nodes crosses the capped link, and the veth counters
 (:meth:`SimulatedCluster.tx_bytes`) are the ground truth for cross-node bytes.
 
+Nodes may differ, as a cluster spread over sites does: ``rate`` per node, a one-way ``delay`` per node's link (a
+``netem`` qdisc under the rate cap, on both ends of the link: a packet from node i to node j takes
+``delay[i] + delay[j]``, each site's uplink latency; needs a kernel with netem, :func:`delay_available`), and a CPU quota per node (``cpu``: its processes together get
+at most that many cores, a cgroup of its own), so that a node's bursts do not slow the others::
+
+    SimulatedCluster(nodes=16, rate=["1gbit"] * 4 + ["100mbit"] * 8 + ["20mbit"] * 4,
+                     delay=["5ms"] * 4 + ["20ms"] * 8 + ["80ms"] * 4, cpu=0.125)
+
 Namespace and interface names are the only global state: addresses live inside the namespaces, so two
 clusters (two pytest runs, say) never see each other's traffic even though both use the same subnet.
 Namespace names carry the owning process id, so stale namespaces left by a killed run are removed at the
@@ -23,7 +31,7 @@ Needs root and iproute2 (``ip netns``, ``tc``); :func:`available` says whether t
 A process the cluster started reads its own node's counters with :func:`link_bytes` (its link is named by
 ``GLOO_SOCKET_IFNAME``, which :meth:`SimulatedCluster.launch` sets), e.g. around a timed window of steps.
 
-(About 450 lines: building, driving and tearing down namespaces, links and per-node launches belong together,
+(About 550 lines: building, driving and tearing down namespaces, links and per-node launches belong together,
 and the teardown must hold even on failure; each part is short.)
 """
 
@@ -48,7 +56,8 @@ from typing import IO, Any
 
 from ddp_plugin.testing.processes import RENDEZVOUS_ENV, kill_quietly, signal_group_quietly
 
-__all__ = ["NodeResult", "SimulatedCluster", "available", "link_bytes", "parse_rate", "set_link_rate"]
+__all__ = ["NodeResult", "SimulatedCluster", "available", "link_bytes", "delay_available", "parse_delay", "parse_rate",
+           "set_link_rate"]
 
 SUBNET = "10.77.0"  # private /24; it only ever exists inside the cluster's own namespaces
 BRIDGE = "simbr"
@@ -83,6 +92,54 @@ def parse_rate(rate: str) -> int:
     if bits < 8000:
         raise ValueError(f"rate={rate!r} is {bits} bit/s; use at least 8kbit so a single packet fits in a second.")
     return bits
+
+
+def parse_delay(delay: str) -> float:
+    """Milliseconds of a tc-style time such as ``"20ms"``, ``"1.5ms"``, ``"500us"`` or ``"0.08s"``."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(us|ms|s)\s*", delay) if isinstance(delay, str) else None
+    if not match:
+        raise ValueError(f"delay={delay!r} is not a link delay. Write a number and one of us, ms, s (tc's units),"
+                         " e.g. delay='20ms', or delay=None for none.")
+    return float(match.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[match.group(2)]
+
+
+@functools.lru_cache(maxsize=None)
+def delay_available() -> tuple[bool, str]:
+    """Whether this kernel can delay a link (the ``netem`` qdisc, ``CONFIG_NET_SCH_NETEM``), and if not, why."""
+    namespace = f"ddpsimprobe-{os.getpid()}-delay"
+    try:
+        _run(["ip", "netns", "add", namespace])
+        _run(["ip", "-n", namespace, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"])
+        _run(["tc", "-n", namespace, "qdisc", "add", "dev", "probe0", "root", "netem", "delay", "1ms"])
+    except (RuntimeError, OSError) as err:
+        return False, f"this kernel cannot delay a link (no netem qdisc, CONFIG_NET_SCH_NETEM): {err}"
+    finally:
+        _run(["ip", "netns", "delete", namespace], check=False)
+    return True, ""
+
+
+def _per_node(name: str, value: Any, nodes: int) -> list[Any]:
+    """``value`` for every node: one value for all, or a list or tuple of one per node."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != nodes:
+            raise ValueError(f"{name}= has {len(value)} entries for {nodes} nodes: give one per node, or one value"
+                             " for all of them.")
+        return list(value)
+    return [value] * nodes
+
+
+def _shape(namespace_args: list[str], dev: str, bits_per_s: int | None, delay_ms: float | None) -> None:
+    """Give the link end ``dev`` its rate cap and one-way delay, replacing what it had (neither: none)."""
+    _run(["tc", *namespace_args, "qdisc", "del", "dev", dev, "root"], check=False)
+    tc = ["tc", *namespace_args, "qdisc", "add", "dev", dev]
+    if delay_ms:
+        # netem holds each packet for the delay, then hands it to the rate cap below it (kernel's own recipe). Its
+        # queue must hold a delay's worth of packets at the rate: 80 ms at 1 Gbit/s is 10 MB, 7000 full frames.
+        _run([*tc, "root", "handle", "1:", "netem", "delay", f"{delay_ms:g}ms", "limit", "100000"])
+        if bits_per_s is not None:
+            _run([*tc, "parent", "1:1", "handle", "10:", *_tbf_args(bits_per_s)])
+    elif bits_per_s is not None:
+        _run([*tc, "root", *_tbf_args(bits_per_s)])
 
 
 def _tbf_args(bits_per_s: int) -> list[str]:
@@ -230,7 +287,12 @@ class SimulatedCluster:
     Args:
         nodes: number of nodes. Two are joined by a single veth pair; more by a bridge in an extra namespace.
         rate: egress cap of each node's link in tc's notation (``"1gbit"``, ``"200mbit"``), or None for an
-            uncapped link (veth then runs at memory speed, tens of Gbit/s).
+            uncapped link (veth then runs at memory speed, tens of Gbit/s); or a list of one per node.
+        delay: one-way latency of each node's link, each direction (``"20ms"``; a packet between two nodes
+            crosses both their links), or None; or a list of one per node.
+        cpu: cores each node's processes get together at most (a cgroup CPU quota: ``0.5`` is half a core), or
+            None for no cap; or a list of one per node. Needs a CPU cgroup controller (cgroup v1's ``cpu``, or
+            v2's delegated to this process).
         prefix: start of the namespace names (``<prefix>-<pid>x<n>-node0`` ...). Stale namespaces with this
             prefix whose owning process has died are removed when a cluster starts.
         python: the interpreter :meth:`launch` runs torchrun with (default: this process's, ``sys.executable``;
@@ -240,8 +302,9 @@ class SimulatedCluster:
     on exceptions and Ctrl-C, and at interpreter exit for a cluster that was never closed.
     """
 
-    def __init__(self, nodes: int = 2, rate: str | None = "1gbit", prefix: str = "ddpsim",
-                 python: str | None = None) -> None:
+    def __init__(self, nodes: int = 2, rate: str | None | list[str | None] = "1gbit", prefix: str = "ddpsim",
+                 python: str | None = None, delay: str | None | list[str | None] = None,
+                 cpu: float | None | list[float | None] = None) -> None:
         if nodes < 2 or nodes > 200:
             raise ValueError(f"nodes={nodes}: a simulated cluster has between 2 and 200 nodes.")
         if not re.fullmatch(r"[a-z][a-z0-9]{0,15}", prefix):
@@ -250,8 +313,21 @@ class SimulatedCluster:
                 " network namespaces, and stale ones with the same prefix are deleted)."
             )
         self.nodes = nodes
-        self.rate = rate
-        self.rate_bits = parse_rate(rate) if rate is not None else None
+        self.rates = _per_node("rate", rate, nodes)
+        """Each node's link rate (tc's notation, or None: uncapped)."""
+        self.rate = rate if not isinstance(rate, (list, tuple)) else None
+        self.rate_bits = parse_rate(rate) if isinstance(rate, str) else None
+        self._rate_bits = [parse_rate(r) if r is not None else None for r in self.rates]
+        self.delays = _per_node("delay", delay, nodes)
+        """Each node's one-way link delay (tc's notation, or None)."""
+        self._delay_ms = [parse_delay(d) if d is not None else None for d in self.delays]
+        self.cpus = _per_node("cpu", cpu, nodes)
+        """Each node's CPU quota in cores (or None)."""
+        for c in self.cpus:
+            if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
+                raise ValueError(f"cpu={c!r}: a node's CPU quota is a positive number of cores (0.5: half a core),"
+                                 " or None for no cap.")
+        self._quotas: list[Any] = []
         self.prefix = prefix
         self.python = python or sys.executable
         self._tag = f"{prefix}-{os.getpid()}x{next(_sequence)}"
@@ -289,6 +365,8 @@ class SimulatedCluster:
             raise
 
     def _build(self) -> None:
+        if any(self._delay_ms) and not delay_available()[0]:
+            raise RuntimeError(f"SimulatedCluster(delay={self.delays!r}): {delay_available()[1]}")
         for node in range(self.nodes):
             _run(["ip", "netns", "add", self.node_namespace(node)])
             _run(["ip", "-n", self.node_namespace(node), "link", "set", "lo", "up"])
@@ -307,24 +385,35 @@ class SimulatedCluster:
                       "peer", "name", port, "netns", bridge_ns])
                 _run(["ip", "-n", bridge_ns, "link", "set", port, "master", BRIDGE])
                 _run(["ip", "-n", bridge_ns, "link", "set", port, "up"])
-                if self.rate_bits is not None:
-                    # The switch port's egress is the node's ingress: capping it keeps a node that receives from
-                    # several others at line rate, as a real switch would.
-                    _run(["tc", "-n", bridge_ns, "qdisc", "add", "dev", port, "root", *_tbf_args(self.rate_bits)])
+                # The switch port's egress is the node's ingress: capping it keeps a node that receives from
+                # several others at line rate, as a real switch would (and the node's delay applies both ways).
+                _shape(["-n", bridge_ns], port, self._rate_bits[node], self._delay_ms[node])
         for node in range(self.nodes):
             ns, dev = self.node_namespace(node), self.interfaces[node]
             _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[node]}/24", "dev", dev])
             _run(["ip", "-n", ns, "link", "set", dev, "up"])
-            if self.rate_bits is not None:
-                _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *_tbf_args(self.rate_bits)])
+            _shape(["-n", ns], dev, self._rate_bits[node], self._delay_ms[node])
+        if any(c is not None for c in self.cpus):
+            from ddp_plugin.testing.cgroup import CpuQuota
 
-    def set_rate(self, rate: str | None) -> None:
-        """Cap every link end at ``rate`` from now on (``None``: uncapped), while processes run."""
-        for node in range(self.nodes):
-            _set_rate(["-n", self.node_namespace(node)], self.interfaces[node], rate)
+            self._quotas = [CpuQuota.make(f"{self._tag}-node{node}", c) if c is not None else None
+                            for node, c in enumerate(self.cpus)]
+
+    def set_rate(self, rate: str | None | list[str | None], node: int | None = None) -> None:
+        """Cap every link end at ``rate`` from now on (``None``: uncapped; a list: one per node), or only node
+        ``node``'s, while processes run; the links keep their delays."""
+        nodes = range(self.nodes) if node is None else [node]
+        rates = _per_node("rate", rate, self.nodes) if node is None else {node: rate}
+        for n in nodes:
+            self._check_node(n)
+            self.rates[n] = rates[n]
+            self._rate_bits[n] = parse_rate(rates[n]) if rates[n] is not None else None
+            _shape(["-n", self.node_namespace(n)], self.interfaces[n], self._rate_bits[n], self._delay_ms[n])
             if self._bridge_namespace is not None:
-                _set_rate(["-n", self._bridge_namespace], f"port{node}", rate)
-        self.rate, self.rate_bits = rate, parse_rate(rate) if rate is not None else None
+                _shape(["-n", self._bridge_namespace], f"port{n}", self._rate_bits[n], self._delay_ms[n])
+        same = len(set(self.rates)) == 1
+        self.rate = self.rates[0] if same else None
+        self.rate_bits = self._rate_bits[0] if same else None
 
     def close(self) -> None:
         """Kill everything still running in the cluster and delete its namespaces (and so its links). Idempotent."""
@@ -341,6 +430,10 @@ class SimulatedCluster:
         for namespace in [*map(self.node_namespace, range(self.nodes)), self._bridge_namespace]:
             if namespace is not None:
                 _delete_namespace(namespace)
+        for quota in self._quotas:
+            if quota is not None:
+                quota.close()
+        self._quotas = []
         self._started = False
         with _live_lock:
             _live.discard(self)
@@ -364,6 +457,11 @@ class SimulatedCluster:
         """Bytes node ``node`` has received over its link."""
         return self._link_stats(node)["rx"]["bytes"]
 
+    def cpu_quota(self, node: int) -> Any:
+        """Node ``node``'s CPU cgroup (:class:`~ddp_plugin.testing.cgroup.CpuQuota`: its ``throttled_s``), or None."""
+        self._check_node(node)
+        return self._quotas[node] if self._quotas else None
+
     def _link_stats(self, node: int) -> dict[str, Any]:
         # `ip -n` reads the counters over netlink in the node's namespace; /sys/class/net only shows them from a
         # process whose /sys was mounted in that namespace (which `ip netns exec` does for the processes it runs).
@@ -384,6 +482,16 @@ class SimulatedCluster:
             raise RuntimeError("the cluster is not running; use `with SimulatedCluster(...) as cluster:` first.")
         # `ip netns exec` execs argv, so the Popen's pid is argv's own; the new session lets teardown kill the
         # whole tree (torchrun and its ranks) with one signal.
+        quota = self._quotas[node] if self._quotas else None
+        if quota is not None:  # (the child joins its node's CPU cgroup before it execs: its children inherit it)
+            before = kwargs.pop("preexec_fn", None)
+
+            def join() -> None:
+                quota.add(os.getpid())
+                if before is not None:
+                    before()
+
+            kwargs["preexec_fn"] = join
         proc = subprocess.Popen(["ip", "netns", "exec", self.node_namespace(node), *argv], env=env,
                                 start_new_session=True, **kwargs)
         self._processes.append(proc)

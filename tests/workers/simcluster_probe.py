@@ -2,6 +2,8 @@
 
     python simcluster_probe.py echo-server --host 10.77.0.2 --port 5000       # echoes one message
     python simcluster_probe.py echo-client --host 10.77.0.2 --port 5000 --bytes 65536
+    python simcluster_probe.py rtt --host 10.77.0.2 --port 5000                  # one round trip, to echo-server
+    python simcluster_probe.py busy --bytes 2000                                 # spin 2 s: the CPU share it got
     python simcluster_probe.py sink --host 10.77.0.2 --port 5001 --bytes 50000000
     python simcluster_probe.py source --host 10.77.0.2 --port 5001 --bytes 50000000
     torchrun ... simcluster_probe.py allreduce --mb 10 --iters 3
@@ -70,6 +72,24 @@ def echo_client(args: argparse.Namespace) -> dict:
     return {"bytes": len(payload), "echoed": bytes(back) == payload}
 
 
+def rtt(args: argparse.Namespace) -> dict:
+    """The round trip of a 1-byte message over an open connection (to ``echo-server``), in milliseconds."""
+    with socket.create_connection((args.host, args.port), timeout=10) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        start = time.perf_counter()
+        conn.sendall((1).to_bytes(8, "big") + b"x")
+        back = conn.recv(1)
+        return {"ms": (time.perf_counter() - start) * 1e3, "echoed": back == b"x"}
+
+
+def busy(args: argparse.Namespace) -> dict:
+    """Spin for ``--bytes`` milliseconds of wall time; the CPU time this process got in that time, as a share."""
+    start, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - start < args.bytes / 1e3:
+        pass
+    return {"cpu_share": (time.process_time() - cpu) / (time.perf_counter() - start)}
+
+
 def sink(args: argparse.Namespace) -> dict:
     with _listen(args.host, args.port) as server:
         conn, _ = server.accept()
@@ -131,7 +151,8 @@ def crash_on_node(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["echo-server", "echo-client", "sink", "source", "allreduce", "crash-on-node"])
+    parser.add_argument("mode", choices=["echo-server", "echo-client", "rtt", "busy", "sink", "source", "allreduce",
+                                         "crash-on-node"])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=5000)
     parser.add_argument("--bytes", type=int, default=65536)
