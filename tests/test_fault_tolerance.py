@@ -916,6 +916,33 @@ def test_a_quorum_whose_rendezvous_failed_is_configured_again_when_the_lighthous
     assert manager._quorum_id is None  # the next quorum of id 2 configures the group again
 
 
+def test_a_quorum_that_never_returns_ends_the_wait_with_an_error_naming_the_lighthouse(monkeypatch):
+    """torchft waits for its quorum thread without a limit; the replica groups wait at most quorum_timeout plus
+    twice the strategy's timeout plus a slack (here 0.5 + 2 x 0.25 + 0.5 s), then fail naming the lighthouse,
+    whatever keeps that thread (its future never set)."""
+    import concurrent.futures
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from ddp_plugin.fault_tolerance import replicas as module
+    from ddp_plugin.fault_tolerance.options import check_fault_tolerance
+    from ddp_plugin.fault_tolerance.replicas import ReplicaGroups
+
+    monkeypatch.setattr(module, "QUORUM_SLACK_S", 0.5)
+    never = concurrent.futures.Future()
+    replicas = ReplicaGroups.__new__(ReplicaGroups)
+    replicas.options = check_fault_tolerance({"replica_group": 3, "replica_groups": 4, "lighthouse": "http://lh:1",
+                                                "quorum_timeout": 0.5})
+    replicas.timeout, replicas.watch = timedelta(seconds=0.25), None
+    replicas._quorum_limit_s = 0.5
+    replicas.manager = SimpleNamespace(_quorum_future=never, wait_quorum=never.result)
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"replica group 3: torchft's quorum did not return within 1.5 s .*"
+                                           r"lighthouse at http://lh:1"):
+        replicas.wait_quorum()
+    assert 1.4 < time.monotonic() - began < 20
+
+
 def test_a_heal_server_serves_its_tensors_whole_and_a_download_a_sync_overlapped_is_taken_again():
     """What a live rank serves a group joining between syncs: the tensors bit for bit (any dtype, empty ones, nested
     in dicts, lists and tuples, beside plain values), streamed from the tensors themselves; while a sync writes them

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 DISCOVERY_TIMEOUT = timedelta(seconds=10)
 """How long a returning group waits for a live group's store to name its heal server."""
 
+QUORUM_SLACK_S = 10.0
+"""What a quorum's wait allows beyond the limits of its steps in torchft (:attr:`ReplicaGroups.quorum_wait_limit_s`)."""
+
 HEAL_ATTEMPTS = 8
 """Downloads a background heal tries before healing in the next quorum instead (each one that overlapped a sync
 on the peer, or found the group's ranks holding different syncs' states, is taken again)."""
@@ -97,6 +100,8 @@ class ReplicaGroups:
                       else None)
         """On the group's rank 0 with ``dynamic_steps``: whether a peer has asked for the next sync's quorum."""
         self._started = False
+        self._quorum_limit_s = options.quorum_timeout
+        """The quorum asked for last: how long its lighthouse request may take (``quorum_timeout``, or longer)."""
         self.hook: HookRelay | None = None
         """The fit's plugin hooks (``on_member_state`` and the others of members that come and go)."""
         host = advertised_host(os.environ["MASTER_ADDR"])
@@ -277,18 +282,36 @@ class ReplicaGroups:
             if self.watch is not None:
                 self.watch.disarm()  # (this group asks: its own request is no peer's)
             self.manager.start_quorum(shrink_only=shrink_only, timeout=timeout)
+            self._quorum_limit_s = timeout.total_seconds() if timeout is not None else self.options.quorum_timeout
             self._started = True
             if self.per_step and self._first_commit and self.on_first_quorum is not None:
                 self.wait_quorum()
                 self.on_first_quorum(self.manager.current_step())
 
+    @property
+    def quorum_wait_limit_s(self) -> float:
+        """The longest this rank waits for a quorum it asked for: the lighthouse's answer (``quorum_timeout``),
+        then the rendezvous of torchft's process group and a heal (``timeout`` each), and :data:`QUORUM_SLACK_S` to
+        spare. torchft bounds each of those itself; this bounds their sum, whatever happens inside torchft."""
+        return self._quorum_limit_s + 2 * self.timeout.total_seconds() + QUORUM_SLACK_S
+
     def wait_quorum(self) -> None:
-        """Wait for the quorum started. One that failed (the lighthouse asked again for ``quorum_timeout``, in
-        vain) names the lighthouse."""
+        """Wait for the quorum started, at most :attr:`quorum_wait_limit_s`. One that failed (the lighthouse asked
+        again for ``quorum_timeout``, in vain) or did not come in time names the lighthouse."""
+        import concurrent.futures
+
+        limit = self.quorum_wait_limit_s
         try:
-            self.manager.wait_quorum()
+            torchft_adapter.wait_quorum(self.manager, limit)
             if self.watch is not None:
                 self.watch.arm()  # (every request the lighthouse held is answered: the next one is a peer's next sync)
+        except concurrent.futures.TimeoutError as err:
+            raise RuntimeError(
+                f"replica group {self.options.replica_group}: torchft's quorum did not return within {limit:g} s"
+                f" (fault_tolerance['quorum_timeout'] for the lighthouse's answer, twice the strategy's `timeout` for"
+                f" the rendezvous and a heal, and {QUORUM_SLACK_S:g} s): is the lighthouse at {self.options.lighthouse} up, and are"
+                f" the groups of its last quorum reachable from here?"
+            ) from err
         except Exception as err:  # (torchft raises the lighthouse client's error as it is)
             raise RuntimeError(
                 f"replica group {self.options.replica_group}: no quorum within {self.options.quorum_timeout:g} s"

@@ -16,7 +16,8 @@ why:
   outside it) says which groups are live (:func:`previous_quorum`), where their stores are (:func:`heal_address`
   reads a live peer's heal server there), whether one of them has asked for the next quorum
   (:func:`waiting_members`) and how many groups beat (:func:`beating_groups`).
-- ``Manager._quorum_future`` says whether a quorum asked for is in (:func:`quorum_ready`).
+- ``Manager._quorum_future`` says whether a quorum asked for is in (:func:`quorum_ready`), and is waited for with a
+  limit (:func:`wait_quorum`).
 - ``Manager._init_sync`` (what each quorum request asks for at step 0: every group but one healing from it) is
   turned off and on again by :func:`set_init_sync`: a sync mode's groups that started from the same bits skip that
   heal (torchft 0.2 takes it only as the Manager's argument, and reads the attribute at each quorum).
@@ -210,6 +211,16 @@ def set_init_sync(made: Any, on: bool) -> None:
     """Whether the quorums ``made`` (a torchft Manager) asks for from now on heal every group but one at step 0
     (torchft's ``init_sync``; every group of a quorum must ask the same)."""
     made._init_sync = on
+
+
+def wait_quorum(made: Any, seconds: float) -> None:
+    """Wait for the quorum ``made`` (a torchft Manager) asked for, at most ``seconds`` (then
+    ``concurrent.futures.TimeoutError``), and raise what it raised: torchft 0.2 waits on its quorum thread's future
+    without a limit, each step of that thread having its own (the lighthouse's answer, the rendezvous, a heal)."""
+    future = made._quorum_future
+    if future is not None:
+        future.result(timeout=seconds)
+    made.wait_quorum()
 
 
 def quorum_ready(made: Any) -> bool:
