@@ -10,6 +10,9 @@ metrics. ``"devices"`` ranks per node, ``"batch"``, ``"dynamic_steps"``, ``"data
 ``"max_staleness"`` as the strategy's flags; with ``"group_nodes": G`` (and ``"group"``, ``"groups"``, ``"node_rank"``)
 replica group ``group`` spans G nodes, this one its node ``node_rank`` (one Lightning launch over them); with
 ``"gate"``, every rank writes ``GATE.<node>.<local rank>`` once set up and waits for ``GATE`` before its first step.
+With ``"stop_file"``: once that file exists it holds a step, at which the run stops (a step every group reaches, at a
+sync: the groups end together however long each was down); ``"save_params"``: at the end, the node's local rank 0
+writes the parameters to ``DIR/params-<node><tag>.pt``. ``"width"``, ``"lr"``, ``"seed"``: the model's.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from ddp_plugin.testing.models import TinyModule, mlp
 
 
 class Record(L.Callback):
-    def __init__(self, path: str, sleep: float, gate: str | None, node: int) -> None:
+    def __init__(self, path: str, sleep: float, gate: str | None, node: int, stop_file: str | None = None,
+                 params: str | None = None) -> None:
         self.path, self.file = path, None
         self.sleep = sleep
         self.gate, self.node = gate, node
+        self.stop_file, self.stop_at, self.params = stop_file, None, params
 
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.local_rank == 0:
@@ -45,6 +50,12 @@ class Record(L.Callback):
                 time.sleep(0.02)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.stop_file is not None:
+            if self.stop_at is None and os.path.exists(self.stop_file):
+                text = open(self.stop_file).read().strip()
+                self.stop_at = int(text) if text else None
+            if self.stop_at is not None and trainer.global_step >= self.stop_at:
+                trainer.should_stop = True
         if self.file is None:  # (the node's other ranks)
             time.sleep(self.sleep)
             return
@@ -56,6 +67,11 @@ class Record(L.Callback):
                         + "\n")
         self.file.flush()
         time.sleep(self.sleep)  # (the compute of a larger model, so that a step is not only communication)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.params and trainer.local_rank == 0:
+            torch.save({"global_step": trainer.global_step,
+                        **{k: v.detach().clone() for k, v in pl_module.state_dict().items()}}, self.params)
 
 
 def main() -> None:
@@ -72,13 +88,17 @@ def main() -> None:
     options = {"sync_every": spec["sync_every"], "timeout": 30.0, "compression": spec.get("compression"),
                "hierarchical": spec.get("hierarchical"), "sync_fragments": spec.get("sync_fragments", 1),
                "max_staleness": spec.get("max_staleness", 0)}
-    callbacks = [Record(os.path.join(spec["out"], f"rec-{spec['node']}{spec.get('tag', '')}.jsonl"),
-                        spec.get("sleep", 0.05), spec.get("gate"), spec["node"])]
+    tag = spec.get("tag", "")
+    callbacks = [Record(os.path.join(spec["out"], f"rec-{spec['node']}{tag}.jsonl"),
+                        spec.get("sleep", 0.05), spec.get("gate"), spec["node"], spec.get("stop_file"),
+                        os.path.join(spec["out"], f"params-{spec['node']}{tag}.pt") if spec.get("save_params") else None)]
     ckpt_dir = os.path.join(spec["out"], "ckpt")
     if spec.get("lighthouse"):
         options["fault_tolerance"] = {"replica_group": spec.get("group", spec["node"]),
                                       "replica_groups": spec.get("groups", spec["nodes"]),
-                                      "lighthouse": spec["lighthouse"], "quorum_timeout": 60.0,
+                                      "lighthouse": spec["lighthouse"],
+                                      "quorum_timeout": spec.get("quorum_timeout", 60.0),
+                                      "min_replicas": spec.get("min_replicas", 1),
                                       "background_heal": spec.get("background_heal", True),
                                       "dynamic_steps": spec.get("dynamic_steps", False),
                                       "data_split": spec.get("data_split", "fixed")}

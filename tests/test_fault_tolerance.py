@@ -941,6 +941,12 @@ def test_a_quorum_that_never_returns_ends_the_wait_with_an_error_naming_the_ligh
                                            r"lighthouse at http://lh:1"):
         replicas.wait_quorum()
     assert 1.4 < time.monotonic() - began < 20
+    # A quorum that failed in time (torchft's lighthouse client raises TimeoutError) is that failure, not a stuck one.
+    failed = concurrent.futures.Future()
+    failed.set_exception(TimeoutError('status: Cancelled, message: "Timeout expired"'))
+    replicas.manager = SimpleNamespace(_quorum_future=failed, wait_quorum=failed.result)
+    with pytest.raises(RuntimeError, match=r"no quorum within 0.5 s .*Timeout expired"):
+        replicas.wait_quorum()
 
 
 def test_a_heal_server_serves_its_tensors_whole_and_a_download_a_sync_overlapped_is_taken_again():

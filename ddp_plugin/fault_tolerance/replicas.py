@@ -298,14 +298,12 @@ class ReplicaGroups:
     def wait_quorum(self) -> None:
         """Wait for the quorum started, at most :attr:`quorum_wait_limit_s`. One that failed (the lighthouse asked
         again for ``quorum_timeout``, in vain) or did not come in time names the lighthouse."""
-        import concurrent.futures
-
         limit = self.quorum_wait_limit_s
         try:
             torchft_adapter.wait_quorum(self.manager, limit)
             if self.watch is not None:
                 self.watch.arm()  # (every request the lighthouse held is answered: the next one is a peer's next sync)
-        except concurrent.futures.TimeoutError as err:
+        except torchft_adapter.QuorumStuck as err:
             raise RuntimeError(
                 f"replica group {self.options.replica_group}: torchft's quorum did not return within {limit:g} s"
                 f" (fault_tolerance['quorum_timeout'] for the lighthouse's answer, twice the strategy's `timeout` for"

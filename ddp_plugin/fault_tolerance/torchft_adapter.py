@@ -213,13 +213,20 @@ def set_init_sync(made: Any, on: bool) -> None:
     made._init_sync = on
 
 
+class QuorumStuck(Exception):
+    """torchft's quorum thread did not return within the limit :func:`wait_quorum` was given."""
+
+
 def wait_quorum(made: Any, seconds: float) -> None:
-    """Wait for the quorum ``made`` (a torchft Manager) asked for, at most ``seconds`` (then
-    ``concurrent.futures.TimeoutError``), and raise what it raised: torchft 0.2 waits on its quorum thread's future
-    without a limit, each step of that thread having its own (the lighthouse's answer, the rendezvous, a heal)."""
+    """Wait for the quorum ``made`` (a torchft Manager) asked for, at most ``seconds`` (then :class:`QuorumStuck`),
+    and raise what it raised: torchft 0.2 waits on its quorum thread's future without a limit, each step of that
+    thread having its own (the lighthouse's answer, the rendezvous, a heal). (Not ``future.result(timeout)``: a
+    quorum that failed in time raises ``TimeoutError`` too, torchft's lighthouse client's.)"""
+    import concurrent.futures
+
     future = made._quorum_future
-    if future is not None:
-        future.result(timeout=seconds)
+    if future is not None and not concurrent.futures.wait([future], timeout=seconds).done:
+        raise QuorumStuck(f"torchft's quorum thread did not return within {seconds:g} s")
     made.wait_quorum()
 
 

@@ -1,0 +1,392 @@
+"""Many replica groups that come and go, on mixed links, with the lighthouse killed and started again: goodput against
+the same cluster without churn, how long any rank was blocked, whether the groups end equal bit for bit.
+
+    sudo python benchmarks/churn.py                        # 16 groups, 10 minutes; writes benchmarks/results/churn.md
+    sudo python benchmarks/churn.py --groups 6 --minutes 2.5 --rates 2x1gbit,3x100mbit,1x20mbit --repeats 1
+
+The simulated cluster has a node per group (a rank each), a node for each group joining with a new id, and one for
+the lighthouse. Each node has its own link rate (``--rates``, in group order; the joiners and the lighthouse at the
+first rate) and a CPU quota (``--cpu`` cores, default 2 / nodes: a restarting group's imports do not slow the
+others, as they would not on separate machines). One-way delays need netem, which not every kernel has
+(``SimulatedCluster(delay=...)``); this script uses none unless ``--delays`` gives them. Every group is started as a
+user starts one: ``ddp-plugin-group`` (``python -m ddp_plugin.fault_tolerance.launch``) around
+``benchmarks/ft_worker.py`` (an MLP of ``--width``, AdamW, ``data_split="quorum"``, the lighthouse's
+``min_replicas`` a majority of the groups, so that a lighthouse started again cannot split them).
+
+Runs (``--runs``), each ``--minutes`` long, then every live group stops at a common step a sync or two ahead:
+
+- **no churn** (``--repeats`` seeds): every group from start to end; the mean goodput is what the churn run is compared
+  to, the final losses give the spread;
+- **churn**: every ``--period`` s (uniform in [0.67, 1.33] x) a random group is killed (SIGKILL, every process of
+  its node) and started again ``--down`` s later (uniform in [0.25, 1] x); ``--joins`` groups with new ids join and
+  ``--retire`` groups leave for good, spread over the run; the lighthouse is killed and started again
+  ``--lighthouse-restarts`` times (down 3 s);
+- **no churn, fast links**: every link at the first rate, no churn: what the slow links cost the others.
+
+Goodput: useful samples a second of the live groups over the run (the first step to the common last one): every
+group's optimizer steps times the batch, less the steps its syncs lost (``ft/steps_lost``) and, for a killed
+group, the steps after its last committed sync. Blocked: the longest time between two steps of one process (the
+first step after a start or a heal excluded), against ``quorum_timeout`` plus a step. Needs root (network
+namespaces, cgroups); a benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import harness
+from harness import kill_node, records, start_group
+
+import torch
+
+LIGHTHOUSE_PORT = 29510
+
+
+def rates_of(text: str) -> list[str]:
+    """``"4x1gbit,8x100mbit"`` -> the rates in order."""
+    import re
+
+    out = []
+    for part in harness.split(text):
+        found = re.fullmatch(r"(?:(\d+)x)?(\S+)", part)
+        out += [found.group(2)] * int(found.group(1) or 1)
+    return out
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+class Run:
+    """One run: the lighthouse, the groups, the events, on ``cluster``; results read from the groups' records."""
+
+    def __init__(self, cluster, args: argparse.Namespace, out: Path, name: str, seed: int) -> None:
+        self.cluster, self.args, self.out, self.name, self.seed = cluster, args, out, name, seed
+        self.lh_node = cluster.nodes - 1
+        self.address = f"http://{cluster.addresses[self.lh_node]}:{LIGHTHOUSE_PORT}"
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.launches: dict[int, int] = {}  # group -> launches so far
+        self.events: list[tuple[float, str, int]] = []
+        self.samples: list[dict] = []  # memory over time
+        self.lighthouse = None
+        self.rng = random.Random(seed)
+
+    # -- processes
+
+    def start_lighthouse(self) -> None:
+        from ddp_plugin.fault_tolerance.launch import lighthouse_binary
+
+        self.lighthouse = self.cluster.popen(
+            self.lh_node, [lighthouse_binary(), "--min_replicas", str(self.args.groups // 2 + 1), "--join_timeout_ms",
+                           "5000", "--heartbeat_timeout_ms", "1000", "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
+            stdout=open(self.out / "lighthouse.txt", "a"), stderr=subprocess.STDOUT)
+
+    def launch(self, group: int, gate: bool = False) -> None:
+        k = self.launches.get(group, 0)
+        self.launches[group] = k + 1
+        tag = f"-l{k}"
+        port = 29600 + group
+        spec = {"out": str(self.out), "node": group, "tag": tag, "group": group, "groups": self.args.groups,
+                "nodes": self.args.groups, "steps": 10**6, "lighthouse": self.address, "sleep": self.args.step_sleep,
+                "sync_every": self.args.sync_every, "compression": self.args.compression, "batch": self.args.batch,
+                "data_split": "quorum", "seed": self.seed, "width": self.args.width,
+                "quorum_timeout": self.args.quorum_timeout, "min_replicas": self.args.groups // 2 + 1,
+                "stop_file": str(self.out / "stop"), "save_params": True,
+                **({"gate": str(self.out / "gate")} if gate else {})}
+        prefix = ["-m", "ddp_plugin.fault_tolerance.launch", "--group", str(group), "--groups", str(self.args.groups),
+                  "--lighthouse", self.address, "--master-addr", self.cluster.addresses[group], "--master-port",
+                  str(port)]
+        self.procs[group] = start_group(self.cluster, group, spec, self.out, port, tag, prefix)
+        self.events.append((time.time(), "start", group))
+
+    def kill(self, group: int) -> None:
+        kill_node(self.cluster, group, self.procs.pop(group))
+        self.events.append((time.time(), "kill", group))
+
+    def restart_lighthouse(self) -> None:
+        os.killpg(self.lighthouse.pid, signal.SIGKILL)
+        self.lighthouse.wait()
+        self.events.append((time.time(), "lighthouse down", -1))
+        time.sleep(3.0)
+        self.start_lighthouse()
+        self.events.append((time.time(), "lighthouse up", -1))
+
+    def sample(self) -> None:
+        row = {"time": time.time(), "lighthouse_mb": rss_mb(self.lighthouse.pid) if self.lighthouse else 0.0}
+        ranks = []
+        for group in list(self.procs):
+            pids = subprocess.run(["ip", "netns", "pids", self.cluster.node_namespace(group)], capture_output=True,
+                                  text=True).stdout.split()
+            ranks.append(max((rss_mb(int(p)) for p in pids), default=0.0))
+        row["rank_mb"] = max(ranks, default=0.0)
+        self.samples.append(row)
+
+    # -- the run
+
+    def go(self, churn: bool) -> dict:
+        a = self.args
+        self.start_lighthouse()
+        time.sleep(1.0)
+        for g in range(a.groups):
+            self.launch(g, gate=True)
+        harness.open_gate(self.out, [self.out / f"gate.{g}.0" for g in range(a.groups)], list(self.procs.values()),
+                          timeout=900)
+        t0 = time.time()
+        end = t0 + a.minutes * 60
+        plan: list[tuple[float, str, int]] = []  # (time, what, group)
+        if churn:
+            at = t0 + a.period * self.rng.uniform(0.67, 1.33)
+            while at < end - a.period / 2:
+                plan.append((at, "churn", -1))
+                at += a.period * self.rng.uniform(0.67, 1.33)
+            for j in range(a.joins):
+                plan.append((t0 + (j + 1) / (a.joins + 1) * (end - t0 - a.settle), "join", a.groups + j))
+            for r in range(a.retire):
+                plan.append((t0 + (r + 1.5) / (a.retire + 1.5) * (end - t0) * 0.9, "retire", -1))
+            for k in range(a.lighthouse_restarts):
+                plan.append((t0 + (k + 1) / (a.lighthouse_restarts + 1) * (end - t0), "lighthouse", -1))
+        plan.sort()
+        pending: list[tuple[float, int]] = []  # (restart time, group)
+        retired: set[int] = set()
+        next_sample = 0.0
+        while time.time() < end:
+            now = time.time()
+            if now >= next_sample:
+                self.sample()
+                next_sample = now + 5.0
+            for when, group in [p for p in pending if p[0] <= now]:
+                pending.remove((when, group))
+                self.launch(group)
+            while plan and plan[0][0] <= now:
+                _, what, group = plan.pop(0)
+                live = [g for g in self.procs if g not in retired and g < a.groups]
+                if what == "churn" and live:
+                    victim = self.rng.choice(live)
+                    self.kill(victim)
+                    pending.append((time.time() + a.down * self.rng.uniform(0.25, 1.0), victim))
+                elif what == "retire" and live:
+                    victim = self.rng.choice(live)
+                    self.kill(victim)
+                    retired.add(victim)
+                elif what == "join":
+                    self.launch(group)
+                elif what == "lighthouse":
+                    self.restart_lighthouse()
+            for g, p in list(self.procs.items()):
+                if p.poll() is not None:  # (a group that ended on its own: an error)
+                    self.events.append((time.time(), f"exited {p.returncode}", g))
+                    self.procs.pop(g)
+            time.sleep(0.2)
+        # The common last step: a sync or two past the furthest group.
+        furthest = max((r["global_step"] for g in self.procs for r in records(self.out, g, f"-l{self.launches[g] - 1}")
+                        [-1:]), default=0)
+        stop = (furthest // a.sync_every + 2) * a.sync_every
+        (self.out / "stop").write_text(str(stop))
+        self.events.append((time.time(), f"stop at {stop}", -1))
+        codes = {g: p for g, p in self.procs.items()}
+        deadline = time.time() + 300 + a.quorum_timeout
+        for g, p in codes.items():
+            try:
+                p.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                self.kill(g)
+        self.sample()
+        os.killpg(self.lighthouse.pid, signal.SIGKILL)
+        self.lighthouse.wait()
+        return self.results(t0, stop, {g: p.returncode for g, p in codes.items()})
+
+    def results(self, t0: float, stop: int, codes: dict[int, int]) -> dict:
+        a = self.args
+        launches = []
+        for g, n in self.launches.items():
+            for k in range(n):
+                rec = records(self.out, g, f"-l{k}")
+                if rec:
+                    launches.append((g, k, rec))
+        t_end = max(r["time"] for _, _, rec in launches for r in rec)
+        useful, blocked, lost = 0, [], 0
+        steps = [b["time"] - a_["time"] for _, _, rec in launches for a_, b in zip(rec, rec[1:])]
+        step_s = statistics.median(steps) if steps else 0.0
+        windows: dict[int, float] = {}
+        for g, k, rec in launches:
+            ended = (k == self.launches[g] - 1) and codes.get(g) == 0
+            cut = len(rec)
+            if not ended:  # (killed: its steps after its last committed sync are lost)
+                last_commit = max((i for i in range(1, len(rec)) if rec[i]["ft/step"] > rec[i - 1]["ft/step"]),
+                                  default=0)
+                cut = last_commit + 1 if last_commit else 0
+            kept = max(0, cut - int(rec[-1].get("ft/steps_lost", 0)))
+            useful += kept * a.batch
+            lost += len(rec) - kept
+            for r in rec[:kept]:
+                w = int((r["time"] - t0) // 20)
+                windows[w] = windows.get(w, 0) + a.batch
+            gaps = [(b["time"] - a_["time"], a_["global_step"]) for a_, b in zip(rec[1:], rec[2:])
+                    if b["global_step"] == a_["global_step"] + 1]  # (a heal's jump excluded)
+            if gaps:
+                blocked.append((max(gaps)[0], g, k))
+        params = {}
+        for g in codes:
+            path = self.out / f"params-{g}-l{self.launches[g] - 1}.pt"
+            if path.exists():
+                params[g] = torch.load(path)
+        ref = next(iter(params.values()), None)
+        equal = ref is not None and all(p["global_step"] == ref["global_step"] and all(
+            torch.equal(p[key], ref[key]) for key in ref if key != "global_step") for p in params.values())
+        losses = [statistics.fmean(r["loss"] for r in rec[-10:]) for g, k, rec in launches
+                  if k == self.launches[g] - 1 and codes.get(g) == 0]
+        first_sync = []  # seconds from a (re)start to the launch's first committed sync
+        starts = [(t, g) for t, what, g in self.events if what == "start"]
+        for g, k, rec in launches:
+            started = [t for t, gg in starts if gg == g][k]
+            commit = next((r["time"] for r0, r in zip(rec, rec[1:]) if r["ft/step"] > r0["ft/step"]), None)
+            if commit is not None and k > 0:
+                first_sync.append(commit - started)
+        heal_s = [rec[-1].get("ft/heal_s", 0.0) for g, k, rec in launches if k > 0]
+        return {"wall_s": t_end - t0, "useful_samples": useful, "goodput": useful / (t_end - t0), "stop": stop,
+                "step_s": step_s, "blocked_s": max(blocked, default=(0.0, -1, -1)), "lost_steps": lost,
+                "equal": equal, "ended": len(params), "codes": codes, "final_loss": statistics.fmean(losses)
+                if losses else float("nan"), "events": self.events, "windows": windows, "t0": t0,
+                "first_sync_s": first_sync, "heal_s": heal_s, "memory": self.samples,
+                "launches": sum(self.launches.values())}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = harness.parser(__doc__, whole=True)
+    p.add_argument("--groups", type=int, default=16)
+    p.add_argument("--rates", default="4x1gbit,8x100mbit,4x20mbit", help="each group node's link rate, in order")
+    p.add_argument("--delays", default=None, help="each group node's one-way delay (e.g. 4x5ms,8x20ms,4x80ms); needs"
+                   " netem")
+    p.add_argument("--cpu", type=float, default=None, help="cores each node gets (default: the machine's / nodes)")
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--period", type=float, default=30.0, help="seconds between kills (mean)")
+    p.add_argument("--down", type=float, default=20.0, help="the longest a killed group stays down, seconds")
+    p.add_argument("--settle", type=float, default=45.0, help="no group (re)starts in the run's last seconds: it"
+                   " would join as the others end")
+    p.add_argument("--joins", type=int, default=2)
+    p.add_argument("--retire", type=int, default=2)
+    p.add_argument("--lighthouse-restarts", type=int, default=2)
+    p.add_argument("--sync-every", type=int, default=10)
+    p.add_argument("--compression", default=None)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--quorum-timeout", type=float, default=60.0)
+    runs = ("no churn", "churn", "no churn, fast links")
+    harness.add_names(p, "--runs", runs, runs)
+    harness.add_common(p, out=harness.RESULTS / "churn.md", repeats=3, keep=True,
+                       repeats_help="runs without churn (seeds 0..): the goodput compared to is their mean")
+    args = p.parse_args(argv)
+    args.runs = harness.names(p, args.runs, runs, "run")
+    args.rate_list = rates_of(args.rates)
+    if len(args.rate_list) != args.groups:
+        p.error(f"--rates gives {len(args.rate_list)} rates for --groups {args.groups}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    started = harness.start(__file__, argv, parse_args, cluster="fatal")
+    args, bench = started
+    from ddp_plugin.testing.simcluster import SimulatedCluster
+
+    nodes = args.groups + args.joins + 1
+    cpu = args.cpu or (os.cpu_count() or 1) / nodes
+    rows = {}
+    names = [n for name in args.runs
+             for n in ([f"no churn, seed {i}" for i in range(args.repeats)] if name == "no churn" else [name])]
+    for name in names:
+        fast = name.endswith("fast links")
+        rates = [args.rate_list[0]] * nodes if fast else [*args.rate_list, *[args.rate_list[0]] * (nodes - args.groups)]
+        delays = None
+        if args.delays:
+            d = rates_of(args.delays)
+            delays = [*d, *[d[0]] * (nodes - args.groups)]
+        with SimulatedCluster(nodes=nodes, rate=rates, delay=delays, cpu=cpu, prefix="churn") as cluster, \
+                harness.scratch("churn-", args.keep) as out:
+            print(f"{name} in {out}", flush=True)
+            seed = int(name.rsplit(" ", 1)[1]) if name.startswith("no churn, seed") else 0
+            rows[name] = Run(cluster, args, out, name, seed).go(churn=name == "churn")
+            print({k: v for k, v in rows[name].items() if k not in ("events", "windows", "memory")}, flush=True)
+        write(args, bench, rows, cpu)
+
+
+def write(args: argparse.Namespace, bench: harness.Run, rows: dict, cpu: float) -> None:
+    clean = [r for name, r in rows.items() if name.startswith("no churn, seed")]
+    base = statistics.fmean(r["goodput"] for r in clean) if clean else None
+    cells = []
+    for name, r in rows.items():
+        mem = r["memory"]
+        cells.append([name, f"{r['wall_s']:.0f}", r["launches"], f"{r['goodput']:.0f}",
+                      f"{r['goodput'] / base:.3f}" if base else "-",
+                      f"{r['blocked_s'][0]:.1f} (group {r['blocked_s'][1]})", f"{r['step_s']:.2f}",
+                      f"{r['ended']} {'equal' if r['equal'] else 'NOT EQUAL'} at step {r['stop']}",
+                      f"{r['final_loss']:.4f}",
+                      f"{min(m['lighthouse_mb'] for m in mem):.0f}-{max(m['lighthouse_mb'] for m in mem):.0f}",
+                      f"{max(m['rank_mb'] for m in mem):.0f}",
+                      f"{statistics.median(r['first_sync_s']):.0f}" if r["first_sync_s"] else "-"])
+    lines = ["# Many groups that come and go", "", *bench.header(),
+             f"- cluster: {args.groups} groups of one rank on nodes at {args.rates}"
+             f"{f', delays {args.delays}' if args.delays else ' (no delays)'}, {args.joins} joining nodes and the"
+             f" lighthouse's at {args.rate_list[0]}; every node held to {cpu:.3f} cores (a cgroup CPU quota)",
+             f"- run: DiLoCo H={args.sync_every} (compression {args.compression}), MLP width {args.width}, batch"
+             f" {args.batch}, {args.step_sleep} s of simulated compute a step, `data_split=\"quorum\"`, min_replicas"
+             f" {args.groups // 2 + 1}, quorum_timeout {args.quorum_timeout:g} s, {args.minutes:g} minutes a run;"
+             f" churn: a kill every ~{args.period:g} s (back after up to {args.down:g} s), {args.joins} joins,"
+             f" {args.retire} retired, the lighthouse killed and restarted {args.lighthouse_restarts} times",
+             "",
+             *harness.table(["run", "wall (s)", "launches", "goodput (samples/s)", "against no churn",
+                             "longest blocked (s)", "median step (s)", "groups at the end", "final loss",
+                             "lighthouse RSS (MB)", "rank RSS max (MB)", "start to first sync (s, median)"],
+                            cells, "l" * 12),
+             "", "Events of each run (seconds from the gate): "]
+    for name, r in rows.items():
+        ev = ", ".join(f"{t - r['t0']:.0f} {what}{f' {g}' if g >= 0 else ''}" for t, what, g in r["events"]
+                       if t >= r["t0"])
+        lines.append(f"- {name}: {ev}; exit codes {r['codes']}")
+    Path(args.out).with_suffix(".json").write_text(json.dumps(rows, default=str))
+    png = Path(args.out).with_suffix(".png")
+    also = [Path(args.out).with_suffix(".json")]
+    if plot(rows, png):
+        lines += ["", f"![goodput and membership over time]({png.name})"]
+        also.append(png)
+    harness.write(args.out, "\n".join(lines) + "\n", also=also)
+
+
+def plot(rows: dict, png: Path) -> bool:
+    plt = harness.pyplot()
+    if plt is None:
+        return False
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for name, r in rows.items():
+        w = sorted(r["windows"])
+        top.plot([k * 20 for k in w], [r["windows"][k] / 20 for k in w], label=name)
+        live, xs, ys = 0, [], []
+        for t, what, _ in sorted(r["events"]):
+            live += 1 if what == "start" else -1 if what == "kill" or what.startswith("exited") else 0
+            xs.append(max(0.0, t - r["t0"]))
+            ys.append(live)
+        bottom.step(xs, ys, where="post", label=name)
+    top.set_ylabel("useful samples/s (20 s windows)")
+    bottom.set_ylabel("groups running")
+    bottom.set_xlabel("seconds from the gate")
+    top.legend(fontsize=7)
+    harness.save_figure(fig, png)
+    return True
+
+
+if __name__ == "__main__":
+    main()
