@@ -38,6 +38,19 @@ def _next_in_ring(group: dist.ProcessGroup) -> int:
     return (dist.get_rank(group) + 1) % dist.get_world_size(group)
 
 
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group`` (``None``: the world). A group ``torch.distributed`` made answers through it;
+    one it does not know (torchft's process group across replica groups, configured anew at every quorum) through
+    the backend that group was configured with for the present quorum (torchft's wrapper itself reports rank 0 of
+    1): its rank among the live replica groups."""
+    if group is None or group is dist.group.WORLD:
+        return dist.get_rank()
+    try:
+        return dist.get_rank(group)
+    except ValueError:  # (not registered with torch.distributed)
+        return getattr(group, "parent", group).rank()
+
+
 def nbytes(t: torch.Tensor) -> int:
     """The bytes of ``t``'s elements (what a collective sends of it)."""
     return t.numel() * t.element_size()
