@@ -30,10 +30,10 @@ The reduce-scatter codes twice: the mean of n sparse payloads holds up to n k en
 sends k. With error feedback what it leaves out (and its rounding) is the owner's second residual, kept per rank
 beside the first (``owner_residual``, for the range of the rank and group size it was made with, which it saves
 and restores with the first) and decayed by the same ``decay`` each step before the next mean is added to it, so
-that it too is only delayed; where the range changes (the group's size or this rank's place in it, as replica
-groups come and go, or ``"auto"`` taking the all-gather) it is added, times n, to this rank's own values of its
-range on the next step, and so reaches the mean then. Without error feedback the second coding's remainder is
-dropped, as the first's is.
+that it too is only delayed; where the range changes (the group's size or this rank's place in it, as the members
+of a fault-tolerant group come and go, or ``"auto"`` taking the all-gather) it is added, times n, to this rank's
+own values of that range on the next step, and so reaches the mean then. Without error feedback the second
+coding's remainder is dropped, as the first's is.
 """
 
 from __future__ import annotations
@@ -213,8 +213,8 @@ class SparseCodec(Codec):
         l_slots = torch.cat([levels, levels.new_zeros(1, k)]).index_select(0, slots).view(n, m, k)
         send = torch.cat([self._pack(s_slots[r], i_slots[r], l_slots[r]) for r in range(n)])
         size = send.numel() // n  # (P: every slot packs m chunks)
-        # Received into zeros: a collective across replica groups that was skipped or failed (its quorum commits
-        # nothing) leaves bytes that decode to zeros, not indices past a chunk's end.
+        # Received into zeros: a collective of a fault-tolerant group that was skipped or failed without raising (its
+        # step commits nothing) leaves bytes that decode to zeros, not indices past a chunk's end.
         received = torch.zeros_like(send)
         self.comm.all_to_all(received, send, group=group)
 

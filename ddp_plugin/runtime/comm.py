@@ -39,16 +39,14 @@ def _next_in_ring(group: dist.ProcessGroup) -> int:
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
-    """This process's rank in ``group`` (``None``: the world). A group ``torch.distributed`` made answers through it;
-    one it does not know (torchft's process group across replica groups, configured anew at every quorum) through
-    the backend that group was configured with for the present quorum (torchft's wrapper itself reports rank 0 of
-    1): its rank among the live replica groups."""
+    """This process's rank in ``group`` (``None``: the world): ``torch.distributed``'s for a group it made; a
+    process group it does not know (one a plugin made and reconfigures itself) answers for itself."""
     if group is None or group is dist.group.WORLD:
         return dist.get_rank()
     try:
         return dist.get_rank(group)
     except ValueError:  # (not registered with torch.distributed)
-        return getattr(group, "parent", group).rank()
+        return group.rank()
 
 
 def nbytes(t: torch.Tensor) -> int:
