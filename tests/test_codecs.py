@@ -719,8 +719,9 @@ def test_resume_without_this_ranks_state_keeps_only_shared_state():
         ("sparse", {"chunk": 70000}, r"compression_options\['chunk'\]=70000"),
         ("sparse", {"decay": 1.5}, r"compression_options\['decay'\]=1.5`.*a number in \[0, 1\]"),
         ("sparse", {"decay": 0.9, "error_feedback": False}, r"compression_options\['decay'\]=0.9` decays.*error_feedback"),
-        ("sparse", {"aggregation": "ring"}, r"`compression_options\['aggregation'\]='ring'` is not valid for"
-                                            r" `compression='sparse'`; allowed values: 'all_gather', 'reduce_scatter', 'auto'"),
+        ("sparse", {"aggregation": "ring"}, (r"`compression_options\['aggregation'\]='ring'` is not valid for"
+                                             r" `compression='sparse'`; allowed values: 'all_gather', 'reduce_scatter',"
+                                             r" 'auto'")),
         ("sparse", {"aggregation": None}, r"compression_options\['aggregation'\]=None`.*'all_gather', 'reduce_scatter'"),
         ("fp16", {"rank": 4}, r"compression_options\['rank'\]` is not an option of `compression='fp16'`;"
                               r" accepted options: none"),
