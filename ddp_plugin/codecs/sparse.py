@@ -97,6 +97,7 @@ class SparseCodec(Codec):
         self.decay = float(self.options["decay"])
         self.error_feedback = bool(self.options["error_feedback"])
         self.aggregation = str(self.options["aggregation"])
+        self._slot_rows: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
     @classmethod
     def check_values(cls, options: dict[str, Any]) -> None:
@@ -203,11 +204,7 @@ class SparseCodec(Codec):
         c, chunks, k = self.layout(numel)
         m = -(-chunks // n)
         bounds = self.ranges(chunks, n)
-        # Owner r's slot: its range's chunks, then empty ones (row `chunks`: scale 0, which decodes to zeros).
-        slots = torch.full((n, m), chunks, dtype=torch.long)
-        for r, (lo, hi) in enumerate(bounds):
-            slots[r, : hi - lo] = torch.arange(lo, hi)
-        slots = slots.view(-1).to(dev)
+        slots = self._slots(chunks, n, dev)
         s_slots = torch.cat([scales, scales.new_zeros(1)]).index_select(0, slots).view(n, m)
         i_slots = torch.cat([indices, indices.new_zeros(1, k)]).index_select(0, slots).view(n, m, k)
         l_slots = torch.cat([levels, levels.new_zeros(1, k)]).index_select(0, slots).view(n, m, k)
@@ -254,6 +251,20 @@ class SparseCodec(Codec):
                 result[lo:hi].scatter_add_(1, indices_r[: hi - lo],
                                            self._dequantize(levels_r[: hi - lo], scales_r[: hi - lo]))
         tensor.copy_(out[:numel].view_as(tensor))
+
+    def _slots(self, chunks: int, n: int, device: torch.device) -> torch.Tensor:
+        """The rows of the chunks every owner's slot holds, owner after owner: its range's chunks, then ``chunks``
+        (an empty row: scale 0, which decodes to zeros) up to ``ceil(chunks / n)``. Kept per layout and device (the
+        same every step)."""
+        key = (chunks, n, torch.device(device))
+        slots = self._slot_rows.get(key)
+        if slots is None:
+            m = -(-chunks // n)
+            rows = torch.full((n, m), chunks, dtype=torch.long)
+            for r, (lo, hi) in enumerate(self.ranges(chunks, n)):
+                rows[r, : hi - lo] = torch.arange(lo, hi)
+            slots = self._slot_rows[key] = rows.view(-1).to(device)
+        return slots
 
     def _fold_owner(self, state: SparseState, flat: torch.Tensor, chunks: int, c: int, n: int) -> None:
         """Add the second residual, times ``n`` (the size of the group whose mean it is to reach), to the values of
