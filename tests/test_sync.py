@@ -145,6 +145,14 @@ SPARSELOCO_SCATTERED = {**SPARSELOCO_4_NODES,
 ranges of 1, 2, 2 and 2) and with the all-gather; and the reduce-scatter streamed (2 fragments of 4 and 3 chunks, no
 staleness)."""
 SPARSELOCO_SCATTERED_STREAMING = {**SPARSELOCO_SCATTERED, "sync_fragments": 2}
+SPARSE_SCATTERED_ELSEWHERE = {
+    # ZeRO 2 over each node's 2 ranks: the codec reduces each rank's shard of the pseudo-gradients over the 2 nodes.
+    "stage2_node": {**SPARSELOCO, "compression_options": SPARSELOCO_SCATTERED["compression_options"], "zero_stage": 2,
+                    "shard_scope": "node"},
+    # No sync mode: every step's gradients, over 4 nodes.
+    "gradients": {"devices_per_node": 1, "compression": "sparse",
+                  "compression_options": {"density": 0.1, "chunk": 64, "aggregation": "reduce_scatter"}},
+}
 
 
 SHARDED = ({"sync_every": 4, "sync_fragments": 2, "max_staleness": 1, "zero_stage": 2, "shard_scope": "node",
@@ -171,6 +179,8 @@ def runs(tmp_path_factory) -> dict:
     todo["sparseloco_scattered"] = run_args(d, "sparseloco_scattered", SPARSELOCO_SCATTERED)
     todo["sparseloco_scattered_streaming"] = run_args(d, "sparseloco_scattered_streaming",
                                                       SPARSELOCO_SCATTERED_STREAMING)
+    for name, flags in SPARSE_SCATTERED_ELSEWHERE.items():
+        todo[f"sparse_scattered_{name}"] = run_args(d, f"sparse_scattered_{name}", flags)
     for stage, flags in COMPOSE_STAGES.items():
         todo[f"compose_{stage}"] = run_args(d, f"compose_{stage}", {"sync_every": 4, **flags}, "adamw", 8,
                                             "--trainer", json.dumps(COMPOSE_TRAINER), "--scheduler")
@@ -294,6 +304,19 @@ def test_sparse_reduce_scatter_leaves_every_rank_the_same_bits_after_each_sync_a
     scattered = runs["sparseloco_scattered"]["cross_node_MB"][-1]
     gathered = runs["sparseloco_4_nodes"]["cross_node_MB"][-1]
     assert (scattered > 0).all() and (scattered < 0.8 * gathered).all(), (scattered, gathered)
+
+
+def test_sparse_reduce_scatter_keeps_every_rank_the_same_bits_on_zero_shards_and_on_gradients(runs):
+    """The reduce-scatter aggregation on each rank's ZeRO 2 shard of the pseudo-gradients (2 nodes of 2), and on every
+    step's gradients without a sync mode (4 nodes): every rank the same bits after each sync, and after every step."""
+    got = runs["sparse_scattered_stage2_node"]["history"]
+    for t in (4, 8, 12):
+        assert all(torch.equal(got[t - 1, r], got[t - 1, 0]) for r in range(WORLD)), t
+    assert not torch.equal(got[2, 0], got[2, RANKS_PER_NODE])
+    got = runs["sparse_scattered_gradients"]["history"]
+    assert torch.isfinite(got).all() and not torch.equal(got[0, 0], got[-1, 0])
+    for t in range(len(got)):
+        assert all(torch.equal(got[t, r], got[t, 0]) for r in range(WORLD)), t
 
 
 def test_warmup_steps_are_synchronous_and_the_sync_mode_starts_after_them(runs):
