@@ -252,7 +252,8 @@ def traffic_of(rank, world, name, options, numel):
 
 @pytest.mark.parametrize(
     ("name", "options"), [("int8", {"block_size": 64}), ("topk", {"ratio": 0.1}), ("powersgd", {"start_iter": 0}),
-                          ("sparse", {"density": 0.1, "chunk": 64})]
+                          ("sparse", {"density": 0.1, "chunk": 64}),
+                          ("sparse", {"density": 0.1, "chunk": 64, "aggregation": "reduce_scatter"})]
 )
 def test_non_finite_gradient_reaches_the_output_and_does_not_poison_later_steps(ranks, name, options):
     data = inputs(2, 512, seed=2)
@@ -262,6 +263,8 @@ def test_non_finite_gradient_reaches_the_output_and_does_not_poison_later_steps(
     assert not torch.isfinite(outs[0]).all()
     assert torch.isfinite(outs[1]).all()
     assert torch.isfinite(state["residual"]).all()
+    for _, every, _ in results:  # (the reduce-scatter's owners: the one of the inf's chunk dropped its second residual)
+        assert all(torch.isfinite(v).all() for v in every.values() if isinstance(v, torch.Tensor))
 
 
 def test_int8_non_finite_value_drops_its_ranks_whole_residual_and_its_chunk_owners(ranks):
@@ -361,6 +364,172 @@ def test_sparse_decay_zero_forgets_the_residual_and_one_keeps_it(ranks):
         both = ranks.run(reduce_steps, "sparse", {**options, "decay": decay}, [(512,)], data)[0][0]
         alone = ranks.run(reduce_steps, "sparse", {**options, "decay": decay}, [(512,)], data[:, 1:])[0][0]
         assert torch.equal(both[1], alone[0]) is same
+
+
+# ---------------------------------------------------------------------- sparse, reduce-scatter aggregation
+
+
+def reduce_in_group(rank, world, size, name, options, shapes, data):
+    """The first ``size`` ranks reduce their inputs step by step over a group of them with a fresh codec (the others
+    only take part in making the group): the outputs, the codec's state of bucket 0 and the bytes it sent (every
+    other rank counted as on another node); ``None`` on the ranks outside."""
+    group = dist.group.WORLD if size == world else dist.new_group(list(range(size)))
+    if rank >= size:
+        return None
+    comm = TracedCommunicator(ranks_per_node=1)
+    codec = new_codec(name, options, comm)
+    bucket = make_bucket(shapes)
+    outs = []
+    for step in range(data.shape[1]):
+        tensor = data[rank, step].clone()
+        codec.on_cross_node_reduce(tensor=tensor, group=group, bucket=bucket, offset=0).wait()
+        outs.append(tensor)
+    return torch.stack(outs), codec.states[0].as_dict(), comm.take_traffic().cross_node_bytes
+
+
+def owed_by_owners(states, numel, options, size):
+    """The owners' second residuals, each at its range of chunks (in the outputs' units: the mean's)."""
+    codec = BUILTIN_CODECS["sparse"](**options)
+    c, chunks, _ = codec.layout(numel)
+    owed = torch.zeros(chunks * c)
+    for rank, state in enumerate(states):
+        if "owner_residual" not in state:
+            continue
+        lo, hi = codec.ranges(chunks, size)[rank]
+        assert (state["owner_rank"], state["owner_size"]) == (rank, size)
+        owed[lo * c : hi * c] = state["owner_residual"][: (hi - lo) * c]
+    return owed[:numel]
+
+
+SCATTERED = {"density": 0.05, "chunk": 64, "bits": 2, "aggregation": "reduce_scatter"}
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("numel", [1000, 100], ids=["16 chunks", "2 chunks"])
+def test_sparse_reduce_scatter_leaves_every_rank_the_same_bits_and_owes_the_rest(ranks, size, numel):
+    # 16 chunks of 64 over 3 ranks: ranges of 5, 5 and 6 chunks; 2 chunks over 3 or 4: ranks that own none. After
+    # every step every rank holds the same bits; summed over the steps, the outputs plus what the ranks' residuals
+    # and the owners' second residuals still hold are the exact means: the second coding delays, it loses nothing.
+    steps = 4
+    data = inputs(steps, numel, seed=20)
+    results = [r for r in ranks.run(reduce_in_group, size, "sparse", SCATTERED, [(numel,)], data) if r is not None]
+    assert len(results) == size
+    outs, states = results[0][0], [r[1] for r in results]
+    for other, _, _ in results[1:]:
+        assert torch.equal(other, outs)
+    assert all("owner_residual" in s for s in states)
+    exact = data[:size].mean(0).sum(0)
+    owed = torch.stack([s["residual"][:numel] for s in states]).mean(0) + owed_by_owners(states, numel, SCATTERED, size)
+    assert (outs.sum(0) - exact).abs().max() > 1e-2  # (the coding did hold something back)
+    torch.testing.assert_close(outs.sum(0) + owed, exact, atol=1e-4, rtol=1e-4)
+
+
+def test_sparse_reduce_scatter_sends_about_two_payloads_fewer_than_the_all_gather_on_4_ranks(ranks):
+    from ddp_plugin.codecs import SparseCodec
+
+    numel, n = 65536, WORLD
+    scattered = ranks.run(traffic_of, "sparse", {"aggregation": "reduce_scatter"}, numel)
+    gathered = ranks.run(traffic_of, "sparse", {}, numel)
+    payload = SparseCodec().payload_bytes(numel)  # B: 16 chunks of 4096 keeping 62 at 2 bits
+    # An all-to-all, then an all-gather, of one range's payload P (4 of the 16 chunks, 574 bytes rounded up to 4):
+    # 2 (n - 1) P
+    slot = 4 * 4 + 4 * 62 * 2 + 4 * 62 * 2 // 8 + 2
+    assert scattered == [2 * (n - 1) * slot] * n == [SparseCodec(aggregation="reduce_scatter").bytes_sent(numel, n)] * n
+    assert abs(scattered[0] - 2 * payload * (n - 1) / n) <= 2 * (n - 1) * 4  # (each range rounded up to 4 bytes)
+    assert gathered == [(n - 1) * payload] * n and scattered[0] < 0.6 * gathered[0]
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_sparse_reduce_scatter_with_density_one_and_8_bits_is_the_mean_within_two_half_levels(ranks, size):
+    # Every entry kept: one rounding by each rank (half a level of its chunk's scale: the mean of those), and one
+    # by the owner that codes the mean again (half a level of that chunk's largest mean).
+    data = inputs(1, 640, seed=21)
+    options = {"density": 1.0, "chunk": 64, "bits": 8, "aggregation": "reduce_scatter"}
+    out = ranks.run(reduce_in_group, size, "sparse", options, [(640,)], data)[0][0][0]
+    mean = data[:size, 0].mean(0)
+    first = data[:size, 0].view(size, 10, 64).abs().amax(2).div(255).mean(0)
+    second = (mean.view(10, 64).abs().amax(1) + first).div(255)
+    assert ((out - mean).abs() <= (first + second).repeat_interleave(64) + 1e-6).all()
+
+
+def test_sparse_auto_aggregation_takes_the_reduce_scatter_where_it_sends_fewer_bytes():
+    from ddp_plugin.codecs import SparseCodec
+
+    auto = SparseCodec(aggregation="auto", chunk=64)
+    assert auto.aggregation_for(16 * 64, 2) == "all_gather"  # 2 P = B: no fewer bytes on 2 ranks
+    assert auto.aggregation_for(16 * 64, 3) == "reduce_scatter"
+    assert auto.aggregation_for(16 * 64, 4) == "reduce_scatter"
+    assert auto.aggregation_for(64, 4) == "all_gather"  # one chunk: P = B
+    for numel, n in [(16 * 64, 2), (16 * 64, 3), (64, 4), (3 * 64, 4), (1000, 7)]:
+        assert auto.bytes_sent(numel, n) == min(SparseCodec(chunk=64).bytes_sent(numel, n),
+                                                SparseCodec(chunk=64, aggregation="reduce_scatter").bytes_sent(numel, n))
+    assert SparseCodec().aggregation_for(16 * 4096, 8) == "all_gather"  # (the default keeps the all-gather)
+
+
+def fold_after_steps(rank, world, options, numel, data):
+    """Steps of the reduce-scatter over every rank, then both residuals handed to another route
+    (``compression="auto"`` switching codecs): into zeros, as this rank's values to be averaged over the world."""
+    codec = new_codec("sparse", options)
+    bucket = make_bucket([(numel,)])
+    outs = []
+    for step in range(data.shape[1]):
+        outs.append(data[rank, step].clone())
+        reduce(codec, outs[-1], bucket)
+    folded = torch.zeros(numel)
+    codec.fold_residual(0, folded, rank, world)
+    return torch.stack(outs), folded, codec.states
+
+
+def test_sparse_reduce_scatter_hands_both_residuals_over_when_the_route_changes(ranks):
+    # What the outputs still owe the exact means reaches the next route's mean whole: the ranks' own residuals
+    # and, n times on the owner's values of its range, the second ones.
+    numel = 700  # (11 chunks of 64 over 4 ranks: ranges of 2, 3, 3 and 3, the last chunk short)
+    data = inputs(3, numel, seed=22)
+    results = ranks.run(fold_after_steps, SCATTERED, numel, data)
+    outs = results[0][0]
+    assert all(states == {} for _, _, states in results)
+    handed = torch.stack([folded for _, folded, _ in results]).mean(0)
+    torch.testing.assert_close(outs.sum(0) + handed, data.mean(0).sum(0), atol=1e-4, rtol=1e-4)
+    assert (outs.sum(0) - data.mean(0).sum(0)).abs().max() > 1e-2
+
+
+def switch_groups(rank, world, options, numel, data):
+    """Two steps over every rank, then one over ranks 0 and 1 only (as when replica groups go): on ranks 0 and 1
+    the last step's output and the state before and after it."""
+    pair = dist.new_group([0, 1])
+    codec = new_codec("sparse", options, TracedCommunicator(ranks_per_node=1))
+    bucket = make_bucket([(numel,)])
+    for step in range(2):
+        reduce(codec, data[rank, step].clone(), bucket)
+    before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in codec.states[0].as_dict().items()}
+    if rank > 1:
+        return None
+    tensor = data[rank, 2].clone()
+    codec.on_cross_node_reduce(tensor=tensor, group=pair, bucket=bucket, offset=0).wait()
+    return tensor, before, codec.states[0].as_dict()
+
+
+@pytest.mark.parametrize("aggregation", ["reduce_scatter", "auto"])
+def test_sparse_second_residual_of_a_range_no_longer_owned_reaches_the_next_mean(ranks, aggregation):
+    # From 4 ranks to 2: rank 1 owned chunks 4-7 of 16 and now owns 8-15 ("auto" takes the all-gather on 2 ranks,
+    # which keeps no second residual). The old second residuals reach the pair's mean through the old owners'
+    # own values: its output, plus what the pair's residuals hold after it, is the pair's inputs and residuals
+    # before it, plus those.
+    numel = 16 * 64
+    data = inputs(3, numel, seed=23)
+    options = {**SCATTERED, "aggregation": aggregation}
+    pair = [r for r in ranks.run(switch_groups, options, numel, data) if r is not None]
+    assert torch.equal(pair[0][0], pair[1][0])
+    befores, afters = [b for _, b, _ in pair], [a for _, _, a in pair]
+    assert all((b["owner_rank"], b["owner_size"]) == (rank, 4) for rank, b in enumerate(befores))
+    assert all(("owner_residual" in a) is (aggregation == "reduce_scatter") for a in afters)
+    old = torch.zeros(numel)
+    for rank, b in enumerate(befores):  # (ranks 2 and 3 are gone: theirs stay with them)
+        old[rank * 4 * 64 : (rank + 1) * 4 * 64] = b["owner_residual"]
+    came = sum(data[r, 2] + befores[r]["residual"][:numel] for r in range(2)) / 2 + old
+    left = sum(a["residual"][:numel] for a in afters) / 2 + owed_by_owners(afters, numel, options, 2)
+    assert old.abs().max() > 0.1
+    torch.testing.assert_close(pair[0][0] + left, came, atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------- PowerSGD
@@ -487,15 +656,21 @@ def test_error_feedback_carries_what_compression_left_out(ranks, name, options):
 @pytest.mark.parametrize(
     ("name", "options"),
     [("int8", {"block_size": 128}), ("topk", {"ratio": 0.05}), ("powersgd", {"rank": 2, "start_iter": 2}),
-     ("sparse", {"density": 0.05, "chunk": 128, "bits": 4})],
+     ("sparse", {"density": 0.05, "chunk": 128, "bits": 4}),
+     ("sparse", {"density": 0.05, "chunk": 32, "bits": 4, "aggregation": "reduce_scatter"})],
+    ids=["int8", "topk", "powersgd", "sparse", "sparse-reduce_scatter"],
 )
 def test_codec_state_round_trips_through_a_checkpoint(ranks, name, options):
     results = ranks.run(resume_step, name, options, [(24, 40)], inputs(5, 24 * 40, seed=9))
-    for (uninterrupted, resumed), saved in results:
+    for rank, ((uninterrupted, resumed), saved) in enumerate(results):
         assert torch.equal(uninterrupted, resumed)
         # This rank's own state (the strategy collects every rank's: tests/test_compression_training.py).
         assert list(saved["rank"][f"codec/{name}"]) == [0]
         assert "residual" in saved["rank"][f"codec/{name}"][0]
+        if options.get("aggregation") == "reduce_scatter":  # (the owner's second residual: its 8 chunks of the 30)
+            mine = saved["rank"][f"codec/{name}"][0]
+            assert mine["owner_residual"].shape == (8 * 32,) and (mine["owner_rank"], mine["owner_size"]) == (rank, WORLD)
+            assert mine["owner_residual"].abs().max() > 0
 
 
 def test_stateless_codecs_save_nothing():
@@ -544,6 +719,10 @@ def test_resume_without_this_ranks_state_keeps_only_shared_state():
         ("sparse", {"chunk": 70000}, r"compression_options\['chunk'\]=70000"),
         ("sparse", {"decay": 1.5}, r"compression_options\['decay'\]=1.5`.*a number in \[0, 1\]"),
         ("sparse", {"decay": 0.9, "error_feedback": False}, r"compression_options\['decay'\]=0.9` decays.*error_feedback"),
+        ("sparse", {"aggregation": "ring"}, (r"`compression_options\['aggregation'\]='ring'` is not valid for"
+                                             r" `compression='sparse'`; allowed values: 'all_gather', 'reduce_scatter',"
+                                             r" 'auto'")),
+        ("sparse", {"aggregation": None}, r"compression_options\['aggregation'\]=None`.*'all_gather', 'reduce_scatter'"),
         ("fp16", {"rank": 4}, r"compression_options\['rank'\]` is not an option of `compression='fp16'`;"
                               r" accepted options: none"),
     ],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import re
 import signal
 import socket
@@ -565,16 +566,21 @@ def test_the_lighthouse_killed_and_started_again_mid_run(sync_every, background)
     background[("lighthouse_killed", sync_every)].result()  # (run in the background: :func:`lighthouse_killed`)
 
 
-@pytest.mark.parametrize("codec", ["fp16", "bf16", "topk", "sparse"])
-def test_the_other_codecs_across_groups_leave_every_group_with_the_same_parameters(codec, tmp_path):
+@pytest.mark.parametrize(("codec", "options"), [("fp16", None), ("bf16", None), ("topk", None), ("sparse", None),
+                                               ("sparse", {"aggregation": "reduce_scatter"})],
+                         ids=["fp16", "bf16", "topk", "sparse", "sparse-reduce_scatter"])
+def test_the_other_codecs_across_groups_leave_every_group_with_the_same_parameters(codec, options, tmp_path):
     """The codecs the faults above do not run (int8, PowerSGD), on 2 groups of 1 rank: what crosses is coded
-    (fewer bytes than torchft's float32 all-reduce), and the groups stay equal bit for bit."""
+    (fewer bytes than torchft's float32 all-reduce), and the groups stay equal bit for bit. The sparse codec's
+    reduce-scatter too: its all-to-all and all-gather on torchft's process group, each group the owner of its range
+    by its rank there."""
     from torchft._torchft import LighthouseServer
 
+    extra = ["--compression-options", json.dumps(options)] if options else []
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=10000, heartbeat_timeout_ms=1000)
     try:
         procs = [launch(tmp_path, g, 2, lighthouse.address(), 1, 1, "--compression", codec, "--steps", "20",
-                        "--step-sleep", "0") for g in range(2)]
+                        "--step-sleep", "0", *extra) for g in range(2)]
         for proc in procs:
             assert wait(proc, tmp_path, 600) == 0
     finally:

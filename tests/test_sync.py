@@ -138,6 +138,21 @@ SPARSELOCO = {"sync_every": 4, "outer_optimizer": "average", "compression": "spa
 """SparseLoCo's recipe (the decayed error feedback standing in for the outer momentum), chunks small enough for
 the tiny model to have several; and the same streamed, 2 fragments a step late."""
 SPARSELOCO_STREAMING = {**SPARSELOCO, "sync_fragments": 2, "max_staleness": 1}
+SPARSELOCO_4_NODES = {**SPARSELOCO, "devices_per_node": 1}
+SPARSELOCO_SCATTERED = {**SPARSELOCO_4_NODES,
+                        "compression_options": {**SPARSELOCO["compression_options"], "aggregation": "reduce_scatter"}}
+"""SparseLoCo over 4 nodes of 1 rank (the codec's group: 4 ranks), with the reduce-scatter aggregation (its 7 chunks in
+ranges of 1, 2, 2 and 2) and with the all-gather; and the reduce-scatter streamed (2 fragments of 4 and 3 chunks, no
+staleness)."""
+SPARSELOCO_SCATTERED_STREAMING = {**SPARSELOCO_SCATTERED, "sync_fragments": 2}
+SPARSE_SCATTERED_ELSEWHERE = {
+    # ZeRO 2 over each node's 2 ranks: the codec reduces each rank's shard of the pseudo-gradients over the 2 nodes.
+    "stage2_node": {**SPARSELOCO, "compression_options": SPARSELOCO_SCATTERED["compression_options"], "zero_stage": 2,
+                    "shard_scope": "node"},
+    # No sync mode: every step's gradients, over 4 nodes.
+    "gradients": {"devices_per_node": 1, "compression": "sparse",
+                  "compression_options": {"density": 0.1, "chunk": 64, "aggregation": "reduce_scatter"}},
+}
 
 
 SHARDED = ({"sync_every": 4, "sync_fragments": 2, "max_staleness": 1, "zero_stage": 2, "shard_scope": "node",
@@ -160,6 +175,12 @@ def runs(tmp_path_factory) -> dict:
     todo["one"] = run_args(d, "one", {"sync_every": 1, "outer_optimizer": "average"})
     todo["sparseloco"] = run_args(d, "sparseloco", SPARSELOCO)
     todo["sparseloco_streaming"] = run_args(d, "sparseloco_streaming", SPARSELOCO_STREAMING)
+    todo["sparseloco_4_nodes"] = run_args(d, "sparseloco_4_nodes", SPARSELOCO_4_NODES)
+    todo["sparseloco_scattered"] = run_args(d, "sparseloco_scattered", SPARSELOCO_SCATTERED)
+    todo["sparseloco_scattered_streaming"] = run_args(d, "sparseloco_scattered_streaming",
+                                                      SPARSELOCO_SCATTERED_STREAMING)
+    for name, flags in SPARSE_SCATTERED_ELSEWHERE.items():
+        todo[f"sparse_scattered_{name}"] = run_args(d, f"sparse_scattered_{name}", flags)
     for stage, flags in COMPOSE_STAGES.items():
         todo[f"compose_{stage}"] = run_args(d, f"compose_{stage}", {"sync_every": 4, **flags}, "adamw", 8,
                                             "--trainer", json.dumps(COMPOSE_TRAINER), "--scheduler")
@@ -252,6 +273,50 @@ def test_sparseloco_leaves_every_rank_with_the_same_bits_after_each_sync_and_sen
             assert all(torch.equal(history[:, r], history[:, first]) for r in range(first + 1, first + RANKS_PER_NODE)), name
     coded, plain = runs["sparseloco"]["cross_node_MB"][-1].sum(), runs["local_sgd"]["cross_node_MB"][-1].sum()
     assert 0 < coded < plain / 2, (coded, plain)
+
+
+def bucket_order_fragment(history: torch.Tensor, fragment: int, fragments: int) -> torch.Tensor:
+    """Fragment ``fragment`` of every rank's parameters in ``history`` (... x parameters, in registration order): the
+    parameters flattened in bucket order (the reverse of registration), cut as the sync mode cuts them."""
+    sizes = [p.numel() for p in sync_run.model("sgd").parameters()]
+    flat = torch.cat(history.split(sizes, dim=-1)[::-1], dim=-1)
+    bounds = fragment_bounds(flat.shape[-1], fragments)
+    return flat[..., bounds[fragment] : bounds[fragment + 1]]
+
+
+def test_sparse_reduce_scatter_leaves_every_rank_the_same_bits_after_each_sync_and_sends_less(runs):
+    """``compression_options={"aggregation": "reduce_scatter"}`` over 4 nodes: each owner sums its range of chunks
+    and codes it again, every rank decodes the same gathered ranges, so every rank holds the same bits right after
+    each sync (and the nodes drift apart in between); streamed, each fragment right after its own sync. It sends
+    fewer bytes across nodes than the all-gather of the same run."""
+    got = runs["sparseloco_scattered"]["history"]
+    assert torch.isfinite(got).all()
+    for t in (4, 8, 12):
+        assert all(torch.equal(got[t - 1, r], got[t - 1, 0]) for r in range(WORLD)), t
+    assert not torch.equal(got[2, 0], got[2, 1])
+    assert not torch.equal(got[-1], runs["sparseloco_4_nodes"]["history"][-1])  # (the owners code the mean again)
+    streamed = runs["sparseloco_scattered_streaming"]["history"]
+    for t, fragment in ((2, 0), (4, 1), (6, 0), (8, 1), (10, 0), (12, 1)):
+        synced = bucket_order_fragment(streamed[t - 1], fragment, 2)
+        assert all(torch.equal(synced[r], synced[0]) for r in range(WORLD)), (t, fragment)
+        other = bucket_order_fragment(streamed[t - 1], 1 - fragment, 2)
+        assert not all(torch.equal(other[r], other[0]) for r in range(WORLD)), (t, fragment)
+    scattered = runs["sparseloco_scattered"]["cross_node_MB"][-1]
+    gathered = runs["sparseloco_4_nodes"]["cross_node_MB"][-1]
+    assert (scattered > 0).all() and (scattered < 0.8 * gathered).all(), (scattered, gathered)
+
+
+def test_sparse_reduce_scatter_keeps_every_rank_the_same_bits_on_zero_shards_and_on_gradients(runs):
+    """The reduce-scatter aggregation on each rank's ZeRO 2 shard of the pseudo-gradients (2 nodes of 2), and on every
+    step's gradients without a sync mode (4 nodes): every rank the same bits after each sync, and after every step."""
+    got = runs["sparse_scattered_stage2_node"]["history"]
+    for t in (4, 8, 12):
+        assert all(torch.equal(got[t - 1, r], got[t - 1, 0]) for r in range(WORLD)), t
+    assert not torch.equal(got[2, 0], got[2, RANKS_PER_NODE])
+    got = runs["sparse_scattered_gradients"]["history"]
+    assert torch.isfinite(got).all() and not torch.equal(got[0, 0], got[-1, 0])
+    for t in range(len(got)):
+        assert all(torch.equal(got[t, r], got[t, 0]) for r in range(WORLD)), t
 
 
 def test_warmup_steps_are_synchronous_and_the_sync_mode_starts_after_them(runs):

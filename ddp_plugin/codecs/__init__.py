@@ -11,7 +11,8 @@ codec's constructor keyword arguments, checked when the strategy is constructed.
 | ``int8``   | ``Int8Codec``   | ``int8``      | about 1/4: all-to-all + all-gather of int8   | yes, two-sided |
 | ``topk``   | ``TopKCodec``   | ``topk``      | n * ratio: all-gather of values + indices    | yes            |
 | ``powersgd`` | ``PowerSGDCodec`` | ``powersgd`` | r(m+n)/(mn) per matrix, two all-reduces  | yes            |
-| ``sparse`` | ``SparseCodec`` | ``sparse``    | n * density * (2 + bits/8) / 4: all-gather   | yes, decayed   |
+| ``sparse`` | ``SparseCodec`` | ``sparse``    | n * density * (2 + bits/8) / 4: all-gather;  | yes, decayed   |
+|            |                 |               | density * (2 + bits/8) / 4: reduce-scatter   |                |
 
 Every codec leaves the same bits on every rank of the group (C1): whatever is decoded is decoded from the same
 gathered data in the same order everywhere. All collectives go through the communicator handed to

@@ -93,7 +93,11 @@ class QuorumRecorder:
 def unique_rendezvous(base: type) -> type:
     """torchft's process group whose rendezvous keys, at each reconfiguration, are under the quorum's step as well
     as its id: torchft 0.2 keys them by quorum id only, which a lighthouse started again hands out from 1 again,
-    and the stores still hold the keys of the first quorums under those (a reconfiguration then hangs on them)."""
+    and the stores still hold the keys of the first quorums under those (a reconfiguration then hangs on them).
+
+    Its ``rank()`` is this group's rank in the present quorum, that of the backend configured for it (torchft's
+    public ``parent``): torchft 0.2's wrapper answers for the process group of rank 0 of 1 it is built on, and a
+    codec that owns a share of what it reduces (``compression="sparse"``'s reduce-scatter) asks it which."""
 
     class UniqueRendezvous(base):
         quorums: QuorumRecorder | None = None
@@ -106,6 +110,12 @@ def unique_rendezvous(base: type) -> type:
                 if self.quorums is not None:
                     self.quorums.forget()
                 raise
+
+        def rank(self) -> int:
+            try:
+                return self.parent.rank()
+            except AssertionError:  # (torchft's: no backend before the first quorum)
+                return super().rank()
 
     return UniqueRendezvous
 

@@ -38,6 +38,17 @@ def _next_in_ring(group: dist.ProcessGroup) -> int:
     return (dist.get_rank(group) + 1) % dist.get_world_size(group)
 
 
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group`` (``None``: the world): ``torch.distributed``'s for a group it made; a
+    process group it does not know (one a plugin made and reconfigures itself) answers for itself."""
+    if group is None or group is dist.group.WORLD:
+        return dist.get_rank()
+    try:
+        return dist.get_rank(group)
+    except ValueError:  # (not registered with torch.distributed)
+        return group.rank()
+
+
 def nbytes(t: torch.Tensor) -> int:
     """The bytes of ``t``'s elements (what a collective sends of it)."""
     return t.numel() * t.element_size()
