@@ -176,6 +176,7 @@ def _initializers(root: nn.Module) -> list:
             visit(f"{name}.{child_name}" if name else child_name, child)
 
     visit("", root)
+    del visit  # (it refers to itself: the cycle would hold `calls`, and so the modules, until a garbage collection)
     if missing:
         raise TypeError(
             f"`trainer.init_module(empty_init=True)` built the model on the meta device, and {', '.join(missing)}"

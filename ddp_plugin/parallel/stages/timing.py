@@ -23,9 +23,11 @@ model is left as it was.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -268,7 +270,10 @@ def time_meta_blocks(owner: nn.Module, layout: Any, example: Example, device: to
                 columns[n + 1] = list(timed[2])
             if i in cuts:
                 share_columns.append([s[0] for s in shares[1:]])
+            held = [weakref.ref(t) for t in (*stage.parameters(), *stage.buffers())]
             del stage, block, call, runs
+            if any(r() is not None for r in held):  # (a reference cycle in the user's modules holds them)
+                gc.collect()
             args, kwargs = _received(output), {}  # (what the next stage is called with, as the schedule does)
     finally:
         lightning_adapter.set_rng_states(states)
