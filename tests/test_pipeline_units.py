@@ -274,7 +274,7 @@ def test_a_meta_built_model_is_timed_a_block_at_a_time_and_split_by_its_time():
         for _ in range(5):
             measured, held[:] = [], []
 
-            def timer(owner, blocks, cuts):
+            def timer(owner, blocks, cuts, measured=measured):
                 measured.append(time_meta_blocks(owner, layout, example, torch.device("cpu"), cuts=cuts))
                 return measured[-1]
 

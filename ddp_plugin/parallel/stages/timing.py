@@ -13,11 +13,8 @@ while it timed only comes out slower), so each rank cuts the same stages. The mo
 buffers and the random generators (torch's, Python's, NumPy's) are left as they were, and no gradient stays
 behind.
 
-A model built on the meta device (``trainer.init_module(empty_init=True)``: the big models, whose stages matter
-most) has no weights to run, and materializing it whole would defeat the recipe: it is timed a block at a time
-(:func:`time_meta_blocks`), each block materialized and initialized alone as a stage of its own, run on the
-previous block's output, and dropped before the next, so the timing holds one block at a time and the meta
-model is left as it was.
+A model built on the meta device (``trainer.init_module(empty_init=True)``) has no weights to run, and
+materializing it whole would defeat the recipe: it is timed a block at a time (:func:`time_meta_blocks`).
 """
 
 from __future__ import annotations
@@ -151,7 +148,8 @@ def fit_timer(module: Any, device: torch.device, microbatches: int) -> Callable[
     def timer(owner: nn.Module, blocks: Sequence[nn.Module], cuts: Mapping[int, Cut]) -> BlockTimes:
         example = first_microbatch(module, owner, microbatches, device)
         if has_meta_tensors(owner):
-            from ddp_plugin.parallel.stages.plan import plan_stages  # (the plan imports this module)
+            # (imported here: the plan imports this module)
+            from ddp_plugin.parallel.stages.plan import plan_stages
 
             layout = plan_stages(module, len(blocks), "uniform")  # (a stage per block: where the blocks are)
             times = time_meta_blocks(owner, layout, example, device, cuts=cuts)
@@ -217,19 +215,17 @@ def time_blocks(owner: nn.Module, blocks: Sequence[nn.Module], example: Example,
 
 def time_meta_blocks(owner: nn.Module, layout: Any, example: Example, device: torch.device,
                      group: dist.ProcessGroup | None = None, cuts: Mapping[int, Cut] | None = None) -> BlockTimes:
-    """What :func:`time_blocks` measures, for a model built on the meta device (``trainer.init_module(
-    empty_init=True)``), without ever holding more of it than one block: the blocks run in order, each as a stage
-    of its own (``layout``: a :class:`~ddp_plugin.parallel.stages.plan.StagePlan` of one block per stage, its
-    ``owner`` the path of ``owner``), the first with the modules before the blocks and the last with those after
-    them, as :func:`~ddp_plugin.parallel.stages.plan.split_module` cuts a stage. Each stage is a copy of ``owner`` cut down to it (the meta model itself is left as
-    it was), materialized on ``device`` and initialized as the strategy initializes a stage
-    (:func:`~ddp_plugin.parallel.materialize.materialize`: ``init_weights``, else each module's
-    ``reset_parameters``), run once untimed and :data:`REPEATS` times timed on the previous stage's output (the
-    first on ``example``), and dropped before the next is made; only the activation passes on. The random
-    generators (torch's, Python's, NumPy's) are put back as they were, so the model's own initialization
-    afterwards draws what it would have drawn without the timing. Collective over ``group``, as
-    :func:`time_blocks`."""
-    from ddp_plugin.parallel.stages.plan import split_module  # (the plan imports this module)
+    """What :func:`time_blocks` measures, for a model built on the meta device, never holding more of it than one
+    block: the blocks run in order, each a stage of its own (``layout``: a :class:`~ddp_plugin.parallel.stages.plan.
+    StagePlan` of one block per stage, its ``owner`` the path of ``owner``; the first stage with the modules before
+    the blocks, the last with those after them). Each stage is a copy of ``owner`` cut down to it (``owner`` stays
+    on meta), materialized on ``device`` and initialized as the strategy initializes a stage (:func:`~ddp_plugin.
+    parallel.materialize.materialize`), run once untimed and :data:`REPEATS` times timed on the previous stage's
+    output (the first on ``example``), and dropped before the next is made. The random generators are put back,
+    so the model's own initialization afterwards draws what it would have without the timing. Collective over
+    ``group``, as :func:`time_blocks`."""
+    # (imported here: the plan imports this module)
+    from ddp_plugin.parallel.stages.plan import split_module
 
     n = len(layout.stage_blocks)
     cuts = cuts or {}
@@ -259,15 +255,12 @@ def time_meta_blocks(owner: nn.Module, layout: Any, example: Example, device: to
             except RuntimeError as err:
                 raise RuntimeError(
                     f"`pipeline_split='time'` times a model built on the meta device a block at a time, each stage"
-                    f" materialized alone, and block {i}'s stage failed: {err}. A tensor its `forward` uses that is"
-                    " neither a parameter nor a buffer of the model stays on the meta device: register it as a"
-                    " buffer, or balance by `pipeline_split='parameters'` (the default).") from err
-            timed = list(zip(*runs[1:]))
-            columns[i + 1] = list(timed[1])
-            if i == 0:
-                columns[0] = list(timed[0])
-            if i == n - 1:
-                columns[n + 1] = list(timed[2])
+                    f" materialized alone, and block {i}'s stage failed: {err}. (A tensor its `forward` uses that is"
+                    " neither a parameter nor a buffer stays on the meta device: register it as a buffer.) Or balance"
+                    " by `pipeline_split='parameters'` (the default).") from err
+            before, columns[i + 1], after = map(list, zip(*runs[1:]))  # (the timed passes)
+            columns[0] = before if i == 0 else columns[0]  # (what runs before the blocks, with the first)
+            columns[n + 1] = after if i == n - 1 else columns[n + 1]  # (and after them, with the last)
             if i in cuts:
                 share_columns.append([s[0] for s in shares[1:]])
             held = [weakref.ref(t) for t in (*stage.parameters(), *stage.buffers())]
