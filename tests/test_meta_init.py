@@ -47,7 +47,7 @@ def test_the_recipe_builds_on_meta_and_every_rank_starts_initialized(runs, case)
         assert r["replicas_identical"], rank
 
 
-@pytest.mark.parametrize("case", ["tp2_dp2", "pp2_tp2", "tp2_dp2_zero3"])
+@pytest.mark.parametrize("case", ["tp2_dp2", "pp2_tp2", "tp2_dp2_zero3", "pp2_tp2_time"])
 def test_what_the_tensor_parallel_ranks_replicate_starts_equal_on_each(runs, case):
     # A row-wise layer's bias is a DTensor replicated over the tensor-parallel group: each rank adds it to the
     # reduced output, so it must hold the same values on every rank of the group. Each rank initializes with its
@@ -57,6 +57,13 @@ def test_what_the_tensor_parallel_ranks_replicate_starts_equal_on_each(runs, cas
         first, second = (ranks[r]["replicated"] for r in group)
         assert first and first.keys() == second.keys(), group
         assert first == second, {n: (first[n], second[n]) for n in first if first[n] != second[n]}
+
+
+def test_the_split_by_time_times_the_meta_built_tensor_parallel_blocks_and_every_rank_cuts_the_same_stages(runs):
+    # Each block (its tensor-parallel shards: the timing's collectives over the group) materialized alone and
+    # timed; the fastest rank's times, so one split everywhere.
+    splits = [r["split"] for r in runs["pp2_tp2_time"]]
+    assert splits[0] is not None and splits == [splits[0]] * 4, splits
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))

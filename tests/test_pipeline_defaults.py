@@ -5,7 +5,7 @@ bar, the checkpoint callback, the logger and the sanity check on, 2 simulated no
 up to the model's call), so it needs no ``example_input_array``; where a module sets one (Lightning's input to its
 ``forward``, here a batch dict), the summary runs it through every stage, and the split is the same. The flags that
 run the user's model at setup (activation checkpointing, a model built on meta, ``trainer.predict``) with the
-defaults on too."""
+defaults on too; a model built on meta is split by time too (its blocks timed one at a time)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,21 @@ def test_the_split_by_time_needs_no_example_and_matches_the_split_with_one(runs)
     assert results["time"]["losses"] == results["time-example"]["losses"]
 
 
-@pytest.mark.parametrize("case", ["time", "time-example", "time-int8", "time-checkpointing", "parameters-meta"])
+def test_a_meta_built_model_splits_by_time_and_starts_from_what_it_would_without_the_timing(runs):
+    results, _ = runs
+    timed, named = results["time-meta"], results["named-meta"]
+    # Built on meta, timed a block at a time: the heavy last block alone, as timed on the materialized model, and
+    # every rank cut the same stages.
+    assert timed["stage_blocks"] == [[0, 1, 2], [3]] and timed["cuts"] == 0, timed
+    assert timed["splits"] == [timed["stage_blocks"]] * 4
+    # The timing's copies were initialized from a fork of the generators: every rank's parameters and generators
+    # as training starts are bit for bit those of the same split named, without timing, and so are the losses.
+    assert timed["initial"] == named["initial"] and all(timed["initial"]), timed["initial"]
+    assert timed["losses"] == named["losses"]
+
+
+@pytest.mark.parametrize("case", ["time", "time-example", "time-int8", "time-checkpointing", "parameters-meta",
+                                  "time-meta"])
 def test_every_default_callback_runs_with_stages(runs, case):
     results, _ = runs
     result = results[case]
@@ -52,7 +66,7 @@ def test_the_summary_runs_example_input_array_through_the_stages(runs):
     # Printed by global rank 0 (the first stage's modules): with an example, in and out sizes of the whole model's
     # call, the last stage's output brought back to the first.
     tables = [line for line in stdout.splitlines() if "│ model │ Net" in line]
-    assert len(tables) == 5, stdout[-3000:]  # (every fit's summary; predict prints none)
+    assert len(tables) == 7, stdout[-3000:]  # (every fit's summary; predict prints none)
     assert sum("[4, 8]" in line and "[4, 1]" in line for line in tables) == 4, tables
 
 

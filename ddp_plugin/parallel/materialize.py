@@ -153,10 +153,13 @@ def _initializers(root: nn.Module) -> list:
     """The calls that initialize ``root``'s meta tensors, outermost first: ``init_weights`` of a module that defines
     one (its subtree is then covered), else ``reset_parameters`` of each module with meta tensors of its own."""
     calls, missing = [], []
-
-    def visit(name: str, module: nn.Module) -> None:
+    # (a loop, not a recursive closure: a closure that calls itself is a reference cycle, which would hold `calls`,
+    # and so the modules, until a garbage collection; the split by time drops each block's copy as it goes)
+    pending = [("", root)]
+    while pending:
+        name, module = pending.pop()
         if not any(local_tensor(t).is_meta for t in _tensors(module)):
-            return
+            continue
         init_weights = getattr(module, "init_weights", None)
         if _is_transformers_model(module):
             # Its own initialization without its `tie_weights` (which would look for the embedding on a stage
@@ -164,7 +167,7 @@ def _initializers(root: nn.Module) -> list:
             init_weights = module.initialize_weights
         if callable(init_weights):
             calls.append(init_weights)
-            return
+            continue
         own = [t for t in _tensors(module, recurse=False) if local_tensor(t).is_meta]
         if own:
             reset = getattr(module, "reset_parameters", None)
@@ -172,10 +175,8 @@ def _initializers(root: nn.Module) -> list:
                 calls.append(reset)
             else:
                 missing.append(f"`{name or '(the root module)'}` ({type(module).__name__})")
-        for child_name, child in module.named_children():
-            visit(f"{name}.{child_name}" if name else child_name, child)
-
-    visit("", root)
+        pending += [(f"{name}.{child_name}" if name else child_name, child)
+                    for child_name, child in reversed(list(module.named_children()))]  # (popped in order)
     if missing:
         raise TypeError(
             f"`trainer.init_module(empty_init=True)` built the model on the meta device, and {', '.join(missing)}"

@@ -242,7 +242,8 @@ FLAGS: dict[str, FlagDoc] = {
         allowed=f"{_code(*SPLIT_METHODS)}, names per stage (a block may be cut)",
         row="pipeline split",
         more="The blocks split into contiguous runs, one per stage: `\"parameters\"` balances their parameter"
-             ' counts, `"time"` their compute (each block timed at setup on the data\'s first microbatch),'
+             ' counts, `"time"` their compute (each block timed at setup on the data\'s first microbatch; a model'
+             " built on meta one block at a time, each materialized alone),"
              ' `"uniform"` their number, `"type:<regex>"` the number of blocks whose class name matches; or the'
              ' module names of each stage (`[["tok", "blocks.0"], ["blocks.1", "head"]]`).'),
     "pipeline_activations": FlagDoc(

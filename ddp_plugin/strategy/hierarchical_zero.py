@@ -176,10 +176,10 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             ``"interleaved_1f1b"``, else 1 (the only schedule that runs several). Default: ``None``. Allowed: V.
         pipeline_split: where stages split. The blocks split into contiguous runs, one per stage: ``"parameters"``
             balances their parameter counts, ``"time"`` their compute (each block timed at setup on the data's first
-            microbatch), ``"uniform"`` their number, ``"type:<regex>"`` the number of blocks whose class name matches;
-            or the module names of each stage (``[["tok", "blocks.0"], ["blocks.1", "head"]]``). Default:
-            ``"parameters"``. Allowed: ``"parameters"``, ``"time"``, ``"uniform"``, ``"type:<regex>"``, names per stage
-            (a block may be cut).
+            microbatch; a model built on meta one block at a time, each materialized alone), ``"uniform"`` their number,
+            ``"type:<regex>"`` the number of blocks whose class name matches; or the module names of each stage
+            (``[["tok", "blocks.0"], ["blocks.1", "head"]]``). Default: ``"parameters"``. Allowed: ``"parameters"``,
+            ``"time"``, ``"uniform"``, ``"type:<regex>"``, names per stage (a block may be cut).
         pipeline_activations: the dtype sent between stages on two nodes (docs/pipeline.md#flags). The activations and
             their gradients: ``"fp32"`` as computed, ``"bf16"`` and ``"fp16"`` half the bytes, ``"int8"`` (a scale per
             row) about a quarter. Default: ``"fp32"``. Allowed: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"int8"``.

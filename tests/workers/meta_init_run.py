@@ -8,7 +8,7 @@ The tiny tied GPT (``ddp_plugin.testing.gpt``, which defines ``init_weights()``)
 the start of training every rank records what it holds: where its tensors are, whether they are finite, the
 LayerNorms (``reset_parameters``: weights exactly 1, biases exactly 0), the token embedding's standard deviation
 (``init_weights``: 0.02), whether the tie survived, whether its data-parallel replicas hold the same bits, and
-the first attention matrix's local values (tensor-parallel shards must differ). A ``resume:<layout>`` case saves
+the first attention matrix's local values (tensor-parallel shards must differ), and the pipeline's split. A ``resume:<layout>`` case saves
 a checkpoint from an eagerly built run and resumes it into a model built on meta (``fit(ckpt_path=...)``): training
 must start from the checkpoint's values. A ``converge:<layout>`` case trains the layout longer, built eagerly and
 on meta, and records both runs' losses. Rank 0 gathers every rank's record and appends one JSON line per case to
@@ -53,6 +53,8 @@ LAYOUTS: dict[str, dict] = {
     "tp2_dp2": {"devices_per_node": 2, "tensor_parallel_size": 2},
     "pp2_dp2": {"devices_per_node": 2, "pipeline_parallel_size": 2},
     "pp2_tp2": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+    # split by time: the blocks (tensor-parallel shards) timed one at a time, each materialized alone
+    "pp2_tp2_time": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_split": "time"},
 }
 
 # One rank (the layouts a machine with one GPU runs over NCCL): materialized and initialized on the device.
@@ -100,6 +102,8 @@ class Record(L.Callback):
                 "units_initialized": strategy.units_initialized,
                 "tp_rank": strategy.device_mesh["tensor_parallel"].get_local_rank()
                 if strategy.device_mesh is not None else 0,
+                "split": [list(r) for r in pl_module._ddp_plugin_stages[0].stage_blocks]
+                if hasattr(pl_module, "_ddp_plugin_stages") else None,
             }
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:

@@ -8,18 +8,22 @@ The model is written as a user writes one: its ``forward`` takes a batch dict (`
 so ``example_input_array``, where a case sets one, is Lightning's input to ``forward`` and not the pipelined
 model's. Its last two blocks compute 64 times what each of the two before it does, with the same parameters:
 split by parameters the stages hold two blocks each (the heavy ones together), split by time the last is alone.
-Rank 0 appends a JSON line per case: the stages' blocks, the losses, the step reached and the checkpoints written
-(or, for ``trainer.predict``, the predictions' shapes).
+Rank 0 appends a JSON line per case: the stages' blocks, the losses, the step reached and the checkpoints written,
+every rank's split and a digest of each of its parameters and of the random generators as training starts (or, for
+``trainer.predict``, the predictions' shapes).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
+import random
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -36,6 +40,8 @@ CASES = {
     "time-int8": ({"pipeline_split": "time", "compression": "int8", "pipeline_activations": "bf16"}, True),
     "time-checkpointing": ({"pipeline_split": "time", "activation_checkpointing_policy": ["Block"]}, True),
     "parameters-meta": ({}, True),  # built under `trainer.init_module(empty_init=True)`
+    "time-meta": ({"pipeline_split": "time"}, False),  # ... and timed a block at a time
+    "named-meta": ({"pipeline_split": [["inp", "blocks.0", "blocks.1", "blocks.2"], ["blocks.3", "out"]]}, False),
     "time-predict": ({"pipeline_split": "time"}, False),  # `trainer.predict` on a module not split before
 }
 
@@ -138,7 +144,16 @@ def run(case: str, root: str) -> dict:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             losses.append(float(outputs["loss"]))
 
-    trainer.callbacks.append(Losses())
+    initial: dict[str, str] = {}
+
+    class Initial(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:  # (materialized and initialized by the setup)
+            initial.update({name: hashlib.sha256(p.detach().cpu().numpy().tobytes()).hexdigest()
+                            for name, p in pl_module.named_parameters()})
+            initial["(torch's generator)"] = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+            initial["(Python's generator)"] = hashlib.sha256(repr(random.getstate()).encode()).hexdigest()
+
+    trainer.callbacks += [Losses(), Initial()]
     if case.endswith("-predict"):
         predictions = trainer.predict(model, datamodule=Data())
         plan = model._ddp_plugin_stages[0]
@@ -146,9 +161,12 @@ def run(case: str, root: str) -> dict:
                 "predictions": [list(p.shape) for p in predictions]}
     trainer.fit(model, datamodule=Data())
     plan = model._ddp_plugin_stages[0]
+    ranks: list = [None] * dist.get_world_size()  # every rank's split, and its stage's first values
+    dist.all_gather_object(ranks, ([list(r) for r in plan.stage_blocks], initial))
     return {"case": case, "stage_blocks": [list(r) for r in plan.stage_blocks], "cuts": len(plan.cuts),
             "losses": losses, "step": trainer.global_step,
-            "checkpoints": sorted(os.listdir(trainer.checkpoint_callback.dirpath))}
+            "checkpoints": sorted(os.listdir(trainer.checkpoint_callback.dirpath)),
+            "splits": [split for split, _ in ranks], "initial": [values for _, values in ranks]}
 
 
 def main() -> None:
