@@ -104,7 +104,7 @@ class Run:
                 "nodes": self.args.groups, "steps": 10**6, "lighthouse": self.address, "sleep": self.args.step_sleep,
                 "sync_every": self.args.sync_every, "compression": self.args.compression, "batch": self.args.batch,
                 "data_split": "quorum", "seed": self.seed, "width": self.args.width,
-                "quorum_timeout": self.args.quorum_timeout, "min_replicas": self.args.groups // 2 + 1,
+                "quorum_timeout": self.args.quorum_timeout, "timeout": self.args.timeout, "min_replicas": self.args.groups // 2 + 1,
                 "stop_file": str(self.out / "stop"), "save_params": True,
                 **({"gate": str(self.out / "gate")} if gate else {})}
         prefix = ["-m", "ddp_plugin.fault_tolerance.launch", "--group", str(group), "--groups", str(self.args.groups),
@@ -286,8 +286,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--quorum-timeout", type=float, default=60.0)
+    p.add_argument("--timeout", type=float, default=15.0, help="the strategy's timeout: how long a quorum's members"
+                   " wait for one that died after asking for it (torchft's rendezvous and collectives)")
     runs = ("no churn", "churn", "no churn, fast links")
     harness.add_names(p, "--runs", runs, runs)
+    p.add_argument("--check", action="store_true", help="exit 1 unless every run ends with every group still"
+                   " running equal bit for bit at the common step, each having exited 0, and no process went"
+                   " longer than quorum_timeout plus a step without one (.ci/run's small run)")
     harness.add_common(p, out=harness.RESULTS / "churn.md", repeats=3, keep=True,
                        repeats_help="runs without churn (seeds 0..): the goodput compared to is their mean")
     args = p.parse_args(argv)
@@ -322,6 +327,27 @@ def main(argv: list[str] | None = None) -> None:
             rows[name] = Run(cluster, args, out, name, seed).go(churn=name == "churn")
             print({k: v for k, v in rows[name].items() if k not in ("events", "windows", "memory")}, flush=True)
         write(args, bench, rows, cpu)
+    if args.check:
+        failures = [f"{name}: {why}" for name, r in rows.items() for why in checks(r, args)]
+        if failures:
+            raise SystemExit("benchmarks/churn.py --check failed:\n  " + "\n  ".join(failures))
+        print("benchmarks/churn.py --check: every run ended equal, every group exited 0, no process blocked longer"
+              f" than quorum_timeout ({args.quorum_timeout:g} s) plus a step")
+
+
+def checks(r: dict, args: argparse.Namespace) -> list[str]:
+    """What the run broke of :func:`main`'s ``--check``."""
+    out = []
+    if not r["equal"] or r["ended"] != len(r["codes"]):
+        out.append(f"{r['ended']} of {len(r['codes'])} groups ended, {'equal' if r['equal'] else 'NOT equal'}")
+    if any(code != 0 for code in r["codes"].values()):
+        out.append(f"exit codes {r['codes']}")
+    exited = [f"group {g} {what} at {t - r['t0']:.0f} s" for t, what, g in r["events"] if what.startswith("exited")]
+    if exited:
+        out.append("ended on their own mid-run: " + ", ".join(exited))
+    if r["blocked_s"][0] > args.quorum_timeout + r["step_s"]:
+        out.append(f"group {r['blocked_s'][1]} went {r['blocked_s'][0]:.1f} s without a step")
+    return out
 
 
 def write(args: argparse.Namespace, bench: harness.Run, rows: dict, cpu: float) -> None:
@@ -344,7 +370,8 @@ def write(args: argparse.Namespace, bench: harness.Run, rows: dict, cpu: float) 
              f" lighthouse's at {args.rate_list[0]}; every node held to {cpu:.3f} cores (a cgroup CPU quota)",
              f"- run: DiLoCo H={args.sync_every} (compression {args.compression}), MLP width {args.width}, batch"
              f" {args.batch}, {args.step_sleep} s of simulated compute a step, `data_split=\"quorum\"`, min_replicas"
-             f" {args.groups // 2 + 1}, quorum_timeout {args.quorum_timeout:g} s, {args.minutes:g} minutes a run;"
+             f" {args.groups // 2 + 1}, quorum_timeout {args.quorum_timeout:g} s, timeout {args.timeout:g} s,"
+             f" {args.minutes:g} minutes a run;"
              f" churn: a kill every ~{args.period:g} s (back after up to {args.down:g} s), {args.joins} joins,"
              f" {args.retire} retired, the lighthouse killed and restarted {args.lighthouse_restarts} times",
              "",

@@ -12,7 +12,7 @@ replica group ``group`` spans G nodes, this one its node ``node_rank`` (one Ligh
 ``"gate"``, every rank writes ``GATE.<node>.<local rank>`` once set up and waits for ``GATE`` before its first step.
 With ``"stop_file"``: once that file exists it holds a step, at which the run stops (a step every group reaches, at a
 sync: the groups end together however long each was down); ``"save_params"``: at the end, the node's local rank 0
-writes the parameters to ``DIR/params-<node><tag>.pt``. ``"width"``, ``"lr"``, ``"seed"``: the model's.
+writes the parameters to ``DIR/params-<node><tag>.pt``; ``"timeout"``: the strategy's (30 s). ``"width"``, ``"lr"``, ``"seed"``: the model's.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ def main() -> None:
     model = TinyModule(mlp(8, spec.get("width", 128), 1, layers=2, activation=nn.Tanh), optimizer="adamw",
                        lr=spec.get("lr", 3e-3))
     data = DataLoader(sine_dataset(1 << 16, 8, seed=3), batch_size=spec.get("batch", 32))
-    options = {"sync_every": spec["sync_every"], "timeout": 30.0, "compression": spec.get("compression"),
+    options = {"sync_every": spec["sync_every"], "timeout": spec.get("timeout", 30.0),
+               "compression": spec.get("compression"),
                "hierarchical": spec.get("hierarchical"), "sync_fragments": spec.get("sync_fragments", 1),
                "max_staleness": spec.get("max_staleness", 0)}
     tag = spec.get("tag", "")
