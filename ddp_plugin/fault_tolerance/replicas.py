@@ -5,6 +5,9 @@ A replica group is one Lightning world (one node's ranks, launched on its own, w
 ``r`` of every live group meets rank ``r`` of the others on torchft's process group, which the Manager
 reconfigures over the live groups at each quorum. torchft swallows a failed collective there (the peer died):
 the step is then committed nowhere, and the next quorum goes on without the lost group.
+
+(About 420 lines: the quorum, its bounded wait, the commit and both heals read and write the same state of one
+Manager, in an order that is the protocol; split, each part would reach into the others' fields.)
 """
 
 from __future__ import annotations
