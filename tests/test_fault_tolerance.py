@@ -955,6 +955,18 @@ def test_a_quorum_that_never_returns_ends_the_wait_with_an_error_naming_the_ligh
         replicas.wait_quorum()
 
 
+def test_groups_returning_together_download_from_different_live_groups():
+    """A background heal's source is spread by group and rank: 4 groups returning at once into 4 live ones each
+    start from a different one (the first live group served them all before), a group's ranks too, and a retry
+    moves on."""
+    from ddp_plugin.fault_tolerance.replicas import heal_source
+
+    live = ["g0:a", "g1:b", "g2:c", "g3:d"]
+    assert {heal_source(live, group, 0, 0) for group in (4, 5, 6, 7)} == set(live)
+    assert {heal_source(live, 4, rank, 0) for rank in range(4)} == set(live)
+    assert heal_source(live, 4, 0, 1) != heal_source(live, 4, 0, 0)
+
+
 def test_a_heal_server_serves_its_tensors_whole_and_a_download_a_sync_overlapped_is_taken_again():
     """What a live rank serves a group joining between syncs: the tensors bit for bit (any dtype, empty ones, nested
     in dicts, lists and tuples, beside plain values), streamed from the tensors themselves; while a sync writes them

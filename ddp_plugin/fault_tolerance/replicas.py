@@ -6,7 +6,7 @@ A replica group is one Lightning world (one node's ranks, launched on its own, w
 reconfigures over the live groups at each quorum. torchft swallows a failed collective there (the peer died):
 the step is then committed nowhere, and the next quorum goes on without the lost group.
 
-(About 420 lines: the quorum, its bounded wait, the commit and both heals read and write the same state of one
+(About 430 lines: the quorum, its bounded wait, the commit and both heals read and write the same state of one
 Manager, in an order that is the protocol; split, each part would reach into the others' fields.)
 """
 
@@ -186,7 +186,7 @@ class ReplicaGroups:
                 ended = bool(live) and not any(m[0] in beating for m in live)
                 live = [m for m in live if m[0] in beating]
                 if live:
-                    peer = live[(self.rank + attempt) % len(live)][0]
+                    peer = heal_source([m[0] for m in live], self.options.replica_group, self.rank, attempt)
                     address = torchft_adapter.heal_address(page, peer, self.rank, DISCOVERY_TIMEOUT)
                     if address is not None:
                         served, state, got = background.fetch(address, self.timeout.total_seconds())
@@ -411,6 +411,13 @@ def advertised_host(rendezvous_host: str) -> str:
             return probe.getsockname()[0]
     except OSError:  # (no route from here: the rendezvous host, as given)
         return rendezvous_host
+
+
+def heal_source(live: list[str], group: int, rank: int, attempt: int) -> str:
+    """The live group (of ``live``, the replica ids in the lighthouse's order) that group rank ``rank`` of returning
+    group ``group`` downloads from at its ``attempt``-th try: spread by group and rank, so that groups returning
+    together, and the ranks of one, do not all download from the first live group."""
+    return live[(group + rank + attempt) % len(live)]
 
 
 def state_bytes(state: Any) -> int:
