@@ -177,7 +177,9 @@ class Run:
                 if what == "churn" and live:
                     victim = self.rng.choice(live)
                     self.kill(victim)
-                    pending.append((time.time() + a.down * self.rng.uniform(0.25, 1.0), victim))
+                    back = time.time() + a.down * self.rng.uniform(0.25, 1.0)
+                    if back < end - a.settle:  # (later, it would join as the others end: it stays down)
+                        pending.append((back, victim))
                 elif what == "retire" and live:
                     victim = self.rng.choice(live)
                     self.kill(victim)

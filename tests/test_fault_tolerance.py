@@ -967,6 +967,73 @@ def test_groups_returning_together_download_from_different_live_groups():
     assert heal_source(live, 4, 0, 1) != heal_source(live, 4, 0, 0)
 
 
+def test_a_quorum_member_lost_after_asking_fails_the_rendezvous_in_seconds_not_the_whole_timeout():
+    """Two groups in a quorum, on torchft's real lighthouse and gloo process groups: when both come to the
+    rendezvous, both are configured and all-reduce; when one beat, asked and was lost (it beats no more and never
+    comes), the other's configuration fails within seconds (the lighthouse's 1 s heartbeat timeout, looked at about
+    once a second), not after its 30 s `timeout` (torchft's rendezvous would wait for it that long), and forgets
+    the quorum's id so that the next quorum configures again."""
+    import threading
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+    from torchft import ProcessGroupGloo
+    from torchft._torchft import LighthouseClient, LighthouseServer
+
+    from ddp_plugin.fault_tolerance.torchft_adapter import MemberGone, QuorumRecorder, unique_rendezvous
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000, heartbeat_timeout_ms=1000)
+    address = lighthouse.address()
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    members = ["g0:a", "g1:b"]
+    client = LighthouseClient(address, connect_timeout=timedelta(seconds=10))
+    beating = {"g0:a", "g1:b"}
+
+    def beat() -> None:
+        while beating:
+            for member in list(beating):
+                client.heartbeat(member)
+            time.sleep(0.1)
+
+    def group(rank: int, step: int) -> tuple:
+        manager = SimpleNamespace(_quorum_id=None)
+        recorder = QuorumRecorder(SimpleNamespace(_quorum=lambda **_: SimpleNamespace(
+            quorum_id=1, max_step=step, replica_ids=members)), manager)
+        pg = unique_rendezvous(ProcessGroupGloo, address)(timeout=timedelta(seconds=30))
+        pg.quorums = recorder
+        recorder._quorum()
+        manager._quorum_id = 1
+        return pg, manager
+
+    threading.Thread(target=beat, daemon=True).start()
+    try:
+        configured = [group(r, 1) for r in range(2)]
+        threads = [threading.Thread(target=pg.configure, args=(f"127.0.0.1:{store.port}/torchft/1/0", members[r], r,
+                                                                  2, 1, 0, 1, [0, 1]))
+                   for r, (pg, _) in enumerate(configured)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        sums = [torch.full((3,), float(r + 1)) for r in range(2)]
+        works = [pg.allreduce([t], torch.distributed.AllreduceOptions()) for (pg, _), t in zip(configured, sums)]
+        for work in works:
+            work.wait()
+        assert all(torch.equal(t, torch.full((3,), 3.0)) for t in sums)
+
+        beating.discard("g0:a")  # (lost after asking: it beats no more and never comes)
+        pg, manager = group(1, 2)
+        began = time.monotonic()
+        with pytest.raises(MemberGone, match=r"\['g0:a'\] stopped beating"):
+            pg.configure(f"127.0.0.1:{store.port}/torchft/1/0", "g1:b", 1, 2, 1, 0, 1, [0, 1])
+        assert time.monotonic() - began < 10
+        assert manager._quorum_id is None
+    finally:
+        beating.clear()
+        lighthouse.shutdown()
+
+
 def test_a_heal_server_serves_its_tensors_whole_and_a_download_a_sync_overlapped_is_taken_again():
     """What a live rank serves a group joining between syncs: the tensors bit for bit (any dtype, empty ones, nested
     in dicts, lists and tuples, beside plain values), streamed from the tensors themselves; while a sync writes them

@@ -9,7 +9,9 @@ why:
   quorum id, and a lighthouse started again hands ids out from 1 again; cleared too after a configuration that
   failed, which torchft 0.2 would otherwise never retry for that id.
 - The process group's ``configure`` is given a store prefix with the quorum's step (:func:`unique_rendezvous`), for
-  the same reason: its rendezvous keys are the quorum id's.
+  the same reason: its rendezvous keys are the quorum id's; and its members first meet on that store
+  (:func:`await_members`, ``torchft.process_group.create_store_client``), so that one lost after asking for the
+  quorum fails it within seconds rather than the whole ``timeout``.
 - ``HTTPTransport._server`` (the checkpoint transport's HTTP server) gives the port advertised at a host the other
   groups reach (:func:`http_transport`): torchft 0.2 advertises the machine's host name.
 - The lighthouse's status page (its HTML, the only place torchft 0.2 shows the last quorum's members to a group
@@ -46,7 +48,8 @@ def manager(device: torch.device, *, hostname: str, timeout: timedelta, **option
     ``hostname`` and the quorum recorder in place."""
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
-    pg = unique_rendezvous(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
+    pg = unique_rendezvous(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo,
+                           options.get("lighthouse_addr"))(timeout=timeout)
     made = Manager(pg=pg, hostname=hostname, timeout=timeout, checkpoint_transport=http_transport(hostname, timeout),
                    **options)
     pg.quorums = made._client = QuorumRecorder(made._client, made)
@@ -90,10 +93,14 @@ class QuorumRecorder:
         return getattr(self._client, name)
 
 
-def unique_rendezvous(base: type) -> type:
+def unique_rendezvous(base: type, lighthouse: str | None = None) -> type:
     """torchft's process group whose rendezvous keys, at each reconfiguration, are under the quorum's step as well
     as its id: torchft 0.2 keys them by quorum id only, which a lighthouse started again hands out from 1 again,
     and the stores still hold the keys of the first quorums under those (a reconfiguration then hangs on them).
+
+    With ``lighthouse``, the members first meet on the store (:func:`await_members`): one that stopped beating at
+    the lighthouse before it came (killed after asking for the quorum) fails the configuration within seconds,
+    where torchft's rendezvous would wait for it the whole ``timeout``.
 
     Its ``rank()`` is this group's rank in the present quorum, that of the backend configured for it (torchft's
     public ``parent``): torchft 0.2's wrapper answers for the process group of rank 0 of 1 it is built on, and a
@@ -104,8 +111,11 @@ def unique_rendezvous(base: type) -> type:
 
         def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
             step = self.quorums.max_step if self.quorums is not None else 0
+            address = f"{store_addr}/step{step}"
             try:
-                super().configure(f"{store_addr}/step{step}", *args, **kwargs)
+                if lighthouse is not None and self.quorums is not None and len(args) >= 3 and args[2] > 1:
+                    await_members(address, args[1], args[2], self.quorums.members, lighthouse, self._timeout)
+                super().configure(address, *args, **kwargs)
             except BaseException:
                 if self.quorums is not None:
                     self.quorums.forget()
@@ -118,6 +128,48 @@ def unique_rendezvous(base: type) -> type:
                 return super().rank()
 
     return UniqueRendezvous
+
+
+MEMBERS_POLL_S = 0.1
+"""How often :func:`await_members` looks at the store, and (ten times as long) at the lighthouse's heartbeats."""
+
+
+class MemberGone(RuntimeError):
+    """A quorum's member stopped beating at the lighthouse before it came to the quorum's rendezvous."""
+
+
+def await_members(address: str, rank: int, world_size: int, members: list[str], lighthouse: str,
+                  timeout: timedelta) -> None:
+    """Meet the quorum's ``world_size`` members on the store at ``address`` (``host:port/prefix``, the rendezvous'
+    own, under ``/arrived``) before torchft's rendezvous: each sets its rank and waits for the others', looking at
+    the lighthouse's status page about once a second. A member (of ``members``, the quorum's replica ids) that the
+    lighthouse no longer counts as beating, while not every member has come, raises :class:`MemberGone`; a
+    lighthouse that does not answer is no news. After ``timeout`` it returns (the rendezvous then waits as it
+    would have)."""
+    import time
+
+    from torchft.process_group import create_store_client
+
+    store = create_store_client(f"{address}/arrived", timeout)
+    store.set(str(rank), "1")
+    keys = [str(r) for r in range(world_size)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    look = time.monotonic() + 10 * MEMBERS_POLL_S
+    while not store.check(keys):
+        now = time.monotonic()
+        if now > deadline:
+            return
+        if now >= look:
+            look = now + 10 * MEMBERS_POLL_S
+            try:
+                beating = beating_ids(status_page(lighthouse, 2.0))
+            except Exception:  # noqa: BLE001 - the lighthouse away (restarted, say): no news of the members
+                beating = None
+            gone = [m for m in members if beating is not None and m not in beating]
+            if gone:
+                raise MemberGone(f"the quorum's members {gone} stopped beating at the lighthouse before they came to"
+                                 " its rendezvous (lost after asking for it): this quorum is given up")
+        time.sleep(MEMBERS_POLL_S)
 
 
 def http_transport(host: str, timeout: timedelta) -> Any:
