@@ -6,7 +6,7 @@ the same cluster without churn, how long any rank was blocked, whether the group
 
 The simulated cluster has a node per group (a rank each), a node for each group joining with a new id, and one for
 the lighthouse. Each node has its own link rate (``--rates``, in group order; the joiners and the lighthouse at the
-first rate) and a CPU quota (``--cpu`` cores, default 2 / nodes: a restarting group's imports do not slow the
+first rate) and a CPU quota (``--cpu`` cores, default the machine's cores over the groups' nodes: a restarting group's imports do not slow the
 others, as they would not on separate machines; the lighthouse's node has none). One-way delays need netem, which not every kernel has
 (``SimulatedCluster(delay=...)``); this script uses none unless ``--delays`` gives them. Every group is started as a
 user starts one: ``ddp-plugin-group`` (``python -m ddp_plugin.fault_tolerance.launch``) around
@@ -199,6 +199,11 @@ class Run:
         stop = (furthest // a.sync_every + 2) * a.sync_every
         (self.out / "stop").write_text(str(stop))
         self.events.append((time.time(), f"stop at {stop}", -1))
+        # A group still starting (no step yet) would join a job that ends: it finds no live group to heal from and no
+        # quorum, and fails after quorum_timeout. Stopped here instead, and left out of the end's checks.
+        for g in [g for g in self.procs if not records(self.out, g, f"-l{self.launches[g] - 1}")]:
+            self.kill(g)
+            self.events.append((time.time(), "still starting at the end: stopped", g))
         codes = {g: p for g, p in self.procs.items()}
         deadline = time.time() + 300 + a.quorum_timeout
         for g, p in codes.items():
@@ -273,7 +278,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rates", default="4x1gbit,8x100mbit,4x20mbit", help="each group node's link rate, in order")
     p.add_argument("--delays", default=None, help="each group node's one-way delay (e.g. 4x5ms,8x20ms,4x80ms); needs"
                    " netem")
-    p.add_argument("--cpu", type=float, default=None, help="cores each node gets (default: the machine's / nodes)")
+    p.add_argument("--cpu", type=float, default=None, help="cores each group's node gets (default: the machine's"
+                   " over the groups' nodes)")
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--period", type=float, default=30.0, help="seconds between kills (mean)")
     p.add_argument("--down", type=float, default=20.0, help="the longest a killed group stays down, seconds")
