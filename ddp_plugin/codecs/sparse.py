@@ -172,15 +172,9 @@ class SparseCodec(Codec):
         if state.owner_residual is not None and (not scattered or (state.owner_rank, state.owner_size) != (rank, n)):
             # The second residual of a range this rank no longer owns: into its own values, to reach this mean.
             self._fold_owner(state, x, chunks, c, n)
-        rows = x.view(chunks, c)
         magnitudes = self.comm.scratch(padded, torch.float32, x.device).view(chunks, c)
-        indices = torch.abs(rows, out=magnitudes).topk(k, dim=1, sorted=False).indices
-        values = rows.gather(1, indices)
-        scales = values.abs().amax(dim=1)
-        levels = self._quantize(values, scales)
+        scales, indices, levels = self._code(x.view(chunks, c), magnitudes, k)
         if self.error_feedback:
-            # What was not sent stays: everything but the kept entries, and their quantization's error.
-            rows.scatter_(1, indices, values.sub_(self._dequantize(levels, scales)))
             state.residual = finite_or_zero(x)
         if scattered:
             self._reduce_scatter(tensor, group, n, rank, state, scales, indices, levels)
@@ -191,9 +185,7 @@ class SparseCodec(Codec):
         out = self.comm.scratch(padded, torch.float32, tensor.device).zero_()  # (the magnitudes are done with)
         total = out.view(chunks, c)
         for r in range(n):  # every rank's entries in rank order: the same sums, bit for bit, on every rank
-            scales_r, indices_r, levels_r = self._unpack(gathered[r * mine.numel() : (r + 1) * mine.numel()],
-                                                         chunks, k)
-            total.scatter_add_(1, indices_r, self._dequantize(levels_r, scales_r))
+            self._add_decoded(total, gathered[r * mine.numel() : (r + 1) * mine.numel()], chunks, k)
         tensor.copy_(out[:numel].div_(n).view_as(tensor))
         return completed_future(tensor)
 
@@ -219,8 +211,7 @@ class SparseCodec(Codec):
         work = self.comm.scratch(2 * m * c, torch.float32, dev)
         total = work[: m * c].view(m, c).zero_()
         for r in range(n):
-            scales_r, indices_r, levels_r = self._unpack(received[r * size : (r + 1) * size], m, k)
-            total.scatter_add_(1, indices_r, self._dequantize(levels_r, scales_r))
+            self._add_decoded(total, received[r * size : (r + 1) * size], m, k)
         total.div_(n)
         y = total
         if self.error_feedback:
@@ -230,14 +221,8 @@ class SparseCodec(Codec):
             elif self.decay != 1.0:
                 owed.mul_(self.decay)
             y = owed.view(m, c).add_(total)  # (becomes the next second residual)
-        magnitudes = work[m * c :].view(m, c)
-        indices2 = torch.abs(y, out=magnitudes).topk(k, dim=1, sorted=False).indices
-        values2 = y.gather(1, indices2)
-        scales2 = values2.abs().amax(dim=1)
-        levels2 = self._quantize(values2, scales2)
-        mine = self._pack(scales2, indices2, levels2)
+        mine = self._pack(*self._code(y, work[m * c :].view(m, c), k))
         if self.error_feedback:
-            y.scatter_(1, indices2, values2.sub_(self._dequantize(levels2, scales2)))
             state.owner_residual = finite_or_zero(y.view(-1))
             state.owner_rank, state.owner_size = rank, n
 
@@ -247,10 +232,28 @@ class SparseCodec(Codec):
         result = out.view(chunks, c)
         for r, (lo, hi) in enumerate(bounds):  # every owner's range from the same bytes: the same bits everywhere
             if hi > lo:
-                scales_r, indices_r, levels_r = self._unpack(gathered[r * size : (r + 1) * size], m, k)
-                result[lo:hi].scatter_add_(1, indices_r[: hi - lo],
-                                           self._dequantize(levels_r[: hi - lo], scales_r[: hi - lo]))
+                self._add_decoded(result[lo:hi], gathered[r * size : (r + 1) * size], m, k)
         tensor.copy_(out[:numel].view_as(tensor))
+
+    def _code(self, rows: torch.Tensor, magnitudes: torch.Tensor, k: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's ``k`` entries of largest magnitude (``magnitudes``: scratch of ``rows``' shape), quantized:
+        ``(scales, indices, levels)``; with error feedback ``rows`` is left holding what was not sent (everything
+        but the kept entries, and their quantization's error)."""
+        indices = torch.abs(rows, out=magnitudes).topk(k, dim=1, sorted=False).indices
+        values = rows.gather(1, indices)
+        scales = values.abs().amax(dim=1)
+        levels = self._quantize(values, scales)
+        if self.error_feedback:
+            rows.scatter_(1, indices, values.sub_(self._dequantize(levels, scales)))
+        return scales, indices, levels
+
+    def _add_decoded(self, total: torch.Tensor, payload: torch.Tensor, chunks: int, k: int) -> None:
+        """Add the entries ``payload`` (a packed payload of ``chunks`` chunks) codes into ``total``'s rows (its
+        first rows where it has fewer: a shorter range's padding is left out)."""
+        scales, indices, levels = self._unpack(payload, chunks, k)
+        rows = total.shape[0]
+        total.scatter_add_(1, indices[:rows], self._dequantize(levels[:rows], scales[:rows]))
 
     def _slots(self, chunks: int, n: int, device: torch.device) -> torch.Tensor:
         """The rows of the chunks every owner's slot holds, owner after owner: its range's chunks, then ``chunks``

@@ -253,10 +253,7 @@ def set_link_rate(interface: str | None = None, rate: str | None = "1gbit") -> N
 
 
 def _set_rate(namespace_args: list[str], dev: str, rate: str | None) -> None:
-    if rate is None:
-        _run(["tc", *namespace_args, "qdisc", "del", "dev", dev, "root"], check=False)
-    else:
-        _run(["tc", *namespace_args, "qdisc", "replace", "dev", dev, "root", *_tbf_args(parse_rate(rate))])
+    _shape(namespace_args, dev, parse_rate(rate) if rate is not None else None, None)
 
 
 def _ip_link_stats(interface: str, namespace_args: list[str] | None = None) -> dict[str, Any]:
