@@ -52,6 +52,12 @@ LAYOUTS: dict[str, tuple[str, int, dict[str, Any] | None]] = {
     "ours_pp4": ("ours, P 4 (M 4)", 4, {"pipeline_parallel_size": 4, "pipeline_microbatches": 4}),
     "ours_pp4_tp2": ("ours, P 4 x T 2, 8 ranks", 8, {"pipeline_parallel_size": 4, "tensor_parallel_size": 2}),
     "ours_zero3": ("ours, ZeRO-3, units `Block`", 4, {"zero_stage": 3, "auto_wrap_policy": ["Block"]}),
+    "ours_zero3_inbw": ("ours, ZeRO-3, units `Block`, `optimizer_in_backward`", 4,
+                        {"zero_stage": 3, "auto_wrap_policy": ["Block"], "optimizer_in_backward": True}),
+    "ours_zero3_inbw_p1": ("ours, ZeRO-3, units `Block`, `optimizer_in_backward`, `prefetch_units=1`", 4,
+                           {"zero_stage": 3, "auto_wrap_policy": ["Block"], "optimizer_in_backward": True,
+                            "prefetch_units": 1}),
+    "fsdp2_full": ("Lightning `ModelParallelStrategy`, DP 4 + `fully_shard` (FSDP2 full shard)", 4, None),
     "lightning_model_parallel": ("Lightning `ModelParallelStrategy`, DP 2 x TP 2 + `fully_shard`", 4, None),
     "lightning_ddp": ("Lightning `ddp`, eager build (no meta)", 4, None),
 }
@@ -207,6 +213,7 @@ def worker(args: argparse.Namespace) -> None:
 
     L.seed_everything(0, verbose=False)
     tp = bool(flags and flags.get("tensor_parallel_size", 1) > 1) or layout == "lightning_model_parallel"
+    fsdp2 = layout in ("lightning_model_parallel", "fsdp2_full")
     out["tie"] = args.tie if tp else None
     if layout == "lightning_ddp":
         strategy: Any = "ddp"
@@ -214,12 +221,16 @@ def worker(args: argparse.Namespace) -> None:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+    elif layout == "fsdp2_full":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)
     else:
         strategy = HierarchicalZeroStrategy(**flags)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Measure()])
-    cls = harness.fully_shard_gpt() if layout == "lightning_model_parallel" else GPTModule
+    cls = harness.fully_shard_gpt() if fsdp2 else GPTModule
     kwargs = dict(vocab=VOCAB, d_model=size["d_model"], heads=HEADS, layers=size["layers"], seq=SEQ,
                   tie=args.tie if tp else "replicated", lr=3e-4)
     if layout == "lightning_ddp":

@@ -135,7 +135,8 @@ def test_non_finite_negative_absurd_or_boolean_numbers_fail_at_construction_nami
         HierarchicalZeroStrategy(**kwargs)
 
 
-@pytest.mark.parametrize("flag", ["broadcast_buffers", "progress_bar_metrics", "skip_nonfinite"])
+@pytest.mark.parametrize("flag", ["broadcast_buffers", "progress_bar_metrics", "skip_nonfinite",
+                                  "optimizer_in_backward"])
 @pytest.mark.parametrize("value", ["no", "False", 0, 1, 1.0, None])
 def test_bool_flags_accept_only_bools(flag, value):
     with pytest.raises(ValueError, match=rf"`{flag}={value!r}` must be a bool; allowed values: True, False"):
@@ -363,3 +364,27 @@ def test_the_signatures_literal_choices_are_the_configs():
                        "weighting": config.WEIGHTINGS, "start_method": config.START_METHODS,
                        "tensor_parallel_size": ("auto",), "pipeline_schedule": config.PIPELINE_SCHEDULES,
                        "pipeline_activations": tuple(ACTIVATION_DTYPES)}
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), [
+    ({"zero_stage": 0}, r"`zero_stage=0`: it needs `zero_stage=2` or `3`"),
+    ({"zero_stage": 1}, r"`zero_stage=1`: it needs `zero_stage=2` or `3`"),
+    ({"zero_stage": 3, "gradient_clip_norm": 1.0}, r"`gradient_clip_norm=1.0`: clipping needs the global norm"),
+    ({"zero_stage": 3, "skip_nonfinite": True}, r"`skip_nonfinite=True`"),
+    ({"zero_stage": 2, "shard_scope": "node", "sync_every": 4}, r"`sync_every=4`"),
+    ({"zero_stage": 3, "tensor_parallel_size": 2}, r"`tensor_parallel_size=2`"),
+    ({"zero_stage": 3, "pipeline_parallel_size": 2}, r"`pipeline_parallel_size=2`"),
+    ({"zero_stage": 2, "shard_scope": "node", "fault_tolerance": {"replica_group": 0, "replica_groups": 2,
+                                                                   "lighthouse": "http://localhost:29510"}},
+     r"`fault_tolerance`"),
+])
+def test_optimizer_in_backward_refuses_at_construction_what_needs_the_whole_step_first(kwargs, pattern):
+    with pytest.raises(ValueError, match=r"`optimizer_in_backward=True` steps each bucket's shard as soon as its"
+                       r" gradient is reduced, in backward, which cannot go with " + pattern):
+        HierarchicalZeroStrategy(optimizer_in_backward=True, **kwargs)
+
+
+def test_optimizer_in_backward_is_accepted_at_stages_2_and_3():
+    for stage in (2, 3):
+        assert HierarchicalZeroStrategy(zero_stage=stage, optimizer_in_backward=True).optimizer_in_backward is True
+    assert HierarchicalZeroStrategy().optimizer_in_backward is False

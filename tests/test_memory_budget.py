@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(heap.compiler() is None, reason="the heap tracke
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
 SETTINGS = ["ddp", "flat", "hier", "hier_fp16", "hier_int8", "hier_powersgd", "flat_int8", "diloco", "streaming",
-            "streaming_int8", "zero1", "zero2", "zero3", "zero3_prefetch1"]
+            "streaming_int8", "zero1", "zero2", "zero3", "zero3_prefetch1", "zero3_in_backward"]
 AT_MOST_DDP = ["flat", "hier", "hier_fp16", "hier_int8", "hier_powersgd", "diloco", "streaming"]
 """The stage-0 paths that hold no more than Lightning ``ddp``, which keeps its reducer's buckets beside the
 gradients (S), where ours reduce the gradients where they lie: the synchronous ones, and the sync modes with the
@@ -77,9 +77,13 @@ def budget(setting: str, m: dict) -> float:
         "streaming": 3 * S + outer + streaming + share_piece + node_mean + step,
         "streaming_int8": 3 * S + outer_codec + streaming_codec + int8_state + node_mean + step,
         "zero1": S + 2 * S / N + piece + B / k + step,  # whole gradients, 1/N of the state, the node's block
-        "zero2": 3 * S / N + piece + B / k + S + step,  # + the buckets a backward fills before they are reduced
-        "zero3": -S + 4 * S / N + piece + B / k + S + 3 * U + step,  # parameters sharded; a unit + two prefetched
-        "zero3_prefetch1": -S + 4 * S / N + piece + B / k + S + 2 * U + step,
+        # + the bucket a backward fills and the one being reduced (a released bucket is allocated again only once at
+        # most one is in the communication thread's hands)
+        "zero2": 3 * S / N + piece + B / k + 2 * B + step,
+        "zero3": -S + 4 * S / N + piece + B / k + 2 * B + 3 * U + step,  # parameters sharded; a unit + two prefetched
+        "zero3_prefetch1": -S + 4 * S / N + piece + B / k + 2 * B + 2 * U + step,
+        # each bucket's gradient shard is freed once stepped, in backward: the one being stepped (B/N) instead of S/N
+        "zero3_in_backward": -S + 3 * S / N + B / N + piece + B / k + 2 * B + 3 * U + step,
     }[setting]
 
 

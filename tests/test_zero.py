@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import pytest
 import torch
@@ -255,3 +256,52 @@ def test_a_wrap_policy_entry_that_matches_no_module_fails_at_setup_naming_it_and
 def test_a_wrap_policy_name_that_matches_a_container_fails_at_setup():
     with pytest.raises(ValueError, match=r"`auto_wrap_policy`.*'ModuleList'.*never called"):
         _plan(_nested_containers(), ["ModuleList"])
+
+
+# ---------------------------------------------------------------------------------------------- optimizer_in_backward
+
+INBW_CONFIGS = ["plain", "accumulate", "sgd_schedule"]  # (clipping cannot go with it: refused, tested below)
+INBW_VARIANTS = ["2:global:on", "3:global:off", "3:node:on"]
+
+
+@pytest.fixture(scope="module")
+def inbw_results(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("inbw")
+    variants = [v + suffix for v in INBW_VARIANTS for suffix in ("", ":inbw")]
+    run_python(WORKERS / "equivalence.py", "--out", d, "--devices", "4", "--devices-per-node", "2", "--configs",
+               ",".join(INBW_CONFIGS), "--variants", ",".join(variants), timeout=600)
+    return {(v, c): torch.load(d / f"{c}-4-{v.replace(':', '-')}.pt") for v in variants for c in INBW_CONFIGS}
+
+
+@pytest.mark.parametrize("config", INBW_CONFIGS)
+@pytest.mark.parametrize("variant", INBW_VARIANTS)
+def test_optimizer_in_backward_trains_the_same_bits_as_the_step_after_backward(inbw_results, variant, config):
+    # AdamW and SGD with momentum and weight decay, a scheduler, accumulation over 2 batches; the model's branch
+    # bias gets no gradient on the steps where no rank takes the branch (its bucket is stepped after backward,
+    # once the ranks agreed it was used nowhere: not at all), a tied weight, a frozen layer.
+    after, during = inbw_results[(variant, config)], inbw_results[(variant + ":inbw", config)]
+    assert torch.equal(during["history"], after["history"])
+    assert during["max_rank_diff"] == 0.0
+    assert after["stepped_in_backward"] is None
+    # Buckets were stepped in backward on every step (1 KiB buckets: 3 to 4 of them a step here).
+    assert during["stepped_in_backward"] >= 20 * 3, during["stepped_in_backward"]
+    used = during["branch_used"].bool().any(dim=0)
+    assert not used.all(), "the data must leave the branch unused on some steps"
+
+
+@pytest.mark.parametrize(("refuse", "pattern"), [
+    ("clip", r"`optimizer_in_backward=True` cannot go with `Trainer\(gradient_clip_val=1.0\)`"),
+    ("manual", r"`optimizer_in_backward=True` needs Lightning's automatic optimization"),
+])
+def test_optimizer_in_backward_refuses_clipping_and_manual_optimization_at_setup(refuse, pattern):
+    proc = run_python(WORKERS / "zero_run.py", "--mode", "in_backward", "--refuse", refuse, check=False)
+    assert proc.returncode != 0
+    assert re.search(pattern, proc.stderr), proc.stderr[-3000:]
+
+
+def test_optimizer_in_backward_refuses_a_loss_scaler_naming_the_precisions_that_work():
+    from ddp_plugin.zero.backward_step import check_trainer
+
+    with pytest.raises(ValueError, match=r"cannot go with a loss scaler \(`precision='16-mixed'`\).*'bf16-mixed'"):
+        check_trainer(None, True, loss_scaler=True)
+    check_trainer(None, True, loss_scaler=False)  # what the strategy passes for 32-true and bf16-mixed

@@ -2,6 +2,9 @@
 
 The engine knows nothing about how a bucket is reduced; it hands each ready bucket to the
 ``on_bucket_ready`` hook and waits on the future it gets back.
+
+(About 420 lines: one class, because the readiness hooks, the ordered launch, the bound on the buckets in the
+communication thread's hands and the sync point share the state of one backward.)
 """
 
 from __future__ import annotations
@@ -133,6 +136,11 @@ def _check_plan(named: list[tuple[str, Parameter]], planned: Iterable[Iterable[t
         raise ValueError("`on_plan_buckets` must return every trainable parameter exactly once.")
 
 
+RELEASED_IN_FLIGHT = 1
+"""Buckets a synchronizing backward may leave in the communication thread's hands before it allocates a released
+one again (:meth:`GradientEngine._bound_released_in_flight`)."""
+
+
 class GradientEngine:
     """Synchronizes the gradients of ``module`` during backward.
 
@@ -236,7 +244,9 @@ class GradientEngine:
         bucket = self.buckets[b]
 
         def on_grad_accumulated(p: Parameter) -> None:
-            bucket.materialize()  # a sharder may have released the buffer after the last step
+            if bucket.released:  # a sharder released the buffer after its reduction
+                self._bound_released_in_flight()
+                bucket.materialize()
             grad = local_tensor(p.grad)
             if grad.data_ptr() != view.data_ptr():
                 # The first backward after zero_grad(set_to_none=True) allocated a fresh gradient.
@@ -251,6 +261,21 @@ class GradientEngine:
                 self._launch_ready()
 
         return on_grad_accumulated
+
+    def _bound_released_in_flight(self) -> None:
+        """Before a released bucket is allocated again in a synchronizing backward: wait until at most
+        :data:`RELEASED_IN_FLIGHT` of the buckets launched are still being reduced. A sharder releases each bucket
+        once its shard is reduced, so the buckets alive are the one filling and those the communication thread has
+        not reached; when it falls behind the backward (a slow link, a codec, a step in backward), they would pile
+        up, each a unit's gradients at ZeRO-3 (FSDP2 likewise lets one reduce-scatter run ahead). The thread never
+        idles for it: it is still reducing the buckets waited behind."""
+        if not self._armed:
+            return
+        undone = [f for f in self._in_flight if not f.done()]
+        if len(undone) > RELEASED_IN_FLIGHT:
+            with health.diagnosed():
+                for submitted in undone[: len(undone) - RELEASED_IN_FLIGHT]:
+                    health.wait(submitted)
 
     def _arm(self, at_end_of_backward: bool = True) -> None:
         self._armed = True

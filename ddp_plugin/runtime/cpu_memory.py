@@ -36,6 +36,19 @@ def release_freed_buffers(threshold_bytes: int = THRESHOLD_BYTES) -> bool:
         return False
 
 
+def trim() -> bool:
+    """Return the C heap's free pages to the OS (glibc's ``malloc_trim(0)``, every arena); False off Linux/glibc.
+    For after a phase that freed much of what it allocated below the threshold (a model's setup): the pages
+    would otherwise stay resident, holes the next allocations may never fill."""
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
 def available_bytes() -> int | None:
     """The memory this process may still take: the smaller of the machine's available memory (``MemAvailable``)
     and what its memory cgroup's limit leaves (cgroup v1 or v2, where a limit is set). ``None`` where neither can

@@ -81,6 +81,21 @@ def materialize(model: Module, module: Any, groups: ProcessGroups, config: Strat
     return materialized, deferred
 
 
+def releases_cpu_memory(config: StrategyConfig, device: torch.device) -> bool:
+    """Whether freed CPU buffers go back to the OS (``release_cpu_memory``; ``None``: at stages 2-3)."""
+    release = config.release_cpu_memory
+    return (config.zero_stage >= 2 if release is None else release) and device.type == "cpu"
+
+
+def trim_after_setup(config: StrategyConfig, device: torch.device) -> None:
+    """Where freed buffers go back to the OS: what the setup freed on the C heap too (``malloc_trim``). Building a
+    model on meta and materializing it unit by unit frees much of what it allocates, some of it before the
+    threshold is fixed; those pages stayed resident through training (up to 140 MB a rank measured on the
+    101M-parameter GPT, on some ranks and not others)."""
+    if releases_cpu_memory(config, device):
+        cpu_memory.trim()
+
+
 def start_session(inputs: FitInputs) -> FitSession:
     """The fit's session over the set-up model, in order: glibc's threshold where freed buffers are to go back to the
     OS (``release_cpu_memory``), a way to keep members where ``fault_tolerance`` asks (this rank's place among the
@@ -88,9 +103,7 @@ def start_session(inputs: FitInputs) -> FitSession:
     reducer, codec, sharder, sync mode; its engine: :class:`FitSession`'s phases), and the pipeline runner's sends
     counted in its traffic (the tied sums through its codec, if any)."""
     config, device, groups = inputs.config, inputs.device, inputs.groups
-    release = config.release_cpu_memory
-    wanted = config.zero_stage >= 2 if release is None else release
-    if wanted and device.type == "cpu" and cpu_memory.release_freed_buffers():
+    if releases_cpu_memory(config, device) and cpu_memory.release_freed_buffers():
         log.info("ddp_plugin: glibc's mmap threshold fixed at 1 MiB (release_cpu_memory)")
     members = None
     if config.fault_tolerance is not None:

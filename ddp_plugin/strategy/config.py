@@ -76,6 +76,7 @@ class StrategyConfig:
     shard_scope: str = "global"
     auto_wrap_policy: int | tuple[type | str, ...] = 1_000_000
     prefetch_units: int = 2
+    optimizer_in_backward: bool = False
     gradient_clip_norm: float | None = None
     checkpoint: str = "master"
     release_cpu_memory: bool | None = None
@@ -190,6 +191,13 @@ FLAGS: dict[str, FlagDoc] = {
         allowed=_code(0, 1, 2),
         more="1 as FSDP; with 2 a step took 1.12-1.20x `ddp`'s, with 1 1.32-1.37x; each one more holds one more"
              " gathered unit."),
+    "optimizer_in_backward": FlagDoc(
+        what="stages 2-3: step each bucket's shard once its gradient is reduced, in backward"
+             " ([docs](docs/zero.md#the-step-in-backward))",
+        allowed=_code(False, True),
+        more="Its gradient is freed there, so a rank never holds all of its gradient shards; the same update, element"
+             " by element. Not with clipping, `skip_nonfinite`, a loss scaler, manual optimization, sync modes, fault"
+             " tolerance, tensor or pipeline parallelism."),
     "gradient_clip_norm": FlagDoc(
         what="clip to this global 2-norm before every step, across shards at stages 1-3"
              " (`Trainer(gradient_clip_val=...)` works too)",
@@ -396,6 +404,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
     from ddp_plugin.codecs import check_compression
     from ddp_plugin.strategy.plugin_manager import check_plugins
     from ddp_plugin.parallel.activation_checkpointing import check_policy as check_activation_checkpointing_policy
+    from ddp_plugin.zero.backward_step import check_flags as check_optimizer_in_backward
     from ddp_plugin.zero.units import check_auto_wrap_policy
     from ddp_plugin.parallel.stages import check_split as check_pipeline_split
     from ddp_plugin.checkpoints.pretrained import check_pretrained
@@ -407,6 +416,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "shard_scope": lambda v: check_choice("shard_scope", v, SHARD_SCOPES),
         "auto_wrap_policy": check_auto_wrap_policy,
         "prefetch_units": lambda v: check_int("prefetch_units", v, 0, 2, expected="an integer; allowed values: 0, 1, 2"),
+        "optimizer_in_backward": lambda v: check_bool("optimizer_in_backward", v),
         "gradient_clip_norm": lambda v: None if v is None else check_positive_number("gradient_clip_norm", v),
         "checkpoint": lambda v: check_choice("checkpoint", v, CHECKPOINT_MODES),
         "release_cpu_memory": lambda v: check_bool("release_cpu_memory", v, none=True),
@@ -456,6 +466,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         out["compression"] = compression
     every_flag = {**{f.name: f.default for f in fields(StrategyConfig) if f.default is not MISSING}, **out}
     _check_sync_mode(every_flag)
+    check_optimizer_in_backward(every_flag)
     _check_tensor_parallel(every_flag)
     _check_pipeline(every_flag)
     check_fault_tolerance_composition(every_flag)

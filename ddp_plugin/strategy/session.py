@@ -160,7 +160,7 @@ class FitSession:
             sync_transport=members.sync_transport if members is not None else None,
             compression_options=config.compression_options,
             zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
-            prefetch_units=config.prefetch_units, sync={
+            prefetch_units=config.prefetch_units, optimizer_in_backward=config.optimizer_in_backward, sync={
                 "every": config.sync_every, "outer_optimizer": config.outer_optimizer,
                 "fragments": config.sync_fragments, "staleness": config.max_staleness,
                 "warmup": config.sync_warmup_steps},

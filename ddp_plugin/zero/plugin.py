@@ -14,6 +14,7 @@ from ddp_plugin.runtime.comm import broadcast_coalesced
 
 from ddp_plugin.hookspecs import ParameterShards, completed_future, hookimpl
 from ddp_plugin.zero import checkpoint, gradients
+from ddp_plugin.zero.backward_step import StepInBackward
 from ddp_plugin.zero.layout import Scope, ShardLayout
 from ddp_plugin.zero.optimizer import ShardedOptimizers
 from ddp_plugin.zero.reduce import ShardReducer
@@ -49,7 +50,8 @@ class ZeroSharder:
     """
 
     def __init__(self, stage: int, shard_scope: str = "global", auto_wrap_policy: Any = None,
-                 prefetch_units: int = 2, cross_stage: CrossStage | None = None) -> None:
+                 prefetch_units: int = 2, cross_stage: CrossStage | None = None,
+                 optimizer_in_backward: bool = False) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"`zero_stage={stage!r}`: the sharder handles stages 1, 2, 3.")
         if shard_scope not in ("global", "node"):
@@ -59,6 +61,8 @@ class ZeroSharder:
         self.policy = check_auto_wrap_policy(auto_wrap_policy)
         self.prefetch_units = prefetch_units
         self.cross_stage = cross_stage
+        self.in_backward = StepInBackward() if optimizer_in_backward else None
+        """Stages 2-3: each bucket's shard stepped once its gradient is reduced (:mod:`ddp_plugin.zero.backward_step`)."""
         """The cross-node stage of the gradients' node shards, if not the hook (fault tolerance's)."""
         self._plan: UnitPlan | None = None
         self.shards: Shards | None = None
@@ -72,11 +76,11 @@ class ZeroSharder:
     # ------------------------------------------------------------------ setup
 
     @hookimpl
-    def on_plan_buckets(self, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]],
+    def on_plan_buckets(self, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]], cap_bytes: int,
                         solo: Sequence[nn.Parameter]) -> list[list[tuple[str, nn.Parameter]]] | None:
         if self.stage != 3:
             return None
-        self._plan = plan_units(module, named_params, self.policy, solo)
+        self._plan = plan_units(module, named_params, self.policy, solo, cap_bytes)
         return self._plan.bucket_groups()
 
     @hookimpl
@@ -102,6 +106,8 @@ class ZeroSharder:
     @hookimpl
     def on_setup_optimizer(self, optimizer: Optimizer) -> None:
         self.optimizers.shard(optimizer)
+        if self.in_backward is not None:
+            self.in_backward.set_optimizer(optimizer)
 
     @hookimpl
     def on_teardown(self, failed: bool) -> None:
@@ -130,7 +136,12 @@ class ZeroSharder:
             if shard.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr():
                 shard = shard.clone()
             entry.grad = shard
+            # (Every parameter got a gradient on this rank: each is one some rank used, so it is stepped after
+            # backward too; otherwise the ranks' agreement on which were used, at the end of backward, decides.)
+            whole = self.in_backward is not None and all(p.grad is not None for p in bucket.params)
             bucket.release()
+            if whole:
+                self.in_backward.step(bucket.index, entry)
         return completed_future(None)
 
     @hookimpl
@@ -142,15 +153,17 @@ class ZeroSharder:
 
     @hookimpl
     def on_after_backward(self, buckets: Sequence[Bucket]) -> None:
+        stepped = self.in_backward.stepped if self.in_backward is not None else set()
         for bucket, entry in zip(self.shards.buckets, self.shards.entries):
             grad, entry.grad = entry.grad, None
-            for piece in entry.pieces:
+            for piece in entry.pieces if bucket.index not in stepped else ():
                 # A parameter no rank used has no gradient, as in one process: its pieces are skipped too.
                 used = bucket.grad_used[piece.index]
                 piece.param.grad = grad[piece.at : piece.at + piece.param.numel()] if used else None
             if self.stage > 1:
                 for p in bucket.params:
                     p.grad = None  # the optimizer steps the pieces; the module's buckets were released
+        stepped.clear()
         # Stage 1: the engine left each used parameter's `.grad` viewing the bucket, which holds the whole mean.
         self._grads_published = self.stage == 1
         if self.units is not None:
@@ -202,6 +215,18 @@ class ZeroSharder:
     @hookimpl
     def on_after_optimizer_step(self, optimizer: Optimizer) -> None:
         self._publish()
+
+    @hookimpl
+    def on_step_start(self) -> None:
+        # Stages 2-3: the last step's gradient shards are freed before this step's forward. Lightning runs a step's
+        # forward before its `zero_grad`, which would free them: kept, they are held through the forward, S/N beside
+        # the units it gathers. Until then (`on_train_batch_end`, the next `on_train_batch_start`) they are there
+        # to read, as under DDP; a backward that synchronizes sets them anew. (Stage 1's pieces view the buckets,
+        # which hold the whole mean for the module's `.grad` until the next backward, as under DDP.)
+        if self.stage > 1 and self.shards is not None:
+            for entry in self.shards.entries:
+                for piece in entry.pieces:
+                    piece.param.grad = None
 
     def _publish(self) -> None:
         """Make the module's parameters hold the shards' values: all-gathered into the flat parameters (stages
@@ -307,11 +332,14 @@ class ZeroSharder:
 
     @hookimpl
     def on_collect_metrics(self) -> dict[str, float]:
-        if self.units is None:
-            return {}
-        peak, self.units.peak_gathered_bytes = self.units.peak_gathered_bytes, self.shards.gathered_bytes()
-        gathers, self.units.gathers = self.units.gathers, 0
-        return {"zero/gathered_peak_MB": peak / 1e6, "zero/unit_gathers": float(gathers)}
+        metrics = {}
+        if self.in_backward is not None:
+            metrics["zero/buckets_stepped_in_backward"], self.in_backward.count = float(self.in_backward.count), 0
+        if self.units is not None:
+            peak, self.units.peak_gathered_bytes = self.units.peak_gathered_bytes, self.shards.gathered_bytes()
+            gathers, self.units.gathers = self.units.gathers, 0
+            metrics.update({"zero/gathered_peak_MB": peak / 1e6, "zero/unit_gathers": float(gathers)})
+        return metrics
 
     # ------------------------------------------------------------------ for tests and benchmarks
 

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from ddp_plugin.gradients.engine import pack
 from ddp_plugin.hookspecs import local_tensor
 from ddp_plugin.parallel.module_classes import as_entries, class_names, containers, matches, unmatched
 
@@ -64,8 +65,9 @@ def check_auto_wrap_policy(policy: Any) -> int | tuple[type | str, ...]:
 @dataclass
 class UnitPlan:
     """The units' buckets of a model, in launch order (backward finishes the units registered last first; the root
-    unit, named ``""``, last of all), each with its unit's name and its parameters (a unit has two buckets where
-    it holds a ``solo`` parameter), and the names of the modules each unit is made of."""
+    unit, named ``""``, last of all), each with its unit's name and its parameters (a unit has several buckets
+    where it holds a ``solo`` parameter, or more bytes than a bucket's cap), and the names of the modules each
+    unit is made of."""
 
     order: list[tuple[str, list[tuple[str, nn.Parameter]]]]
     members: dict[str, list[str]]
@@ -77,10 +79,13 @@ class UnitPlan:
 
 
 def plan_units(module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]], policy: int | tuple,
-               solo: Sequence[nn.Parameter] = ()) -> UnitPlan:
+               solo: Sequence[nn.Parameter] = (), cap_bytes: int | None = None) -> UnitPlan:
     """Group ``named_params`` into units by ``policy`` (a parameter count, or module classes/names). Each
     parameter of ``solo`` (one several pipeline stages hold) gets a bucket of its own in its unit, ahead of the
-    unit's other parameters, so that its shards line up with its copies' on the other stages."""
+    unit's other parameters, so that its shards line up with its copies' on the other stages. A unit of more than
+    ``cap_bytes`` has its parameters packed into buckets of at most that, in the order backward produces their
+    gradients (a larger parameter alone): the first is reduced while backward still fills the next, so a rank
+    holds a bucket's gradients and the one being reduced, not two whole units' (it is gathered and freed whole)."""
     # A unit is one module, or several modules held by one container (named "a+b+..."), all of them called.
     groups = _unit_roots(module, policy)
     members = {"+".join(g): g for g in groups}
@@ -114,10 +119,18 @@ def plan_units(module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter
         params = params_of[u]
         own = [(name, p) for name, p in params if id(p) in alone]
         if own and len(own) < len(params):
-            entries += [(u, [named]) for named in own] + [(u, [(n, p) for n, p in params if id(p) not in alone])]
-        else:
-            entries.append((u, params))
+            entries += [(u, [named]) for named in own]
+            params = [(n, p) for n, p in params if id(p) not in alone]
+        entries += [(u, chunk) for chunk in _split(params, cap_bytes)]
     return UnitPlan(order=entries, members=members, modules=dict(module.named_modules()))
+
+
+def _split(params: list[tuple[str, nn.Parameter]], cap_bytes: int | None) -> list[list[tuple[str, nn.Parameter]]]:
+    """A unit's parameters (in registration order) as buckets of at most ``cap_bytes``, in launch order, each in
+    registration order; one bucket where they fit."""
+    if cap_bytes is None or sum(local_tensor(p).numel() * p.element_size() for _, p in params) <= cap_bytes:
+        return [params]
+    return [list(reversed(chunk)) for chunk in pack(list(reversed(params)), cap_bytes)]
 
 
 def _unit_roots(module: nn.Module, policy: int | tuple) -> list[list[str]]:

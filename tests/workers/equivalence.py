@@ -32,6 +32,7 @@ CONFIGS = {
     "accumulate": dict(optimizer="adamw", accumulate=2),
     "clip_and_schedule": dict(optimizer="sgd", clip=0.05, scheduler=True),
     "everything": dict(optimizer="adamw", accumulate=3, clip=0.05, scheduler=True),
+    "sgd_schedule": dict(optimizer="sgd", scheduler=True),
 }
 
 
@@ -109,7 +110,7 @@ def run(name: str, devices: int, devices_per_node: int | None, hierarchical: boo
         trainer_devices = devices
     else:
         strategy, trainer_devices = "auto", 1
-    recorder = ParameterHistory()
+    recorder, stepped = ParameterHistory(), SteppedInBackward()
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=trainer_devices,
@@ -119,7 +120,7 @@ def run(name: str, devices: int, devices_per_node: int | None, hierarchical: boo
         precision=precision,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=cfg.get("clip"),
-        callbacks=[recorder],
+        callbacks=[recorder, stepped],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -141,9 +142,22 @@ def run(name: str, devices: int, devices_per_node: int | None, hierarchical: boo
                 "hierarchical": trainer.strategy.uses_hierarchical_reducer if devices else False,
                 "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
                 "device": recorder.device,
+                "stepped_in_backward": stepped.total,
             },
             os.path.join(out, f"{name}-{devices}{tag}.pt"),
         )
+
+
+class SteppedInBackward(L.Callback):
+    """How many buckets ``optimizer_in_backward`` stepped in backward over the fit (None without it)."""
+
+    total: int | None = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        manager = getattr(trainer.strategy, "plugin_manager", None)
+        sharder = manager.get_plugin("zero_sharder") if manager is not None else None
+        in_backward = getattr(sharder, "in_backward", None)
+        self.total = in_backward.total if in_backward is not None else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,16 +169,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hierarchical", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--variants", default="0:global:auto",
-                        help="comma-separated zero_stage:shard_scope:hierarchical runs, one after the other in the"
-                        " same processes (hierarchical: auto, on or off)")
+                        help="comma-separated zero_stage:shard_scope:hierarchical[:inbw] runs, one after the other in the"
+                        " same processes (hierarchical: auto, on or off; inbw: optimizer_in_backward=True)")
     parser.add_argument("--wrap", default="Linear", help="stage 3 auto_wrap_policy: module class names, comma-separated")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--accelerator", default="cpu", help="cpu, or gpu for the CUDA/NCCL tests")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     for variant in args.variants.split(","):
-        stage, scope, hier = variant.split(":")
-        zero = {"zero_stage": int(stage), "shard_scope": scope}
+        stage, scope, hier, *more = variant.split(":")  # (more: "inbw", optimizer_in_backward)
+        zero = {"zero_stage": int(stage), "shard_scope": scope, "optimizer_in_backward": "inbw" in more}
         if int(stage) == 3:
             zero["auto_wrap_policy"] = args.wrap.split(",")
         # A variant's own hierarchical setting wins over --hierarchical; the default variant keeps the plain

@@ -53,6 +53,8 @@ SETTINGS: dict[str, dict] = {
     "zero2": dict(hierarchical=True, zero_stage=2),
     "zero3": dict(hierarchical=True, zero_stage=3, auto_wrap_policy=[torch.nn.Linear]),
     "zero3_prefetch1": dict(hierarchical=True, zero_stage=3, auto_wrap_policy=[torch.nn.Linear], prefetch_units=1),
+    "zero3_in_backward": dict(hierarchical=True, zero_stage=3, auto_wrap_policy=[torch.nn.Linear],
+                              optimizer_in_backward=True),
 }
 
 

@@ -5,6 +5,7 @@
     python tests/workers/zero_run.py --mode optimizer --optimizer lars [--allow]  # an SGD subclass, not elementwise
     python tests/workers/zero_run.py --mode modulelist --out DIR --devices 2 --variants 1:default,3:Block
     python tests/workers/zero_run.py --mode modulelist --out DIR --devices 0  # single-process reference
+    python tests/workers/zero_run.py --mode in_backward --refuse clip|manual  # optimizer_in_backward refuses it
 """
 
 from __future__ import annotations
@@ -34,15 +35,18 @@ OPTIMIZERS = {  # name -> (optimizer, its options)
 
 
 class MemoryAfterStep(L.Callback):
-    """After every optimizer step, before the next zero_grad (parameters, gradients and state all live): the
-    strategy's ``memory_bytes()``, and at stage 3 the largest unit and the peak of gathered bytes."""
+    """Right before every optimizer step but the first (parameters, gradients and state all live; stages 2-3 free
+    the gradient shards once the step applied them): the strategy's ``memory_bytes()``, and at stage 3 the
+    largest unit and the peak of gathered bytes."""
 
     def __init__(self) -> None:
         self.memory: dict[str, int] = {}
         self.largest_unit = 0
         self.peak_gathered = 0
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 0:
+            return  # (the optimizer's state is made by the first step)
         self.memory = trainer.strategy.memory_bytes()
         sharder = trainer.strategy.plugin_manager.get_plugin("zero_sharder")
         if sharder is not None and sharder.stage == 3:
@@ -158,9 +162,33 @@ def fit_gpt(devices: int, stage: int, policy: str, out: str) -> None:
                    os.path.join(out, f"gpt-{stage}-{policy}.pt"))
 
 
+class ManualStep(TinyModule):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        loss = self(batch[0]).pow(2).mean()
+        self.manual_backward(loss)
+        self.optimizers().step()
+        self.optimizers().zero_grad()
+
+
+def fit_refused(what: str) -> None:
+    """A fit that ``optimizer_in_backward=True`` must refuse at setup, before the first step."""
+    cls = ManualStep if what == "manual" else TinyModule
+    model = cls(nn.Linear(8, 8), loss="mean_square", optimizer="adamw", lr=1e-3)
+    strategy = HierarchicalZeroStrategy(zero_stage=3, optimizer_in_backward=True)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        gradient_clip_val=1.0 if what == "clip" else None)
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(16, 8)), batch_size=4))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["memory", "optimizer", "modulelist"], required=True)
+    parser.add_argument("--mode", choices=["memory", "optimizer", "modulelist", "in_backward"], required=True)
+    parser.add_argument("--refuse", choices=["clip", "manual"], default="clip")
     parser.add_argument("--out", default=None)
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--allow", action="store_true", help="declare the optimizer elementwise (allow_optimizer)")
@@ -173,6 +201,9 @@ def main() -> None:
         if args.allow:
             allow_optimizer(LARS)
         fit(2 if args.optimizer == "lars" else 1, args.optimizer, devices=2)
+        return
+    if args.mode == "in_backward":
+        fit_refused(args.refuse)
         return
     if args.mode == "modulelist":
         for variant in args.variants.split(","):
