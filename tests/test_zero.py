@@ -305,3 +305,14 @@ def test_optimizer_in_backward_refuses_a_loss_scaler_naming_the_precisions_that_
     with pytest.raises(ValueError, match=r"cannot go with a loss scaler \(`precision='16-mixed'`\).*'bf16-mixed'"):
         check_trainer(None, True, loss_scaler=True)
     check_trainer(None, True, loss_scaler=False)  # what the strategy passes for 32-true and bf16-mixed
+
+
+def test_a_checkpoint_saved_with_optimizer_in_backward_resumes_with_it_or_without_it(tmp_path):
+    # Lightning's default callbacks and logger on (ModelCheckpoint saved it); stage 3, AdamW with weight decay, a
+    # scheduler: the optimizer state made in backward is the one the step after backward would have made.
+    run_python(WORKERS / "zero_run.py", "--mode", "in_backward_resume", "--out", tmp_path, timeout=600)
+    digests = json.loads((tmp_path / "digests.json").read_text())
+    assert digests["resumed"] == digests["plain"] == digests["resumed_plain"]
+    assert digests["first"] != digests["plain"]
+    assert digests["plain:batches"] == 6 and digests["first:batches"] == 3
+    assert digests["resumed:batches"] == digests["resumed_plain:batches"] == 3  # (from the checkpoint's step 3)

@@ -6,11 +6,13 @@
     python tests/workers/zero_run.py --mode modulelist --out DIR --devices 2 --variants 1:default,3:Block
     python tests/workers/zero_run.py --mode modulelist --out DIR --devices 0  # single-process reference
     python tests/workers/zero_run.py --mode in_backward --refuse clip|manual  # optimizer_in_backward refuses it
+    python tests/workers/zero_run.py --mode in_backward_resume --out DIR  # its checkpoint resumes, with or without it
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 
@@ -185,9 +187,53 @@ def fit_refused(what: str) -> None:
     trainer.fit(model, DataLoader(TensorDataset(torch.randn(16, 8)), batch_size=4))
 
 
+def resume_in_backward(out: str) -> None:
+    """Stage 3, AdamW and a scheduler, Lightning's default callbacks and logger: 6 steps without the flag; 3
+    with it, a checkpoint saved by Lightning's ModelCheckpoint; resumed to 6 with it, and without it."""
+    digests = {}
+
+    def fit(name: str, in_backward: bool, epochs: int, ckpt_path: str | None = None) -> L.Trainer:
+        L.seed_everything(0, verbose=False)
+        model = TinyModule(nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)]), loss="mean_square",
+                           optimizer="adamw", lr=1e-2, weight_decay=0.1)
+        model.configure_optimizers = lambda: _with_scheduler(model)
+        strategy = HierarchicalZeroStrategy(zero_stage=3, auto_wrap_policy=[nn.Linear],
+                                            optimizer_in_backward=in_backward)
+        batches = BatchCount()
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs,
+                            default_root_dir=os.path.join(out, name), callbacks=[batches])
+        trainer.fit(model, DataLoader(TensorDataset(torch.randn(24, 16, generator=torch.Generator().manual_seed(1))),
+                                      batch_size=4), ckpt_path=ckpt_path)
+        digests[name] = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+        digests[name + ":batches"] = batches.count
+        return trainer
+
+    fit("plain", False, 2)
+    first = fit("first", True, 1)
+    ckpt = first.checkpoint_callback.best_model_path
+    fit("resumed", True, 2, ckpt)
+    last = fit("resumed_plain", False, 2, ckpt)
+    if last.is_global_zero:
+        with open(os.path.join(out, "digests.json"), "w") as f:
+            json.dump(digests, f)
+
+
+class BatchCount(L.Callback):
+    count = 0
+
+    def on_train_batch_end(self, *args) -> None:
+        self.count += 1
+
+
+def _with_scheduler(model: TinyModule):
+    optimizer = TinyModule.configure_optimizers(model)
+    return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["memory", "optimizer", "modulelist", "in_backward"], required=True)
+    parser.add_argument("--mode", choices=["memory", "optimizer", "modulelist", "in_backward", "in_backward_resume"],
+                        required=True)
     parser.add_argument("--refuse", choices=["clip", "manual"], default="clip")
     parser.add_argument("--out", default=None)
     parser.add_argument("--optimizer", default="adamw")
@@ -204,6 +250,9 @@ def main() -> None:
         return
     if args.mode == "in_backward":
         fit_refused(args.refuse)
+        return
+    if args.mode == "in_backward_resume":
+        resume_in_backward(args.out)
         return
     if args.mode == "modulelist":
         for variant in args.variants.split(","):
