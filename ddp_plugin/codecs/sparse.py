@@ -164,7 +164,7 @@ class SparseCodec(Codec):
 
     def bytes_sent(self, numel: int, n: int) -> int:
         """What one rank sends for a tensor of ``numel`` elements over ``n`` ranks (the module docstring's formulas,
-        as the communicator counts them)."""
+        as the communicator counts them) once the ``warmup_syncs`` (int8's bytes) are done."""
         if n == 1:
             return 0
         if self.aggregation_for(numel, n) == "reduce_scatter":
