@@ -366,6 +366,30 @@ def test_sparse_decay_zero_forgets_the_residual_and_one_keeps_it(ranks):
         assert torch.equal(both[1], alone[0]) is same
 
 
+def test_sparse_warmup_syncs_codes_the_first_codings_in_int8_then_sparse_from_an_empty_residual(ranks):
+    # The first 2 codings are int8's without error feedback, bit for bit; the third is the sparse coding a fresh
+    # codec gives that step's values alone (nothing was owed); every rank holds the same bits at every step.
+    data = inputs(3, 512, seed=15)
+    sparse = {"density": 0.05, "chunk": 128, "bits": 2, "decay": 0.95}
+    results = ranks.run(reduce_steps, "sparse", {**sparse, "warmup_syncs": 2}, [(512,)], data)
+    outs, state = results[0][0], results[0][1]
+    assert all(torch.equal(r[0], outs) for r in results[1:])
+    dense = ranks.run(reduce_steps, "int8", {"error_feedback": False}, [(512,)], data[:, :2])[0][0]
+    assert torch.equal(outs[:2], dense)
+    alone = ranks.run(reduce_steps, "sparse", sparse, [(512,)], data[:, 2:])[0][0]
+    assert torch.equal(outs[2], alone[0])
+    assert (outs[2] != 0).sum() < 512 // 4 and state["codings"] == 3
+
+
+def test_sparse_warmup_syncs_count_survives_a_checkpoint(ranks):
+    # Saved after 4 codings of a warmup of 4: the resumed codec's fifth coding is sparse, as the uninterrupted one's.
+    options = {"density": 0.05, "chunk": 128, "bits": 4, "warmup_syncs": 4}
+    results = ranks.run(resume_step, "sparse", options, [(512,)], inputs(5, 512, seed=16))
+    for (uninterrupted, resumed), saved in results:
+        assert torch.equal(uninterrupted, resumed) and (resumed != 0).sum() < 512 // 4
+        assert saved["shared"]["codec/sparse"][0]["codings"] == 4
+
+
 # ---------------------------------------------------------------------- sparse, reduce-scatter aggregation
 
 
@@ -722,6 +746,8 @@ def test_resume_without_this_ranks_state_keeps_only_shared_state():
         ("sparse", {"aggregation": "ring"}, (r"`compression_options\['aggregation'\]='ring'` is not valid for"
                                              r" `compression='sparse'`; allowed values: 'all_gather', 'reduce_scatter',"
                                              r" 'auto'")),
+        ("sparse", {"warmup_syncs": -1}, r"compression_options\['warmup_syncs'\]=-1`.*'sparse'.*an integer >= 0"),
+        ("sparse", {"warmup_syncs": 2.0}, r"compression_options\['warmup_syncs'\]=2.0`.*an integer >= 0"),
         ("sparse", {"aggregation": None}, r"compression_options\['aggregation'\]=None`.*'all_gather', 'reduce_scatter'"),
         ("fp16", {"rank": 4}, r"compression_options\['rank'\]` is not an option of `compression='fp16'`;"
                               r" accepted options: none"),

@@ -64,7 +64,7 @@ def test_every_codec_run_keeps_parameters_identical_on_all_ranks_over_several_bu
 
 @pytest.mark.parametrize(
     ("name", "keys"),
-    [("int8", ["chunk_residual", "numel", "residual"]), ("topk", ["numel", "residual"]), ("sparse", ["numel", "residual"]),
+    [("int8", ["chunk_residual", "numel", "residual"]), ("topk", ["numel", "residual"]), ("sparse", ["codings", "numel", "residual"]),
      ("powersgd", ["iteration", "numel", "q", "residual"]), ("onebit", [])],
 )
 def test_codec_state_of_every_rank_is_in_the_checkpoint(c3, name, keys):

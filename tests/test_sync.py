@@ -138,6 +138,8 @@ SPARSELOCO = {"sync_every": 4, "outer_optimizer": "average", "compression": "spa
 """SparseLoCo's recipe (the decayed error feedback standing in for the outer momentum), chunks small enough for
 the tiny model to have several; and the same streamed, 2 fragments a step late."""
 SPARSELOCO_STREAMING = {**SPARSELOCO, "sync_fragments": 2, "max_staleness": 1}
+SPARSELOCO_WARMUP = {**SPARSELOCO, "compression_options": {**SPARSELOCO["compression_options"], "warmup_syncs": 1}}
+"""With the first sync dense in int8 (``warmup_syncs``), then sparse."""
 SPARSELOCO_4_NODES = {**SPARSELOCO, "devices_per_node": 1}
 SPARSELOCO_SCATTERED = {**SPARSELOCO_4_NODES,
                         "compression_options": {**SPARSELOCO["compression_options"], "aggregation": "reduce_scatter"}}
@@ -175,6 +177,7 @@ def runs(tmp_path_factory) -> dict:
     todo["one"] = run_args(d, "one", {"sync_every": 1, "outer_optimizer": "average"})
     todo["sparseloco"] = run_args(d, "sparseloco", SPARSELOCO)
     todo["sparseloco_streaming"] = run_args(d, "sparseloco_streaming", SPARSELOCO_STREAMING)
+    todo["sparseloco_warmup"] = run_args(d, "sparseloco_warmup", SPARSELOCO_WARMUP)
     todo["sparseloco_4_nodes"] = run_args(d, "sparseloco_4_nodes", SPARSELOCO_4_NODES)
     todo["sparseloco_scattered"] = run_args(d, "sparseloco_scattered", SPARSELOCO_SCATTERED)
     todo["sparseloco_scattered_streaming"] = run_args(d, "sparseloco_scattered_streaming",
@@ -273,6 +276,21 @@ def test_sparseloco_leaves_every_rank_with_the_same_bits_after_each_sync_and_sen
             assert all(torch.equal(history[:, r], history[:, first]) for r in range(first + 1, first + RANKS_PER_NODE)), name
     coded, plain = runs["sparseloco"]["cross_node_MB"][-1].sum(), runs["local_sgd"]["cross_node_MB"][-1].sum()
     assert 0 < coded < plain / 2, (coded, plain)
+
+
+def test_sparseloco_warmup_syncs_leave_every_rank_with_the_same_bits_after_each_sync(runs):
+    """``warmup_syncs=1``: the first sync crosses in int8, the later ones sparse; every rank holds the same bits right
+    after each (the nodes drift apart in between). The int8 sync sends more than a sparse one, far less than fp32;
+    the run differs from the one without warmup."""
+    warm, cold = runs["sparseloco_warmup"], runs["sparseloco"]
+    got = warm["history"]
+    assert torch.isfinite(got).all()
+    for t in (4, 8, 12):
+        assert all(torch.equal(got[t - 1, r], got[t - 1, 0]) for r in range(WORLD)), t
+    assert not torch.equal(got[2, 0], got[2, RANKS_PER_NODE])
+    assert not torch.equal(got[-1], cold["history"][-1])
+    sent, sparse, plain = (r["cross_node_MB"][-1].sum() for r in (warm, cold, runs["local_sgd"]))
+    assert sparse < sent < plain / 2, (sparse, sent, plain)
 
 
 def bucket_order_fragment(history: torch.Tensor, fragment: int, fragments: int) -> torch.Tensor:

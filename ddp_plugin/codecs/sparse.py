@@ -34,6 +34,13 @@ that it too is only delayed; where the range changes (the group's size or this r
 of a fault-tolerant group come and go, or ``"auto"`` taking the all-gather) it is added, times n, to this rank's
 own values of that range on the next step, and so reaches the mean then. Without error feedback the second
 coding's remainder is dropped, as the first's is.
+
+``warmup_syncs`` (0 by default): the first ``warmup_syncs`` codings of each bucket (with a sync mode: the first
+syncs of each fragment) are not sparse but dense, block-wise int8 as ``compression="int8"`` codes them (its
+all-to-all and all-gather, blocks of 1024, without error feedback: every rank the same bits), and the sparse
+coding starts after them with an empty residual. It is for the start of training from a large initialization,
+when the pseudo-gradients are large and dense and a few percent of each chunk carries too little of them
+(docs/sync.md). The count is shared state (``codings``, the same on every rank), saved in checkpoints.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from typing import Any, ClassVar
 import torch
 
 from ddp_plugin.codecs.base import BucketState, Codec
-from ddp_plugin.codecs.int8 import finite_or_zero
+from ddp_plugin.codecs.int8 import Int8Codec, Int8State, finite_or_zero
 from ddp_plugin.runtime.checks import check_bool, check_int, check_number, invalid
 from ddp_plugin.runtime.comm import group_rank
 from ddp_plugin.hookspecs import completed_future
@@ -60,8 +67,10 @@ AGGREGATIONS = ("all_gather", "reduce_scatter", "auto")
 class SparseState(BucketState):
     """``residual``: the first coding's (this rank's values, padded to whole chunks); with the reduce-scatter,
     ``owner_residual``: the second coding's, of the range this rank owned (``ceil(C / n)`` chunks, the last one
-    zeros where the range is shorter), made as rank ``owner_rank`` of a group of ``owner_size``."""
+    zeros where the range is shorter), made as rank ``owner_rank`` of a group of ``owner_size``. ``codings``: how
+    many times the bucket was coded (the same on every rank: it decides where ``warmup_syncs`` ends)."""
 
+    shared = ("codings",)
     per_rank = ("residual", "owner_residual", "owner_rank", "owner_size")
 
 
@@ -76,7 +85,8 @@ class SparseCodec(Codec):
     Options: ``density`` (0.015: the share of each chunk kept, in (0, 1]), ``bits`` (2, 4 or 8), ``chunk``
     (4096: elements a chunk, 2 to 65536), ``decay`` (1.0: the residuals' factor each step, in [0, 1]; SparseLoCo
     uses 0.95, the accumulator then standing in for the outer momentum), ``error_feedback`` (True),
-    ``aggregation`` (``"all_gather"``, ``"reduce_scatter"`` or ``"auto"``: how the ranks' payloads are combined).
+    ``aggregation`` (``"all_gather"``, ``"reduce_scatter"`` or ``"auto"``: how the ranks' payloads are combined),
+    ``warmup_syncs`` (0: the first codings of each bucket sent dense in int8 instead, see the module docstring).
 
     The default aggregation stays the all-gather, which every rank's entries reach as they were coded: the
     reduce-scatter codes the mean a second time (its remainder waits in the owner's residual), which changes the
@@ -86,7 +96,8 @@ class SparseCodec(Codec):
 
     name = "sparse"
     defaults: ClassVar[dict[str, Any]] = {"density": 0.015, "bits": 2, "chunk": 4096, "decay": 1.0,
-                                          "error_feedback": True, "aggregation": "all_gather"}
+                                          "error_feedback": True, "aggregation": "all_gather",
+                                          "warmup_syncs": 0}
     State = SparseState
 
     def __init__(self, **options: Any) -> None:
@@ -97,6 +108,8 @@ class SparseCodec(Codec):
         self.decay = float(self.options["decay"])
         self.error_feedback = bool(self.options["error_feedback"])
         self.aggregation = str(self.options["aggregation"])
+        self.warmup_syncs = int(self.options["warmup_syncs"])
+        self._dense = Int8Codec(error_feedback=False)  # (the warmup's coding: stateless, the same bits everywhere)
         self._slot_rows: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
     @classmethod
@@ -109,6 +122,8 @@ class SparseCodec(Codec):
                   expected="an integer from 2 to 65536", context=cls.context())
         check_number("compression_options['decay']", options["decay"], minimum=0, maximum=1,
                      strict=False, expected="a number in [0, 1]", context=cls.context())
+        check_int("compression_options['warmup_syncs']", options["warmup_syncs"], minimum=0,
+                  expected="an integer >= 0", context=cls.context())
         check_bool("compression_options['error_feedback']", options["error_feedback"], context=cls.context())
         if not isinstance(options["aggregation"], str) or options["aggregation"] not in AGGREGATIONS:
             raise invalid("compression_options['aggregation']", options["aggregation"],
@@ -149,7 +164,7 @@ class SparseCodec(Codec):
 
     def bytes_sent(self, numel: int, n: int) -> int:
         """What one rank sends for a tensor of ``numel`` elements over ``n`` ranks (the module docstring's formulas,
-        as the communicator counts them)."""
+        as the communicator counts them) once the ``warmup_syncs`` (int8's bytes) are done."""
         if n == 1:
             return 0
         if self.aggregation_for(numel, n) == "reduce_scatter":
@@ -163,6 +178,11 @@ class SparseCodec(Codec):
         return [(r * chunks // n, (r + 1) * chunks // n) for r in range(n)]
 
     def reduce(self, tensor, group, n, bucket, offset, state):
+        done = state.codings or 0
+        state.codings = done + 1
+        if done < self.warmup_syncs:  # dense, in int8: the residuals stay as they are (empty, at the start)
+            self._dense.comm = self.comm
+            return self._dense.reduce(tensor, group, n, bucket, offset, Int8State(tensor.numel()))
         numel = tensor.numel()
         c, chunks, k = self.layout(numel)
         padded = chunks * c
