@@ -110,17 +110,6 @@ def _hwm_bytes() -> int:
         return int(re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
 
 
-def _malloc_trim() -> bool:
-    """Return the C heap's free pages to the OS (glibc's ``malloc_trim(0)``); False where there is none."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        return True
-    except (OSError, AttributeError):
-        return False
-
-
 def _reset_hwm() -> bool:
     """Reset ``VmHWM`` to the RSS now (Linux 4.0+); False where not allowed."""
     try:
@@ -144,6 +133,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import ddp_plugin  # noqa: F401  (registers the strategy names; part of the baseline)
+    from ddp_plugin.runtime import cpu_memory
     from ddp_plugin.testing.memory import PeakRSS, rss_bytes
 
     torch.set_num_threads(1)
@@ -208,7 +198,7 @@ def worker(args: argparse.Namespace) -> None:
             # What of the peak is memory freed into the C heap but not returned to the OS: the RSS once glibc
             # hands every free page back (training ends with this batch, so nothing measured follows it).
             gc.collect()
-            if _malloc_trim():
+            if cpu_memory.trim():
                 out["after_trim"] = rss_bytes()
 
     L.seed_everything(0, verbose=False)

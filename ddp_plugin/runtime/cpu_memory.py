@@ -25,28 +25,31 @@ M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
 THRESHOLD_BYTES = 1 << 20
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """glibc, or ``None`` off Linux/glibc."""
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def release_freed_buffers(threshold_bytes: int = THRESHOLD_BYTES) -> bool:
     """Fix glibc's mmap threshold at ``threshold_bytes``; False (and nothing done) off Linux/glibc."""
-    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)))
-    except (OSError, AttributeError):
-        return False
+    libc = _glibc()
+    return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)))
 
 
 def trim() -> bool:
     """Return the C heap's free pages to the OS (glibc's ``malloc_trim(0)``, every arena); False off Linux/glibc.
     For after a phase that freed much of what it allocated below the threshold (a model's setup): the pages
     would otherwise stay resident, holes the next allocations may never fill."""
-    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return False
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        return True
-    except (OSError, AttributeError):
-        return False
+    libc.malloc_trim(0)
+    return True
 
 
 def available_bytes() -> int | None:
