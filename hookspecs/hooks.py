@@ -313,6 +313,19 @@ def on_pre_optimizer_step(optimizer: Optimizer) -> None:
     """
 
 
+@hookspec
+def on_before_optimizer_update(optimizer: Optimizer) -> None:
+    """Called right before the optimizer's update: after the closure, Lightning's ``on_before_optimizer_step``
+    hooks and gradient clipping (and a loss scaler's ``unscale_``). Collective.
+
+    A plugin may apply the update itself here, e.g. bucket by bucket (the ZeRO sharder does with ``offload``),
+    and drop the gradients it applied (``.grad = None``), so that the optimizer's own ``step`` skips them.
+
+    :param optimizer: the user's optimizer.
+    :returns: nothing.
+    """
+
+
 @hookspec(firstresult=True)
 def on_clip_grad_norm(optimizer: Optimizer, max_norm: float) -> Tensor | None:
     """Clip the gradients ``optimizer`` is about to apply so that their global 2-norm is at most ``max_norm``.

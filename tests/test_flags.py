@@ -10,6 +10,7 @@ import pytest
 from torch import nn
 
 import ddp_plugin
+from ddp_plugin.zero.offload import OFFLOADS
 from ddp_plugin import HierarchicalZeroStrategy
 
 
@@ -136,7 +137,7 @@ def test_non_finite_negative_absurd_or_boolean_numbers_fail_at_construction_nami
 
 
 @pytest.mark.parametrize("flag", ["broadcast_buffers", "progress_bar_metrics", "skip_nonfinite",
-                                  "optimizer_in_backward"])
+                                  "optimizer_in_backward", "offload_params"])
 @pytest.mark.parametrize("value", ["no", "False", 0, 1, 1.0, None])
 def test_bool_flags_accept_only_bools(flag, value):
     with pytest.raises(ValueError, match=rf"`{flag}={value!r}` must be a bool; allowed values: True, False"):
@@ -363,7 +364,8 @@ def test_the_signatures_literal_choices_are_the_configs():
     assert choices == {"shard_scope": config.SHARD_SCOPES, "checkpoint": config.CHECKPOINT_MODES,
                        "weighting": config.WEIGHTINGS, "start_method": config.START_METHODS,
                        "tensor_parallel_size": ("auto",), "pipeline_schedule": config.PIPELINE_SCHEDULES,
-                       "pipeline_activations": tuple(ACTIVATION_DTYPES)}
+                       "pipeline_activations": tuple(ACTIVATION_DTYPES),
+                       "offload": tuple(v for v in OFFLOADS if v is not None)}
 
 
 @pytest.mark.parametrize(("kwargs", "pattern"), [
@@ -388,3 +390,34 @@ def test_optimizer_in_backward_is_accepted_at_stages_2_and_3():
     for stage in (2, 3):
         assert HierarchicalZeroStrategy(zero_stage=stage, optimizer_in_backward=True).optimizer_in_backward is True
     assert HierarchicalZeroStrategy().optimizer_in_backward is False
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), [
+    ({"offload": "disk", "zero_stage": 0, "offload_dir": "/tmp"}, r"`offload='disk'` keeps each rank's shard of the"
+     r" optimizer state out of memory, which cannot go with `zero_stage=0`: it needs `zero_stage` 1, 2 or 3"),
+    ({"offload": "cpu", "zero_stage": 2, "sync_every": 4}, r"cannot go with `sync_every=4`"),
+    ({"offload": "cpu", "zero_stage": 3, "tensor_parallel_size": 2}, r"cannot go with `tensor_parallel_size=2`"),
+    ({"offload": "cpu", "zero_stage": 3, "pipeline_parallel_size": 2}, r"cannot go with `pipeline_parallel_size=2`"),
+    ({"offload": "cpu", "zero_stage": 3, "skip_nonfinite": True}, r"cannot go with `skip_nonfinite=True`"),
+    ({"offload": "cpu", "zero_stage": 2, "shard_scope": "node", "fault_tolerance": {
+        "replica_group": 0, "replica_groups": 2, "lighthouse": "http://localhost:29510"}}, r"cannot go with `fault_tolerance`"),
+    ({"offload": "disk", "zero_stage": 3}, r"`offload='disk'` needs `offload_dir`"),
+    ({"offload": "cpu", "zero_stage": 3, "offload_dir": "/tmp"}, r"`offload_dir` is for `offload='disk'`"),
+    ({"zero_stage": 3, "offload_dir": "/tmp"}, r"`offload_dir` is for `offload='disk'`, and `offload` is None"),
+    ({"zero_stage": 3, "offload_params": True}, r"`offload_params=True` is for `offload='disk'`"),
+    ({"offload": "disk", "zero_stage": 2, "offload_dir": "/tmp", "offload_params": True},
+     r"`offload_params=True` puts stage 3's parameter shards on disk: it needs `offload='disk'` and `zero_stage=3`"),
+    ({"offload": "nvme", "zero_stage": 3}, r"`offload='nvme'` is not supported; allowed values: None, 'cpu', 'disk'"),
+    ({"offload": "disk", "zero_stage": 3, "offload_dir": 3}, r"`offload_dir=3`: expected a directory path"),
+])
+def test_offload_refuses_at_construction_what_it_cannot_go_with_naming_the_flags(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        HierarchicalZeroStrategy(**kwargs)
+
+
+def test_offload_flags_are_accepted_and_read_back(tmp_path):
+    s = HierarchicalZeroStrategy(zero_stage=3, offload="disk", offload_dir=tmp_path, offload_params=True)
+    assert (s.offload, s.offload_dir, s.offload_params) == ("disk", str(tmp_path), True)
+    for stage in (1, 2, 3):
+        assert HierarchicalZeroStrategy(zero_stage=stage, offload="cpu").offload == "cpu"
+    assert HierarchicalZeroStrategy().offload is None

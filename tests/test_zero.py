@@ -262,12 +262,13 @@ def test_a_wrap_policy_name_that_matches_a_container_fails_at_setup():
 
 INBW_CONFIGS = ["plain", "accumulate", "sgd_schedule"]  # (clipping cannot go with it: refused, tested below)
 INBW_VARIANTS = ["2:global:on", "3:global:off", "3:node:on"]
+INBW_DISK = "3:node:on:inbw:disk"  # with offload="disk" too: the same bits
 
 
 @pytest.fixture(scope="module")
 def inbw_results(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("inbw")
-    variants = [v + suffix for v in INBW_VARIANTS for suffix in ("", ":inbw")]
+    variants = [v + suffix for v in INBW_VARIANTS for suffix in ("", ":inbw")] + [INBW_DISK]
     run_python(WORKERS / "equivalence.py", "--out", d, "--devices", "4", "--devices-per-node", "2", "--configs",
                ",".join(INBW_CONFIGS), "--variants", ",".join(variants), timeout=600)
     return {(v, c): torch.load(d / f"{c}-4-{v.replace(':', '-')}.pt") for v in variants for c in INBW_CONFIGS}
@@ -287,6 +288,17 @@ def test_optimizer_in_backward_trains_the_same_bits_as_the_step_after_backward(i
     assert during["stepped_in_backward"] >= 20 * 3, during["stepped_in_backward"]
     used = during["branch_used"].bool().any(dim=0)
     assert not used.all(), "the data must leave the branch unused on some steps"
+
+
+@pytest.mark.parametrize("config", INBW_CONFIGS)
+def test_optimizer_in_backward_with_disk_offload_trains_the_same_bits(inbw_results, config):
+    after, during = inbw_results[("3:node:on", config)], inbw_results[(INBW_DISK, config)]
+    assert torch.equal(during["history"], after["history"])
+    assert during["max_rank_diff"] == 0.0
+    assert during["stepped_in_backward"] >= 20 * 3, during["stepped_in_backward"]
+    inside, total = during["state_in_files"]
+    assert inside == total > 0  # every piece's state entry lies in a mapped offload file
+    assert during["offload_files"] == []  # unlinked once mapped: nothing is left behind
 
 
 @pytest.mark.parametrize(("refuse", "pattern"), [
@@ -316,3 +328,38 @@ def test_a_checkpoint_saved_with_optimizer_in_backward_resumes_with_it_or_withou
     assert digests["first"] != digests["plain"]
     assert digests["plain:batches"] == 6 and digests["first:batches"] == 3
     assert digests["resumed:batches"] == digests["resumed_plain:batches"] == 3  # (from the checkpoint's step 3)
+
+
+# ---------------------------------------------------------------------------------------------- offload
+
+OFFLOAD_CONFIGS = ["accumulate", "clip_and_schedule"]  # AdamW, accumulation; SGD, clipping, a scheduler
+OFFLOAD_PAIRS = {  # offloaded variant -> the same run without offload
+    "2:global:on:disk": "2:global:on",
+    "3:global:off:disk:params": "3:global:off",
+    "3:global:off:cpu": "3:global:off",
+}
+
+
+@pytest.fixture(scope="module")
+def offload_results(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("offload")
+    variants = sorted({*OFFLOAD_PAIRS, *OFFLOAD_PAIRS.values()})
+    run_python(WORKERS / "equivalence.py", "--out", d, "--devices", "4", "--devices-per-node", "2", "--configs",
+               ",".join(OFFLOAD_CONFIGS), "--variants", ",".join(variants), timeout=600)
+    return {(v, c): torch.load(d / f"{c}-4-{v.replace(':', '-')}.pt") for v in variants for c in OFFLOAD_CONFIGS}
+
+
+@pytest.mark.parametrize("config", OFFLOAD_CONFIGS)
+@pytest.mark.parametrize("variant", list(OFFLOAD_PAIRS))
+def test_offload_trains_the_same_bits_as_without_it(offload_results, variant, config):
+    # The update bucket by bucket, after Lightning's clipping (Trainer(gradient_clip_val=...)) and with the
+    # scheduler's learning rate of each step; the optimizer's own step finds nothing left to do.
+    plain, offloaded = offload_results[(OFFLOAD_PAIRS[variant], config)], offload_results[(variant, config)]
+    assert torch.equal(offloaded["history"], plain["history"])
+    assert offloaded["max_rank_diff"] == 0.0
+    assert plain["offload_stepped"] is None
+    assert offloaded["offload_stepped"] >= 20 * 3, offloaded["offload_stepped"]  # every bucket, every step
+    if ":disk" in variant:
+        inside, total = offloaded["state_in_files"]
+        assert inside == total > 0, (inside, total)  # the state (and with params, stage 3's shards) in the files
+        assert offloaded["offload_files"] == []

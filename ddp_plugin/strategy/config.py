@@ -77,6 +77,9 @@ class StrategyConfig:
     auto_wrap_policy: int | tuple[type | str, ...] = 1_000_000
     prefetch_units: int = 2
     optimizer_in_backward: bool = False
+    offload: str | None = None
+    offload_dir: str | None = None
+    offload_params: bool = False
     gradient_clip_norm: float | None = None
     checkpoint: str = "master"
     release_cpu_memory: bool | None = None
@@ -198,6 +201,18 @@ FLAGS: dict[str, FlagDoc] = {
         more="Its gradient is freed there, so a rank never holds all of its gradient shards; the same update, element"
              " by element. Not with clipping, `skip_nonfinite`, a loss scaler, manual optimization, sync modes, fault"
              " tolerance, tensor or pipeline parallelism."),
+    "offload": FlagDoc(
+        what="stages 1-3: keep the optimizer state in host memory or in files, stepped bucket by bucket"
+             " ([docs](docs/zero.md#offload))",
+        allowed=_code(None, "cpu", "disk"), row="offload",
+        more="`\"disk\"`: each bucket's state in a mapped file in `offload_dir`, read ahead of its step and written"
+             " back behind it; `\"cpu\"`: in pinned host memory, copied to the device for its step (on a CPU-only"
+             " run the state is in host memory already)."),
+    "offload_dir": FlagDoc(
+        what="its directory", allowed="a path (with `\"disk\"`)", row="offload",
+        more="Each rank's files are unlinked as soon as they are mapped: nothing is left behind."),
+    "offload_params": FlagDoc(
+        what="stage 3: the parameter shards on disk too", allowed=_code(False, True), row="offload"),
     "gradient_clip_norm": FlagDoc(
         what="clip to this global 2-norm before every step, across shards at stages 1-3"
              " (`Trainer(gradient_clip_val=...)` works too)",
@@ -405,6 +420,8 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
     from ddp_plugin.strategy.plugin_manager import check_plugins
     from ddp_plugin.parallel.activation_checkpointing import check_policy as check_activation_checkpointing_policy
     from ddp_plugin.zero.backward_step import check_flags as check_optimizer_in_backward
+    from ddp_plugin.zero.offload import OFFLOADS, check_directory as check_offload_dir
+    from ddp_plugin.zero.offload import check_flags as check_offload
     from ddp_plugin.zero.units import check_auto_wrap_policy
     from ddp_plugin.parallel.stages import check_split as check_pipeline_split
     from ddp_plugin.checkpoints.pretrained import check_pretrained
@@ -417,6 +434,9 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
         "auto_wrap_policy": check_auto_wrap_policy,
         "prefetch_units": lambda v: check_int("prefetch_units", v, 0, 2, expected="an integer; allowed values: 0, 1, 2"),
         "optimizer_in_backward": lambda v: check_bool("optimizer_in_backward", v),
+        "offload": lambda v: check_choice("offload", v, OFFLOADS),
+        "offload_dir": lambda v: None if v is None else check_offload_dir(v),
+        "offload_params": lambda v: check_bool("offload_params", v),
         "gradient_clip_norm": lambda v: None if v is None else check_positive_number("gradient_clip_norm", v),
         "checkpoint": lambda v: check_choice("checkpoint", v, CHECKPOINT_MODES),
         "release_cpu_memory": lambda v: check_bool("release_cpu_memory", v, none=True),
@@ -467,6 +487,7 @@ def _validated(values: dict[str, Any]) -> dict[str, Any]:
     every_flag = {**{f.name: f.default for f in fields(StrategyConfig) if f.default is not MISSING}, **out}
     _check_sync_mode(every_flag)
     check_optimizer_in_backward(every_flag)
+    check_offload(every_flag)
     _check_tensor_parallel(every_flag)
     _check_pipeline(every_flag)
     check_fault_tolerance_composition(every_flag)

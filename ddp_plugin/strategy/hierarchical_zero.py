@@ -59,6 +59,7 @@ from ddp_plugin.strategy.process_groups import ProcessGroups
 from ddp_plugin.strategy.session import FitInputs
 from ddp_plugin.strategy.stepping import Steps
 from ddp_plugin.zero import backward_step as zero_backward_step
+from ddp_plugin.zero import offload as zero_offload
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -107,6 +108,14 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             shards; the same update, element by element. Not with clipping, ``skip_nonfinite``, a loss scaler, manual
             optimization, sync modes, fault tolerance, tensor or pipeline parallelism. Default: ``False``. Allowed:
             ``False``, ``True``.
+        offload: stages 1-3: keep the optimizer state in host memory or in files, stepped bucket by bucket
+            (docs/zero.md#offload). ``"disk"``: each bucket's state in a mapped file in ``offload_dir``, read ahead of
+            its step and written back behind it; ``"cpu"``: in pinned host memory, copied to the device for its step (on
+            a CPU-only run the state is in host memory already). Default: ``None``. Allowed: ``None``, ``"cpu"``,
+            ``"disk"``.
+        offload_dir: its directory. Each rank's files are unlinked as soon as they are mapped: nothing is left behind.
+            Default: ``None``. Allowed: a path (with ``"disk"``).
+        offload_params: stage 3: the parameter shards on disk too. Default: ``False``. Allowed: ``False``, ``True``.
         gradient_clip_norm: clip to this global 2-norm before every step, across shards at stages 1-3
             (``Trainer(gradient_clip_val=...)`` works too). Default: ``None`` (no clipping); ``None``: the DeepSpeed
             ``config``'s value, else the default. Allowed: positive finite number.
@@ -212,6 +221,9 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         auto_wrap_policy: Any = None,
         prefetch_units: int = 2,
         optimizer_in_backward: bool = False,
+        offload: Literal["cpu", "disk"] | None = None,
+        offload_dir: str | os.PathLike | None = None,
+        offload_params: bool = False,
         gradient_clip_norm: float | None = None,
         config: str | os.PathLike | dict[str, Any] | None = None,
         checkpoint: Literal["master", "sharded"] = "master",
@@ -273,6 +285,9 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     auto_wrap_policy = Flag[int | tuple[type | str, ...]]()
     prefetch_units = Flag[int]()
     optimizer_in_backward = Flag[bool]()
+    offload = Flag[str | None]()
+    offload_dir = Flag[str | None]()
+    offload_params = Flag[bool]()
     gradient_clip_norm = Flag[float | None]()
     checkpoint = Flag[str]()
     release_cpu_memory = Flag[bool | None]()
@@ -469,6 +484,8 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         if fitting and config.optimizer_in_backward:
             zero_backward_step.check_trainer(trainer.gradient_clip_val, module.automatic_optimization,
                                              loss_scaler(self.precision_plugin) is not None)
+        if fitting and config.offload is not None:
+            zero_offload.check_trainer(loss_scaler(self.precision_plugin) is not None)
         fit.tensor_parallel.prepare(self.model, groups, config)
         weights = pretrained.first_plan(module, config.pretrained, trainer.ckpt_path)
         pipelined = groups.topology.pipeline_parallel_size > 1
@@ -673,6 +690,10 @@ class HierarchicalZeroStrategy(ParallelStrategy):
     def after_closure(self, optimizer: Optimizer, scaler: GradScaler | None) -> None:
         if session := self.fit.running():
             session.after_closure(optimizer, scaler)
+
+    def before_update(self, optimizer: Optimizer) -> None:
+        if session := self.fit.running():
+            session.before_update(optimizer)
 
     def clip_module_grads_by_value(self, clip_val: float) -> None:
         inspection.clip_grads_by_value(self.model, self.fit, bool(self.config.zero_stage), clip_val)

@@ -36,6 +36,7 @@ def build_plugin_manager(
     sync: dict[str, Any] | None = None,
     prefetch_units: int = 2,
     optimizer_in_backward: bool = False,
+    offload: object | None = None,
     planner: object | None = None,
     cross_stage: CrossStage | None = None,
     sync_transport: SyncTransport | None = None,
@@ -71,7 +72,7 @@ def build_plugin_manager(
     if zero_stage:
         # Answers `on_bucket_ready` before the reducer: gradients are reduced to this rank's shard only.
         builtins["zero_sharder"] = ZeroSharder(zero_stage, shard_scope, auto_wrap_policy, prefetch_units,
-                                                cross_stage, optimizer_in_backward)
+                                                cross_stage, optimizer_in_backward, offload)
     wanted = candidate_names(compression, dict(compression_options or {}))
     for name in wanted:
         if name in BUILTIN_CODECS:

@@ -44,6 +44,9 @@ class GradientClipping(Protocol):
         """After the closure (and ``scaler.unscale_``): agree on the scaler's skip over every rank, clip by the
         strategy's ``gradient_clip_norm``."""
 
+    def before_update(self, optimizer: Optimizer) -> None:
+        """After Lightning's ``on_before_optimizer_step`` hooks and clipping, right before the update."""
+
 
 class ShardedGradientClipping(Precision):
     """The mixin: norm clipping through the strategy's plugins, value clipping of the module's gradients too."""
@@ -58,6 +61,8 @@ class ShardedGradientClipping(Precision):
         if self.clipping is not None:
             self.clipping.after_closure(optimizer, loss_scaler(self))
         super()._after_closure(model, optimizer)
+        if self.clipping is not None:
+            self.clipping.before_update(optimizer)
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         super().clip_grad_by_value(optimizer, clip_val)

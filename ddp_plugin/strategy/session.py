@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from ddp_plugin.zero.offload import make_offload
 from ddp_plugin.runtime import lightning_adapter
 from ddp_plugin import health
 from ddp_plugin.parallel import tensor_parallel
@@ -160,7 +161,8 @@ class FitSession:
             sync_transport=members.sync_transport if members is not None else None,
             compression_options=config.compression_options,
             zero_stage=config.zero_stage, shard_scope=config.shard_scope, auto_wrap_policy=config.auto_wrap_policy,
-            prefetch_units=config.prefetch_units, optimizer_in_backward=config.optimizer_in_backward, sync={
+            prefetch_units=config.prefetch_units, optimizer_in_backward=config.optimizer_in_backward,
+            offload=make_offload(config.offload, config.offload_dir, config.offload_params, self.device), sync={
                 "every": config.sync_every, "outer_optimizer": config.outer_optimizer,
                 "fragments": config.sync_fragments, "staleness": config.max_staleness,
                 "warmup": config.sync_warmup_steps},
@@ -340,6 +342,11 @@ class FitSession:
             self._agree_on_skipping(optimizer, scaler)
         if self.config.gradient_clip_norm is not None:
             self.clip_grad_norm(optimizer, self.config.gradient_clip_norm)
+
+    def before_update(self, optimizer: Optimizer) -> None:
+        """Right before the optimizer's update, after every hook and clipping: a plugin may apply it itself (the
+        ZeRO sharder does with ``offload``, bucket by bucket)."""
+        self.plugin_manager.hook.on_before_optimizer_update(optimizer=optimizer)
 
     def _agree_on_skipping(self, optimizer: Optimizer, scaler: GradScaler) -> None:
         """A loss scaler skips the step (and backs its scale off) when its ``unscale_`` finds an infinity or a NaN

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.optim import Optimizer
 
+    from ddp_plugin.zero.offload import Offload
     from ddp_plugin.zero.shards import FlatShard
 
 
@@ -88,7 +89,9 @@ class StepInBackward:
     """Steps the buckets whose gradient shards are reduced (on the communication thread), and remembers which
     were, for the sharder's ``on_after_backward``."""
 
-    def __init__(self) -> None:
+    def __init__(self, offload: Offload | None = None) -> None:
+        self.offload = offload
+        """Where the buckets' optimizer state is kept between steps (brought in before, sent out after)."""
         self.optimizer: Optimizer | None = None
         self.stepped: set[int] = set()
         """Buckets stepped in this backward (their pieces keep no gradient for the step after it)."""
@@ -107,12 +110,17 @@ class StepInBackward:
         for piece in entry.pieces:
             piece.param.grad = grad[piece.at : piece.at + piece.param.numel()]
             params.append(piece.param)
+        if self.offload is not None:
+            self.offload.fetch(index)
+            self.offload.before_step(index)
         try:
             if params:
                 step_subset(self.optimizer, params)
         finally:
             for p in params:
                 p.grad = None
+        if self.offload is not None:
+            self.offload.after_step(index)
         self.stepped.add(index)
         self.count += 1
         self.total += 1

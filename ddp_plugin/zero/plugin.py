@@ -16,6 +16,7 @@ from ddp_plugin.hookspecs import ParameterShards, completed_future, hookimpl
 from ddp_plugin.zero import checkpoint, gradients
 from ddp_plugin.zero.backward_step import StepInBackward
 from ddp_plugin.zero.layout import Scope, ShardLayout
+from ddp_plugin.zero.offload import DiskOffload, Offload
 from ddp_plugin.zero.optimizer import ShardedOptimizers
 from ddp_plugin.zero.reduce import ShardReducer
 from ddp_plugin.zero.shards import Shards
@@ -51,7 +52,7 @@ class ZeroSharder:
 
     def __init__(self, stage: int, shard_scope: str = "global", auto_wrap_policy: Any = None,
                  prefetch_units: int = 2, cross_stage: CrossStage | None = None,
-                 optimizer_in_backward: bool = False) -> None:
+                 optimizer_in_backward: bool = False, offload: Offload | None = None) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"`zero_stage={stage!r}`: the sharder handles stages 1, 2, 3.")
         if shard_scope not in ("global", "node"):
@@ -61,7 +62,9 @@ class ZeroSharder:
         self.policy = check_auto_wrap_policy(auto_wrap_policy)
         self.prefetch_units = prefetch_units
         self.cross_stage = cross_stage
-        self.in_backward = StepInBackward() if optimizer_in_backward else None
+        self.offload = offload
+        """Where the optimizer state is kept between the bucket-by-bucket updates (:mod:`ddp_plugin.zero.offload`)."""
+        self.in_backward = StepInBackward(offload) if optimizer_in_backward else None
         """Stages 2-3: each bucket's shard stepped once its gradient is reduced (:mod:`ddp_plugin.zero.backward_step`)."""
         """The cross-node stage of the gradients' node shards, if not the hook (fault tolerance's)."""
         self._plan: UnitPlan | None = None
@@ -94,8 +97,16 @@ class ZeroSharder:
         self.shards = Shards(buckets, layout, comm, release_gradients=self.stage >= 2,
                              release_parameters=unit_buckets,
                              initialize=lambda params: hook.on_initialize_parameters(params=params))
+        if self.offload is not None:
+            self.offload.setup(self.shards.entries)
+            if isinstance(self.offload, DiskOffload) and self.offload.params:
+                for b in sorted(unit_buckets):  # (each a tensor of its own already: see Shards)
+                    entry = self.shards.entries[b]
+                    entry.shard = self.offload.shard_to_disk(b, entry.shard)
         self.units = (Units(self._plan, self.shards, self.prefetch_units, hold=topology.pipeline_parallel_size > 1)
                       if self.stage == 3 else None)
+        if self.units is not None and isinstance(self.offload, DiskOffload) and self.offload.params:
+            self.units.after_gather = self.offload.after_gather
         if self.stage == 1:
             self._register_stage_1_hooks()
         self.optimizers = ShardedOptimizers(self.shards, self.shards.make_pieces(), self.stage)
@@ -108,9 +119,13 @@ class ZeroSharder:
         self.optimizers.shard(optimizer)
         if self.in_backward is not None:
             self.in_backward.set_optimizer(optimizer)
+        if self.offload is not None:
+            self.offload.set_optimizer(optimizer)
 
     @hookimpl
     def on_teardown(self, failed: bool) -> None:
+        if self.offload is not None:
+            self.offload.close()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -213,6 +228,13 @@ class ZeroSharder:
         return gradients.clip_grad_norm(self.shards, optimizer, max_norm, whole_buckets=self.stage == 1)
 
     @hookimpl
+    def on_before_optimizer_update(self, optimizer: Optimizer) -> None:
+        # With offload, the update runs here bucket by bucket (each bucket's state brought in and sent back out);
+        # the optimizer's own step then finds no gradient left.
+        if self.offload is not None and self.optimizers is not None and optimizer in self.optimizers:
+            self.offload.step_buckets(optimizer)
+
+    @hookimpl
     def on_after_optimizer_step(self, optimizer: Optimizer) -> None:
         self._publish()
 
@@ -276,6 +298,8 @@ class ZeroSharder:
     @hookimpl
     def on_load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: Mapping[str, Any]) -> bool:
         checkpoint.load_consolidated_optimizer_state(self.shards, self.optimizers, optimizer, state_dict)
+        if self.offload is not None:
+            self.offload.set_optimizer(optimizer)  # (the loaded state goes out again, bucket by bucket)
         return True
 
     @hookimpl
@@ -335,6 +359,11 @@ class ZeroSharder:
         metrics = {}
         if self.in_backward is not None:
             metrics["zero/buckets_stepped_in_backward"], self.in_backward.count = float(self.in_backward.count), 0
+        if self.offload is not None:
+            metrics["zero/offload_buckets_stepped"], self.offload.buckets_stepped = (
+                float(self.offload.buckets_stepped), 0)
+            if isinstance(self.offload, DiskOffload):
+                metrics["zero/offload_disk_MB"] = self.offload.bytes_on_disk / 1e6
         if self.units is not None:
             peak, self.units.peak_gathered_bytes = self.units.peak_gathered_bytes, self.shards.gathered_bytes()
             gathers, self.units.gathers = self.units.gathers, 0

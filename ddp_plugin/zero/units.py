@@ -11,7 +11,7 @@ the blocks inside it are grouped into units instead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -255,6 +255,8 @@ class Units:
         self.peak_gathered_bytes = self.fit_peak_gathered_bytes = shards.gathered_bytes()
         self.gathers = 0
         """Units gathered since the last metrics collection (one step): ``zero/unit_gathers``."""
+        self.after_gather: Callable[[int], None] | None = None
+        """Called with each bucket of a unit once its gather is done (offload drops the shard's pages there)."""
 
     def remove_hooks(self) -> None:
         for h in self.handles:
@@ -268,6 +270,12 @@ class Units:
             for b, pending in zip(unit.buckets, unit.pending):
                 self.shards.finish_gather(self.shards.entries[b].full, pending)
             unit.pending = None
+            self._gathered(unit)
+
+    def _gathered(self, unit: Unit) -> None:
+        if self.after_gather is not None:
+            for b in unit.buckets:
+                self.after_gather(b)
 
     def free(self, unit: Unit) -> None:
         self._finish(unit)
@@ -284,6 +292,8 @@ class Units:
             pending.append(self.shards.gather(entry.full, entry.shard, async_op=async_op))
         unit.gathered = True
         unit.pending = pending if async_op else None
+        if not async_op:
+            self._gathered(unit)
         now = self.shards.gathered_bytes()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
         self.fit_peak_gathered_bytes = max(self.fit_peak_gathered_bytes, now)

@@ -143,6 +143,9 @@ def run(name: str, devices: int, devices_per_node: int | None, hierarchical: boo
                 "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
                 "device": recorder.device,
                 "stepped_in_backward": stepped.total,
+                "offload_stepped": stepped.offloaded,
+                "offload_files": stepped.files,
+                "state_in_files": stepped.state_in_files,
             },
             os.path.join(out, f"{name}-{devices}{tag}.pt"),
         )
@@ -152,12 +155,48 @@ class SteppedInBackward(L.Callback):
     """How many buckets ``optimizer_in_backward`` stepped in backward over the fit (None without it)."""
 
     total: int | None = None
+    offloaded: float | None = None
+    """Buckets the offload stepped (in backward or after it) over the fit (None without offload)."""
+    files: list[str] | None = None
+    """What ``offload_dir`` holds at the end (nothing: the files are unlinked once mapped)."""
+    state_in_files: tuple[int, int] | None = None
+    """Optimizer state entries (per piece and key) in the offload's mapped files, and entries in all."""
+
 
     def on_train_end(self, trainer, pl_module) -> None:
         manager = getattr(trainer.strategy, "plugin_manager", None)
         sharder = manager.get_plugin("zero_sharder") if manager is not None else None
         in_backward = getattr(sharder, "in_backward", None)
         self.total = in_backward.total if in_backward is not None else None
+        offload = getattr(sharder, "offload", None)
+        self.offloaded = None if offload is None else trainer.strategy.metric_totals["zero/offload_buckets_stepped"]
+        if offload is not None and hasattr(offload, "directory"):
+            self.files = sorted(os.listdir(offload.directory))
+            self.state_in_files = state_in_mapped_files(trainer.optimizers[0], sharder)
+
+
+def state_in_mapped_files(optimizer, sharder) -> tuple[int, int]:
+    """How many of the pieces' optimizer state tensors lie in a mapping of an offload file (from the kernel's
+    list of this process's mappings: unlinked files show as ``(deleted)``), and how many there are."""
+    spans = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "ddp_plugin_offload_" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                spans.append((lo, hi))
+    inside = total = 0
+    for entry in sharder.shards.entries:
+        for piece in entry.pieces:
+            for value in optimizer.state.get(piece.param, {}).values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    total += 1
+                    inside += any(lo <= value.data_ptr() < hi for lo, hi in spans)
+    if sharder.offload.params:  # the stage-3 units' parameter shards too
+        for entry in sharder.shards.entries:
+            if entry.full.untyped_storage().data_ptr() != entry.shard.untyped_storage().data_ptr():
+                total += 1
+                inside += any(lo <= entry.shard.data_ptr() < hi for lo, hi in spans)
+    return inside, total
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,8 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hierarchical", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--variants", default="0:global:auto",
-                        help="comma-separated zero_stage:shard_scope:hierarchical[:inbw] runs, one after the other in the"
-                        " same processes (hierarchical: auto, on or off; inbw: optimizer_in_backward=True)")
+                        help="comma-separated zero_stage:shard_scope:hierarchical[:inbw][:disk[:params]|:cpu] runs, one"
+                        " after the other in the same processes (hierarchical: auto, on or off; inbw:"
+                        " optimizer_in_backward=True; disk: offload='disk', params: offload_params; cpu: offload='cpu')")
     parser.add_argument("--wrap", default="Linear", help="stage 3 auto_wrap_policy: module class names, comma-separated")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--accelerator", default="cpu", help="cpu, or gpu for the CUDA/NCCL tests")
@@ -179,6 +219,11 @@ def main(argv: list[str] | None = None) -> None:
     for variant in args.variants.split(","):
         stage, scope, hier, *more = variant.split(":")  # (more: "inbw", optimizer_in_backward)
         zero = {"zero_stage": int(stage), "shard_scope": scope, "optimizer_in_backward": "inbw" in more}
+        # (more: "disk", offload="disk" in OUT/offload; "params", its offload_params=True; "cpu", offload="cpu")
+        if "disk" in more:
+            zero.update(offload="disk", offload_dir=os.path.join(args.out, "offload"), offload_params="params" in more)
+        elif "cpu" in more:
+            zero["offload"] = "cpu"
         if int(stage) == 3:
             zero["auto_wrap_policy"] = args.wrap.split(",")
         # A variant's own hierarchical setting wins over --hierarchical; the default variant keeps the plain
