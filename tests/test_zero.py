@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 
 import pytest
@@ -363,3 +364,15 @@ def test_offload_trains_the_same_bits_as_without_it(offload_results, variant, co
         inside, total = offloaded["state_in_files"]
         assert inside == total > 0, (inside, total)  # the state (and with params, stage 3's shards) in the files
         assert offloaded["offload_files"] == []
+
+
+def test_a_checkpoint_saved_with_disk_offload_resumes_with_it_or_without_it_and_the_other_way_round(tmp_path):
+    # Lightning's default callbacks and logger on; stage 3 with the parameter shards on disk too, AdamW with weight
+    # decay, a scheduler: the state read from the files is the one without offload, and a checkpoint saved without
+    # it goes into the files on a resume.
+    run_python(WORKERS / "zero_run.py", "--mode", "offload_resume", "--out", tmp_path, timeout=600)
+    digests = json.loads((tmp_path / "digests.json").read_text())
+    assert digests["resumed"] == digests["plain"] == digests["resumed_plain"] == digests["resumed_on"]
+    assert digests["first"] == digests["plain_first"] != digests["plain"]
+    assert digests["resumed_on:batches"] == digests["resumed:batches"] == 3  # (from the checkpoint's step 3)
+    assert os.listdir(tmp_path / "offload") == []

@@ -106,6 +106,20 @@ class MemoryCap:
         (path / "cgroup.procs").write_text(str(os.getpid()))
         return cls(path, version, limit)
 
+    def set_limit(self, limit: int) -> None:
+        """Change the limit (e.g. to what this process holds after its imports plus a budget); below the current
+        charge the kernel reclaims first and refuses (``OSError``) if it cannot."""
+        if self.version == 1:
+            swap = self.path / "memory.memsw.limit_in_bytes"
+            if swap.exists() and limit > self.limit:
+                swap.write_text(str(limit))  # (memory + swap is never below memory alone)
+            (self.path / "memory.limit_in_bytes").write_text(str(limit))
+            if swap.exists() and limit <= self.limit:
+                swap.write_text(str(limit))
+        else:
+            (self.path / "memory.max").write_text(str(limit))
+        self.limit = limit
+
     @property
     def peak_bytes(self) -> int:
         """The most this cgroup was charged since it was made (v2 without ``memory.peak``: the current charge)."""

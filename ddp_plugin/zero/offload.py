@@ -214,9 +214,9 @@ class DiskOffload(Offload):
         os.makedirs(self.directory, exist_ok=True)
         super().setup(entries)
 
-    def _file(self, b: int, key: str, dtype: torch.dtype) -> Tensor:
-        """Bucket ``b``'s flat tensor for state entry ``key`` (a shard's worth), in its file."""
-        numel = self.entries[b].shard.numel()
+    def _file(self, b: int, key: str, dtype: torch.dtype, numel: int | None = None) -> Tensor:
+        """Bucket ``b``'s flat tensor for state entry ``key`` (a shard's worth, or ``numel``), in its file."""
+        numel = self.entries[b].shard.numel() if numel is None else numel
         f = self.files.get((b, key))
         if f is None:
             f = self.files[(b, key)] = _MappedFile(self.directory, numel * dtype.itemsize)
@@ -230,6 +230,11 @@ class DiskOffload(Offload):
         mapped.copy_(shard)
         self.release(b, keys=("param",))
         return mapped
+
+    def whole_bucket(self, b: int) -> Tensor:
+        """After ``fit`` with ``params``: a file for bucket ``b``'s whole flat parameters, gathered into it."""
+        full = self.entries[b].full
+        return self._file(b, "whole", full.dtype, full.numel())
 
     def adopt(self, b: int) -> None:
         state = self.optimizer.state if self.optimizer is not None else {}
@@ -264,9 +269,10 @@ class DiskOffload(Offload):
             self._pending[b] = self._writer.submit(write)
 
     def after_gather(self, b: int) -> None:
-        """Stage 3 with ``offload_params``: bucket ``b``'s shard was read for a gather; drop its pages."""
+        """Stage 3 with ``offload_params``: bucket ``b``'s shard was read for a gather; drop its pages (and those of
+        the whole parameters gathered into a file after ``fit``)."""
         if self.params:
-            self.release(b, keys=("param",))
+            self.release(b, keys=("param", "whole"))
 
     def _wait(self, b: int) -> None:
         with self._lock:

@@ -133,6 +133,11 @@ class ZeroSharder:
             self.units.remove_hooks()
             if failed:  # (a gather with a rank that is gone would wait out the timeout)
                 return
+            if isinstance(self.offload, DiskOffload) and self.offload.params:
+                # The model does not fit in memory whole: it is gathered into mapped files, which the kernel pages
+                # in and out as the module is used after fit.
+                self.units.gather_all_into(self.offload.whole_bucket, self.offload.after_gather)
+                return
             # Leave the module whole after fit (validation, export, `trainer.save_checkpoint`).
             try:
                 self.units.gather_all()

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from ddp_plugin.gradients.engine import pack
-from ddp_plugin.hookspecs import local_tensor
+from ddp_plugin.hookspecs import local_tensor, set_local_data
 from ddp_plugin.parallel.module_classes import as_entries, class_names, containers, matches, unmatched
 
 if TYPE_CHECKING:
@@ -303,6 +303,26 @@ class Units:
             self._start_gather(unit, async_op=False)
         else:
             self._finish(unit)
+
+    def gather_all_into(self, make_full: Callable[[int], Tensor], done: Callable[[int], None]) -> None:
+        """Gather every unit into a new flat tensor per bucket, ``make_full(b)`` (e.g. a mapped file, where the model
+        does not fit in memory whole), which the parameters then view; ``done(b)`` after each bucket's gather. For
+        after ``fit``: such a unit is not freed again."""
+        for unit in self.units:
+            if unit.persistent:
+                continue
+            if unit.gathered:
+                self.free(unit)
+            for b in unit.buckets:
+                entry, bucket = self.shards.entries[b], self.shards.buckets[b]
+                full = make_full(b)
+                self.shards.gather(full, entry.shard)
+                for i, p in enumerate(bucket.params):
+                    local = local_tensor(p)
+                    set_local_data(p, full[bucket.offsets[i] : bucket.offsets[i] + local.numel()].view_as(local))
+                entry.full = full
+                done(b)
+            unit.gathered = True
 
     def gather_all(self) -> None:
         for unit in self.units:

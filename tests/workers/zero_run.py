@@ -7,6 +7,7 @@
     python tests/workers/zero_run.py --mode modulelist --out DIR --devices 0  # single-process reference
     python tests/workers/zero_run.py --mode in_backward --refuse clip|manual  # optimizer_in_backward refuses it
     python tests/workers/zero_run.py --mode in_backward_resume --out DIR  # its checkpoint resumes, with or without it
+    python tests/workers/zero_run.py --mode offload_resume --out DIR  # offload="disk": the same, either way round
 """
 
 from __future__ import annotations
@@ -187,24 +188,25 @@ def fit_refused(what: str) -> None:
     trainer.fit(model, DataLoader(TensorDataset(torch.randn(16, 8)), batch_size=4))
 
 
-def resume_in_backward(out: str) -> None:
-    """Stage 3, AdamW and a scheduler, Lightning's default callbacks and logger: 6 steps without the flag; 3
-    with it, a checkpoint saved by Lightning's ModelCheckpoint; resumed to 6 with it, and without it."""
+def resume_in_backward(out: str, flags: dict | None = None) -> None:
+    """Stage 3, AdamW and a scheduler, Lightning's default callbacks and logger: 6 steps without the flags; 3
+    with them, a checkpoint saved by Lightning's ModelCheckpoint; resumed to 6 with them, and without them; and 3
+    without them, resumed to 6 with them. ``flags``: ``optimizer_in_backward=True`` unless given."""
     digests = {}
+    flags = flags or {"optimizer_in_backward": True}
 
-    def fit(name: str, in_backward: bool, epochs: int, ckpt_path: str | None = None) -> L.Trainer:
+    def fit(name: str, on: bool, epochs: int, ckpt_path: str | None = None) -> L.Trainer:
         L.seed_everything(0, verbose=False)
         model = TinyModule(nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)]), loss="mean_square",
                            optimizer="adamw", lr=1e-2, weight_decay=0.1)
         model.configure_optimizers = lambda: _with_scheduler(model)
-        strategy = HierarchicalZeroStrategy(zero_stage=3, auto_wrap_policy=[nn.Linear],
-                                            optimizer_in_backward=in_backward)
+        strategy = HierarchicalZeroStrategy(zero_stage=3, auto_wrap_policy=[nn.Linear], **(flags if on else {}))
         batches = BatchCount()
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs,
                             default_root_dir=os.path.join(out, name), callbacks=[batches])
         trainer.fit(model, DataLoader(TensorDataset(torch.randn(24, 16, generator=torch.Generator().manual_seed(1))),
                                       batch_size=4), ckpt_path=ckpt_path)
-        digests[name] = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+        digests[name] = batches.digest
         digests[name + ":batches"] = batches.count
         return trainer
 
@@ -213,6 +215,9 @@ def resume_in_backward(out: str) -> None:
     ckpt = first.checkpoint_callback.best_model_path
     fit("resumed", True, 2, ckpt)
     last = fit("resumed_plain", False, 2, ckpt)
+    if "offload" in flags:  # and the other way round: saved without it, resumed with it
+        plain_first = fit("plain_first", False, 1)
+        last = fit("resumed_on", True, 2, plain_first.checkpoint_callback.best_model_path)
     if last.is_global_zero:
         with open(os.path.join(out, "digests.json"), "w") as f:
             json.dump(digests, f)
@@ -224,6 +229,12 @@ class BatchCount(L.Callback):
     def on_train_batch_end(self, *args) -> None:
         self.count += 1
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        # (Inside fit: with offload_params the parameters are not gathered whole after it.)
+        with trainer.strategy.full_parameters():
+            self.digest = hashlib.sha256(b"".join(p.detach().clone().numpy().tobytes()
+                                                  for p in pl_module.parameters())).hexdigest()
+
 
 def _with_scheduler(model: TinyModule):
     optimizer = TinyModule.configure_optimizers(model)
@@ -232,7 +243,8 @@ def _with_scheduler(model: TinyModule):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["memory", "optimizer", "modulelist", "in_backward", "in_backward_resume"],
+    parser.add_argument("--mode", choices=["memory", "optimizer", "modulelist", "in_backward", "in_backward_resume",
+                                           "offload_resume"],
                         required=True)
     parser.add_argument("--refuse", choices=["clip", "manual"], default="clip")
     parser.add_argument("--out", default=None)
@@ -253,6 +265,10 @@ def main() -> None:
         return
     if args.mode == "in_backward_resume":
         resume_in_backward(args.out)
+        return
+    if args.mode == "offload_resume":
+        resume_in_backward(args.out, {"offload": "disk", "offload_dir": os.path.join(args.out, "offload"),
+                                      "offload_params": True})
         return
     if args.mode == "modulelist":
         for variant in args.variants.split(","):
