@@ -210,23 +210,20 @@ class DiskOffload(Offload):
         self._lock = threading.Lock()
         self.bytes_on_disk = 0
 
-    def setup(self, entries: Sequence[FlatShard]) -> None:
-        os.makedirs(self.directory, exist_ok=True)
-        super().setup(entries)
-
     def _file(self, b: int, key: str, dtype: torch.dtype, numel: int | None = None) -> Tensor:
         """Bucket ``b``'s flat tensor for state entry ``key`` (a shard's worth, or ``numel``), in its file."""
         numel = self.entries[b].shard.numel() if numel is None else numel
         f = self.files.get((b, key))
         if f is None:
+            os.makedirs(self.directory, exist_ok=True)
             f = self.files[(b, key)] = _MappedFile(self.directory, numel * dtype.itemsize)
             self.bytes_on_disk += f.nbytes
         return f.tensor(dtype, numel)
 
     def shard_to_disk(self, b: int, shard: Tensor) -> Tensor:
         """Stage 3 with ``offload_params``: bucket ``b``'s parameter shard copied to its file; the mapped copy
-        (which the caller takes as the shard) is returned."""
-        mapped = self._file(b, "param", shard.dtype)
+        (which the caller takes as the shard) is returned. (Called while the shards are made, bucket by bucket.)"""
+        mapped = self._file(b, "param", shard.dtype, shard.numel())
         mapped.copy_(shard)
         self.release(b, keys=("param",))
         return mapped

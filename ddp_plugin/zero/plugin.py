@@ -94,15 +94,13 @@ class ZeroSharder:
         if self.stage == 3:
             assert self._plan is not None, "on_plan_buckets did not run"
             unit_buckets = {b for b, (name, _) in enumerate(self._plan.order) if name}
+        on_disk = isinstance(self.offload, DiskOffload) and self.offload.params
         self.shards = Shards(buckets, layout, comm, release_gradients=self.stage >= 2,
                              release_parameters=unit_buckets,
-                             initialize=lambda params: hook.on_initialize_parameters(params=params))
+                             initialize=lambda params: hook.on_initialize_parameters(params=params),
+                             keep_shard=self.offload.shard_to_disk if on_disk else None)
         if self.offload is not None:
             self.offload.setup(self.shards.entries)
-            if isinstance(self.offload, DiskOffload) and self.offload.params:
-                for b in sorted(unit_buckets):  # (each a tensor of its own already: see Shards)
-                    entry = self.shards.entries[b]
-                    entry.shard = self.offload.shard_to_disk(b, entry.shard)
         self.units = (Units(self._plan, self.shards, self.prefetch_units, hold=topology.pipeline_parallel_size > 1)
                       if self.stage == 3 else None)
         if self.units is not None and isinstance(self.offload, DiskOffload) and self.offload.params:

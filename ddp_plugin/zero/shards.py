@@ -54,7 +54,8 @@ class Shards:
 
     def __init__(self, buckets: Sequence[Bucket], layout: ShardLayout, comm: Communicator,
                  release_gradients: bool = False, release_parameters: Collection[int] = (),
-                 initialize: Callable[[Sequence[nn.Parameter]], bool | None] | None = None) -> None:
+                 initialize: Callable[[Sequence[nn.Parameter]], bool | None] | None = None,
+                 keep_shard: Callable[[int, Tensor], Tensor] | None = None) -> None:
         """Move every bucket's parameters into its flat tensor. Memory is given back bucket by bucket, so this
         never holds much more than the model once: with ``release_gradients`` (stages 2, 3) the bucket's
         gradient buffer until backward needs it, and for the bucket indices in ``release_parameters`` (stage 3
@@ -62,7 +63,8 @@ class Shards:
 
         Parameters without memory yet (a model built on the meta device, ``materialize.unallocated``) get it here,
         in the flat tensor, and ``initialize`` (the hook ``on_initialize_parameters``) gives them their values, one bucket at
-        a time: a unit is whole only until its shard is taken."""
+        a time: a unit is whole only until its shard is taken. ``keep_shard(b, shard)`` returns the tensor that
+        keeps a released unit's shard (default: a copy in memory; offload: a copy in a file)."""
         self.buckets = list(buckets)
         self.layout = layout
         self.comm = comm
@@ -97,7 +99,7 @@ class Shards:
             if release_gradients:
                 bucket.release()
             if bucket.index in release_parameters:
-                entry.shard = entry.shard.clone()
+                entry.shard = entry.shard.clone() if keep_shard is None else keep_shard(bucket.index, entry.shard)
                 full.untyped_storage().resize_(0)
 
     def make_pieces(self) -> dict[int, list[nn.Parameter]]:

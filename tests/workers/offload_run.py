@@ -131,13 +131,15 @@ def main() -> None:
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                   callbacks=[losses])
     with t.init_module(empty_init=True):
-        model = GPTModule(d_model=args.d_model, layers=args.layers, **SIZE)
+        model = GPTModule(d_model=args.d_model, layers=args.layers, lr=1e-4, **SIZE)
     numel = sum(p.numel() for p in model.parameters())
     data = DataLoader(token_dataset(4 * 4 * args.steps, seq=8, vocab=32), batch_size=4)
     t.fit(model, data)
+    # After fit the module is whole (with offload_params: in mapped files): its checksum, read from there.
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     # Weights, gradients and AdamW's two moments, fp32: 16 bytes a parameter; a rank's share is a quarter.
     mine = {"cap": cap.limit, "imported": imported, "peak": cap.peak_bytes, "oom_kills": cap.oom_kills,
-            "state_bytes": 16 * numel, "share_bytes": 16 * numel // 4, "params": numel, "steps": t.global_step,
+            "state_bytes": 16 * numel, "share_bytes": 16 * numel // 4, "params": numel, "steps": t.global_step, "checksum": checksum,
             "losses": losses.losses, "at_peak": sampler.stop(), "step_s": losses.step_s,
             "setup_peak": losses.setup_peak, "step_peaks": losses.step_peaks,
             "offload_dir_entries": sorted(os.listdir(offload["offload_dir"])) if offload else None}
