@@ -40,12 +40,12 @@ def run(name: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
            str(args.d_model), "--layers", str(args.layers), "--steps", str(args.steps), "--dir", args.dir or
            str(tmp / "offload"), *RUNS[name][1], *cap]
     try:
-        harness.run_local(cmd, timeout=3600).check(name)
+        harness.run_local(cmd, timeout=3600, env=harness.RANK_ENV).check(name)
     finally:
         import importlib.util
 
         spec = importlib.util.spec_from_file_location("_cgroup", harness.ROOT / "ddp_plugin" / "testing" / "cgroup.py")
-        module = importlib.util.module_from_spec(spec)
+        module = sys.modules["_cgroup"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         module.remove([f"bench_{name}_{rank}" for rank in range(4)])
     return json.loads(out.read_text())
@@ -103,7 +103,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--cap-mb", type=int, default=960, help="each offload run's per-rank cap, MiB (0: none)")
     p.add_argument("--dir", default=None, help="offload_dir (default: a scratch directory)")
-    harness.add_common(p, out=harness.RESULTS / "offload.md", repeats=1)
+    harness.add_common(p, out=harness.RESULTS / "offload.md", keep=True)
     args = p.parse_args(argv)
     args.runs = harness.names(p, args.runs, RUNS, "run")
     return args

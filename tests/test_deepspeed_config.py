@@ -31,7 +31,8 @@ ZERO2 = {
 
 def test_typical_zero2_config():
     mapped = from_deepspeed_config(ZERO2)
-    assert mapped.flags == {"zero_stage": 2, "bucket_size_mb": 5e8 * 4 / 2**20, "gradient_clip_norm": 1.0}
+    assert mapped.flags == {"zero_stage": 2, "bucket_size_mb": 5e8 * 4 / 2**20, "gradient_clip_norm": 1.0,
+                            "offload": "cpu"}
     assert round(mapped.flags["bucket_size_mb"], 1) == 1907.3
     assert mapped.hpz_partition_size is None
     # One entry per ignored section, in the config's order; the true switches are not listed.
@@ -42,7 +43,7 @@ def test_typical_zero2_config():
         "scheduler",
         "fp16",
         "zero_optimization.allgather_bucket_size",
-        "zero_optimization.offload_optimizer",
+        "zero_optimization.offload_optimizer.pin_memory",
         "steps_per_print",
     ]
     assert "DataLoader's `batch_size`" in mapped.ignored["train_micro_batch_size_per_gpu"]
@@ -50,7 +51,41 @@ def test_typical_zero2_config():
     assert "LightningModule.configure_optimizers" in mapped.ignored["optimizer"]
     assert "LightningModule.configure_optimizers" in mapped.ignored["scheduler"]
     assert 'Trainer(precision="16-mixed")' in mapped.ignored["fp16"]
-    assert "no CPU/NVMe offload" in mapped.ignored["zero_optimization.offload_optimizer"]
+    assert "a detail of DeepSpeed's offload" in mapped.ignored["zero_optimization.offload_optimizer.pin_memory"]
+
+
+@pytest.mark.parametrize(("zero", "flags", "ignored"), [
+    ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"},
+      "offload_param": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 5}},
+     {"zero_stage": 3, "offload": "disk", "offload_dir": "/nvme", "offload_params": True},
+     {"zero_optimization.offload_param.buffer_count": "a detail of DeepSpeed's offload"}),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+     {"zero_stage": 3, "offload": "cpu"}, {"zero_optimization.offload_param": "parameters are not kept in host memory"}),
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}},
+     {"zero_stage": 3}, {"zero_optimization.offload_param": "only with the optimizer state"}),
+    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"},
+      "offload_param": {"device": "nvme", "nvme_path": "/nvme"}},
+     {"zero_stage": 2, "offload": "disk", "offload_dir": "/nvme"},
+     {"zero_optimization.offload_param": "at stage 3 only"}),
+])
+def test_offload_sections_map_to_the_offload_flags(zero, flags, ignored):
+    mapped = from_deepspeed_config({"zero_optimization": zero})
+    assert mapped.flags == flags
+    assert set(mapped.ignored) == set(ignored)
+    for key, text in ignored.items():
+        assert text in mapped.ignored[key]
+
+
+@pytest.mark.parametrize(("section", "pattern"), [
+    ({"device": "nvme"}, r"`zero_optimization.offload_optimizer.device` is 'nvme', which needs"
+     r" `zero_optimization.offload_optimizer.nvme_path`"),
+    ({"device": "gpu"}, r"`zero_optimization.offload_optimizer.device='gpu'` is not a DeepSpeed offload device;"
+     r" allowed values: 'none', 'cpu', 'nvme'"),
+    ("cpu", r"`zero_optimization.offload_optimizer` must be a JSON object"),
+])
+def test_a_bad_offload_section_fails_naming_the_key(section, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        from_deepspeed_config({"zero_optimization": {"stage": 2, "offload_optimizer": section}})
 
 
 def test_mapping_is_frozen():
@@ -267,8 +302,9 @@ def test_strategy_takes_its_flags_from_a_deepspeed_config_and_names_what_it_igno
         "zero_optimization": {"stage": 3, "reduce_bucket_size": 2**20, "zero_quantized_gradients": True,
                               "offload_optimizer": {"device": "cpu"}},
     }))
-    with pytest.warns(UserWarning, match=r"(?s)train_micro_batch_size_per_gpu.*optimizer.*offload_optimizer"):
+    with pytest.warns(UserWarning, match=r"(?s)train_micro_batch_size_per_gpu.*optimizer"):
         strategy = HierarchicalZeroStrategy(config=str(path))
+    assert strategy.offload == "cpu"
     assert strategy.zero_stage == 3
     assert strategy.bucket_size_mb == 4.0
     assert strategy.compression == "int8"

@@ -137,7 +137,7 @@ def test_non_finite_negative_absurd_or_boolean_numbers_fail_at_construction_nami
 
 
 @pytest.mark.parametrize("flag", ["broadcast_buffers", "progress_bar_metrics", "skip_nonfinite",
-                                  "optimizer_in_backward", "offload_params"])
+                                  "optimizer_in_backward"])
 @pytest.mark.parametrize("value", ["no", "False", 0, 1, 1.0, None])
 def test_bool_flags_accept_only_bools(flag, value):
     with pytest.raises(ValueError, match=rf"`{flag}={value!r}` must be a bool; allowed values: True, False"):
@@ -421,3 +421,10 @@ def test_offload_flags_are_accepted_and_read_back(tmp_path):
     for stage in (1, 2, 3):
         assert HierarchicalZeroStrategy(zero_stage=stage, offload="cpu").offload == "cpu"
     assert HierarchicalZeroStrategy().offload is None
+
+
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, 1.0])
+def test_offload_params_accepts_only_bools_or_none_for_not_set(value):
+    # (None: not set, so that a DeepSpeed `config`'s `offload_param` can set it)
+    with pytest.raises(ValueError, match=rf"`offload_params={value!r}` must be a bool; allowed values: True, False"):
+        HierarchicalZeroStrategy(zero_stage=3, offload="disk", offload_dir="/tmp", offload_params=value)

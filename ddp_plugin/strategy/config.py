@@ -49,7 +49,8 @@ OUTER_OPTIMIZERS = ("average", "nesterov")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 MAX_BUCKET_SIZE_MB = 2**20  # 1 TiB: no device holds a bucket near that; inf overflowed `int(mb * 2**20)`
 MAX_TIMEOUT = timedelta(days=365)  # much beyond, torch's deadlines (int64 nanoseconds) overflow: about 292 years
-CONFIG_FLAGS = ("zero_stage", "shard_scope", "bucket_size_mb", "compression", "gradient_clip_norm")
+CONFIG_FLAGS = ("zero_stage", "shard_scope", "bucket_size_mb", "compression", "gradient_clip_norm", "offload",
+                "offload_dir", "offload_params")
 """The flags a DeepSpeed ``config`` can set."""
 
 
@@ -202,8 +203,7 @@ FLAGS: dict[str, FlagDoc] = {
              " by element. Not with clipping, `skip_nonfinite`, a loss scaler, manual optimization, sync modes, fault"
              " tolerance, tensor or pipeline parallelism."),
     "offload": FlagDoc(
-        what="stages 1-3: keep the optimizer state in host memory or in files, stepped bucket by bucket"
-             " ([docs](docs/zero.md#offload))",
+        what="stages 1-3: optimizer state in host memory or files ([docs](docs/zero.md#offload))",
         allowed=_code(None, "cpu", "disk"), row="offload",
         more="`\"disk\"`: each bucket's state in a mapped file in `offload_dir`, read ahead of its step and written"
              " back behind it; `\"cpu\"`: in pinned host memory, copied to the device for its step (on a CPU-only"
@@ -212,7 +212,7 @@ FLAGS: dict[str, FlagDoc] = {
         what="its directory", allowed="a path (with `\"disk\"`)", row="offload",
         more="Each rank's files are unlinked as soon as they are mapped: nothing is left behind."),
     "offload_params": FlagDoc(
-        what="stage 3: the parameter shards on disk too", allowed=_code(False, True), row="offload"),
+        what="stage 3: parameter shards too", allowed=_code(False, True), row="offload"),
     "gradient_clip_norm": FlagDoc(
         what="clip to this global 2-norm before every step, across shards at stages 1-3"
              " (`Trainer(gradient_clip_val=...)` works too)",

@@ -2,12 +2,15 @@
 
 A DeepSpeed config mixes three kinds of settings: ZeRO and communication settings, which have counterparts
 among this strategy's flags; training-loop settings (batch size, optimizer, precision, logging), which belong to
-Lightning's ``Trainer`` and ``LightningModule``; and DeepSpeed features ddp_plugin does not have (offload,
+Lightning's ``Trainer`` and ``LightningModule``; and DeepSpeed features ddp_plugin does not have (offload tuning, parameters in host memory,
 weight quantization, pipeline parallelism). Silently dropping the last two would let a migrated run differ from
 the DeepSpeed run without anyone noticing, so :func:`from_deepspeed_config` maps what it can and returns every
 other key, with where to set it instead; the strategy warns with :func:`describe_ignored`.
 
 The mapping is pure: no ``torch.distributed``, no Lightning, so it can be tested and used without a cluster.
+
+(About 430 lines: one table per part of a DeepSpeed config, what each key maps to or why it has none, and the
+mapping; the tables are most of it.)
 
 Values that mean "not set" are skipped everywhere, mapped or not: the string ``"auto"`` (what Hugging Face's
 Trainer fills in itself) and JSON ``null``. A section whose ``enabled`` is ``"auto"`` is skipped whole.
@@ -41,10 +44,14 @@ _PRECISION_16 = 'set `Trainer(precision="16-mixed")` instead (Lightning scales t
 _PRECISION_BF16 = 'set `Trainer(precision="bf16-mixed")` instead'
 _LOGGER = "set `Trainer(logger=...)` instead"
 _PROFILER = "use a Lightning profiler instead: `Trainer(profiler=...)`"
-_NO_OFFLOAD = (
-    "ddp_plugin has no CPU/NVMe offload: optimizer state and parameters stay on the device (`zero_stage`"
-    " shards them)"
-)
+_LEGACY_OFFLOAD = "DeepSpeed's legacy offload key: use `zero_optimization.offload_optimizer` (mapped to `offload`)"
+_OFFLOAD_DETAIL = ("no counterpart: a detail of DeepSpeed's offload (ddp_plugin reads one bucket ahead and writes"
+                   " one behind; `offload=\"cpu\"` pins host memory)")
+_PARAM_OFFLOAD_CPU = ("no counterpart: parameters are not kept in host memory; `offload_param.device: nvme` (with"
+                      " `offload_optimizer.device: nvme`) puts stage 3's parameter shards on disk")
+_PARAM_OFFLOAD_ALONE = ("ddp_plugin puts the parameter shards on disk only with the optimizer state: set"
+                        " `offload_optimizer.device: nvme` too")
+_PARAM_OFFLOAD_BELOW_STAGE3 = "DeepSpeed offloads parameters at stage 3 only, and so does ddp_plugin"
 _STAGE3_UNITS = "no counterpart: stage 3 gathers and frees whole units; choose the units with `auto_wrap_policy`"
 _STAGE3_DETAIL = "no counterpart: a detail of DeepSpeed's stage 3 implementation"
 _SCALING = "no counterpart: ddp_plugin sums the gradients, then divides once by the number of ranks"
@@ -81,7 +88,7 @@ _TOP_LEVEL: dict[str, str] = {
         "not needed: ZeRO stages accept elementwise optimizers (SGD, Adam, AdamW, ...); declare another one with"
         " `ddp_plugin.zero.allow_optimizer`"
     ),
-    "zero_force_ds_cpu_optimizer": _NO_OFFLOAD,
+    "zero_force_ds_cpu_optimizer": "no counterpart: with offload your own optimizer steps, bucket by bucket",
     "allgather_size": "no counterpart: parameters are all-gathered in the gradient buckets (`bucket_size_mb`)",
     "activation_checkpointing": "apply `torch.utils.checkpoint` in your LightningModule instead",
     "tensorboard": _LOGGER,
@@ -102,7 +109,7 @@ _TOP_LEVEL: dict[str, str] = {
     "quantize_training": "no counterpart",
     "eigenvalue": "no counterpart",
     "progressive_layer_drop": "no counterpart",
-    "aio": _NO_OFFLOAD,
+    "aio": "no counterpart: `offload=\"disk\"` maps its files; DeepSpeed's async I/O settings do not apply",
     "hybrid_engine": "no counterpart",
 }
 
@@ -119,14 +126,12 @@ _ENABLED_SECTIONS = frozenset(
 _ZERO_IGNORED: dict[str, str] = {
     "allgather_bucket_size": "no counterpart: parameters are all-gathered in the gradient buckets (`bucket_size_mb`)",
     "use_multi_rank_bucket_allreduce": "no counterpart: the reducer plugins choose the collectives",
-    "offload_optimizer": _NO_OFFLOAD,
-    "offload_param": _NO_OFFLOAD,
-    "cpu_offload": _NO_OFFLOAD,
-    "cpu_offload_param": _NO_OFFLOAD,
-    "cpu_offload_params": _NO_OFFLOAD,
-    "cpu_offload_use_pin_memory": _NO_OFFLOAD,
+    "cpu_offload": _LEGACY_OFFLOAD,
+    "cpu_offload_param": _LEGACY_OFFLOAD,
+    "cpu_offload_params": _LEGACY_OFFLOAD,
+    "cpu_offload_use_pin_memory": _LEGACY_OFFLOAD,
     "sub_group_size": "no counterpart: each rank steps its whole shard at once",
-    "round_robin_gradients": "no counterpart: it only speeds up CPU offload, which ddp_plugin does not have",
+    "round_robin_gradients": "no counterpart: a detail of DeepSpeed's CPU offload",
     "zero_quantized_weights": (
         "no weight quantization (ZeRO++ qwZ): parameters are all-gathered in their own dtype; `compression=`"
         " compresses gradients only"
@@ -186,7 +191,8 @@ class DeepSpeedMapping:
 
     Attributes:
         flags: keyword arguments for ``HierarchicalZeroStrategy``, only those the config sets (a subset of
-            ``zero_stage``, ``shard_scope``, ``bucket_size_mb``, ``compression``, ``gradient_clip_norm``).
+            ``zero_stage``, ``shard_scope``, ``bucket_size_mb``, ``compression``, ``gradient_clip_norm``, ``offload``,
+            ``offload_dir``, ``offload_params``).
         ignored: dotted config key (``"zero_optimization.offload_optimizer"``) -> why it has no effect, and where
             to set it instead when there is such a place; in the config's order.
         hpz_partition_size: ``zero_optimization.zero_hpz_partition_size`` when it is above 1 (at stage 3); the
@@ -214,6 +220,10 @@ def from_deepspeed_config(config: str | os.PathLike | Mapping[str, Any]) -> Deep
     - ``zero_optimization.zero_quantized_gradients: true`` -> ``compression="int8"``.
     - ``gradient_clipping`` above 0 -> ``gradient_clip_norm`` (DeepSpeed clips by the global 2-norm too);
       0 disables clipping.
+    - ``zero_optimization.offload_optimizer.device`` ``"cpu"`` -> ``offload="cpu"``; ``"nvme"`` -> ``offload="disk"``
+      with ``offload_dir`` from its ``nvme_path``. ``zero_optimization.offload_param.device: "nvme"`` at stage 3,
+      beside an ``nvme`` optimizer offload -> ``offload_params=True`` (else listed in ``ignored`` with why). Their
+      tuning keys (``pin_memory``, ``buffer_count``, ...) are listed in ``ignored``.
 
     ZeRO++ hpZ and qgZ are stage 3 features in DeepSpeed, which ignores them at lower stages; so does this
     mapping, which lists them in ``ignored`` with the flag that gives the same effect at stages 1-2.
@@ -329,6 +339,7 @@ def _map_zero(zero: Any, flags: dict[str, Any], ignored: dict[str, str]) -> int 
         )
     effective_stage = flags.get("zero_stage", 0)
     hpz_partition_size: int | None = None
+    offload: dict[str, Any] = {}
     for key, value in zero.items():
         key = str(key)
         dotted = f"{ZERO}.{key}"
@@ -360,13 +371,59 @@ def _map_zero(zero: Any, flags: dict[str, Any], ignored: dict[str, str]) -> int 
             value.get("device") in (None, "none")
         ):
             ignored[dotted] = _DISABLED
+        elif key in ("offload_optimizer", "offload_param"):
+            offload[key] = value
         elif key in _ZERO_IGNORED:
             ignored[dotted] = _ZERO_IGNORED[key]
         elif key.startswith("stage3_"):
             ignored[dotted] = _STAGE3_UNITS
         else:
             ignored[dotted] = _UNKNOWN
+    _map_offload(offload, effective_stage, flags, ignored)
     return hpz_partition_size
+
+
+def _offload_section(key: str, value: Any) -> tuple[str, str | None]:
+    """An offload section's device (``"cpu"`` or ``"nvme"``) and ``nvme_path`` (required with ``"nvme"``)."""
+    dotted = f"{ZERO}.{key}"
+    if not isinstance(value, Mapping):
+        raise ValueError(f"`{dotted}` must be a JSON object with a `device`, got {type(value).__name__} {value!r}.")
+    device = value.get("device")
+    if device not in ("cpu", "nvme"):
+        raise ValueError(f"`{dotted}.device={device!r}` is not a DeepSpeed offload device; allowed values: 'none',"
+                         " 'cpu', 'nvme'.")
+    path = value.get("nvme_path")
+    if device == "nvme" and (_unset(path) or not isinstance(path, str)):
+        raise ValueError(f"`{dotted}.device` is 'nvme', which needs `{dotted}.nvme_path`: the directory on a local disk"
+                         " for the files (ddp_plugin's `offload_dir`).")
+    return device, path
+
+
+def _map_offload(offload: Mapping[str, Any], stage: int, flags: dict[str, Any], ignored: dict[str, str]) -> None:
+    """``offload_optimizer`` -> ``offload`` (``"cpu"``, or ``"disk"`` with ``offload_dir`` from ``nvme_path``);
+    ``offload_param`` with ``nvme`` -> ``offload_params`` at stage 3 beside an ``nvme`` optimizer offload. Their
+    tuning keys (``pin_memory``, ``buffer_count``, ``ratio``, ...) are listed in ``ignored``."""
+    for key, value in offload.items():
+        device, path = _offload_section(key, value)
+        dotted = f"{ZERO}.{key}"
+        if key == "offload_optimizer":
+            flags["offload"] = "disk" if device == "nvme" else "cpu"
+            if device == "nvme":
+                flags["offload_dir"] = path
+        elif device == "cpu":
+            ignored[dotted] = _PARAM_OFFLOAD_CPU
+            continue
+        elif stage != 3:
+            ignored[dotted] = _PARAM_OFFLOAD_BELOW_STAGE3
+            continue
+        elif offload.get("offload_optimizer", {}).get("device") != "nvme":
+            ignored[dotted] = _PARAM_OFFLOAD_ALONE
+            continue
+        else:
+            flags["offload_params"] = True
+        for sub, v in value.items():
+            if sub not in ("device", "nvme_path") and not _unset(v):
+                ignored[f"{dotted}.{sub}"] = _OFFLOAD_DETAIL
 
 
 def _bool(key: str, value: Any) -> bool:

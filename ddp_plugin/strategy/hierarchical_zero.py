@@ -108,14 +108,16 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             shards; the same update, element by element. Not with clipping, ``skip_nonfinite``, a loss scaler, manual
             optimization, sync modes, fault tolerance, tensor or pipeline parallelism. Default: ``False``. Allowed:
             ``False``, ``True``.
-        offload: stages 1-3: keep the optimizer state in host memory or in files, stepped bucket by bucket
-            (docs/zero.md#offload). ``"disk"``: each bucket's state in a mapped file in ``offload_dir``, read ahead of
-            its step and written back behind it; ``"cpu"``: in pinned host memory, copied to the device for its step (on
-            a CPU-only run the state is in host memory already). Default: ``None``. Allowed: ``None``, ``"cpu"``,
-            ``"disk"``.
+        offload: stages 1-3: optimizer state in host memory or files (docs/zero.md#offload). ``"disk"``: each bucket's
+            state in a mapped file in ``offload_dir``, read ahead of its step and written back behind it; ``"cpu"``: in
+            pinned host memory, copied to the device for its step (on a CPU-only run the state is in host memory
+            already). Default: ``None``; ``None``: the DeepSpeed ``config``'s value, else the default. Allowed:
+            ``None``, ``"cpu"``, ``"disk"``.
         offload_dir: its directory. Each rank's files are unlinked as soon as they are mapped: nothing is left behind.
-            Default: ``None``. Allowed: a path (with ``"disk"``).
-        offload_params: stage 3: the parameter shards on disk too. Default: ``False``. Allowed: ``False``, ``True``.
+            Default: ``None``; ``None``: the DeepSpeed ``config``'s value, else the default. Allowed: a path (with
+            ``"disk"``).
+        offload_params: stage 3: parameter shards too. Default: ``False``; ``None``: the DeepSpeed ``config``'s value,
+            else the default. Allowed: ``False``, ``True``.
         gradient_clip_norm: clip to this global 2-norm before every step, across shards at stages 1-3
             (``Trainer(gradient_clip_val=...)`` works too). Default: ``None`` (no clipping); ``None``: the DeepSpeed
             ``config``'s value, else the default. Allowed: positive finite number.
@@ -223,7 +225,7 @@ class HierarchicalZeroStrategy(ParallelStrategy):
         optimizer_in_backward: bool = False,
         offload: Literal["cpu", "disk"] | None = None,
         offload_dir: str | os.PathLike | None = None,
-        offload_params: bool = False,
+        offload_params: bool | None = None,
         gradient_clip_norm: float | None = None,
         config: str | os.PathLike | dict[str, Any] | None = None,
         checkpoint: Literal["master", "sharded"] = "master",

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ddp_plugin.zero.optimizer import step_subset
+
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
@@ -71,18 +73,6 @@ def check_trainer(gradient_clip_val: float | None, automatic_optimization: bool,
         raise ValueError("`optimizer_in_backward=True` cannot go with a loss scaler (`precision='16-mixed'`): the"
                          " scaler skips a step after backward if any gradient overflowed, and the buckets are stepped"
                          " in backward. Use `precision='bf16-mixed'` or `'32-true'`.")
-
-
-def step_subset(optimizer: Optimizer, params: Sequence[nn.Parameter]) -> None:
-    """One ``step()`` of ``optimizer``'s class over ``params`` only (a subset of its parameters, each in its own
-    group), with the groups' hyperparameters as they are now and the optimizer's own ``state``. The optimizer
-    object itself is not touched: a shallow copy gets the restricted groups."""
-    wanted = {id(p) for p in params}
-    view = type(optimizer).__new__(type(optimizer))
-    view.__dict__.update(optimizer.__dict__)
-    view.param_groups = [{**group, "params": kept} for group in optimizer.param_groups
-                         if (kept := [p for p in group["params"] if id(p) in wanted])]
-    type(optimizer).step(view)
 
 
 class StepInBackward:

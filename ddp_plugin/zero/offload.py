@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ddp_plugin.zero.backward_step import step_subset
+from ddp_plugin.zero.optimizer import step_subset
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

@@ -11,6 +11,8 @@ from torch import Tensor, nn
 from ddp_plugin.hookspecs import local_tensor
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from torch.optim import Optimizer
 
     from ddp_plugin.zero.shards import Shards
@@ -143,3 +145,15 @@ class ShardedOptimizers:
 
         optimizer.register_state_dict_pre_hook(refuse)
         optimizer.register_load_state_dict_pre_hook(refuse)
+
+
+def step_subset(optimizer: Optimizer, params: Sequence[nn.Parameter]) -> None:
+    """One ``step()`` of ``optimizer``'s class over ``params`` only (a subset of its parameters, each in its own
+    group), with the groups' hyperparameters as they are now and the optimizer's own ``state``. The optimizer
+    object itself is not touched: a shallow copy gets the restricted groups."""
+    wanted = {id(p) for p in params}
+    view = type(optimizer).__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    view.param_groups = [{**group, "params": kept} for group in optimizer.param_groups
+                         if (kept := [p for p in group["params"] if id(p) in wanted])]
+    type(optimizer).step(view)

@@ -7,6 +7,9 @@ current one computes. Parameters shared by several units (tied weights)
 and those of no unit live in the root unit, which stays gathered. A unit is always made of modules that are
 called: a container (``nn.ModuleList``, ``nn.ModuleDict``) is never one, since its forward hooks never fire;
 the blocks inside it are grouped into units instead.
+
+(About 400 lines: the plan of units from the module tree, and their gathers and frees at run time, which share
+the unit structure and are read together.)
 """
 
 from __future__ import annotations
