@@ -63,6 +63,7 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
     first = next(iter(results.values()))[0]
     reference = results.get("plain")
     rows = []
+    base = statistics.median(s for r in reference for s in r["step_s"][1:]) if reference is not None else 0.0
     for name, ranks in results.items():
         cap = ranks[0]["cap"] if name != "plain" and args.cap_mb else None
         step = statistics.median(s for r in ranks for s in r["step_s"][1:])
@@ -75,14 +76,14 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
                      ", ".join(str(max(r["step_peaks"]) // MIB) for r in ranks),
                      f"{max(max(r['step_peaks']) for r in ranks) / ranks[0]['share_bytes']:.2f}",
                      str(sum(r["oom_kills"] for r in ranks)), f"{step:.1f}",
-                     "-" if reference is None else f"{step / statistics.median(s for r in reference for s in r['step_s'][1:]):.2f}",
+                     "-" if reference is None else f"{step / base:.2f}",
                      same])
     lines = [
         "# Offload benchmark: ZeRO-3 with the training state on disk, under a per-rank memory cap",
         "",
         *bench.header(),
-        f"- model: GPT, d_model {args.d_model}, {args.layers} blocks, vocab 32, built on meta; {first['params'] / 1e6:.0f}M"
-        f" parameters; training state (fp32 weights, gradients, AdamW's two moments) {first['state_bytes'] / MIB:.0f}"
+        f"- model: GPT, d_model {args.d_model}, {args.layers} blocks, vocab 32, built on meta;"
+        f" {first['params'] / 1e6:.0f}M parameters; training state (fp32 weights, gradients, AdamW's two moments) {first['state_bytes'] / MIB:.0f}"
         f" MiB, a rank's share {first['share_bytes'] / MIB:.0f} MiB; 4 CPU ranks, ZeRO-3, `prefetch_units=1`,"
         f" {args.steps} steps of 4 x 8 tokens a rank",
         "- peaks: each rank's cgroup charge (anonymous memory and page cache), MiB, while setting up (build,"

@@ -2,8 +2,8 @@
 
 A DeepSpeed config mixes three kinds of settings: ZeRO and communication settings, which have counterparts
 among this strategy's flags; training-loop settings (batch size, optimizer, precision, logging), which belong to
-Lightning's ``Trainer`` and ``LightningModule``; and DeepSpeed features ddp_plugin does not have (offload tuning, parameters in host memory,
-weight quantization, pipeline parallelism). Silently dropping the last two would let a migrated run differ from
+Lightning's ``Trainer`` and ``LightningModule``; and DeepSpeed features ddp_plugin does not have (offload
+tuning, parameters in host memory, weight quantization, pipeline parallelism). Silently dropping the last two would let a migrated run differ from
 the DeepSpeed run without anyone noticing, so :func:`from_deepspeed_config` maps what it can and returns every
 other key, with where to set it instead; the strategy warns with :func:`describe_ignored`.
 

@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Any
 from ddp_plugin.zero.optimizer import step_subset
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Mapping
 
-    from torch import nn
     from torch.optim import Optimizer
 
     from ddp_plugin.zero.offload import Offload

@@ -39,7 +39,7 @@ from torch import Tensor
 from ddp_plugin.zero.optimizer import step_subset
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     from torch.optim import Optimizer
 
@@ -298,7 +298,8 @@ class HostOffload(Offload):
 
     def _states(self, b: int) -> list[tuple[int, dict[str, Any], int]]:
         state = self.optimizer.state if self.optimizer is not None else {}
-        return [(i, state.get(piece.param) or {}, piece.param.numel()) for i, piece in enumerate(self.entries[b].pieces)]
+        return [(i, state.get(piece.param) or {}, piece.param.numel())
+                for i, piece in enumerate(self.entries[b].pieces)]
 
     def adopt(self, b: int) -> None:
         if not self.stream_copies:

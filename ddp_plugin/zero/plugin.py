@@ -65,7 +65,8 @@ class ZeroSharder:
         self.offload = offload
         """Where the optimizer state is kept between the bucket-by-bucket updates (:mod:`ddp_plugin.zero.offload`)."""
         self.in_backward = StepInBackward(offload) if optimizer_in_backward else None
-        """Stages 2-3: each bucket's shard stepped once its gradient is reduced (:mod:`ddp_plugin.zero.backward_step`)."""
+        """Stages 2-3: each bucket's shard stepped once its gradient is reduced
+        (:mod:`ddp_plugin.zero.backward_step`)."""
         """The cross-node stage of the gradients' node shards, if not the hook (fault tolerance's)."""
         self._plan: UnitPlan | None = None
         self.shards: Shards | None = None

@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", default="0:global:auto",
                         help="comma-separated zero_stage:shard_scope:hierarchical[:inbw][:disk[:params]|:cpu] runs, one"
                         " after the other in the same processes (hierarchical: auto, on or off; inbw:"
-                        " optimizer_in_backward=True; disk: offload='disk', params: offload_params; cpu: offload='cpu')")
+                        " optimizer_in_backward=True; disk: offload='disk', params: offload_params;"
+                        " cpu: offload='cpu')")
     parser.add_argument("--wrap", default="Linear", help="stage 3 auto_wrap_policy: module class names, comma-separated")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--accelerator", default="cpu", help="cpu, or gpu for the CUDA/NCCL tests")

@@ -43,7 +43,8 @@ def load_cgroup_module():
 
 
 UNCAPPED = 64 << 30
-cap = load_cgroup_module().MemoryCap.join((args.cap_mb << 20) or UNCAPPED, f"{args.name}_{os.environ.get('LOCAL_RANK', '0')}")
+cap = load_cgroup_module().MemoryCap.join((args.cap_mb << 20) or UNCAPPED,
+                                          f"{args.name}_{os.environ.get('LOCAL_RANK', '0')}")
 
 import json  # noqa: E402
 import time  # noqa: E402
@@ -139,7 +140,8 @@ def main() -> None:
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     # Weights, gradients and AdamW's two moments, fp32: 16 bytes a parameter; a rank's share is a quarter.
     mine = {"cap": cap.limit, "imported": imported, "peak": cap.peak_bytes, "oom_kills": cap.oom_kills,
-            "state_bytes": 16 * numel, "share_bytes": 16 * numel // 4, "params": numel, "steps": t.global_step, "checksum": checksum,
+            "state_bytes": 16 * numel, "share_bytes": 16 * numel // 4, "params": numel, "steps": t.global_step,
+            "checksum": checksum,
             "losses": losses.losses, "at_peak": sampler.stop(), "step_s": losses.step_s,
             "setup_peak": losses.setup_peak, "step_peaks": losses.step_peaks,
             "offload_dir_entries": sorted(os.listdir(offload["offload_dir"])) if offload else None}
