@@ -366,11 +366,13 @@ def test_offload_trains_the_same_bits_as_without_it(offload_results, variant, co
         assert offloaded["offload_files"] == []
 
 
-def test_a_checkpoint_saved_with_disk_offload_resumes_with_it_or_without_it_and_the_other_way_round(tmp_path):
+@pytest.mark.parametrize("layout", ["master", "sharded"])
+def test_a_checkpoint_saved_with_disk_offload_resumes_with_it_or_without_it_and_the_other_way_round(tmp_path, layout):
     # Lightning's default callbacks and logger on; stage 3 with the parameter shards on disk too, AdamW with weight
     # decay, a scheduler: the state read from the files is the one without offload, and a checkpoint saved without
-    # it goes into the files on a resume.
-    run_python(WORKERS / "zero_run.py", "--mode", "offload_resume", "--out", tmp_path, timeout=600)
+    # it goes into the files on a resume. The offloaded runs save consolidated (master) or sharded checkpoints.
+    run_python(WORKERS / "zero_run.py", "--mode", "offload_resume", "--checkpoint", layout, "--out", tmp_path,
+               timeout=600)
     digests = json.loads((tmp_path / "digests.json").read_text())
     assert digests["resumed"] == digests["plain"] == digests["resumed_plain"] == digests["resumed_on"]
     assert digests["first"] == digests["plain_first"] != digests["plain"]

@@ -7,7 +7,7 @@
     python tests/workers/zero_run.py --mode modulelist --out DIR --devices 0  # single-process reference
     python tests/workers/zero_run.py --mode in_backward --refuse clip|manual  # optimizer_in_backward refuses it
     python tests/workers/zero_run.py --mode in_backward_resume --out DIR  # its checkpoint resumes, with or without it
-    python tests/workers/zero_run.py --mode offload_resume --out DIR  # offload="disk": the same, either way round
+    python tests/workers/zero_run.py --mode offload_resume --out DIR [--checkpoint sharded]  # the same with offload="disk"
 """
 
 from __future__ import annotations
@@ -247,6 +247,8 @@ def main() -> None:
                                            "offload_resume"],
                         required=True)
     parser.add_argument("--refuse", choices=["clip", "manual"], default="clip")
+    parser.add_argument("--checkpoint", choices=["master", "sharded"], default="master",
+                        help="offload_resume: the checkpoint layout of the runs with offload")
     parser.add_argument("--out", default=None)
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--allow", action="store_true", help="declare the optimizer elementwise (allow_optimizer)")
@@ -268,7 +270,7 @@ def main() -> None:
         return
     if args.mode == "offload_resume":
         resume_in_backward(args.out, {"offload": "disk", "offload_dir": os.path.join(args.out, "offload"),
-                                      "offload_params": True})
+                                      "offload_params": True, "checkpoint": args.checkpoint})
         return
     if args.mode == "modulelist":
         for variant in args.variants.split(","):
