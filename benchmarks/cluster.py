@@ -81,6 +81,7 @@ LABELS = {
     "ours_zero3": "ours, ZeRO-3 (hierarchical, global shards)",
     "ours_zero3_prefetch1": "ours, ZeRO-3 (global shards, `prefetch_units=1`)",
     "ours_zero3_inbw": "ours, ZeRO-3 (hierarchical, global shards, `optimizer_in_backward`)",
+    "ours_zero3_inbw_p1": "ours, ZeRO-3 (global shards, `optimizer_in_backward`, `prefetch_units=1`)",
     "ours_zero3_node": "ours, ZeRO-3 (hierarchical, shards inside a node)",
 }
 RUN_AS = {"uncapped_floor": ("lightning_ddp", None)}

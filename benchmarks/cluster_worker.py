@@ -75,6 +75,7 @@ LIGHTNING_CONTENDERS = {
     "ours_zero3": {"zero_stage": 3, "shard_scope": "global"},
     "ours_zero3_prefetch1": {"zero_stage": 3, "shard_scope": "global", "prefetch_units": 1},
     "ours_zero3_inbw": {"zero_stage": 3, "shard_scope": "global", "optimizer_in_backward": True},
+    "ours_zero3_inbw_p1": {"zero_stage": 3, "shard_scope": "global", "optimizer_in_backward": True, "prefetch_units": 1},
     "ours_zero3_node": {"zero_stage": 3, "shard_scope": "node"},
     # Sync modes: nodes synchronize every 16 steps (DiLoCo: Nesterov outer step on the averaged pseudo-gradient).
     # Streaming: 16 fragments on a staggered schedule (S/16 crosses after every step), each outer all-reduce in the
