@@ -41,7 +41,6 @@ PARITY_FLAGS: dict[str, dict] = {
     "zero2": {"zero_stage": 2},
     "zero3": {"zero_stage": 3, "auto_wrap_policy": ["Block"]},  # a unit per transformer block
     "zero3_offload_cpu": {"zero_stage": 3, "auto_wrap_policy": ["Block"], "offload": "cpu"},  # pinned host state
-    "zero3_offload_disk": {"zero_stage": 3, "auto_wrap_policy": ["Block"], "offload": "disk", "offload_params": True},
     "tp2": {"tensor_parallel_size": 2},
     "pp2": {"pipeline_parallel_size": 2},
     "16-mixed": {},
@@ -176,10 +175,7 @@ def parity(case: str, spec: dict) -> dict:
         strategy = DDPStrategy()
     else:
         # Small buckets: several buckets per step, launched in order while backward runs.
-        flags = dict(PARITY_FLAGS[case])
-        if flags.get("offload") == "disk":
-            flags["offload_dir"] = os.path.join(spec["out"], "offload")
-        strategy = HierarchicalZeroStrategy(bucket_size_mb=1 / 256, **flags)
+        strategy = HierarchicalZeroStrategy(bucket_size_mb=1 / 256, **PARITY_FLAGS[case])
     record = Record()
     trainer = _trainer(spec, strategy, steps, [record], case, gradient_clip_val=CLIP)
     started = time.perf_counter()

@@ -415,6 +415,17 @@ def test_offload_refuses_at_construction_what_it_cannot_go_with_naming_the_flags
         HierarchicalZeroStrategy(**kwargs)
 
 
+def test_disk_offload_is_refused_at_setup_where_the_parameters_are_on_an_accelerator():
+    import torch
+
+    from ddp_plugin.zero.offload import DiskOffload, make_offload
+
+    with pytest.raises(ValueError, match=r"`offload='disk'` runs the update on the host.*parameters on cuda.*"
+                                         r"Allowed: `offload='cpu'`"):
+        make_offload("disk", "/tmp", False, torch.device("cuda", 0))
+    assert isinstance(make_offload("disk", "/tmp", True, torch.device("cpu")), DiskOffload)
+
+
 def test_offload_flags_are_accepted_and_read_back(tmp_path):
     s = HierarchicalZeroStrategy(zero_stage=3, offload="disk", offload_dir=tmp_path, offload_params=True)
     assert (s.offload, s.offload_dir, s.offload_params) == ("disk", str(tmp_path), True)

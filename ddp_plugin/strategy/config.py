@@ -205,7 +205,7 @@ FLAGS: dict[str, FlagDoc] = {
     "offload": FlagDoc(
         what="stages 1-3: optimizer state in host memory or files ([docs](docs/zero.md#offload))",
         allowed=_code(None, "cpu", "disk"), row="offload",
-        more="`\"disk\"`: each bucket's state in a mapped file in `offload_dir`, read ahead of its step and written"
+        more="`\"disk\"` (CPU ranks): each bucket's state in a mapped file in `offload_dir`, read ahead of its step and written"
              " back behind it; `\"cpu\"`: in pinned host memory, copied to the device for its step (on a CPU-only"
              " run the state is in host memory already)."),
     "offload_dir": FlagDoc(

@@ -108,10 +108,10 @@ class HierarchicalZeroStrategy(ParallelStrategy):
             shards; the same update, element by element. Not with clipping, ``skip_nonfinite``, a loss scaler, manual
             optimization, sync modes, fault tolerance, tensor or pipeline parallelism. Default: ``False``. Allowed:
             ``False``, ``True``.
-        offload: stages 1-3: optimizer state in host memory or files (docs/zero.md#offload). ``"disk"``: each bucket's
-            state in a mapped file in ``offload_dir``, read ahead of its step and written back behind it; ``"cpu"``: in
-            pinned host memory, copied to the device for its step (on a CPU-only run the state is in host memory
-            already). Default: ``None``; ``None``: the DeepSpeed ``config``'s value, else the default. Allowed:
+        offload: stages 1-3: optimizer state in host memory or files (docs/zero.md#offload). ``"disk"`` (CPU ranks):
+            each bucket's state in a mapped file in ``offload_dir``, read ahead of its step and written back behind it;
+            ``"cpu"``: in pinned host memory, copied to the device for its step (on a CPU-only run the state is in host
+            memory already). Default: ``None``; ``None``: the DeepSpeed ``config``'s value, else the default. Allowed:
             ``None``, ``"cpu"``, ``"disk"``.
         offload_dir: its directory. Each rank's files are unlinked as soon as they are mapped: nothing is left behind.
             Default: ``None``; ``None``: the DeepSpeed ``config``'s value, else the default. Allowed: a path (with

@@ -342,5 +342,9 @@ def make_offload(kind: str | None, directory: str | None, params: bool, device: 
     if kind is None:
         return None
     if kind == "disk":
+        if device.type != "cpu":
+            raise ValueError(f"`offload='disk'` runs the update on the host, where its files are mapped: with the"
+                             f" parameters on {device.type} it is not available yet. Allowed: `offload='cpu'` (the"
+                             " state in pinned host memory, copied to the device for each bucket's step), or CPU ranks.")
         return DiskOffload(directory, params)
     return HostOffload(device)
