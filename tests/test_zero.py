@@ -335,6 +335,7 @@ def test_a_checkpoint_saved_with_optimizer_in_backward_resumes_with_it_or_withou
 
 OFFLOAD_CONFIGS = ["accumulate", "clip_and_schedule"]  # AdamW, accumulation; SGD, clipping, a scheduler
 OFFLOAD_PAIRS = {  # offloaded variant -> the same run without offload
+    "1:global:on:disk": "1:global:on",
     "2:global:on:disk": "2:global:on",
     "3:global:off:disk:params": "3:global:off",
     "3:global:off:cpu": "3:global:off",
