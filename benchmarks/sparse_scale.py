@@ -192,11 +192,16 @@ def analyse(ranks: list[dict[str, Any]], h: int) -> dict[str, Any]:
         for d in ("tx", "rx"):
             delta = [b - a for a, b in zip(r[d], r[d][1:])]  # delta[s - 1]: step s
             base = statistics.median(delta[s - 1] for s in quiet)
+            node[f"delta_{d}"] = delta
             node[f"base_{d}"] = base
+            node[f"base_{d}_mean"] = statistics.mean(delta[s - 1] for s in quiet)
             node[f"base_{d}_max"] = max(delta[s - 1] for s in quiet)
             node[f"sync_{d}"] = [delta[s - 1] + delta[s] - 2 * base for s in sync_steps]
         t = r["t"]
         node["step_s"] = [b - a for a, b in zip(t, t[1:])]
+        quiet_s = sum(node["step_s"][s - 1] for s in quiet)
+        for d in ("tx", "rx"):  # (the heartbeats beat by the clock: bytes a second of the quiet steps too)
+            node[f"base_{d}_per_s"] = sum(node[f"delta_{d}"][s - 1] for s in quiet) / quiet_s
         nodes.append(node)
     out: dict[str, Any] = {"per_node": nodes, "sync_steps": sync_steps, "quiet_steps": quiet, "params": ranks[0]["params"],
                            "syncs_applied": ranks[0]["syncs"], "ours_cross_node_MB": ranks[0]["cross_node_MB"],
@@ -209,6 +214,8 @@ def analyse(ranks: list[dict[str, Any]], h: int) -> dict[str, Any]:
         out[f"base_{d}"] = statistics.mean(n[f"base_{d}"] for n in nodes)
         out[f"base_{d}_node0"] = nodes[0][f"base_{d}"]
         out[f"base_{d}_others"] = statistics.mean(n[f"base_{d}"] for n in nodes[1:])
+        out[f"base_{d}_mean"] = statistics.mean(n[f"base_{d}_mean"] for n in nodes)
+        out[f"base_{d}_per_s"] = statistics.mean(n[f"base_{d}_per_s"] for n in nodes)
     step_s = nodes[0]["step_s"][1:]  # rank 0's steps after the first
     out["step_s_mean"] = statistics.mean(step_s)
     out["step_s_quiet"] = statistics.median(nodes[0]["step_s"][s - 1] for s in quiet)
@@ -225,7 +232,8 @@ def run_one(cluster: Any, args: argparse.Namespace, kind: str, nodes: int, rate:
         return row
     row.update(analyse(res["ranks"], args.sync_every))
     print(f"{nodes} nodes, {kind}, {rate}: sync {row['sync_tx'] / MB:.4f} MB tx, {row['sync_rx'] / MB:.4f} MB rx a"
-          f" node; base {row['base_tx']:.0f} B tx, {row['base_rx']:.0f} B rx a step; {row['step_s_mean']:.3f} s/step"
+          f" node; base {row['base_tx']:.0f} B tx, {row['base_rx']:.0f} B rx a step (mean {row['base_tx_mean']:.0f},"
+          f" {row['base_tx_per_s']:.0f} B/s tx); {row['step_s_mean']:.3f} s/step"
           f" ({res['wall_s']:.0f} s wall)", flush=True)
     return row
 
@@ -294,6 +302,15 @@ def markdown(args: argparse.Namespace, bench: harness.Run, results: list[dict[st
                      f"{r['base_rx_node0']:.0f} / {r['base_rx_others']:.0f}",
                      f"{r['step_s_mean']:.3f}", fmt(floor["step_s_mean"] if floor else None, ".3f")])
     lines += harness.table(head, rows)
+    lines += ["", "The base: what a node moves a step when no sync is due, over the quiet steps (median as subtracted above;"
+              " mean, which also holds the heartbeats that beat by the clock; and bytes a second of those steps), mean"
+              " over the nodes:", ""]
+    lines += harness.table(["nodes", "kind", "link", "quiet steps", "sent B/step median", "sent mean", "sent B/s",
+                            "received B/step median", "received mean", "received B/s", "s/step (quiet, rank 0)"],
+                           [[r["nodes"], LABELS[r["kind"]], r["rate"] or "uncapped", len(r["quiet_steps"]),
+                             f"{r['base_tx']:.0f}", f"{r['base_tx_mean']:.0f}", f"{r['base_tx_per_s']:.0f}",
+                             f"{r['base_rx']:.0f}", f"{r['base_rx_mean']:.0f}", f"{r['base_rx_per_s']:.0f}",
+                             f"{r['step_s_quiet']:.3f}"] for r in ok])
     lines += ["", "Every sync of each run, MB sent a node (mean over nodes):", ""]
     lines += harness.table(["nodes", "kind", "syncs applied", "per sync (MB sent)", "ours: cross_node_MB a step"],
                            [[r["nodes"], LABELS[r["kind"]] + ("" if r["rate"] == args.rate else ", uncapped"),
