@@ -128,6 +128,12 @@ def run(name: str, devices: int, devices_per_node: int | None, hierarchical: boo
         use_distributed_sampler=False,
     )
     trainer.fit(model)
+    if stepped.offload_dir is not None:
+        # Listed once every rank is past its teardown (a rank still in it may be between making a file and
+        # unlinking it): what is left behind.
+        if trainer.world_size > 1:
+            trainer.strategy.barrier()
+        stepped.files = sorted(os.listdir(stepped.offload_dir))
 
     used = torch.tensor(model.branch_used, dtype=torch.int32)
     if trainer.world_size > 1:
@@ -159,6 +165,7 @@ class SteppedInBackward(L.Callback):
     """Buckets the offload stepped (in backward or after it) over the fit (None without offload)."""
     files: list[str] | None = None
     """What ``offload_dir`` holds at the end (nothing: the files are unlinked once mapped)."""
+    offload_dir: str | None = None
     state_in_files: tuple[int, int] | None = None
     """Optimizer state entries (per piece and key) in the offload's mapped files, and entries in all."""
 
@@ -171,7 +178,7 @@ class SteppedInBackward(L.Callback):
         offload = getattr(sharder, "offload", None)
         self.offloaded = None if offload is None else trainer.strategy.metric_totals["zero/offload_buckets_stepped"]
         if offload is not None and hasattr(offload, "directory"):
-            self.files = sorted(os.listdir(offload.directory))
+            self.offload_dir = offload.directory
             self.state_in_files = state_in_mapped_files(trainer.optimizers[0], sharder)
 
 

@@ -136,6 +136,7 @@ def main() -> None:
     numel = sum(p.numel() for p in model.parameters())
     data = DataLoader(token_dataset(4 * 4 * args.steps, seq=8, vocab=32), batch_size=4)
     t.fit(model, data)
+    dist.barrier()  # (every rank past its teardown before any lists the offload directory)
     # After fit the module is whole (with offload_params: in mapped files): its checksum, read from there.
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     # Weights, gradients and AdamW's two moments, fp32: 16 bytes a parameter; a rank's share is a quarter.
