@@ -88,10 +88,10 @@ class Run:
     # -- processes
 
     def start_lighthouse(self) -> None:
-        from ddp_plugin.fault_tolerance.launch import lighthouse_binary
+        from ddp_plugin.fault_tolerance.launch import lighthouse_command
 
         self.lighthouse = self.cluster.popen(
-            self.lh_node, [lighthouse_binary(), "--min_replicas", str(self.args.groups // 2 + 1), "--join_timeout_ms",
+            self.lh_node, [*lighthouse_command(), "--min_replicas", str(self.args.groups // 2 + 1), "--join_timeout_ms",
                            "5000", "--heartbeat_timeout_ms", "1000", "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
             stdout=open(self.out / "lighthouse.txt", "a"), stderr=subprocess.STDOUT)
 

@@ -667,9 +667,9 @@ def lighthouse(cluster: Any, out: Path, join_timeout_ms: int = 5000, heartbeat_t
                ) -> Iterator[str]:
     """torchft's lighthouse in node 0's namespace (its log in ``out``) for the duration; its address as the nodes
     reach it."""
-    from ddp_plugin.fault_tolerance.launch import lighthouse_binary
+    from ddp_plugin.fault_tolerance.launch import lighthouse_command
 
-    proc = cluster.popen(0, [lighthouse_binary(), "--min_replicas", "1", "--join_timeout_ms", str(join_timeout_ms),
+    proc = cluster.popen(0, [*lighthouse_command(), "--min_replicas", "1", "--join_timeout_ms", str(join_timeout_ms),
                              "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
                          stdout=open(out / "lighthouse.txt", "w"), stderr=subprocess.STDOUT)
     time.sleep(1.0)

@@ -10,18 +10,46 @@ Importing the package registers the Lightning strategy names (``"hierarchical_ze
 
 from __future__ import annotations
 
-from lightning.fabric.plugins.environments import MPIEnvironment
-from lightning.pytorch.strategies import StrategyRegistry
-
-from ddp_plugin.hookspecs import Bucket, Topology, hookimpl, hookspec
-from ddp_plugin.strategy.hierarchical_zero import HierarchicalZeroStrategy
+import os
+import sys
 
 __version__ = "0.2.0"
 
 __all__ = ["Bucket", "HierarchicalZeroStrategy", "Topology", "hookimpl", "hookspec"]
 
-if "hierarchical_zero" not in StrategyRegistry:
-    HierarchicalZeroStrategy.register_strategies(StrategyRegistry)
+
+def _launcher() -> bool:
+    """Whether this process is ``ddp-plugin-group`` (or ``python -m ddp_plugin.fault_tolerance.launch``), which
+    imports this package on its way to its own module and needs nothing of it: it starts the group's command and
+    waits. Lightning and torch there cost every group's start 5 s of CPU (50 s on a node of a tenth of a core) and
+    the node 380 MB while the group runs (docs/fault_tolerance.md#launch)."""
+    if sys.argv and os.path.basename(sys.argv[0]).startswith("ddp-plugin-group"):
+        return True
+    argv = list(getattr(sys, "orig_argv", ()))
+    return any(a == "-m" and b == "ddp_plugin.fault_tolerance.launch" for a, b in zip(argv, argv[1:]))
+
+
+if not _launcher():
+    from lightning.fabric.plugins.environments import MPIEnvironment
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from ddp_plugin.hookspecs import Bucket, Topology, hookimpl, hookspec
+    from ddp_plugin.strategy.hierarchical_zero import HierarchicalZeroStrategy
+
+    if "hierarchical_zero" not in StrategyRegistry:
+        HierarchicalZeroStrategy.register_strategies(StrategyRegistry)
+else:
+
+    def __getattr__(name: str):
+        """In the launcher's process, the package's names on first use (nothing of the launcher uses them)."""
+        if name not in __all__:
+            raise AttributeError(f"module 'ddp_plugin' has no attribute {name!r}")
+        import ddp_plugin.hookspecs as hookspecs
+        from ddp_plugin.strategy.hierarchical_zero import HierarchicalZeroStrategy
+
+        found = {"HierarchicalZeroStrategy": HierarchicalZeroStrategy, **{n: getattr(hookspecs, n) for n in __all__
+                                                                           if hasattr(hookspecs, n)}}
+        return found[name]
 
 
 def _explain_missing_mpi_library(detect):
@@ -45,5 +73,5 @@ def _explain_missing_mpi_library(detect):
     return staticmethod(checked_detect)
 
 
-if not hasattr(MPIEnvironment.detect, "__wrapped__"):
+if "MPIEnvironment" in globals() and not hasattr(MPIEnvironment.detect, "__wrapped__"):
     MPIEnvironment.detect = _explain_missing_mpi_library(MPIEnvironment.detect)

@@ -348,10 +348,10 @@ LIGHTHOUSE_AWAY = 4
 def start_lighthouse(port: int, out, min_replicas: int = 1) -> subprocess.Popen:
     """torchft's lighthouse as a process of its own (so that it can be killed and started again). A quorum waits
     up to a minute for every group that beats but has not asked (here: a group held at a step)."""
-    from ddp_plugin.fault_tolerance.launch import lighthouse_binary
+    from ddp_plugin.fault_tolerance.launch import lighthouse_command
 
     proc = subprocess.Popen(
-        [lighthouse_binary(), "--min_replicas", str(min_replicas), "--join_timeout_ms",
+        [*lighthouse_command(), "--min_replicas", str(min_replicas), "--join_timeout_ms",
          "60000",
          "--heartbeat_timeout_ms", "1000", "--bind", f"[::]:{port}"],
         stdout=open(out / "lighthouse.txt", "a"), stderr=subprocess.STDOUT)  # noqa: SIM115 - closed with it
@@ -838,6 +838,58 @@ def test_the_launch_command_names_a_bad_flag_before_starting_anything(argv, mess
         launch.main([*argv, str(ROOT / "examples" / "fault_tolerance.py")])
     assert exit_.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def torch_mapped(pid: int) -> bool:
+    """Whether process ``pid`` has torch's library loaded (what importing torch maps: 380 MB and seconds of CPU)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.parametrize("form", ["module", "console script"])
+def test_the_launcher_and_the_lighthouse_it_starts_import_no_torch(form, tmp_path):
+    """``ddp-plugin-group`` only starts the group's command and waits, and the lighthouse is torchft's Rust
+    server: neither process loads torch (each did, costing every group's start 5 s of CPU and 380 MB, and every
+    lighthouse restart 1.6 s of CPU before it listens). The group's command is a script that looks at its parent, the
+    launcher, and at the lighthouse the launcher started."""
+    import sys
+
+    # (the real interpreter: the suite's own forks its Pythons from one that has imported torch, tests/zygote.py)
+    if form == "module":
+        head = [sys.executable, "-m", "ddp_plugin.fault_tolerance.launch"]
+    else:
+        script = Path(sys.executable).parent / "ddp-plugin-group"
+        if not script.exists():
+            pytest.skip(f"the package is not installed in this interpreter's environment ({script} is missing)")
+        head = [str(script)]
+    port = free_port()
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os, sys\n"
+        f"launcher = open('/proc/{{}}/maps'.format(os.getppid())).read()\n"
+        "print('launcher maps torch:', 'libtorch' in launcher)\n")
+    proc = subprocess.run(
+        [*head, "--group", "0", "--groups", "1", "--start-lighthouse", "--lighthouse-port", str(port), str(probe)],
+        env=clean_env({}), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "launcher maps torch: False" in proc.stdout, proc.stdout + proc.stderr
+    # The lighthouse alone, started as the launcher starts it.
+    from ddp_plugin.fault_tolerance.launch import lighthouse_command
+
+    lighthouse = subprocess.Popen([*lighthouse_command(), "--min_replicas", "1", "--bind", f"[::]:{port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert lighthouse.poll() is None and time.time() < deadline, "the lighthouse did not start"
+                time.sleep(0.1)
+        assert not torch_mapped(lighthouse.pid)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
 
 
 def test_other_nodes_reach_this_groups_manager_and_checkpoints_at_its_rendezvous_host():

@@ -11,7 +11,7 @@ It sets what the strategy's ``fault_tolerance=True`` reads (``REPLICA_GROUP_ID``
 script: as it is (Lightning's launcher starts the ranks ``Trainer(devices=...)`` asks for), or under
 ``torchrun`` with ``--nproc-per-node`` (and ``--nnodes``/``--node-rank`` for a group of several nodes, each node
 running the same command with its ``--node-rank`` and the first node's address as ``--master-addr``).
-With ``--start-lighthouse`` it starts ``torchft_lighthouse`` first and keeps it up after its own group ends, until
+With ``--start-lighthouse`` it starts torchft's lighthouse first and keeps it up after its own group ends, until
 no group beats any more. The group's exit code is the command's; SIGINT and SIGTERM are passed on to it.
 """
 
@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -86,14 +84,16 @@ def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"script {args.script!r}: no such file")
 
 
-def lighthouse_binary() -> str:
-    found = Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"
-    if found.exists():
-        return str(found)
-    found = shutil.which("torchft_lighthouse")
-    if found is None:
+def lighthouse_command() -> list[str]:
+    """The command that starts torchft's lighthouse (its flags go after it): ``lighthouse.py`` of this package, run
+    by path, which loads torchft's compiled lighthouse without importing torch (torchft's own
+    ``torchft_lighthouse`` imports torch first: 1.6 s of CPU, which a lighthouse started again mid-run costs every
+    group waiting in a sync)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
         sys.exit("ddp-plugin-group: --start-lighthouse needs torchft's lighthouse: pip install ddp_plugin[torchft]")
-    return found
+    return [sys.executable, str(Path(__file__).resolve().with_name("lighthouse.py"))]
 
 
 def reachable(address: str, timeout: float) -> bool:
@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lighthouse = None
     if args.start_lighthouse:
         address = args.lighthouse or f"http://{socket.gethostname()}:{args.lighthouse_port}"
-        lighthouse = subprocess.Popen([lighthouse_binary(), "--min_replicas", str(args.min_replicas),
+        lighthouse = subprocess.Popen([*lighthouse_command(), "--min_replicas", str(args.min_replicas),
                                        "--join_timeout_ms", str(args.join_timeout_ms), "--bind",
                                        f"[::]:{args.lighthouse_port}"], start_new_session=True)
         probe = f"http://127.0.0.1:{args.lighthouse_port}"
