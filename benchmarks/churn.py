@@ -25,8 +25,11 @@ Runs (``--runs``), each ``--minutes`` long, then every live group stops at a com
 
 Goodput: useful samples a second of the live groups over the run (the first step to the common last one): every
 group's optimizer steps times the batch, less the steps its syncs lost (``ft/steps_lost``) and, for a killed
-group, the steps after its last committed sync. Blocked: the longest time between two steps of one process (the
-first step after a start or a heal excluded), against ``quorum_timeout`` plus a step. Needs root (network
+group, the steps after its last committed sync. A running group's goodput: the same useful samples over the
+group-seconds between each launch's first step and its last (what churn costs the groups while they run: the
+lighthouse's restarts, quorums that change, heals, lost steps; not a killed group's time down and starting).
+Blocked: the longest time between two steps of one process (the first step after a start or a heal excluded),
+against ``quorum_timeout`` plus a step. Needs root (network
 namespaces, cgroups); a benchmark, not a test: it asserts nothing.
 """
 
@@ -105,7 +108,8 @@ class Run:
                 "sync_every": self.args.sync_every, "compression": self.args.compression, "batch": self.args.batch,
                 "data_split": "quorum", "seed": self.seed, "width": self.args.width,
                 "quorum_timeout": self.args.quorum_timeout, "timeout": self.args.timeout, "min_replicas": self.args.groups // 2 + 1,
-                "stop_file": str(self.out / "stop"), "save_params": True,
+                "stop_file": str(self.out / "stop"), "save_params": True, "max_staleness": self.args.max_staleness,
+                "sync_fragments": self.args.sync_fragments, "dynamic_steps": self.args.dynamic_steps,
                 **({"gate": str(self.out / "gate")} if gate else {})}
         prefix = ["-m", "ddp_plugin.fault_tolerance.launch", "--group", str(group), "--groups", str(self.args.groups),
                   "--lighthouse", self.address, "--master-addr", self.cluster.addresses[group], "--master-port",
@@ -226,6 +230,7 @@ class Run:
                     launches.append((g, k, rec))
         t_end = max(r["time"] for _, _, rec in launches for r in rec)
         useful, blocked, lost = 0, [], 0
+        stepping = 0.0  # group-seconds between each launch's first step and its last
         steps = [b["time"] - a_["time"] for _, _, rec in launches for a_, b in zip(rec, rec[1:])]
         step_s = statistics.median(steps) if steps else 0.0
         windows: dict[int, float] = {}
@@ -237,6 +242,7 @@ class Run:
                                   default=0)
                 cut = last_commit + 1 if last_commit else 0
             kept = max(0, cut - int(rec[-1].get("ft/steps_lost", 0)))
+            stepping += rec[-1]["time"] - rec[0]["time"]
             useful += kept * a.batch
             lost += len(rec) - kept
             for r in rec[:kept]:
@@ -265,6 +271,7 @@ class Run:
                 first_sync.append(commit - started)
         heal_s = [rec[-1].get("ft/heal_s", 0.0) for g, k, rec in launches if k > 0]
         return {"wall_s": t_end - t0, "useful_samples": useful, "goodput": useful / (t_end - t0), "stop": stop,
+                "per_group_s": useful / stepping if stepping else 0.0,
                 "step_s": step_s, "blocked_s": max(blocked, default=(0.0, -1, -1)), "lost_steps": lost,
                 "equal": equal, "ended": len(params), "codes": codes, "final_loss": statistics.fmean(losses)
                 if losses else float("nan"), "events": self.events, "windows": windows, "t0": t0,
@@ -290,6 +297,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lighthouse-restarts", type=int, default=2)
     p.add_argument("--sync-every", type=int, default=10)
     p.add_argument("--compression", default=None)
+    p.add_argument("--max-staleness", type=int, default=0, help="the sync mode's max_staleness: a sync runs behind"
+                   " this many inner steps (0: the inner steps wait for it)")
+    p.add_argument("--sync-fragments", type=int, default=1, help="streaming DiLoCo's fragments")
+    p.add_argument("--dynamic-steps", action="store_true", help="fault_tolerance's dynamic_steps: a sync is due when"
+                   " the first group asks for it")
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--step-sleep", type=float, default=0.05)
@@ -367,11 +379,13 @@ def checks(r: dict, args: argparse.Namespace) -> list[str]:
 def write(args: argparse.Namespace, bench: harness.Run, rows: dict, cpu: float) -> None:
     clean = [r for name, r in rows.items() if name.startswith("no churn, seed")]
     base = statistics.fmean(r["goodput"] for r in clean) if clean else None
+    base_live = statistics.fmean(r["per_group_s"] for r in clean) if clean else None
     cells = []
     for name, r in rows.items():
         mem = r["memory"]
         cells.append([name, f"{r['wall_s']:.0f}", r["launches"], f"{r['goodput']:.0f}",
                       f"{r['goodput'] / base:.3f}" if base else "-",
+                      f"{r['per_group_s'] / base_live:.3f}" if base_live and r.get("per_group_s") else "-",
                       f"{r['blocked_s'][0]:.1f} (group {r['blocked_s'][1]})", f"{r['step_s']:.2f}",
                       f"{r['ended']} {'equal' if r['equal'] else 'NOT EQUAL'} at step {r['stop']}",
                       f"{r['final_loss']:.4f}",
@@ -383,7 +397,9 @@ def write(args: argparse.Namespace, bench: harness.Run, rows: dict, cpu: float) 
              f"{f', delays {args.delays}' if args.delays else ' (no delays)'}, {args.joins} joining nodes and the"
              f" lighthouse's at {args.rate_list[0]}; every group's node held to {cpu:.3f} cores (a cgroup CPU quota), the"
              " lighthouse's not",
-             f"- run: DiLoCo H={args.sync_every} (compression {args.compression}), MLP width {args.width}, batch"
+             f"- run: DiLoCo H={args.sync_every} (compression {args.compression}, max_staleness {args.max_staleness},"
+             f" sync_fragments {args.sync_fragments}, dynamic_steps {args.dynamic_steps}), MLP width {args.width},"
+             f" batch"
              f" {args.batch}, {args.step_sleep} s of simulated compute a step, `data_split=\"quorum\"`, min_replicas"
              f" {args.groups // 2 + 1}, quorum_timeout {args.quorum_timeout:g} s, timeout {args.timeout:g} s,"
              f" {args.minutes:g} minutes a run;"
@@ -391,6 +407,7 @@ def write(args: argparse.Namespace, bench: harness.Run, rows: dict, cpu: float) 
              f" {args.retire} retired, the lighthouse killed and restarted {args.lighthouse_restarts} times",
              "",
              *harness.table(["run", "wall (s)", "launches", "goodput (samples/s)", "against no churn",
+                             "a running group's, against no churn",
                              "longest blocked (s)", "median step (s)", "groups at the end", "final loss",
                              "lighthouse RSS (MB)", "rank RSS max (MB)", "start to first sync (s, median)"],
                             cells, "l" * 12),

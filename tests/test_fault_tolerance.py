@@ -1019,6 +1019,72 @@ def test_groups_returning_together_download_from_different_live_groups():
     assert heal_source(live, 4, 0, 1) != heal_source(live, 4, 0, 0)
 
 
+def test_a_member_lost_inside_an_all_reduce_fails_every_live_member_in_seconds_not_the_whole_timeout():
+    """Four groups in a quorum, on torchft's real gloo process groups (one thread each): member 2 dies after the
+    quorum is configured (its process group, and so its sockets, gone, as when its process is killed), and the
+    others all-reduce twice at once. Its neighbours in gloo's ring see its sockets close; member 0, their
+    neighbour only, saw nothing and used to wait for the process group's whole timeout (30 s here; the strategy's
+    `timeout`, 30 minutes by default): 8 of 16 groups of the churn benchmark stood 15 s after such a kill. Each
+    member whose collective fails now drops its process group at once, so every live member fails within
+    seconds, reports the error (the quorum's sync commits nowhere) and still answers its rank and size."""
+    import threading
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+    from torchft import ProcessGroupGloo
+
+    from ddp_plugin.fault_tolerance.communicator import ReplicaGroupCommunicator
+    from ddp_plugin.fault_tolerance.torchft_adapter import QuorumRecorder, unique_rendezvous
+
+    n, timeout = 4, 30
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    members = [f"g{r}:x" for r in range(n)]
+    pgs, managers = [], []
+    for _ in range(n):
+        manager = SimpleNamespace(_quorum_id=None)
+        recorder = QuorumRecorder(SimpleNamespace(_quorum=lambda **_: SimpleNamespace(
+            quorum_id=1, max_step=1, replica_ids=members)), manager)
+        pg = unique_rendezvous(ProcessGroupGloo)(timeout=timedelta(seconds=timeout))
+        pg.quorums = recorder
+        recorder._quorum()
+        manager._quorum_id = 1
+        pgs.append(pg)
+        managers.append(manager)
+    threads = [threading.Thread(target=pg.configure, args=(f"127.0.0.1:{store.port}/torchft/1/0", members[r], r, n,
+                                                              1, 0, 1, list(range(n))))
+               for r, pg in enumerate(pgs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert [pg.size() for pg in pgs] == [n] * n
+    pgs[2].release()  # (member 2 is gone: its sockets close)
+    took, errors = {}, {}
+
+    def member(r: int) -> None:
+        errors[r] = []
+        manager = SimpleNamespace(errored=lambda: errors[r][0] if errors[r] else None,
+                                  report_error=errors[r].append)
+        comm = ReplicaGroupCommunicator(SimpleNamespace(count_bytes=lambda *_: None), pgs[r], manager)
+        began = time.monotonic()
+        works = [comm.all_reduce(torch.ones(1000), group=pgs[r], async_op=True) for _ in range(2)]
+        for work in works:
+            work.wait()
+        took[r] = time.monotonic() - began
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in (0, 1, 3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(2 * timeout)
+    assert sorted(took) == [0, 1, 3], f"a member still waits: {took}"
+    assert all(seconds < timeout / 3 for seconds in took.values()), took
+    assert all(errors[r] for r in (0, 1, 3))  # (reported: the quorum's sync is committed nowhere)
+    assert all(pgs[r]._pg is None and pgs[r].size() == n and pgs[r].rank() == r for r in (0, 1, 3))
+    assert all(managers[r]._quorum_id is None for r in range(n))  # (the next quorum configures afresh)
+
+
 def test_a_quorum_member_lost_after_asking_fails_the_rendezvous_in_seconds_not_the_whole_timeout():
     """Two groups in a quorum, on torchft's real lighthouse and gloo process groups: when both come to the
     rendezvous, both are configured and all-reduce; when one beat, asked and was lost (it beats no more and never

@@ -46,10 +46,11 @@ class ReplicaGroupCommunicator:
         work = _Guarded(None, output, self.manager) if n == 1 or self.manager.errored() else None
         if work is None:
             self.inner.count_bytes(0, sends)
+            release = getattr(self.cross, "release", None)
             try:
-                work = _Guarded(start(), output, self.manager)
+                work = _Guarded(start(), output, self.manager, release=release)
             except Exception as err:  # noqa: BLE001 - torchft's rule: a failed collective fails the step
-                work = _Guarded(None, output, self.manager, err)
+                work = _Guarded(None, output, self.manager, err, release=release)
         if async_op:
             return work
         work.wait()
@@ -122,8 +123,9 @@ class _Guarded:
     quorum's step or sync will not commit) and the output's values are then meaningless; ``work=None``: skipped
     (one rank alone, or an earlier collective of the quorum failed), or failed to start with ``error``."""
 
-    def __init__(self, work: Any, output: Tensor, manager: Any, error: Exception | None = None) -> None:
-        self.work, self.output, self.manager = work, output, manager
+    def __init__(self, work: Any, output: Tensor, manager: Any, error: Exception | None = None,
+                 release: Any = None) -> None:
+        self.work, self.output, self.manager, self.release = work, output, manager, release
         if error is not None:
             self._failed(error)
 
@@ -131,6 +133,8 @@ class _Guarded:
         log.warning("ddp_plugin: a collective across replica groups failed (%s); this quorum's step is committed"
                     " nowhere", err)
         self.manager.report_error(err)
+        if self.release is not None:
+            self.release()  # (the peers waiting on this rank fail at once: see UniqueRendezvous.release)
 
     def wait(self) -> bool:
         if self.work is not None:

@@ -329,6 +329,8 @@ class ReplicaGroups:
             self.comm.count_allreduce(list(tensors))  # (a healing group sends its part too)
         for work in [self.manager.allreduce(t) for t in tensors]:
             work.wait()
+            if self.manager.errored() is not None and hasattr(self.pg, "release"):
+                self.pg.release()  # (now, not at the next quorum: the peers waiting on this rank fail at once)
 
     def reduce(self, hook: HookRelay, parts: list[tuple[Tensor, Bucket, int]]) -> None:
         """Each ``(tensor, bucket, offset)`` averaged over the live groups, in place: without a codec (:attr:`coded`)

@@ -108,10 +108,14 @@ def unique_rendezvous(base: type, lighthouse: str | None = None) -> type:
 
     class UniqueRendezvous(base):
         quorums: QuorumRecorder | None = None
+        _shape: tuple[int, int] | None = None
+        """(rank, size) of the last configuration: what :meth:`rank` and :meth:`size` answer once released."""
 
         def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
             step = self.quorums.max_step if self.quorums is not None else 0
             address = f"{store_addr}/step{step}"
+            if len(args) >= 3:
+                self._shape = (args[1], args[2])
             try:
                 if lighthouse is not None and self.quorums is not None and len(args) >= 3 and args[2] > 1:
                     await_members(address, args[1], args[2], self.quorums.members, lighthouse, self._timeout)
@@ -124,8 +128,31 @@ def unique_rendezvous(base: type, lighthouse: str | None = None) -> type:
         def rank(self) -> int:
             try:
                 return self.parent.rank()
-            except AssertionError:  # (torchft's: no backend before the first quorum)
-                return super().rank()
+            except AssertionError:  # (torchft's: no backend before the first quorum, or released)
+                return self._shape[0] if self._shape is not None else super().rank()
+
+        def size(self) -> int:
+            try:
+                return self.parent.size()
+            except AssertionError:
+                return self._shape[1] if self._shape is not None else 1
+
+        def release(self) -> None:
+            """Drop this quorum's process group now, once a collective on it failed (a member died inside it),
+            rather than at the next quorum's configuration. Its sockets close, and so every peer waiting on this
+            rank fails at once instead of after the strategy's ``timeout``, drops its own, and so on around the
+            ring: a member killed inside an all-reduce otherwise held every live member that was not its neighbour
+            for the whole ``timeout`` (gloo's abort does not end a wait; only closed sockets do). The next quorum
+            configures afresh (:meth:`QuorumRecorder.forget`); until then the quorum's collectives are skipped (its
+            Manager has an error)."""
+            if self._pg is None:
+                return
+            try:
+                self.abort(errored=False)
+            finally:
+                self._pg = None
+                if self.quorums is not None:
+                    self.quorums.forget()
 
     return UniqueRendezvous
 

@@ -62,12 +62,12 @@ class ZeroSharder:
         self.policy = check_auto_wrap_policy(auto_wrap_policy)
         self.prefetch_units = prefetch_units
         self.cross_stage = cross_stage
+        """The cross-node stage of the gradients' node shards, if not the hook (fault tolerance's)."""
         self.offload = offload
         """Where the optimizer state is kept between the bucket-by-bucket updates (:mod:`ddp_plugin.zero.offload`)."""
         self.in_backward = StepInBackward(offload) if optimizer_in_backward else None
         """Stages 2-3: each bucket's shard stepped once its gradient is reduced
         (:mod:`ddp_plugin.zero.backward_step`)."""
-        """The cross-node stage of the gradients' node shards, if not the hook (fault tolerance's)."""
         self._plan: UnitPlan | None = None
         self.shards: Shards | None = None
         self.units: Units | None = None
@@ -76,6 +76,11 @@ class ZeroSharder:
         self._lent: gradients.LentGradients | None = None
         self._grads_published = False  # stage 1: see _register_stage_1_hooks
         self._handles: list[Any] = []
+
+    @property
+    def params_on_disk(self) -> bool:
+        """Stage 3 with ``offload="disk"`` and ``offload_params``: each unit's shard lives in a mapped file."""
+        return isinstance(self.offload, DiskOffload) and self.offload.params
 
     # ------------------------------------------------------------------ setup
 
@@ -95,16 +100,15 @@ class ZeroSharder:
         if self.stage == 3:
             assert self._plan is not None, "on_plan_buckets did not run"
             unit_buckets = {b for b, (name, _) in enumerate(self._plan.order) if name}
-        on_disk = isinstance(self.offload, DiskOffload) and self.offload.params
         self.shards = Shards(buckets, layout, comm, release_gradients=self.stage >= 2,
                              release_parameters=unit_buckets,
                              initialize=lambda params: hook.on_initialize_parameters(params=params),
-                             keep_shard=self.offload.shard_to_disk if on_disk else None)
+                             keep_shard=self.offload.shard_to_disk if self.params_on_disk else None)
         if self.offload is not None:
             self.offload.setup(self.shards.entries)
         self.units = (Units(self._plan, self.shards, self.prefetch_units, hold=topology.pipeline_parallel_size > 1)
                       if self.stage == 3 else None)
-        if self.units is not None and isinstance(self.offload, DiskOffload) and self.offload.params:
+        if self.units is not None and self.params_on_disk:
             self.units.after_gather = self.offload.after_gather
         if self.stage == 1:
             self._register_stage_1_hooks()
@@ -132,7 +136,7 @@ class ZeroSharder:
             self.units.remove_hooks()
             if failed:  # (a gather with a rank that is gone would wait out the timeout)
                 return
-            if isinstance(self.offload, DiskOffload) and self.offload.params:
+            if self.params_on_disk:
                 # The model does not fit in memory whole: it is gathered into mapped files, which the kernel pages
                 # in and out as the module is used after fit.
                 self.units.gather_all_into(self.offload.whole_bucket, self.offload.after_gather)
