@@ -258,8 +258,10 @@ class Run:
             if path.exists():
                 params[g] = torch.load(path)
         ref = next(iter(params.values()), None)
+        # (with max_staleness, each group's last inner steps are in its parameters: the global copy is compared)
+        keys = [k for k in (ref or {}) if k != "global_step" and (k.startswith("outer.") or not a.max_staleness)]
         equal = ref is not None and all(p["global_step"] == ref["global_step"] and all(
-            torch.equal(p[key], ref[key]) for key in ref if key != "global_step") for p in params.values())
+            torch.equal(p[key], ref[key]) for key in keys) for p in params.values())
         losses = [statistics.fmean(r["loss"] for r in rec[-10:]) for g, k, rec in launches
                   if k == self.launches[g] - 1 and codes.get(g) == 0]
         first_sync = []  # seconds from a (re)start to the launch's first committed sync

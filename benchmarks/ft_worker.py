@@ -70,7 +70,15 @@ class Record(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.params and trainer.local_rank == 0:
-            torch.save({"global_step": trainer.global_step,
+            # The global copy too, once the syncs in flight are in: with `max_staleness` each group's own last inner
+            # steps are in its parameters, and only the global copy is the same everywhere.
+            session = trainer.strategy.fit.session
+            sync = session.plugin_manager.get_plugin("outer_sync") if session is not None else None
+            outer = {}
+            if sync is not None:
+                sync.drain()
+                outer = {f"outer.{i}": p.outer.detach().clone() for i, p in enumerate(sync.pieces)}
+            torch.save({"global_step": trainer.global_step, **outer,
                         **{k: v.detach().clone() for k, v in pl_module.state_dict().items()}}, self.params)
 
 
