@@ -865,7 +865,7 @@ def test_the_launcher_and_the_lighthouse_it_starts_import_no_torch(form, tmp_pat
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import os, sys\n"
-        f"launcher = open('/proc/{{}}/maps'.format(os.getppid())).read()\n"
+        "launcher = open(f'/proc/{os.getppid()}/maps').read()\n"
         "print('launcher maps torch:', 'libtorch' in launcher)\n")
     proc = subprocess.run(
         [*head, "--group", "0", "--groups", "1", "--start-lighthouse", "--lighthouse-port", str(port), str(probe)],
