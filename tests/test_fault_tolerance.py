@@ -873,19 +873,8 @@ def test_the_launcher_and_the_lighthouse_it_starts_import_no_torch(form, tmp_pat
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "launcher maps torch: False" in proc.stdout, proc.stdout + proc.stderr
     # The lighthouse alone, started as the launcher starts it.
-    from ddp_plugin.fault_tolerance.launch import lighthouse_command
-
-    lighthouse = subprocess.Popen([*lighthouse_command(), "--min_replicas", "1", "--bind", f"[::]:{port}"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lighthouse = start_lighthouse(port, tmp_path)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert lighthouse.poll() is None and time.time() < deadline, "the lighthouse did not start"
-                time.sleep(0.1)
         assert not torch_mapped(lighthouse.pid)
     finally:
         lighthouse.kill()
