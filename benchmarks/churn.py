@@ -272,12 +272,16 @@ class Run:
             if commit is not None and k > 0:
                 first_sync.append(commit - started)
         heal_s = [rec[-1].get("ft/heal_s", 0.0) for g, k, rec in launches if k > 0]
+        # Each launch's quorums: from its request to its answer, and what of it the training thread stood waiting
+        # (seconds a quorum, the launch's mean; none counted by a version without these metrics)
+        quorum = [(rec[-1]["ft/quorum_s"] / rec[-1]["ft/quorums"], rec[-1]["ft/quorum_wait_s"] / rec[-1]["ft/quorums"])
+                  for g, k, rec in launches if rec[-1].get("ft/quorums")]
         return {"wall_s": t_end - t0, "useful_samples": useful, "goodput": useful / (t_end - t0), "stop": stop,
                 "per_group_s": useful / stepping if stepping else 0.0,
                 "step_s": step_s, "blocked_s": max(blocked, default=(0.0, -1, -1)), "lost_steps": lost,
                 "equal": equal, "ended": len(params), "codes": codes, "final_loss": statistics.fmean(losses)
                 if losses else float("nan"), "events": self.events, "windows": windows, "t0": t0,
-                "first_sync_s": first_sync, "heal_s": heal_s, "memory": self.samples,
+                "first_sync_s": first_sync, "heal_s": heal_s, "quorum_s": quorum, "memory": self.samples,
                 "launches": sum(self.launches.values())}
 
 
@@ -413,6 +417,11 @@ def write(args: argparse.Namespace, bench: harness.Run, rows: dict, cpu: float) 
                              "longest blocked (s)", "median step (s)", "groups at the end", "final loss",
                              "lighthouse RSS (MB)", "rank RSS max (MB)", "start to first sync (s, median)"],
                             cells, "l" * 12),
+             "", "Coordination (each launch's mean a quorum, then the median over launches; a heal: a returning"
+             " group's download of its peers' state, before its first step):", "",
+             *harness.table(["run", "start to first sync (s, median)", "quorum: asked to answered (s)",
+                             "of it the training thread waited (s)", "heals (median s, max s)"],
+                            [coordination(name, r) for name, r in rows.items()], "lrrrr"),
              "", "Events of each run (seconds from the gate): "]
     for name, r in rows.items():
         ev = ", ".join(f"{t - r['t0']:.0f} {what}{f' {g}' if g >= 0 else ''}" for t, what, g in r["events"]
@@ -425,6 +434,16 @@ def write(args: argparse.Namespace, bench: harness.Run, rows: dict, cpu: float) 
         lines += ["", f"![goodput and membership over time]({png.name})"]
         also.append(png)
     harness.write(args.out, "\n".join(lines) + "\n", also=also)
+
+
+def coordination(name: str, r: dict) -> list:
+    def median(xs: list[float], digits: int = 2) -> str:
+        return f"{statistics.median(xs):.{digits}f}" if xs else "-"
+
+    quorum = r.get("quorum_s", [])
+    heal = [h for h in r.get("heal_s", []) if h > 0]
+    return [name, median(r["first_sync_s"], 0), median([q for q, _ in quorum], 3), median([w for _, w in quorum], 3),
+            f"{len(heal)} ({median(heal, 1)}, {max(heal):.1f})" if heal else "0"]
 
 
 def plot(rows: dict, png: Path) -> bool:

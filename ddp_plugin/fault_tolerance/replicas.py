@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -99,6 +100,13 @@ class ReplicaGroups:
         background-healed group joining its peers' next sync)."""
         self.steps_skipped = 0
         """Optimizer steps this group's schedule skipped to stand where its peers do after such a sync."""
+        self.quorums = 0
+        self.quorum_s = 0.0
+        """Seconds from asking for each quorum to its coming in (the lighthouse's answer, torchft's process group
+        configured, a heal inside it), summed over :attr:`quorums`."""
+        self.quorum_wait_s = 0.0
+        """Seconds the training thread stood waiting for quorums (what of :attr:`quorum_s` the steps did not hide)."""
+        self._training_thread = threading.get_ident()
         self.watch = (pace.PeerWatch(options.lighthouse) if sync_mode and options.dynamic_steps and rank == 0
                       else None)
         """On the group's rank 0 with ``dynamic_steps``: whether a peer has asked for the next sync's quorum."""
@@ -285,11 +293,17 @@ class ReplicaGroups:
             if self.watch is not None:
                 self.watch.disarm()  # (this group asks: its own request is no peer's)
             self.manager.start_quorum(shrink_only=shrink_only, timeout=timeout)
+            torchft_adapter.on_quorum(self.manager, self._quorum_in)
             self._quorum_limit_s = timeout.total_seconds() if timeout is not None else self.options.quorum_timeout
             self._started = True
             if self.per_step and self._first_commit and self.on_first_quorum is not None:
                 self.wait_quorum()
                 self.on_first_quorum(self.manager.current_step())
+
+    def _quorum_in(self, asked: float) -> None:
+        """On torchft's quorum thread, once a quorum asked for at ``asked`` (monotonic seconds) is in or failed."""
+        self.quorum_s += time.monotonic() - asked
+        self.quorums += 1
 
     @property
     def quorum_wait_limit_s(self) -> float:
@@ -302,8 +316,11 @@ class ReplicaGroups:
         """Wait for the quorum started, at most :attr:`quorum_wait_limit_s`. One that failed (the lighthouse asked
         again for ``quorum_timeout``, in vain) or did not come in time names the lighthouse."""
         limit = self.quorum_wait_limit_s
+        began = time.monotonic()
         try:
             torchft_adapter.wait_quorum(self.manager, limit)
+            if threading.get_ident() == self._training_thread:
+                self.quorum_wait_s += time.monotonic() - began
             if self.watch is not None:
                 self.watch.arm()  # (every request the lighthouse held is answered: the next one is a peer's next sync)
         except torchft_adapter.QuorumStuck as err:
@@ -389,6 +406,7 @@ class ReplicaGroups:
                 "ft/heal_s": self.heal_s, "ft/served_in_quorum": float(self.served_in_quorum),
                 "ft/served_in_background": float(self.server.served if self.server is not None else 0),
                 "ft/early_syncs": float(self.early_syncs), "ft/steps_skipped": float(self.steps_skipped),
+                "ft/quorums": float(self.quorums), "ft/quorum_s": self.quorum_s, "ft/quorum_wait_s": self.quorum_wait_s,
                 "ft/step": float(self.manager.current_step())}
 
     def close(self) -> None:

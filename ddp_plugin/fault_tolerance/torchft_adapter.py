@@ -18,8 +18,8 @@ why:
   outside it) says which groups are live (:func:`previous_quorum`), where their stores are (:func:`heal_address`
   reads a live peer's heal server there), whether one of them has asked for the next quorum
   (:func:`waiting_members`) and how many groups beat (:func:`beating_groups`).
-- ``Manager._quorum_future`` says whether a quorum asked for is in (:func:`quorum_ready`), and is waited for with a
-  limit (:func:`wait_quorum`).
+- ``Manager._quorum_future`` says whether a quorum asked for is in (:func:`quorum_ready`), times it
+  (:func:`on_quorum`), and is waited for with a limit (:func:`wait_quorum`).
 - ``Manager._init_sync`` (what each quorum request asks for at step 0: every group but one healing from it) is
   turned off and on again by :func:`set_init_sync`: a sync mode's groups that started from the same bits skip that
   heal (torchft 0.2 takes it only as the Manager's argument, and reads the attribute at each quorum).
@@ -30,6 +30,8 @@ Everything else (``Manager`` and its quorum, commit, all-reduce and error calls,
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -317,6 +319,15 @@ def wait_quorum(made: Any, seconds: float) -> None:
     if future is not None and not concurrent.futures.wait([future], timeout=seconds).done:
         raise QuorumStuck(f"torchft's quorum thread did not return within {seconds:g} s")
     made.wait_quorum()
+
+
+def on_quorum(made: Any, done: Callable[[float], None]) -> None:
+    """``done(asked)`` once the quorum ``made`` (a torchft Manager) was just asked for is in or failed, on torchft's
+    quorum thread (``asked``: now, in monotonic seconds)."""
+    asked = time.monotonic()
+    future = made._quorum_future
+    if future is not None:
+        future.add_done_callback(lambda _: done(asked))
 
 
 def quorum_ready(made: Any) -> bool:
