@@ -480,6 +480,83 @@ def lighthouse_killed(sync_every: int, out) -> None:
     assert found["2-back"]["steps"][-1]["ft/heals"] >= 1
 
 
+def test_with_a_standby_lighthouse_the_groups_go_on_with_it_when_the_first_is_killed_for_good(tmp_path):
+    """Two lighthouses (each its own process, ``--min_replicas`` 2), 2 groups of 1 rank with DiLoCo (a sync every 5
+    steps), each reaching them through a relay of its own (as ``ddp-plugin-group --lighthouse A,B`` gives its
+    ranks): the first lighthouse killed for good mid-run, every group's next requests go to the standby, which
+    forms their quorums from then on; both groups end at the last step with the same parameters bit for bit."""
+    from ddp_plugin.fault_tolerance.relay import LighthouseRelay
+
+    ports = [free_port(), free_port()]
+    houses = [start_lighthouse(port, tmp_path, min_replicas=2) for port in ports]
+    relays = [LighthouseRelay([f"http://127.0.0.1:{port}" for port in ports]) for _ in range(2)]
+    moved = tmp_path / "moved"
+    args = ("--quorum-timeout", str(QUORUM_TIMEOUT), "--timeout", str(TIMEOUT), "--min-replicas", "2", "--steps",
+            "30", "--step-sleep", "0.1", "--hold", f"20:{moved}", "--mark-sync", str(tmp_path / "sync"))
+    procs = []
+    try:
+        gate = tmp_path / "gate"
+        procs = [launch(tmp_path, g, 2, relays[g].address, 1, 5, "--gate", str(gate), *args) for g in range(2)]
+        wait_for(*[tmp_path / f"gate.{g}.0" for g in range(2)], procs=procs)
+        gate.touch()
+        wait_for(tmp_path / "sync.10.sent", procs=procs)  # (two syncs through the first lighthouse)
+        houses[0].kill()
+        houses[0].wait()
+        moved.touch()
+        for proc in procs:
+            assert wait(proc, tmp_path, 600) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for relay in relays:
+            relay.close()
+        for house in houses:
+            house.kill()
+            house.wait()
+    assert [relay.current for relay in relays] == [1, 1] and [relay.switches for relay in relays] == [1, 1]
+    found = [torch.load(tmp_path / f"{g}.pt") for g in range(2)]
+    for run in found:
+        assert run["steps"][-1]["global_step"] == 30
+        assert run["steps"][-1]["ft/step"] == 6  # (every sync committed: 2 on the first lighthouse, 4 on the standby)
+    for key, value in found[0]["params"].items():
+        assert torch.equal(found[1]["params"][key], value), key
+
+
+def test_a_lighthouse_relay_keeps_to_the_lighthouse_in_use_and_goes_on_with_the_next_that_answers():
+    """The relay in front of a lighthouse and its standby, on real lighthouses: a relay started while the first is
+    down goes to the standby; one started with both up, to the first, and on to the standby once the first is
+    killed; with neither up, a request through it is refused as by a lighthouse that is down."""
+    from ddp_plugin.fault_tolerance.relay import LighthouseRelay, beating_count
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        ports = [free_port(), free_port()]
+        addresses = [f"http://127.0.0.1:{port}" for port in ports]
+        standby = start_lighthouse(ports[1], Path(out))
+        late = LighthouseRelay(addresses)  # (the first lighthouse not started yet)
+        first = start_lighthouse(ports[0], Path(out))
+        relay = LighthouseRelay(addresses)
+        try:
+            assert late.current == 1 and relay.current == 0
+            assert beating_count(relay.address, 10.0) == 0 and relay.switches == 0
+            first.kill()
+            first.wait()
+            assert beating_count(relay.address, 10.0) == 0  # (answered: by the standby)
+            assert relay.current == 1 and relay.switches == 1
+            standby.kill()
+            standby.wait()
+            assert beating_count(relay.address, 10.0) == -1  # (none answers: refused, as a lighthouse that is down)
+        finally:
+            for proc in (first, standby):
+                proc.kill()
+                proc.wait()
+            late.close()
+            relay.close()
+
+
 SCENARIOS = {"test_two_groups_lost_at_once_one_killed_in_its_healing_and_the_lighthouse_away": two_groups_lost,
              "test_the_lighthouse_killed_and_started_again_mid_run": lighthouse_killed}
 """The tests whose scenario runs as a background job: ``(job name, sync_every)``."""
@@ -871,6 +948,7 @@ def test_the_example_runs_as_its_docstring_launches_it(tmp_path):
     (["--group", "-1", "--groups", "3", "--lighthouse", "http://h:1"], r"--group=-1: must be 0 or more"),
     (["--group", "0", "--groups", "2"], r"give --lighthouse http://host:port .* or --start-lighthouse"),
     (["--group", "0", "--groups", "2", "--lighthouse", "h:1"], r"--lighthouse='h:1': must be the lighthouse's"),
+    (["--group", "0", "--groups", "2", "--lighthouse", "http://h:1,h:2"], r"several, comma-separated \('h:2' is not"),
     (["--group", "0", "--groups", "2", "--lighthouse", "http://h:1", "--nnodes", "2"], r"need --nproc-per-node"),
     (["--group", "0", "--groups", "2", "--lighthouse", "http://h:1", "--min-replicas", "3"],
      r"--min-replicas=3: must be from 1 to 2"),

@@ -197,6 +197,7 @@ FT = {"replica_group": 1, "replica_groups": 3, "lighthouse": "http://lighthouse:
 @pytest.mark.parametrize(("kwargs", "pattern"), [
     ({"fault_tolerance": {**FT, "replica_group": 3}}, r"replica_group'\]=3` must be an integer from 0 to 2"),
     ({"fault_tolerance": {**FT, "lighthouse": "lighthouse:29510"}}, r"'http://host:port'"),
+    ({"fault_tolerance": {**FT, "lighthouse": "http://a:29510,http://b:29510"}}, r"ddp-plugin-group --lighthouse"),
     ({"fault_tolerance": {**FT, "min_replicas": 4}}, r"min_replicas'\]=4` must be an integer from 1 to 3"),
     ({"fault_tolerance": {**FT, "replicas": 2}}, r"unknown key\(s\) 'replicas'; allowed keys: background_heal, data_split, dynamic_steps, heal_rate,"),
     ({"fault_tolerance": {**FT, "dynamic_steps": "yes"}}, r"dynamic_steps'\]='yes'` must be True or False"),

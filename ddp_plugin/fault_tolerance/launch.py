@@ -4,6 +4,7 @@ command on one machine, on the simulated cluster and on a cluster (docs/fault_to
     ddp-plugin-group --group 0 --groups 3 --start-lighthouse train.py --lr 1e-3      # the first group, and the lighthouse
     ddp-plugin-group --group 1 --groups 3 --lighthouse http://host0:29510 train.py --lr 1e-3
     ddp-plugin-group --group 2 --groups 3 --lighthouse http://host0:29510 --nproc-per-node 8 train.py --lr 1e-3
+    ddp-plugin-group --group 1 --groups 3 --lighthouse http://host0:29510,http://host1:29510 train.py   # a standby
 
 It sets what the strategy's ``fault_tolerance=True`` reads (``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``,
 ``TORCHFT_LIGHTHOUSE``) and the group's own rendezvous (``MASTER_ADDR``, ``MASTER_PORT``: by default port
@@ -12,7 +13,10 @@ script: as it is (Lightning's launcher starts the ranks ``Trainer(devices=...)``
 ``torchrun`` with ``--nproc-per-node`` (and ``--nnodes``/``--node-rank`` for a group of several nodes, each node
 running the same command with its ``--node-rank`` and the first node's address as ``--master-addr``).
 With ``--start-lighthouse`` it starts torchft's lighthouse first and keeps it up after its own group ends, until
-no group beats any more. The group's exit code is the command's; SIGINT and SIGTERM are passed on to it.
+no group beats any more. With several ``--lighthouse`` addresses (a standby: another group's launcher started with
+``--start-lighthouse`` too) the ranks reach them through a relay on this process
+(:class:`~ddp_plugin.fault_tolerance.relay.LighthouseRelay`), which goes on with the next one when the lighthouse in
+use stops answering. The group's exit code is the command's; SIGINT and SIGTERM are passed on to it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ddp_plugin.fault_tolerance.relay import addresses_of
+
 LIGHTHOUSE_PORT = 29510
 MASTER_PORT = 29600
 """A group's rendezvous port is this plus its id unless ``--master-port`` says otherwise."""
@@ -42,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--groups", type=int, required=True, help="how many groups the data is split over"
                    " (NUM_REPLICA_GROUPS)")
     p.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"), help="the lighthouse's address,"
-                   " http://host:port (default: TORCHFT_LIGHTHOUSE; with --start-lighthouse: this machine's)")
+                   " http://host:port (default: TORCHFT_LIGHTHOUSE; with --start-lighthouse: this machine's), or"
+                   " several, comma-separated, the first one the groups use and the others standbys, in order")
     p.add_argument("--start-lighthouse", action="store_true", help="start torchft_lighthouse here first")
     p.add_argument("--lighthouse-port", type=int, default=LIGHTHOUSE_PORT)
     p.add_argument("--min-replicas", type=int, default=1, help="the lighthouse's --min_replicas (give a majority of"
@@ -72,8 +79,12 @@ def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"--min-replicas={args.min_replicas}: must be from 1 to {args.groups} (--groups)")
     if args.lighthouse is None and not args.start_lighthouse:
         p.error("give --lighthouse http://host:port (or set TORCHFT_LIGHTHOUSE), or --start-lighthouse")
-    if args.lighthouse is not None and not re.match(r"^https?://[^/:]+(:\d+)?/?$", args.lighthouse):
-        p.error(f"--lighthouse={args.lighthouse!r}: must be the lighthouse's address, http://host:port")
+    for address in addresses_of(args.lighthouse or ""):
+        if not re.match(r"^https?://[^/:,]+(:\d+)?/?$", address):
+            p.error(f"--lighthouse={args.lighthouse!r}: must be the lighthouse's address, http://host:port, or several,"
+                    f" comma-separated ({address!r} is not one)")
+    if args.lighthouse is not None and not addresses_of(args.lighthouse):
+        p.error(f"--lighthouse={args.lighthouse!r}: give the lighthouse's address, http://host:port")
     if args.nproc_per_node is None and (args.nnodes != 1 or args.node_rank != 0):
         p.error("--nnodes and --node-rank need --nproc-per-node (a group of several nodes runs under torchrun)")
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
@@ -128,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     check(args, p)
     port = args.master_port if args.master_port is not None else MASTER_PORT + args.group
-    lighthouse = None
+    lighthouse = relay = None
     if args.start_lighthouse:
         address = args.lighthouse or f"http://{socket.gethostname()}:{args.lighthouse_port}"
         lighthouse = subprocess.Popen([*lighthouse_command(), "--min_replicas", str(args.min_replicas),
@@ -137,15 +148,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         probe = f"http://127.0.0.1:{args.lighthouse_port}"
     else:
         address = probe = args.lighthouse
+    listed = addresses_of(address)
+    probes = [probe] if lighthouse is not None or len(listed) == 1 else listed
     deadline = time.monotonic() + args.wait_lighthouse
-    while not reachable(probe, 2.0):
+    while not any(reachable(a, 2.0) for a in probes):
         if lighthouse is not None and lighthouse.poll() is not None:
             sys.exit(f"ddp-plugin-group: the lighthouse exited with {lighthouse.returncode} (is port"
                      f" {args.lighthouse_port} taken?)")
         if time.monotonic() > deadline:
-            sys.exit(f"ddp-plugin-group: the lighthouse at {probe} did not answer within {args.wait_lighthouse:g} s"
-                     " (--wait-lighthouse): is it started, and reachable from here?")
+            sys.exit(f"ddp-plugin-group: no lighthouse at {', '.join(probes)} answered within"
+                     f" {args.wait_lighthouse:g} s (--wait-lighthouse): is it started, and reachable from here?")
         time.sleep(0.2)
+    if len(listed) > 1:  # (a standby: the ranks reach the lighthouse in use through a relay on this process)
+        from ddp_plugin.fault_tolerance.relay import LighthouseRelay
+
+        relay = LighthouseRelay(listed)
+        print(f"ddp-plugin-group: lighthouses {', '.join(listed)}, through {relay.address} (now"
+              f" {listed[relay.current]})", flush=True)
+        address = relay.address
     env = {**os.environ, "REPLICA_GROUP_ID": str(args.group), "NUM_REPLICA_GROUPS": str(args.groups),
            "TORCHFT_LIGHTHOUSE": address, "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(port)}
     print(f"ddp-plugin-group: group {args.group} of {args.groups}, lighthouse {address}, rendezvous"
@@ -158,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, forward)
     code = group.wait()
+    if relay is not None:
+        relay.close()
     if lighthouse is not None:
         # (the other groups may still sync: the lighthouse stays until none beats; torchft's own beat timeout)
         while lighthouse.poll() is None and beating(probe) > 0:

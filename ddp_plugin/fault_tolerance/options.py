@@ -92,8 +92,10 @@ def check_fault_tolerance(value: Any) -> FaultTolerance | None:
                           expected=f"an integer from 0 to {groups - 1} (`replica_groups={groups}`; a group joining"
                           f" with a new id needs `data_split='quorum'`)")
     lighthouse = given["lighthouse"]
-    if not isinstance(lighthouse, str) or not lighthouse.startswith(("http://", "https://")):
-        raise invalid("fault_tolerance['lighthouse']", lighthouse, "the lighthouse's address, 'http://host:port'")
+    if not isinstance(lighthouse, str) or not lighthouse.startswith(("http://", "https://")) or "," in lighthouse:
+        raise invalid("fault_tolerance['lighthouse']", lighthouse, "the lighthouse's address, 'http://host:port'"
+                      " (several, a standby among them: give them to ddp-plugin-group --lighthouse, which relays"
+                      " to the one in use)")
     minimum = check_int("fault_tolerance['min_replicas']", given.get("min_replicas", 1), minimum=1,
                         maximum=groups, expected=f"an integer from 1 to {groups} (`replica_groups`)")
     timeout = check_positive_number("fault_tolerance['quorum_timeout']", given.get("quorum_timeout", 60.0))
