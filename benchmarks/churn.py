@@ -20,7 +20,9 @@ Runs (``--runs``), each ``--minutes`` long, then every live group stops at a com
 - **churn**: every ``--period`` s (uniform in [0.67, 1.33] x) a random group is killed (SIGKILL, every process of
   its node) and started again ``--down`` s later (uniform in [0.25, 1] x); ``--joins`` groups with new ids join and
   ``--retire`` groups leave for good, spread over the run; the lighthouse is killed and started again
-  ``--lighthouse-restarts`` times (down 3 s);
+  ``--lighthouse-restarts`` times (down 3 s); with ``--standby`` a second lighthouse runs beside it (every group
+  given both, ``ddp-plugin-group --lighthouse A,B``), and each of those times the one in use is killed, the groups
+  go on with the other, and the killed one is started again 3 s later as their standby;
 - **fast links**: every link at the first rate, no churn: what the slow links cost the others.
 
 Goodput: useful samples a second of the live groups over the run (the first step to the common last one): every
@@ -81,22 +83,36 @@ class Run:
         self.cluster, self.args, self.out, self.name, self.seed = cluster, args, out, name, seed
         self.lh_node = cluster.nodes - 1
         self.address = f"http://{cluster.addresses[self.lh_node]}:{LIGHTHOUSE_PORT}"
+        self.addresses = [self.address, *([f"http://{cluster.addresses[self.lh_node]}:{LIGHTHOUSE_PORT + 1}"]
+                                          if args.standby else [])]
+        """What every group is given (a standby second: on the same node, at another port)."""
+        self.lighthouses: list[subprocess.Popen | None] = [None] * len(self.addresses)
+        self.in_use = 0
         self.procs: dict[int, subprocess.Popen] = {}
         self.launches: dict[int, int] = {}  # group -> launches so far
         self.events: list[tuple[float, str, int]] = []
         self.samples: list[dict] = []  # memory over time
-        self.lighthouse = None
         self.rng = random.Random(seed)
 
     # -- processes
 
-    def start_lighthouse(self) -> None:
+    @property
+    def lighthouse(self) -> subprocess.Popen | None:
+        return self.lighthouses[self.in_use]
+
+    def start_lighthouse(self, i: int = 0) -> None:
         from ddp_plugin.fault_tolerance.launch import lighthouse_command
 
-        self.lighthouse = self.cluster.popen(
+        self.lighthouses[i] = self.cluster.popen(
             self.lh_node, [*lighthouse_command(), "--min_replicas", str(self.args.groups // 2 + 1), "--join_timeout_ms",
-                           "5000", "--heartbeat_timeout_ms", "1000", "--bind", f"[::]:{LIGHTHOUSE_PORT}"],
-            stdout=open(self.out / "lighthouse.txt", "a"), stderr=subprocess.STDOUT)
+                           "5000", "--heartbeat_timeout_ms", "1000", "--bind", f"[::]:{LIGHTHOUSE_PORT + i}"],
+            stdout=open(self.out / f"lighthouse{i or ''}.txt", "a"), stderr=subprocess.STDOUT)
+
+    def stop_lighthouses(self) -> None:
+        for proc in self.lighthouses:
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
     def launch(self, group: int, gate: bool = False) -> None:
         k = self.launches.get(group, 0)
@@ -112,7 +128,7 @@ class Run:
                 "sync_fragments": self.args.sync_fragments, "dynamic_steps": self.args.dynamic_steps,
                 **({"gate": str(self.out / "gate")} if gate else {})}
         prefix = ["-m", "ddp_plugin.fault_tolerance.launch", "--group", str(group), "--groups", str(self.args.groups),
-                  "--lighthouse", self.address, "--master-addr", self.cluster.addresses[group], "--master-port",
+                  "--lighthouse", ",".join(self.addresses), "--master-addr", self.cluster.addresses[group], "--master-port",
                   str(port)]
         self.procs[group] = start_group(self.cluster, group, spec, self.out, port, tag, prefix)
         self.events.append((time.time(), "start", group))
@@ -122,12 +138,16 @@ class Run:
         self.events.append((time.time(), "kill", group))
 
     def restart_lighthouse(self) -> None:
+        """The lighthouse in use killed, and started again 3 s later (with a standby: the groups go on with the
+        standby meanwhile, and the one killed is theirs from then on)."""
+        down = self.in_use
         os.killpg(self.lighthouse.pid, signal.SIGKILL)
         self.lighthouse.wait()
         self.events.append((time.time(), "lighthouse down", -1))
+        self.in_use = (down + 1) % len(self.lighthouses)
         time.sleep(3.0)
-        self.start_lighthouse()
-        self.events.append((time.time(), "lighthouse up", -1))
+        self.start_lighthouse(down)
+        self.events.append((time.time(), "lighthouse up" if self.in_use == down else "standby up", -1))
 
     def sample(self) -> None:
         row = {"time": time.time(), "lighthouse_mb": rss_mb(self.lighthouse.pid) if self.lighthouse else 0.0}
@@ -143,7 +163,8 @@ class Run:
 
     def go(self, churn: bool) -> dict:
         a = self.args
-        self.start_lighthouse()
+        for i in range(len(self.lighthouses)):
+            self.start_lighthouse(i)
         time.sleep(1.0)
         for g in range(a.groups):
             self.launch(g, gate=True)
@@ -216,8 +237,7 @@ class Run:
             except subprocess.TimeoutExpired:
                 self.kill(g)
         self.sample()
-        os.killpg(self.lighthouse.pid, signal.SIGKILL)
-        self.lighthouse.wait()
+        self.stop_lighthouses()
         return self.results(t0, stop, {g: p.returncode for g, p in codes.items()})
 
     def results(self, t0: float, stop: int, codes: dict[int, int]) -> dict:
@@ -301,6 +321,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--joins", type=int, default=2)
     p.add_argument("--retire", type=int, default=2)
     p.add_argument("--lighthouse-restarts", type=int, default=2)
+    p.add_argument("--standby", action="store_true", help="a standby lighthouse beside the first: each restart kills"
+                   " the one in use, the groups going on with the other")
     p.add_argument("--sync-every", type=int, default=10)
     p.add_argument("--compression", default=None)
     p.add_argument("--max-staleness", type=int, default=0, help="the sync mode's max_staleness: a sync runs behind"
@@ -410,7 +432,8 @@ def write(args: argparse.Namespace, bench: harness.Run, rows: dict, cpu: float) 
              f" {args.groups // 2 + 1}, quorum_timeout {args.quorum_timeout:g} s, timeout {args.timeout:g} s,"
              f" {args.minutes:g} minutes a run;"
              f" churn: a kill every ~{args.period:g} s (back after up to {args.down:g} s), {args.joins} joins,"
-             f" {args.retire} retired, the lighthouse killed and restarted {args.lighthouse_restarts} times",
+             f" {args.retire} retired, the lighthouse killed and restarted {args.lighthouse_restarts} times"
+             f"{' (with a standby: the one in use killed each time, the groups going on with the other)' if args.standby else ''}",
              "",
              *harness.table(["run", "wall (s)", "launches", "goodput (samples/s)", "against no churn",
                              "a running group's, against no churn",

@@ -105,7 +105,9 @@ def main() -> None:
     if spec.get("lighthouse"):
         options["fault_tolerance"] = {"replica_group": spec.get("group", spec["node"]),
                                       "replica_groups": spec.get("groups", spec["nodes"]),
-                                      "lighthouse": spec["lighthouse"],
+                                      # (started by ddp-plugin-group: the address it gives, a relay's with a
+                                      # standby lighthouse)
+                                      "lighthouse": os.environ.get("TORCHFT_LIGHTHOUSE", spec["lighthouse"]),
                                       "quorum_timeout": spec.get("quorum_timeout", 60.0),
                                       "min_replicas": spec.get("min_replicas", 1),
                                       "background_heal": spec.get("background_heal", True),
