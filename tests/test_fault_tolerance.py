@@ -527,7 +527,13 @@ def test_with_a_standby_lighthouse_the_groups_go_on_with_it_when_the_first_is_ki
 def test_a_lighthouse_relay_keeps_to_the_lighthouse_in_use_and_goes_on_with_the_next_that_answers():
     """The relay in front of a lighthouse and its standby, on real lighthouses: a relay started while the first is
     down goes to the standby; one started with both up, to the first, and on to the standby once the first is
-    killed; with neither up, a request through it is refused as by a lighthouse that is down."""
+    killed; with neither up, a request through it is refused as by a lighthouse that is down. And a relay whose
+    lighthouse is up but empty, while a group beats at the other (its peers moved there while it started), goes
+    there within seconds."""
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient
+
     from ddp_plugin.fault_tolerance.relay import LighthouseRelay, beating_count
 
     import tempfile
@@ -536,12 +542,35 @@ def test_a_lighthouse_relay_keeps_to_the_lighthouse_in_use_and_goes_on_with_the_
         ports = [free_port(), free_port()]
         addresses = [f"http://127.0.0.1:{port}" for port in ports]
         standby = start_lighthouse(ports[1], Path(out))
-        late = LighthouseRelay(addresses)  # (the first lighthouse not started yet)
+        late = LighthouseRelay(addresses, watch_s=0.2)  # (the first lighthouse not started yet)
         first = start_lighthouse(ports[0], Path(out))
-        relay = LighthouseRelay(addresses)
+        relay = LighthouseRelay(addresses, watch_s=0.2)
+        empty = LighthouseRelay(addresses, watch_s=0.2)
+        beats = threading.Event()
+
+        def beat() -> None:  # (a group beating at the standby only)
+            client = LighthouseClient(addresses[1], timedelta(seconds=5))
+            while not beats.is_set():
+                client.heartbeat("replica_group_7:peer")
+                time.sleep(0.1)
+
         try:
-            assert late.current == 1 and relay.current == 0
-            assert beating_count(relay.address, 10.0) == 0 and relay.switches == 0
+            assert late.current == 1 and relay.current == 0 and empty.current == 0
+            beater = threading.Thread(target=beat, daemon=True)
+            beater.start()
+            deadline = time.time() + 30
+            while empty.current != 1:
+                assert time.time() < deadline, "the relay stayed at the empty lighthouse"
+                time.sleep(0.1)
+            assert empty.switches == 1 and beating_count(empty.address, 10.0) == 1  # (the standby's page)
+            beats.set()
+            beater.join()
+            while beating_count(addresses[1], 10.0) > 0:  # (until the standby's heartbeat timeout has passed)
+                assert time.time() < deadline + 30
+                time.sleep(0.2)
+            relay.close()
+            relay = LighthouseRelay(addresses, watch_s=3600)  # (both up, none beating: the first; no watching)
+            assert relay.current == 0 and beating_count(relay.address, 10.0) == 0 and relay.switches == 0
             first.kill()
             first.wait()
             assert beating_count(relay.address, 10.0) == 0  # (answered: by the standby)
@@ -550,11 +579,12 @@ def test_a_lighthouse_relay_keeps_to_the_lighthouse_in_use_and_goes_on_with_the_
             standby.wait()
             assert beating_count(relay.address, 10.0) == -1  # (none answers: refused, as a lighthouse that is down)
         finally:
+            beats.set()
             for proc in (first, standby):
                 proc.kill()
                 proc.wait()
-            late.close()
-            relay.close()
+            for r in (late, relay, empty):
+                r.close()
 
 
 SCENARIOS = {"test_two_groups_lost_at_once_one_killed_in_its_healing_and_the_lighthouse_away": two_groups_lost,

@@ -6,9 +6,12 @@ Each connection a rank opens (torchft's manager asking for a quorum or beating, 
 page) is forwarded to the lighthouse the relay used last; one that refuses it (killed, its machine gone) is passed
 over for the next address that accepts, in the order given, which the relay then keeps to. So when a lighthouse
 dies, every group's next request reaches the same standby (the first of the list still up), as if the lighthouse
-had been started again there: the groups ride it as they ride a restart (docs/fault_tolerance.md). A relay started
-while the groups run (a group started again, or joining) first goes where the groups beat: the lighthouse whose
-status page counts the most of them (the first of the list on a tie, and when none answers).
+had been started again there: the groups ride it as they ride a restart (docs/fault_tolerance.md). Every
+:data:`WATCH_S` seconds the relay also reads each lighthouse's status page, and goes where the groups beat: to the
+one that counts more beating groups than the one in use, cutting its connections so that the ranks connect again
+there. So a group started while one lighthouse is down, or that connects to a lighthouse just started again and
+empty (its peers having moved to the standby), joins its peers within seconds instead of waiting alone for a
+quorum. (On a tie it stays; when none answers, it keeps to its choice.)
 
 One lighthouse answers at a time as long as every group reaches the same ones; groups split by a network partition
 between two lighthouses cannot both sync when the lighthouses' ``--min_replicas`` is a majority of the groups (the
@@ -22,6 +25,7 @@ import logging
 import re
 import socket
 import threading
+import time
 import urllib.request
 from urllib.parse import urlparse
 
@@ -29,6 +33,9 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 2.0
 """How long the relay waits for one lighthouse to accept a connection before trying the next."""
+
+WATCH_S = 2.0
+"""Seconds between two reads of the lighthouses' status pages (a few KB each)."""
 
 
 def addresses_of(text: str) -> list[str]:
@@ -57,20 +64,49 @@ class LighthouseRelay:
     Stop it with :meth:`close`."""
 
     def __init__(self, addresses: list[str], host: str = "127.0.0.1", port: int = 0,
-                 probe_timeout: float = CONNECT_TIMEOUT_S) -> None:
+                 probe_timeout: float = CONNECT_TIMEOUT_S, watch_s: float = WATCH_S) -> None:
         if not addresses:
             raise ValueError("LighthouseRelay needs at least one lighthouse address")
         self.addresses = list(addresses)
+        self.probe_timeout = probe_timeout
         self._lock = threading.Lock()
-        counts = [beating_count(a, probe_timeout) for a in self.addresses]
+        self._open: set[socket.socket] = set()
+        counts = self.counts()
         self.current = max(range(len(counts)), key=lambda i: (counts[i], -i))
         """The index of the lighthouse the relay forwards to first."""
         self.switches = 0
-        """How many times a lighthouse refused and the relay moved on to another."""
+        """How many times the relay moved on to another lighthouse (one refused, or the groups beat at another)."""
         self._listener = socket.create_server((host, port))
         self._closed = False
         self.address = f"http://{host}:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept, name="ddp_plugin-lighthouse-relay", daemon=True).start()
+        if len(self.addresses) > 1:
+            threading.Thread(target=self._watch, args=(watch_s,), name="ddp_plugin-lighthouse-watch",
+                             daemon=True).start()
+
+    def counts(self) -> list[int]:
+        """Each lighthouse's count of beating groups (-1: it does not answer)."""
+        return [beating_count(a, self.probe_timeout) for a in self.addresses]
+
+    def _watch(self, every: float) -> None:
+        while not self._closed:
+            time.sleep(every)
+            counts = self.counts()
+            with self._lock:
+                now = self.current
+                best = max(range(len(counts)), key=lambda i: (counts[i], i == now))
+                if self._closed or counts[best] <= counts[now]:
+                    continue
+                log.warning("ddp_plugin: the groups beat at the lighthouse %s (%d of them, %d at %s); going on with it",
+                            self.addresses[best], counts[best], max(counts[now], 0), self.addresses[now])
+                self.current = best
+                self.switches += 1
+                cut, self._open = self._open, set()
+            for sock in cut:  # (the ranks connect again: to the lighthouse in use now)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def _accept(self) -> None:
         while not self._closed:
@@ -108,6 +144,8 @@ class LighthouseRelay:
             return
         ends = [2]
         lock = threading.Lock()
+        with self._lock:
+            self._open |= {conn, up}
 
         def pump(src: socket.socket, dst: socket.socket) -> None:
             """Bytes from ``src`` to ``dst``; its end passed on (a half close), an error closing both ways; the
@@ -126,6 +164,8 @@ class LighthouseRelay:
                 ends[0] -= 1
                 last = ends[0] == 0
             if last:
+                with self._lock:
+                    self._open -= {conn, up}
                 conn.close()
                 up.close()
 
