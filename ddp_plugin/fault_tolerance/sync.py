@@ -42,9 +42,7 @@ class ReplicaGroupTransport:
     (its ranks keep their parts of the global copy and of the outer optimizer's state, as on one node), and each
     sync is a torchft step, on the outer thread:
 
-    1. its quorum, asked for when the step that sends the sync starts (:meth:`on_step_start`: the lighthouse's
-       answer comes while that step runs) and waited for on the training thread when the sync is sent
-       (:meth:`begin`), which names the
+    1. its quorum, waited for on the training thread when the sync is sent (:meth:`begin`), which names the
        fragment it carries (:meth:`quorum_fragment`: the quorum's count of committed syncs, the same on every group
        of it, a returning group's included, whose own schedule is not yet its peers'), and whether a group heals
        in it;
@@ -116,26 +114,9 @@ class ReplicaGroupTransport:
 
     # ------------------------------------------------------------------ a round
 
-    @hookimpl(trylast=True)
-    def on_step_start(self) -> None:
-        """When the step that sends a sync starts, that sync's quorum asked for: the lighthouse answers while the
-        step runs (torchft asks for it before the forward too), where otherwise the training thread would wait for
-        it after the step. A peer healing in it reads this group's state only once the step is done (:meth:`begin`):
-        torchft's state read is closed until then. (trylast: after the member's, whose first step may ask for a
-        quorum itself. Not with ``dynamic_steps``, whose groups watch for a peer's request to send their own.)"""
-        sync, replicas = self.sync, self.replicas
-        if sync is None or replicas.per_step or self.dynamic or sync.in_flight or self._healed_step is not None:
-            return
-        coming = sync.step + 1
-        if coming <= sync.warmup or not sync.schedule.sent_after(coming - sync.warmup):
-            return
-        replicas.manager.disallow_state_dict_read()
-        replicas.start_step()
-
     def begin(self, fragment: int, stale: bool) -> Round:
         # (`fragment`, the schedule's, is this group's own view: the quorum's is the one sent)
         replicas = self.replicas
-        replicas.manager.allow_state_dict_read()  # (the step is done: a peer healing in this quorum may read it)
         replicas.start_step()
         fragment = self.quorum_fragment()
         # What the heal server serves changes from here until the sync is applied. Not before the quorum is in: a
