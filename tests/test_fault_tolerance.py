@@ -953,6 +953,30 @@ def test_the_launch_command_names_a_bad_flag_before_starting_anything(argv, mess
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_the_launch_command_with_a_standby_gives_the_group_a_relay_that_reaches_the_lighthouse_up(tmp_path):
+    """``ddp-plugin-group --lighthouse A,B`` with A down and B up: the command it runs gets a relay of the launcher's
+    as ``TORCHFT_LIGHTHOUSE`` (not A or B), and B's status page answers through it."""
+    port = free_port()
+    standby = start_lighthouse(port, tmp_path)
+    script = tmp_path / "probe.py"
+    script.write_text("import os, urllib.request\n"
+                      "address = os.environ['TORCHFT_LIGHTHOUSE']\n"
+                      "page = urllib.request.urlopen(address + '/status', timeout=30).read().decode()\n"
+                      "print('relay', address, 'heartbeating' in page)\n")
+    try:
+        done = subprocess.run(
+            [interpreter(), "-m", "ddp_plugin.fault_tolerance.launch", "--group", "0", "--groups", "2",
+             "--lighthouse", f"http://127.0.0.1:{free_port()},http://127.0.0.1:{port}", str(script)],
+            env=clean_env({}), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    finally:
+        standby.kill()
+        standby.wait()
+    assert done.returncode == 0, done.stdout + done.stderr
+    relay = re.search(r"^relay (\S+) (\w+)$", done.stdout, flags=re.M)
+    assert relay is not None and relay.group(2) == "True", done.stdout
+    assert relay.group(1).startswith("http://127.0.0.1:") and not relay.group(1).endswith(f":{port}")
+
+
 def torch_mapped(pid: int) -> bool:
     """Whether process ``pid`` has torch's library loaded (what importing torch maps: 380 MB and seconds of CPU)."""
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
