@@ -982,6 +982,23 @@ def torch_mapped(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
+def test_the_status_page_readers_the_launcher_uses_import_no_torch():
+    """The launcher reads the lighthouse's status page (the relay's watch, and a ``--start-lighthouse`` group
+    waiting for the others to stop beating) through torchft's adapter, which imported torch at the top for an
+    annotation: the launcher's process loaded torch at the end of every such group. (``-c``: a real interpreter.)"""
+    import sys
+
+    code = ("import sys\n"
+            "sys.argv[0] = 'ddp-plugin-group'\n"  # (as the console script's process: the package registers nothing)
+            "from ddp_plugin.fault_tolerance import launch, relay, torchft_adapter\n"
+            "assert relay.beating_count('http://127.0.0.1:1', 1.0) == -1\n"
+            "print('torch imported:', 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env({}), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "torch imported: False" in proc.stdout, proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("form", ["module", "console script"])
 def test_the_launcher_and_the_lighthouse_it_starts_import_no_torch(form, tmp_path):
     """``ddp-plugin-group`` only starts the group's command and waits, and the lighthouse is torchft's Rust

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ddp_plugin.fault_tolerance.relay import addresses_of
+from ddp_plugin.fault_tolerance.relay import addresses_of, beating_count
 
 LIGHTHOUSE_PORT = 29510
 MASTER_PORT = 29600
@@ -116,16 +116,6 @@ def reachable(address: str, timeout: float) -> bool:
         return False
 
 
-def beating(address: str) -> int:
-    """How many groups the lighthouse counts as beating (0 if it does not answer)."""
-    from ddp_plugin.fault_tolerance.torchft_adapter import beating_groups
-
-    try:
-        return beating_groups(address, 5.0)
-    except OSError:
-        return 0
-
-
 def command(args: argparse.Namespace, port: int) -> list[str]:
     if args.nproc_per_node is None:
         return [sys.executable, args.script, *args.args]
@@ -182,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         relay.close()
     if lighthouse is not None:
         # (the other groups may still sync: the lighthouse stays until none beats; torchft's own beat timeout)
-        while lighthouse.poll() is None and beating(probe) > 0:
+        while lighthouse.poll() is None and beating_count(probe, 5.0) > 0:
             time.sleep(1.0)
         lighthouse.terminate()
         try:

@@ -22,11 +22,9 @@ launcher's process holds it for the whole run).
 from __future__ import annotations
 
 import logging
-import re
 import socket
 import threading
 import time
-import urllib.request
 from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
@@ -50,12 +48,12 @@ def _endpoint(address: str) -> tuple[str, int]:
 
 def beating_count(address: str, timeout: float) -> int:
     """How many groups the lighthouse at ``address`` counts as beating (-1 if it does not answer)."""
+    from ddp_plugin.fault_tolerance.torchft_adapter import beating_groups
+
     try:
-        with urllib.request.urlopen(f"{address.rstrip('/')}/status", timeout=timeout) as response:  # noqa: S310
-            found = re.search(r"\[(\d+) heartbeating\]", response.read().decode())
+        return beating_groups(address, timeout)
     except OSError:
         return -1
-    return int(found.group(1)) if found else 0
 
 
 class LighthouseRelay:

@@ -33,9 +33,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 CHECKED_VERSIONS = ("0.2.0",)
 """The torchft releases this module was checked against."""
