@@ -55,6 +55,33 @@ import torch
 LIGHTHOUSE_PORT = 29510
 
 
+def held_out_loss(params: dict, width: int) -> float:
+    """The mean squared error of a group's final parameters (``ft_worker``'s MLP) on 8192 samples it never trained
+    on (its data is ``sine_dataset(..., seed=3)``): the runs' final loss, free of the last batches' noise (the
+    training loss of one step varies 3x between steps at its end)."""
+    from torch import nn
+
+    from ddp_plugin.testing.data import sine_dataset
+    from ddp_plugin.testing.models import mlp
+
+    net = mlp(8, width, 1, layers=2, activation=nn.Tanh)
+    net.load_state_dict({k[len("net."):]: v for k, v in params.items() if k.startswith("net.")})
+    x, y = sine_dataset(8192, 8, seed=99).tensors
+    with torch.no_grad():
+        return nn.functional.mse_loss(net(x), y).item()
+
+
+def route(args: argparse.Namespace) -> str:
+    """The groups' route, as the results' header names it."""
+    codec = f"compression {args.compression}" + (f" {json.dumps(args.compression_options)}"
+                                                if args.compression_options else "")
+    if args.sync_every == 1:
+        return f"synchronous (a quorum and an all-reduce across groups every step; {codec})"
+    outer = f"outer_optimizer {args.outer_optimizer}, " if args.outer_optimizer else ""
+    return (f"DiLoCo H={args.sync_every} ({outer}{codec}, max_staleness {args.max_staleness},"
+            f" sync_fragments {args.sync_fragments}, dynamic_steps {args.dynamic_steps})")
+
+
 def rates_of(text: str) -> list[str]:
     """``"4x1gbit,8x100mbit"`` -> the rates in order."""
     import re
@@ -122,6 +149,7 @@ class Run:
         spec = {"out": str(self.out), "node": group, "tag": tag, "group": group, "groups": self.args.groups,
                 "nodes": self.args.groups, "steps": 10**6, "lighthouse": self.address, "sleep": self.args.step_sleep,
                 "sync_every": self.args.sync_every, "compression": self.args.compression, "batch": self.args.batch,
+                "outer_optimizer": self.args.outer_optimizer, "compression_options": self.args.compression_options,
                 "data_split": "quorum", "seed": self.seed, "width": self.args.width,
                 "quorum_timeout": self.args.quorum_timeout, "timeout": self.args.timeout, "min_replicas": self.args.groups // 2 + 1,
                 "stop_file": str(self.out / "stop"), "save_params": True, "max_staleness": self.args.max_staleness,
@@ -282,6 +310,7 @@ class Run:
         keys = [k for k in (ref or {}) if k != "global_step" and (k.startswith("outer.") or not a.max_staleness)]
         equal = ref is not None and all(p["global_step"] == ref["global_step"] and all(
             torch.equal(p[key], ref[key]) for key in keys) for p in params.values())
+        held_out = [held_out_loss(p, a.width) for p in params.values()]
         losses = [statistics.fmean(r["loss"] for r in rec[-10:]) for g, k, rec in launches
                   if k == self.launches[g] - 1 and codes.get(g) == 0]
         first_sync = []  # seconds from a (re)start to the launch's first committed sync
@@ -300,7 +329,8 @@ class Run:
                 "per_group_s": useful / stepping if stepping else 0.0,
                 "step_s": step_s, "blocked_s": max(blocked, default=(0.0, -1, -1)), "lost_steps": lost,
                 "equal": equal, "ended": len(params), "codes": codes, "final_loss": statistics.fmean(losses)
-                if losses else float("nan"), "events": self.events, "windows": windows, "t0": t0,
+                if losses else float("nan"), "held_out": statistics.fmean(held_out) if held_out else float("nan"),
+                "events": self.events, "windows": windows, "t0": t0,
                 "first_sync_s": first_sync, "heal_s": heal_s, "quorum_s": quorum, "memory": self.samples,
                 "launches": sum(self.launches.values())}
 
@@ -325,6 +355,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    " the one in use, the groups going on with the other")
     p.add_argument("--sync-every", type=int, default=10)
     p.add_argument("--compression", default=None)
+    p.add_argument("--outer-optimizer", default=None, help="the sync mode's outer_optimizer (default: the strategy's,"
+                   " nesterov)")
+    p.add_argument("--compression-options", type=json.loads, default=None,
+                   help='the codec\'s options, JSON (e.g. \'{"decay": 0.95}\': with --compression sparse and'
+                   ' --outer-optimizer average, SparseLoCo\'s recipe)')
     p.add_argument("--max-staleness", type=int, default=0, help="the sync mode's max_staleness: a sync runs behind"
                    " this many inner steps (0: the inner steps wait for it)")
     p.add_argument("--sync-fragments", type=int, default=1, help="streaming DiLoCo's fragments")
@@ -416,7 +451,7 @@ def write(args: argparse.Namespace, bench: harness.Run, rows: dict, cpu: float) 
                       f"{r['per_group_s'] / base_live:.3f}" if base_live and r.get("per_group_s") else "-",
                       f"{r['blocked_s'][0]:.1f} (group {r['blocked_s'][1]})", f"{r['step_s']:.2f}",
                       f"{r['ended']} {'equal' if r['equal'] else 'NOT EQUAL'} at step {r['stop']}",
-                      f"{r['final_loss']:.4f}",
+                      f"{r['final_loss']:.4f}", f"{r['held_out']:.6f}" if "held_out" in r else "-",
                       f"{min(m['lighthouse_mb'] for m in mem):.0f}-{max(m['lighthouse_mb'] for m in mem):.0f}",
                       f"{max(m['rank_mb'] for m in mem):.0f}",
                       f"{statistics.median(r['first_sync_s']):.0f}" if r["first_sync_s"] else "-"])
@@ -425,8 +460,7 @@ def write(args: argparse.Namespace, bench: harness.Run, rows: dict, cpu: float) 
              f"{f', delays {args.delays}' if args.delays else ' (no delays)'}, {args.joins} joining nodes and the"
              f" lighthouse's at {args.rate_list[0]}; every group's node held to {cpu:.3f} cores (a cgroup CPU quota), the"
              " lighthouse's not",
-             f"- run: DiLoCo H={args.sync_every} (compression {args.compression}, max_staleness {args.max_staleness},"
-             f" sync_fragments {args.sync_fragments}, dynamic_steps {args.dynamic_steps}), MLP width {args.width},"
+             f"- run: {route(args)}, MLP width {args.width},"
              f" batch"
              f" {args.batch}, {args.step_sleep} s of simulated compute a step, `data_split=\"quorum\"`, min_replicas"
              f" {args.groups // 2 + 1}, quorum_timeout {args.quorum_timeout:g} s, timeout {args.timeout:g} s,"
@@ -438,6 +472,7 @@ def write(args: argparse.Namespace, bench: harness.Run, rows: dict, cpu: float) 
              *harness.table(["run", "wall (s)", "launches", "goodput (samples/s)", "against no churn",
                              "a running group's, against no churn",
                              "longest blocked (s)", "median step (s)", "groups at the end", "final loss",
+                             "held-out loss of the final model",
                              "lighthouse RSS (MB)", "rank RSS max (MB)", "start to first sync (s, median)"],
                             cells, "l" * 12),
              "", "Coordination (each launch's mean a quorum, then the median over launches; a heal: a returning"
@@ -450,6 +485,7 @@ def write(args: argparse.Namespace, bench: harness.Run, rows: dict, cpu: float) 
         ev = ", ".join(f"{t - r['t0']:.0f} {what}{f' {g}' if g >= 0 else ''}" for t, what, g in r["events"]
                        if t >= r["t0"])
         lines.append(f"- {name}: {ev}; exit codes {r['codes']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).with_suffix(".json").write_text(json.dumps(rows, default=str))
     png = Path(args.out).with_suffix(".png")
     also = [Path(args.out).with_suffix(".json")]
@@ -475,8 +511,9 @@ def plot(rows: dict, png: Path) -> bool:
         return False
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for name, r in rows.items():
-        w = sorted(r["windows"])
-        top.plot([k * 20 for k in w], [r["windows"][k] / 20 for k in w], label=name)
+        windows = {int(k): v for k, v in r["windows"].items()}  # (str keys: rows read back from the JSON)
+        w = sorted(windows)
+        top.plot([k * 20 for k in w], [windows[k] / 20 for k in w], label=name)
         live, xs, ys = 0, [], []
         for t, what, _ in sorted(r["events"]):
             live += 1 if what == "start" else -1 if what == "kill" or what.startswith("exited") else 0

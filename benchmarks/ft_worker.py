@@ -7,7 +7,7 @@ node ``node`` of one torchrun job over every node (today's fail-fast run), which
 ``ckpt_every`` steps and, with ``"resume"``, resumes from the last one. Every optimizer step appends a JSON line to
 ``DIR/rec-<node><tag>.jsonl`` (the node's local rank 0): the time, the global step, the loss and the ``ft/``
 metrics. ``"devices"`` ranks per node, ``"batch"``, ``"dynamic_steps"``, ``"data_split"``, ``"compression"``, ``"hierarchical"``, ``"sync_fragments"`` and
-``"max_staleness"`` as the strategy's flags; with ``"group_nodes": G`` (and ``"group"``, ``"groups"``, ``"node_rank"``)
+``"max_staleness"``, ``"outer_optimizer"`` and ``"compression_options"`` as the strategy's flags; with ``"group_nodes": G`` (and ``"group"``, ``"groups"``, ``"node_rank"``)
 replica group ``group`` spans G nodes, this one its node ``node_rank`` (one Lightning launch over them); with
 ``"gate"``, every rank writes ``GATE.<node>.<local rank>`` once set up and waits for ``GATE`` before its first step.
 With ``"stop_file"``: once that file exists it holds a step, at which the run stops (a step every group reaches, at a
@@ -97,6 +97,9 @@ def main() -> None:
                "compression": spec.get("compression"),
                "hierarchical": spec.get("hierarchical"), "sync_fragments": spec.get("sync_fragments", 1),
                "max_staleness": spec.get("max_staleness", 0)}
+    for key in ("outer_optimizer", "compression_options"):  # (else the strategy's defaults)
+        if spec.get(key) is not None:
+            options[key] = spec[key]
     tag = spec.get("tag", "")
     callbacks = [Record(os.path.join(spec["out"], f"rec-{spec['node']}{tag}.jsonl"),
                         spec.get("sleep", 0.05), spec.get("gate"), spec["node"], spec.get("stop_file"),
