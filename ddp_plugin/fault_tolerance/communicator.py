@@ -43,7 +43,11 @@ class ReplicaGroupCommunicator:
 
     def _issue(self, start: Any, output: Tensor, sends: float, async_op: bool) -> Any:
         n = self.cross.size()
-        work = _Guarded(None, output, self.manager) if n == 1 or self.manager.errored() else None
+        work = None
+        if n == 1:
+            work = _Guarded(None, output, self.manager)
+        elif self.manager.errored():
+            work = _Guarded(None, output.zero_(), self.manager)  # (skipped: see _Guarded)
         if work is None:
             self.inner.count_bytes(0, sends)
             release = getattr(self.cross, "release", None)
@@ -120,8 +124,12 @@ def _ring_bytes(n: int, tensors: list[Tensor]) -> float:
 
 class _Guarded:
     """A collective's work on torchft's group: waiting never raises. A failure is reported to the Manager (the
-    quorum's step or sync will not commit) and the output's values are then meaningless; ``work=None``: skipped
-    (one rank alone, or an earlier collective of the quorum failed), or failed to start with ``error``."""
+    quorum's step or sync will not commit) and the output is then zeros, as is a skipped collective's: whatever a
+    codec decodes of it is thrown away with the quorum, but decoding must not fail, and a failed all-gather's
+    output holds some peers' payloads and leftover bytes, which a sparse codec read as indices far outside its
+    chunks (found under churn: four groups stopped with "index out of bounds"). Zeros decode as nothing in every
+    built-in codec. ``work=None``: skipped (one rank alone, or an earlier collective of the quorum failed), or
+    failed to start with ``error``."""
 
     def __init__(self, work: Any, output: Tensor, manager: Any, error: Exception | None = None,
                  release: Any = None) -> None:
@@ -133,6 +141,7 @@ class _Guarded:
         log.warning("ddp_plugin: a collective across replica groups failed (%s); this quorum's step is committed"
                     " nowhere", err)
         self.manager.report_error(err)
+        self.output.zero_()
         if self.release is not None:
             self.release()  # (the peers waiting on this rank fail at once: see UniqueRendezvous.release)
 
