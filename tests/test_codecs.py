@@ -448,6 +448,20 @@ def test_sparse_reduce_scatter_leaves_every_rank_the_same_bits_and_owes_the_rest
     torch.testing.assert_close(outs.sum(0) + owed, exact, atol=1e-4, rtol=1e-4)
 
 
+def test_a_sparse_payload_of_zeros_adds_nothing():
+    """Zeros are what a failed or skipped collective across replica groups leaves in its output (the quorum's sync
+    is thrown away), and both aggregations decode their payloads here: that must add nothing and raise nothing. An
+    index is sent less 2**15, so zero bytes read as index 32768, past a chunk of 4096: four of 16 groups of a churn
+    run with SparseLoCo's recipe stopped on "index 32768 is out of bounds"."""
+    from ddp_plugin.codecs import SparseCodec
+
+    codec = SparseCodec()
+    c, chunks, k = codec.layout(3 * 4096)
+    total = torch.ones(chunks, c)
+    codec._add_decoded(total, torch.zeros(codec.payload_bytes(3 * 4096), dtype=torch.uint8), chunks, k)
+    assert torch.equal(total, torch.ones(chunks, c))
+
+
 def test_sparse_reduce_scatter_sends_about_two_payloads_fewer_than_the_all_gather_on_4_ranks(ranks):
     from ddp_plugin.codecs import SparseCodec
 

@@ -273,7 +273,10 @@ class SparseCodec(Codec):
         first rows where it has fewer: a shorter range's padding is left out)."""
         scales, indices, levels = self._unpack(payload, chunks, k)
         rows = total.shape[0]
-        total.scatter_add_(1, indices[:rows], self._dequantize(levels[:rows], scales[:rows]))
+        # (a no-op on a payload this codec packed; the zeros a failed collective across replica groups leaves read
+        # as index 2**15, past a chunk: scale 0, they add nothing where they are kept in)
+        indices = indices[:rows].clamp_(max=total.shape[1] - 1)
+        total.scatter_add_(1, indices, self._dequantize(levels[:rows], scales[:rows]))
 
     def _slots(self, chunks: int, n: int, device: torch.device) -> torch.Tensor:
         """The rows of the chunks every owner's slot holds, owner after owner: its range's chunks, then ``chunks``

@@ -126,10 +126,10 @@ class _Guarded:
     """A collective's work on torchft's group: waiting never raises. A failure is reported to the Manager (the
     quorum's step or sync will not commit) and the output is then zeros, as is a skipped collective's: whatever a
     codec decodes of it is thrown away with the quorum, but decoding must not fail, and a failed all-gather's
-    output holds some peers' payloads and leftover bytes, which a sparse codec read as indices far outside its
+    output holds some peers' payloads and leftover bytes, which the sparse codec read as indices far outside its
     chunks (found under churn: four groups stopped with "index out of bounds"). Zeros decode as nothing in every
-    built-in codec. ``work=None``: skipped (one rank alone, or an earlier collective of the quorum failed), or
-    failed to start with ``error``."""
+    built-in codec (the sparse one keeps an index past its chunk, which zeros give, in it). ``work=None``: skipped
+    (one rank alone, or an earlier collective of the quorum failed), or failed to start with ``error``."""
 
     def __init__(self, work: Any, output: Tensor, manager: Any, error: Exception | None = None,
                  release: Any = None) -> None:
