@@ -6,8 +6,9 @@ With ``"lighthouse"`` in the spec it is replica group ``node`` of a run on torch
 node ``node`` of one torchrun job over every node (today's fail-fast run), which checkpoints every
 ``ckpt_every`` steps and, with ``"resume"``, resumes from the last one. Every optimizer step appends a JSON line to
 ``DIR/rec-<node><tag>.jsonl`` (the node's local rank 0): the time, the global step, the loss and the ``ft/``
-metrics. ``"devices"`` ranks per node, ``"batch"``, ``"dynamic_steps"``, ``"data_split"``, ``"compression"``, ``"hierarchical"``, ``"sync_fragments"`` and
-``"max_staleness"``, ``"outer_optimizer"`` and ``"compression_options"`` as the strategy's flags; with ``"group_nodes": G`` (and ``"group"``, ``"groups"``, ``"node_rank"``)
+metrics. ``"devices"`` ranks per node, ``"batch"``, ``"dynamic_steps"``, ``"data_split"``, ``"compression"``,
+``"hierarchical"``, ``"sync_fragments"``, ``"max_staleness"``, ``"outer_optimizer"`` and ``"compression_options"``
+as the strategy's flags; with ``"group_nodes": G`` (and ``"group"``, ``"groups"``, ``"node_rank"``)
 replica group ``group`` spans G nodes, this one its node ``node_rank`` (one Lightning launch over them); with
 ``"gate"``, every rank writes ``GATE.<node>.<local rank>`` once set up and waits for ``GATE`` before its first step.
 With ``"stop_file"``: once that file exists it holds a step, at which the run stops (a step every group reaches, at a

@@ -1165,8 +1165,8 @@ def test_groups_returning_together_download_from_different_live_groups():
 def test_a_member_lost_inside_an_all_reduce_fails_every_live_member_in_seconds_not_the_whole_timeout():
     """Four groups in a quorum, on torchft's real gloo process groups (one thread each): member 2 dies after the
     quorum is configured (its process group, and so its sockets, gone, as when its process is killed), and the
-    others all-reduce twice at once, then all-gather. Its neighbours in gloo's ring see its sockets close; member 0, their
-    neighbour only, saw nothing and used to wait for the process group's whole timeout (30 s here; the strategy's
+    others all-reduce twice at once, then all-gather. Its neighbours in gloo's ring see its sockets close; member 0,
+    their neighbour only, saw nothing and used to wait for the process group's whole timeout (30 s here; the strategy's
     `timeout`, 30 minutes by default): 8 of 16 groups of the churn benchmark stood 15 s after such a kill. Each
     member whose collective fails now drops its process group at once, so every live member fails within
     seconds, reports the error (the quorum's sync commits nowhere) and still answers its rank and size."""
