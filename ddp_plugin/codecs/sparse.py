@@ -273,8 +273,8 @@ class SparseCodec(Codec):
         first rows where it has fewer: a shorter range's padding is left out)."""
         scales, indices, levels = self._unpack(payload, chunks, k)
         rows = total.shape[0]
-        # (a no-op on a payload this codec packed; the zeros a failed collective across replica groups leaves read
-        # as index 2**15, past a chunk: scale 0, they add nothing where they are kept in)
+        # (a no-op on a payload this codec packed; an all-zero payload, what a failed collective leaves, reads as
+        # index 2**15, past a chunk: with scale 0 it adds nothing where it is kept in)
         indices = indices[:rows].clamp_(max=total.shape[1] - 1)
         total.scatter_add_(1, indices, self._dequantize(levels[:rows], scales[:rows]))
 
