@@ -62,9 +62,8 @@ def held_out_loss(params: dict, width: int) -> float:
     from torch import nn
 
     from ddp_plugin.testing.data import sine_dataset
-    from ddp_plugin.testing.models import mlp
 
-    net = mlp(8, width, 1, layers=2, activation=nn.Tanh)
+    net = harness.ft_net(width)
     net.load_state_dict({k[len("net."):]: v for k, v in params.items() if k.startswith("net.")})
     x, y = sine_dataset(8192, 8, seed=99).tensors
     with torch.no_grad():

@@ -25,13 +25,12 @@ import time
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
 from torch.utils.data import DataLoader
 
 import harness
 from ddp_plugin import HierarchicalZeroStrategy
 from ddp_plugin.testing.data import sine_dataset
-from ddp_plugin.testing.models import TinyModule, mlp
+from ddp_plugin.testing.models import TinyModule
 
 
 class Record(L.Callback):
@@ -91,7 +90,7 @@ def main() -> None:
         logging.basicConfig(level=os.environ["FT_WORKER_LOG"])
     torch.set_num_threads(1)
     torch.manual_seed(spec.get("seed", 0))  # every node starts from the same parameters
-    model = TinyModule(mlp(8, spec.get("width", 128), 1, layers=2, activation=nn.Tanh), optimizer="adamw",
+    model = TinyModule(harness.ft_net(spec.get("width", 128)), optimizer="adamw",
                        lr=spec.get("lr", 3e-3))
     data = DataLoader(sine_dataset(1 << 16, 8, seed=3), batch_size=spec.get("batch", 32))
     options = {"sync_every": spec["sync_every"], "timeout": spec.get("timeout", 30.0),

@@ -520,6 +520,16 @@ def failed(head: str, res: Mapping[str, Any]) -> str:
     return f"{head} FAILED ({res['error']}, {res.get('wall_s', 0.0):.0f} s)\n{res.get('log', '')}".rstrip()
 
 
+def ft_net(width: int) -> Any:
+    """``ft_worker``'s model: an MLP from 8 inputs through two tanh layers of ``width`` to one output (``churn.py``
+    evaluates the groups' final parameters in it)."""
+    from torch import nn
+
+    from ddp_plugin.testing.models import mlp
+
+    return mlp(8, width, 1, layers=2, activation=nn.Tanh)
+
+
 def fully_shard_gpt() -> type:
     """``ddp_plugin.testing.gpt.GPTModule`` with Lightning's ``ModelParallelStrategy`` recipe: the tensor-parallel
     plan (``GPTModule.configure_model``), then FSDP2 on the data-parallel mesh, each block and the root."""
