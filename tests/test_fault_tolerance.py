@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import os
 import re
 import signal
 import socket
@@ -480,6 +481,63 @@ def lighthouse_killed(sync_every: int, out) -> None:
     assert found["2-back"]["steps"][-1]["ft/heals"] >= 1
 
 
+def stale_quorum_id(sync_every: int, out) -> None:
+    """The scenario of :func:`test_a_group_a_restarted_lighthouse_hands_the_id_of_its_last_quorum_heals_at_once`,
+    asserting as it goes."""
+    port = free_port()
+    lighthouse = start_lighthouse(port, out)
+    address = f"http://127.0.0.1:{port}"
+    args = ("--quorum-timeout", str(QUORUM_TIMEOUT), "--timeout", str(TIMEOUT), "--steps", "60", "--step-sleep",
+            "0.1")
+    joined, held, go, resumed = out / "joined", out / "held", out / "go", out / "resumed"
+
+    def marks(name: str) -> set:
+        return {p.name for p in out.glob(f"{name}.*") if not p.name.endswith(".sent")}
+
+    try:
+        # Quorum 1: group 0 alone (group 1 not started); quorum 2: both (group 1 heals into it).
+        first = launch(out, 0, 2, address, 1, sync_every, *args, "--mark-sync", str(out / "a"), "--hold",
+                       f"12:{joined}.0", "--hold", f"37:{resumed}")
+        wait_for(out / f"a.{sync_every}.sent", procs=[first])
+        second = launch(out, 1, 2, address, 1, sync_every, *args, "--mark-sync", str(out / "b"), "--announce",
+                        str(joined), "--hold", f"22:{go}", "--mark-held", str(held))
+        wait_for(Path(f"{held}.1"), procs=[first, second])  # (between its syncs, its last quorum's id 2)
+        # The lighthouse killed, group 1 stopped (it no longer beats), the lighthouse started again: group 0 syncs
+        # alone, in the new lighthouse's quorum 1.
+        lighthouse.kill()
+        lighthouse.wait()
+        os.killpg(second.pid, signal.SIGSTOP)
+        time.sleep(2)
+        lighthouse = start_lighthouse(port, out)
+        wait_for(out / "a.35.sent", procs=[first])
+        # Group 1 back: its next sync asks (the new lighthouse's quorum 2: the id and groups of its last), then
+        # group 0's. Group 1 is behind: it heals from group 0 in that quorum.
+        before = marks("b")
+        os.killpg(second.pid, signal.SIGCONT)
+        go.touch()
+        deadline = time.time() + 120
+        while marks("b") == before:
+            assert time.time() < deadline and second.poll() is None, "group 1 did not ask for its next sync"
+            time.sleep(0.05)
+        back = time.time()
+        resumed.touch()
+        for proc in (first, second):
+            assert wait(proc, out, 600) == 0
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    found = {name: torch.load(out / f"{name}.pt") for name in ("0", "1")}
+    for name, run in found.items():
+        assert run["steps"][-1]["global_step"] == 60, name
+        for key, value in found["0"]["params"].items():
+            assert torch.equal(run["params"][key], value), (name, key)
+    steps = [s for s in found["0"]["steps"] if s["time"] > back]
+    assert steps[-1]["ft/uncommitted"] == steps[0]["ft/uncommitted"], "a sync after group 1's return failed"
+    gaps = [b["time"] - a["time"] for a, b in zip(steps, steps[1:])]
+    assert max(gaps) < TIMEOUT, gaps  # (it stood twice the timeout: the rendezvous, then the heal, waited)
+    assert found["1"]["steps"][-1]["ft/heals"] >= 2
+
+
 def test_with_a_standby_lighthouse_the_groups_go_on_with_it_when_the_first_is_killed_for_good(tmp_path):
     """Two lighthouses (each its own process, ``--min_replicas`` 2), 2 groups of 1 rank with DiLoCo (a sync every 5
     steps), each reaching them through a relay of its own (as ``ddp-plugin-group --lighthouse A,B`` gives its
@@ -588,7 +646,8 @@ def test_a_lighthouse_relay_keeps_to_the_lighthouse_in_use_and_goes_on_with_the_
 
 
 SCENARIOS = {"test_two_groups_lost_at_once_one_killed_in_its_healing_and_the_lighthouse_away": two_groups_lost,
-             "test_the_lighthouse_killed_and_started_again_mid_run": lighthouse_killed}
+             "test_the_lighthouse_killed_and_started_again_mid_run": lighthouse_killed,
+             "test_a_group_a_restarted_lighthouse_hands_the_id_of_its_last_quorum_heals_at_once": stale_quorum_id}
 """The tests whose scenario runs as a background job: ``(job name, sync_every)``."""
 
 
@@ -669,6 +728,17 @@ def test_two_groups_lost_at_once_one_killed_in_its_healing_and_the_lighthouse_aw
     killed once it has received its peer's state (inside its healing), and returns again; then the lighthouse stops
     answering for a while, less than ``quorum_timeout`` (stopped: SIGSTOP, then SIGCONT). Every group ends at the same step with the same parameters bit for bit."""
     background[("two_groups_lost", sync_every)].result()  # (run in the background: :func:`two_groups_lost`)
+
+
+@pytest.mark.parametrize("sync_every", [5], ids=["DiLoCo"])
+def test_a_group_a_restarted_lighthouse_hands_the_id_of_its_last_quorum_heals_at_once(sync_every, background):
+    """2 groups of 1 rank. Group 1 starts after group 0's first sync (quorum 1: group 0; quorum 2: both), and is
+    stopped (SIGSTOP) between syncs; the lighthouse is killed and started again, group 0 syncs alone (its quorum
+    1), then group 1 goes on: its next sync is in the new lighthouse's quorum 2, the id and groups of its last one,
+    and behind. torchft kept its old process group (a known id): group 0 waited for it at the new one's rendezvous
+    and group 1's heal waited for group 0, twice the strategy's timeout (seen in the churn check: 31 s). Now group
+    1 configures again, heals at once, and no sync fails."""
+    background[("stale_quorum_id", sync_every)].result()  # (run in the background: :func:`stale_quorum_id`)
 
 
 @pytest.mark.parametrize("sync_every", [1, 5], ids=["synchronous", "DiLoCo"])
@@ -1087,6 +1157,32 @@ def test_a_restarted_lighthouses_quorum_ids_neither_reuse_rendezvous_keys_nor_ke
     assert manager._quorum_id is None  # the same id, other groups: a new quorum for the Manager
     pg.configure("host:1/torchft/1/0")
     assert configured == ["host:1/torchft/1/0/step0", "host:1/torchft/1/0/step40"]
+
+
+def test_a_group_behind_a_quorum_of_its_last_id_and_groups_configures_again_for_it():
+    """A restarted lighthouse can hand a group the id and the groups of its last quorum of the old one: the group
+    missed the new lighthouse's first quorums (its request failed while the lighthouse was away), and the others
+    took its id back up to where it was. torchft reconfigures only on a new id, so the group kept its old process
+    group, the others waited for it at the new one's rendezvous, and the group's heal waited for them (seen in the
+    churn check: every group stood 31 s, twice the strategy's timeout). One lighthouse never hands a group that
+    is behind (to heal) the id of its last quorum: the groups it had did not go on without it. So that quorum is
+    configured again (torchft's client and Manager stand-ins record the calls)."""
+    from types import SimpleNamespace
+
+    from ddp_plugin.fault_tolerance.torchft_adapter import QuorumRecorder
+
+    members = ["replica_group_0:a", "replica_group_4:b"]
+    answers = iter([SimpleNamespace(quorum_id=2, max_step=48, replica_ids=members, heal=False),
+                    SimpleNamespace(quorum_id=2, max_step=49, replica_ids=members, heal=False),
+                    SimpleNamespace(quorum_id=2, max_step=51, replica_ids=members, heal=True)])
+    manager = SimpleNamespace(_quorum_id=None)
+    recorder = QuorumRecorder(SimpleNamespace(_quorum=lambda **_: next(answers)), manager)
+    recorder._quorum()
+    manager._quorum_id = 2  # (what torchft's Manager sets before it configures)
+    recorder._quorum()
+    assert manager._quorum_id == 2  # the same quorum, the group in step: nothing to reconfigure
+    recorder._quorum()
+    assert manager._quorum_id is None  # the same id and groups, but the group is behind: configure again
 
 
 def test_a_quorum_whose_rendezvous_failed_is_configured_again_when_the_lighthouse_hands_out_its_id_again():

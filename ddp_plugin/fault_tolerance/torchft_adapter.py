@@ -62,8 +62,11 @@ def manager(device: torch.device, *, hostname: str, timeout: timedelta, **option
 class QuorumRecorder:
     """torchft's client of its manager server, keeping the step of the last quorum it returned (the highest step
     of its groups: every group of the quorum gets the same), and making the Manager reconfigure its process group
-    for a quorum whose id it already has but whose groups differ: a lighthouse started again hands out ids from 1
-    again, and torchft 0.2 reconfigures only on a new id."""
+    for a quorum whose id it already has but whose groups differ, or which this group is behind (it heals): a
+    lighthouse started again hands out ids from 1 again, and torchft 0.2 reconfigures only on a new id. One
+    lighthouse never hands a group that is behind the id of its last quorum (its groups did not go on without it);
+    a restarted one does, when the group missed its first quorums and the others took the id back up, and the
+    others then configure a new process group while this one kept its old one."""
 
     def __init__(self, client: Any, manager: Any) -> None:
         self._client, self._manager = client, manager
@@ -74,7 +77,8 @@ class QuorumRecorder:
         quorum = self._client._quorum(*args, **kwargs)
         self.max_step = quorum.max_step
         members = (quorum.quorum_id, list(quorum.replica_ids))
-        if self._members is not None and members[0] == self._members[0] and members[1] != self._members[1]:
+        if self._members is not None and members[0] == self._members[0] and (
+                members[1] != self._members[1] or getattr(quorum, "heal", False)):
             self._manager._quorum_id = None  # (read next by the Manager: a new id for it, so it reconfigures)
         self._members = members
         return quorum
