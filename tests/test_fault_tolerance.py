@@ -1337,7 +1337,8 @@ def test_a_quorum_member_lost_after_asking_fails_the_rendezvous_in_seconds_not_t
     rendezvous, both are configured and all-reduce; when one beat, asked and was lost (it beats no more and never
     comes), the other's configuration fails within seconds (the lighthouse's 1 s heartbeat timeout, looked at about
     once a second), not after its 30 s `timeout` (torchft's rendezvous would wait for it that long), and forgets
-    the quorum's id so that the next quorum configures again."""
+    the quorum's id so that the next quorum configures again. One that beats but does not come fails it after the
+    `timeout`, not twice that."""
     import threading
     from datetime import timedelta
     from types import SimpleNamespace
@@ -1361,11 +1362,11 @@ def test_a_quorum_member_lost_after_asking_fails_the_rendezvous_in_seconds_not_t
                 client.heartbeat(member)
             time.sleep(0.1)
 
-    def group(rank: int, step: int) -> tuple:
+    def group(rank: int, step: int, timeout: float = 30) -> tuple:
         manager = SimpleNamespace(_quorum_id=None)
         recorder = QuorumRecorder(SimpleNamespace(_quorum=lambda **_: SimpleNamespace(
             quorum_id=1, max_step=step, replica_ids=members)), manager)
-        pg = unique_rendezvous(ProcessGroupGloo, address)(timeout=timedelta(seconds=30))
+        pg = unique_rendezvous(ProcessGroupGloo, address)(timeout=timedelta(seconds=timeout))
         pg.quorums = recorder
         recorder._quorum()
         manager._quorum_id = 1
@@ -1393,6 +1394,16 @@ def test_a_quorum_member_lost_after_asking_fails_the_rendezvous_in_seconds_not_t
         with pytest.raises(MemberGone, match=r"\['g0:a'\] stopped beating"):
             pg.configure(f"127.0.0.1:{store.port}/torchft/1/0", "g1:b", 1, 2, 1, 0, 1, [0, 1])
         assert time.monotonic() - began < 10
+        assert manager._quorum_id is None
+
+        # A member that beats but does not come (one that kept an older process group, say) fails the rendezvous
+        # after the timeout, naming it; torchft's rendezvous then waited a second timeout for it.
+        beating.add("g0:a")
+        pg, manager = group(1, 3, timeout=2)
+        began = time.monotonic()
+        with pytest.raises(MemberGone, match=r"ranks \[0\] \(of its members \['g0:a'\]\) did not come .* 2 s"):
+            pg.configure(f"127.0.0.1:{store.port}/torchft/1/0", "g1:b", 1, 2, 1, 0, 1, [0, 1])
+        assert time.monotonic() - began < 3.9
         assert manager._quorum_id is None
     finally:
         beating.clear()

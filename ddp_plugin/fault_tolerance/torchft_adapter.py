@@ -169,7 +169,8 @@ MEMBERS_POLL_S = 0.1
 
 
 class MemberGone(RuntimeError):
-    """A quorum's member stopped beating at the lighthouse before it came to the quorum's rendezvous."""
+    """A quorum's member stopped beating at the lighthouse before it came to the quorum's rendezvous, or did not
+    come within the timeout."""
 
 
 def await_members(address: str, rank: int, world_size: int, members: list[str], lighthouse: str,
@@ -178,8 +179,10 @@ def await_members(address: str, rank: int, world_size: int, members: list[str], 
     own, under ``/arrived``) before torchft's rendezvous: each sets its rank and waits for the others', looking at
     the lighthouse's status page about once a second. A member (of ``members``, the quorum's replica ids) that the
     lighthouse no longer counts as beating, while not every member has come, raises :class:`MemberGone`; a
-    lighthouse that does not answer is no news. After ``timeout`` it returns (the rendezvous then waits as it
-    would have)."""
+    lighthouse that does not answer is no news. Members that have not all come after ``timeout`` raise it too,
+    naming those missing: torchft's rendezvous would wait for them a second ``timeout`` (a member that beats but
+    does not come, such as one that kept an older process group, made every member of the quorum stand twice the
+    ``timeout``)."""
     import time
 
     from torchft.process_group import create_store_client
@@ -192,7 +195,11 @@ def await_members(address: str, rank: int, world_size: int, members: list[str], 
     while not store.check(keys):
         now = time.monotonic()
         if now > deadline:
-            return
+            missing = [r for r in range(world_size) if not store.check([str(r)])]
+            names = [members[r] for r in missing if r < len(members)]
+            raise MemberGone(f"the quorum's ranks {missing} (of its members {names}) did not come to its rendezvous"
+                             f" within {timeout.total_seconds():g} s (the strategy's `timeout`): this quorum is given"
+                             " up")
         if now >= look:
             look = now + 10 * MEMBERS_POLL_S
             try:
