@@ -44,10 +44,8 @@ class ReplicaGroupCommunicator:
     def _issue(self, start: Any, output: Tensor, sends: float, async_op: bool) -> Any:
         n = self.cross.size()
         work = None
-        if n == 1:
-            work = _Guarded(None, output, self.manager)
-        elif self.manager.errored():
-            work = _Guarded(None, output.zero_(), self.manager)  # (skipped: see _Guarded)
+        if n == 1 or self.manager.errored():  # (alone: the output is the input; else skipped: zeros, see _Guarded)
+            work = _Guarded(None, output if n == 1 else output.zero_(), self.manager)
         if work is None:
             self.inner.count_bytes(0, sends)
             release = getattr(self.cross, "release", None)
