@@ -261,6 +261,27 @@ def on_fold_residual(key: int | str, tensor: Tensor, rank: int, size: int) -> bo
     """
 
 
+@hookspec
+def on_cross_node_try(bucket: Bucket) -> None:
+    """The ``on_cross_node_reduce`` of ``bucket`` that follows may be discarded: it crosses replica groups
+    (``fault_tolerance``), and a group lost inside the step or sync makes every group skip it, a sync being redone
+    from the same values. Keep what that reduction changes of your state for the bucket (a codec's error-feedback
+    residuals, PowerSGD's Q, counts) as it is now, until ``on_cross_node_settled``. Called before each such
+    reduction, on the thread that runs it (a bucket may come again in the same try: keep its first state). Local.
+    """
+
+
+@hookspec
+def on_cross_node_settled(applied: bool) -> None:
+    """The reductions announced by ``on_cross_node_try`` since the last call were applied everywhere
+    (``applied``: forget what you kept) or discarded (put your state for those buckets back as you kept it, so
+    that a sync redone from the same values codes them as the first try would have, and a skipped step leaves
+    nothing behind). Called on every rank after the commit decision of a step or sync that ran such a reduction,
+    on the thread that commits. Local. A plugin that does not implement the pair keeps what a discarded try
+    changed.
+    """
+
+
 @hookspec(firstresult=True)
 def on_gradient_shard(bucket: Bucket) -> tuple[int, Tensor] | None:
     """The part of ``bucket``'s reduced gradient this rank keeps, where a plugin keeps only a part and released

@@ -96,6 +96,43 @@ def test_every_rank_gets_identical_bits(ranks, name):
         assert torch.equal(out, results[0][0])
 
 
+def discarded_try(rank, world, name, options, shapes, data):
+    """Step 0 applied; step 1 tried, discarded (``on_cross_node_settled(applied=False)``) and tried again, applied;
+    step 2. On a second codec the same steps without the discarded try. Both outputs, and both codecs' states."""
+    tried, plain = new_codec(name, options), new_codec(name, options)
+    bucket = make_bucket(shapes)
+    outs = {"tried": [], "plain": []}
+    for step in range(data.shape[1]):
+        attempts = ([False, True] if step == 1 else [True])
+        for applied in attempts:
+            tensor = data[rank, step].clone() * (3.0 if not applied else 1.0)  # (the failed try's values differ)
+            tried.on_cross_node_try(bucket=bucket)
+            tried.on_cross_node_try(bucket=bucket)  # (the same bucket again in one try: its first state is kept)
+            reduce(tried, tensor, bucket)
+            tried.on_cross_node_settled(applied=applied)
+        outs["tried"].append(tensor)
+        tensor = data[rank, step].clone()
+        reduce(plain, tensor, bucket)
+        outs["plain"].append(tensor)
+    return outs, tried.states[0].as_dict(), plain.states[0].as_dict()
+
+
+@pytest.mark.parametrize(("name", "options"),
+                         [(n, {"start_iter": 0} if n == "powersgd" else {}) for n in BUILTIN_CODECS]
+                         + [("sparse", {"aggregation": "reduce_scatter"})],
+                         ids=[*BUILTIN_CODECS, "sparse-reduce_scatter"])
+def test_a_discarded_try_leaves_the_codec_as_before_it(ranks, name, options):
+    """A try of a step or sync that is not applied anywhere (a replica group lost inside it) and then redone: the
+    codec's state (residuals, the reduce-scatter owner's, PowerSGD's Q and count, the warm-up count) is put back as
+    before it, so the redone try and every step after it give the same bits as without the discarded one."""
+    for outs, tried, plain in ranks.run(discarded_try, name, options, [(32, 40), (40,)], inputs(3, 32 * 40 + 40)):
+        for a, b in zip(outs["tried"], outs["plain"]):
+            assert torch.equal(a, b)
+        assert tried.keys() == plain.keys()
+        for key, value in plain.items():
+            assert torch.equal(tried[key], value) if isinstance(value, torch.Tensor) else tried[key] == value, key
+
+
 def resize_bucket(rank, world, name, options, before, after, data):
     """Two steps of a bucket of ``before`` shapes, then one of ``after`` shapes under the same index (as a bucket
     rebuilt for another layout, or the link probe's growing sizes); and that last step on a fresh codec."""

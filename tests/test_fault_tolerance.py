@@ -775,6 +775,45 @@ def test_the_other_codecs_across_groups_leave_every_group_with_the_same_paramete
         assert steps and all(s["ft/replicas"] == 2 and s["comm/compression_ratio"] > 1.5 for s in steps), steps
 
 
+@pytest.mark.parametrize(("codec", "options"), [(None, None), ("int8", None), ("sparse", None),
+                                               ("sparse", {"aggregation": "reduce_scatter"})],
+                         ids=["fp32", "int8", "sparse", "sparse-reduce_scatter"])
+def test_a_sync_a_group_dies_in_leaves_the_others_as_if_it_had_left_before_it(codec, options, tmp_path):
+    """3 groups of 1, DiLoCo H 5, seeded alike, the same run twice at once: in one, group 2 dies inside the second
+    sync (the others' first try fails, and they redo it without it); in the other, it dies before that sync. What
+    the codec keeps between syncs (error-feedback residuals, the reduce-scatter owner's residual, counts) must be
+    as it was before the failed try, or the redone sync codes each pseudo-gradient on top of what the failed try
+    left of it: the two live groups end with every parameter equal to the other run's, bit for bit."""
+    from torchft._torchft import LighthouseServer
+
+    coded = (["--compression", codec] if codec else []) + (
+        ["--compression-options", json.dumps(options)] if options else [])
+    dies = {"in": ["--kill-at", "6", "--kill-in", "sync"], "before": ["--kill-at", "9", "--kill-in", "end"]}
+    lighthouses, procs = [], {}
+    try:
+        for name, kill in dies.items():
+            out = tmp_path / name
+            out.mkdir()
+            lighthouses.append(LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000,
+                                                heartbeat_timeout_ms=1000))
+            procs[name] = [launch(out, g, 3, lighthouses[-1].address(), 1, 5, "--steps", "20", "--step-sleep", "0",
+                                  "--seed", "0", "--gate", str(out / "gate"), *coded, *(kill if g == 2 else []))
+                           for g in range(3)]
+        for name in dies:  # (every group set up before any trains: none misses the first sync)
+            wait_for(*[tmp_path / name / f"gate.{g}.0" for g in range(3)], procs=procs[name])
+            (tmp_path / name / "gate").touch()
+        for name, started in procs.items():
+            assert [wait(proc, tmp_path / name, 600) for proc in started] == [0, 0, -9]
+    finally:
+        for lighthouse in lighthouses:
+            lighthouse.shutdown()
+    runs = {name: [torch.load(tmp_path / name / f"{g}.pt") for g in range(2)] for name in dies}
+    for g in range(2):
+        assert runs["in"][g]["steps"][-1]["ft/uncommitted"] >= 1  # (the try group 2 died in)
+        for key, value in runs["before"][g]["params"].items():
+            assert torch.equal(runs["in"][g]["params"][key], value), (g, key)
+
+
 @pytest.mark.parametrize(("devices", "extra"), [(2, []), (1, ["--sync-fragments", "2", "--max-staleness", "1",
                                                                "--compression", "int8"])],
                          ids=["DiLoCo, 2 ranks a group", "streaming, staleness 1, int8"])

@@ -66,6 +66,17 @@ class BucketState:
             if name in state:
                 setattr(self, name, state[name])
 
+    def copy(self) -> BucketState:
+        """A copy whose fields hold the values they hold now (tensors cloned); other attributes (what a codec
+        derives from the bucket's layout, never changed in place) are shared."""
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        for name in (*self.shared, *self.per_rank):
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor):
+                setattr(copy, name, value.clone())
+        return copy
+
     def to(self, device: torch.device) -> None:
         for name in (*self.shared, *self.per_rank):
             value = getattr(self, name)
@@ -91,6 +102,9 @@ class Codec:
         self.options = self.check_options(options)
         self.states: dict[int | str, BucketState] = {}
         self.comm: Communicator | None = None
+        self._before: dict[int | str, BucketState | None] = {}
+        """The states of the buckets of a try that may be discarded, as they were before it (``on_cross_node_try``);
+        ``None`` for a bucket that had none."""
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -163,6 +177,29 @@ class Codec:
     def on_fold_residual(self, key: int | str, tensor: Tensor, rank: int, size: int) -> bool:
         self.fold_residual(key, tensor, rank, size)
         return True
+
+    # -------------------------------------------------------------- tries that may be discarded
+
+    @hookimpl
+    def on_cross_node_try(self, bucket: Bucket) -> None:
+        # A copy of the bucket's state (its residuals: as much memory again, until the try is settled): a sync
+        # redone after a failed try then codes its pseudo-gradients from the same residuals, not on top of what the
+        # failed try left of them.
+        key = state_key(bucket)
+        if key not in self._before:
+            state = self.states.get(key)
+            self._before[key] = None if state is None else state.copy()
+
+    @hookimpl
+    def on_cross_node_settled(self, applied: bool) -> None:
+        before, self._before = self._before, {}
+        if applied:
+            return
+        for key, state in before.items():
+            if state is None:
+                self.states.pop(key, None)
+            else:
+                self.states[key] = state
 
     # -------------------------------------------------------------- members that come and go
 

@@ -115,6 +115,9 @@ class ReplicaGroups:
         """The quorum asked for last: how long its lighthouse request may take (``quorum_timeout``, or longer)."""
         self.hook: HookRelay | None = None
         """The fit's plugin hooks (``on_member_state`` and the others of members that come and go)."""
+        self._settle: HookRelay | None = None
+        """The hooks of the codec this quorum's step or sync ran across groups (``on_cross_node_try``), to settle at
+        its commit; ``None`` where it ran none."""
         host = advertised_host(os.environ["MASTER_ADDR"])
         if sync_mode and options.background_heal:
             rate = options.heal_rate * 2**20 if options.heal_rate else None
@@ -360,7 +363,9 @@ class ReplicaGroups:
             return
         if self.manager.errored():
             return
+        self._settle = hook
         for tensor, bucket, offset in parts:
+            hook.on_cross_node_try(bucket=bucket)  # (the codec keeps its state: a try that fails is redone from it)
             hook.on_cross_node_reduce(tensor=tensor, group=self.pg, bucket=bucket, offset=offset).wait()
 
     def heals_in_quorum(self) -> bool:
@@ -386,6 +391,9 @@ class ReplicaGroups:
             self.manager.report_error(RuntimeError(
                 "a background-healed group's first quorum holds none of the live groups it healed from"))
         committed = self.manager.should_commit()
+        if self._settle is not None:
+            self._settle, settle = None, self._settle
+            settle.on_cross_node_settled(applied=committed)
         if committed:
             self.healed_from = None
         if committed and self._first_commit:
