@@ -97,13 +97,14 @@ def test_every_rank_gets_identical_bits(ranks, name):
 
 
 def discarded_try(rank, world, name, options, shapes, data):
-    """Step 0 applied; step 1 tried, discarded (``on_cross_node_settled(applied=False)``) and tried again, applied;
-    step 2. On a second codec the same steps without the discarded try. Both outputs, and both codecs' states."""
+    """Step 0 applied; steps 1 and 2 each tried, discarded (``on_cross_node_settled(applied=False)``) and tried
+    again, applied (the copies' memory taken again from try to try). On a second codec the same steps without the
+    discarded tries. Both outputs, and both codecs' states."""
     tried, plain = new_codec(name, options), new_codec(name, options)
     bucket = make_bucket(shapes)
     outs = {"tried": [], "plain": []}
     for step in range(data.shape[1]):
-        attempts = ([False, True] if step == 1 else [True])
+        attempts = [False, True] if step else [True]
         for applied in attempts:
             tensor = data[rank, step].clone() * (3.0 if not applied else 1.0)  # (the failed try's values differ)
             tried.on_cross_node_try(bucket=bucket)
@@ -131,6 +132,29 @@ def test_a_discarded_try_leaves_the_codec_as_before_it(ranks, name, options):
         assert tried.keys() == plain.keys()
         for key, value in plain.items():
             assert torch.equal(tried[key], value) if isinstance(value, torch.Tensor) else tried[key] == value, key
+
+
+def kept_memory(rank, world, name, options, shapes, data):
+    """Tries applied step after step: where each try's copy of the residuals lies (data pointers)."""
+    codec, bucket = new_codec(name, options), make_bucket(shapes)
+    where = []
+    for step in range(data.shape[1]):
+        codec.on_cross_node_try(bucket=bucket)
+        reduce(codec, data[rank, step].clone(), bucket)
+        codec.on_cross_node_settled(applied=True)
+        kept = codec._spare.get(0)  # (none after the first: the bucket had no state before it)
+        where.append(tuple(getattr(kept, f).data_ptr() for f in kept.per_rank
+                           if isinstance(getattr(kept, f), torch.Tensor)) if kept is not None else ())
+    return where
+
+
+@pytest.mark.parametrize("name", ["int8", "sparse"])
+def test_applied_tries_copy_the_residuals_into_the_same_memory_every_step(ranks, name):
+    """The copy a try keeps (fault tolerance, every step on the synchronous route) takes the last one's memory
+    again: no residual-sized tensor is allocated per step (glibc keeps freed CPU buffers: the resident set would
+    grow)."""
+    for where in ranks.run(kept_memory, name, {}, [(32, 40), (40,)], inputs(5, 32 * 40 + 40)):
+        assert where[1] and len(set(where[1:])) == 1, where
 
 
 def resize_bucket(rank, world, name, options, before, after, data):

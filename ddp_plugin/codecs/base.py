@@ -66,14 +66,25 @@ class BucketState:
             if name in state:
                 setattr(self, name, state[name])
 
-    def copy(self) -> BucketState:
-        """A copy whose fields hold the values they hold now (tensors cloned); other attributes (what a codec
-        derives from the bucket's layout, never changed in place) are shared."""
-        copy = object.__new__(type(self))
+    def copy(self, into: BucketState | None = None) -> BucketState:
+        """A copy whose fields hold the values they hold now, in memory of their own; other attributes (what a
+        codec derives from the bucket's layout, or a buffer a field views) are shared. Each tensor is written into
+        ``into``'s tensor of the same field where that has its shape, dtype and device and does not share this
+        state's memory, fields or others (an earlier copy's, taken again), else cloned."""
+        fields = (*self.shared, *self.per_rank)
+        old = {n: getattr(into, n, None) for n in fields} if type(into) is type(self) else {}
+        taken = {v.untyped_storage().data_ptr() for v in self.__dict__.values() if isinstance(v, torch.Tensor)}
+        copy = into if old else object.__new__(type(self))
+        copy.__dict__.clear()
         copy.__dict__.update(self.__dict__)
-        for name in (*self.shared, *self.per_rank):
-            value = getattr(self, name)
-            if isinstance(value, torch.Tensor):
+        for name in fields:
+            value, mine = getattr(self, name), old.get(name)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if (isinstance(mine, torch.Tensor) and mine.shape == value.shape and mine.dtype == value.dtype
+                    and mine.device == value.device and mine.untyped_storage().data_ptr() not in taken):
+                setattr(copy, name, mine.copy_(value))
+            else:
                 setattr(copy, name, value.clone())
         return copy
 
@@ -105,6 +116,9 @@ class Codec:
         self._before: dict[int | str, BucketState | None] = {}
         """The states of the buckets of a try that may be discarded, as they were before it (``on_cross_node_try``);
         ``None`` for a bucket that had none."""
+        self._spare: dict[int | str, BucketState] = {}
+        """Per bucket, a settled try's other state, whose memory the next try's copy takes (none allocated per
+        step)."""
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -182,24 +196,27 @@ class Codec:
 
     @hookimpl
     def on_cross_node_try(self, bucket: Bucket) -> None:
-        # A copy of the bucket's state (its residuals: as much memory again, until the try is settled): a sync
-        # redone after a failed try then codes its pseudo-gradients from the same residuals, not on top of what the
-        # failed try left of them.
+        # A copy of the bucket's state (its residuals: as much memory again, kept from try to try): a sync redone
+        # after a failed try then codes its pseudo-gradients from the same residuals, not on top of what the failed
+        # try left of them.
         key = state_key(bucket)
         if key not in self._before:
             state = self.states.get(key)
-            self._before[key] = None if state is None else state.copy()
+            self._before[key] = None if state is None else state.copy(into=self._spare.pop(key, None))
 
     @hookimpl
     def on_cross_node_settled(self, applied: bool) -> None:
         before, self._before = self._before, {}
-        if applied:
-            return
-        for key, state in before.items():
-            if state is None:
-                self.states.pop(key, None)
-            else:
-                self.states[key] = state
+        for key, kept in before.items():
+            if applied:
+                if kept is not None:
+                    self._spare[key] = kept
+                continue
+            discarded = self.states.pop(key, None)
+            if kept is not None:
+                self.states[key] = kept
+            if discarded is not None:
+                self._spare[key] = discarded
 
     # -------------------------------------------------------------- members that come and go
 
