@@ -796,12 +796,9 @@ def test_a_sync_a_group_dies_in_leaves_the_others_as_if_it_had_left_before_it(co
             out.mkdir()
             lighthouses.append(LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000,
                                                 heartbeat_timeout_ms=1000))
-            procs[name] = [launch(out, g, 3, lighthouses[-1].address(), 1, 5, "--steps", "20", "--step-sleep", "0",
-                                  "--seed", "0", "--gate", str(out / "gate"), *coded, *(kill if g == 2 else []))
-                           for g in range(3)]
-        for name in dies:  # (every group set up before any trains: none misses the first sync)
-            wait_for(*[tmp_path / name / f"gate.{g}.0" for g in range(3)], procs=procs[name])
-            (tmp_path / name / "gate").touch()
+            # (every group set up before any trains: none misses the first sync)
+            procs[name] = launch_gated(out, 3, lighthouses[-1].address(), 5, lambda g, kill=kill: (
+                "--steps", "20", "--step-sleep", "0", "--seed", "0", *coded, *(kill if g == 2 else [])))
         for name, started in procs.items():
             assert [wait(proc, tmp_path / name, 600) for proc in started] == [0, 0, -9]
     finally:
